@@ -1,0 +1,181 @@
+"""What every dflash command line shares: argument parsing into a config tree, logging, and the
+record of a run (resolved config, package versions, git revision) written beside its outputs.
+
+Each CLI's `main()` is three lines: `cfg = parse_args(...)`, `setup_logging()`, `run(cfg)`.
+User errors (`ConfigError`, `UserError`) end the process with one sentence and exit code 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+import tomli_w
+
+from dflash_common.config import ConfigError, iter_fields, load_config, to_dict
+from dflash_common.fsutil import atomic_write_text
+
+T = TypeVar("T")
+log = logging.getLogger("dflash")
+
+
+class UserError(RuntimeError):
+    """Something the user can fix (bad path, wrong store for this drafter): one sentence, no traceback."""
+
+
+def _fields_help(cls: type) -> str:
+    lines = ["config fields (override any with --section.field=value):"]
+    for key, tp, default, help in iter_fields(cls):
+        lines.append(f"  --{key}=<{tp}>  (default: {default!r})")
+        lines.extend("      " + line for line in textwrap.wrap(help, 90))
+    return "\n".join(lines)
+
+
+def parse_args(
+    cls: type[T],
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    shortcuts: dict[str, str] | None = None,
+    repeatable: Sequence[str] = (),
+) -> tuple[T, argparse.Namespace]:
+    """Parse `--config FILE`, shortcut flags and `--section.field=value` overrides into `cls`.
+
+    `shortcuts` maps a plain flag to the dotted field it sets (`{"out": "store.path"}` makes `--out X`
+    mean `--store.path=X`); names in `repeatable` may be given several times and set a list field.
+    Returns the config and the parsed namespace (for flags that are not config fields, e.g. --dry-run).
+    """
+    shortcuts = shortcuts or {}
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=_fields_help(cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file with the run's configuration")
+    for flag, key in shortcuts.items():
+        if flag in repeatable:
+            parser.add_argument(f"--{flag}", action="append", metavar="VALUE", help=f"sets {key} (repeatable)")
+        else:
+            parser.add_argument(f"--{flag}", metavar="VALUE", help=f"sets {key}")
+    return _parse(parser, cls, argv, shortcuts, repeatable)
+
+
+def _parse(parser, cls, argv, shortcuts, repeatable):
+    args, rest = parser.parse_known_args(argv)
+    overrides, i = [], 0
+    while i < len(rest):  # accept both `--a.b=v` and `--a.b v`
+        item = rest[i]
+        if item.startswith("--") and "=" not in item and "." in item and i + 1 < len(rest):
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        if not (item.startswith("--") and "=" in item):
+            parser.error(f"unrecognized argument '{item}'; config fields are set as --section.field=value")
+        overrides.append(item)
+        i += 1
+    for flag, key in shortcuts.items():
+        value = getattr(args, flag.replace("-", "_"))
+        if value is None:
+            continue
+        if flag in repeatable:
+            overrides.append(f"--{key}={json.dumps(list(value))}")
+        else:
+            overrides.append(f"--{key}={json.dumps(value) if not _is_toml_literal(value) else value}")
+    try:
+        cfg = load_config(cls, args.config, overrides)
+    except ConfigError as e:
+        exit_with_error(str(e))
+    return cfg, args
+
+
+def _is_toml_literal(value: str) -> bool:
+    import tomllib
+
+    try:
+        tomllib.loads(f"v = {value}")
+        return True
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def exit_with_error(message: str, code: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def user_errors_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator for CLI mains: ConfigError/UserError become one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, UserError) as e:
+            exit_with_error(str(e))
+
+    return wrapper
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s {prefix}%(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def package_versions() -> dict[str, str]:
+    names = ["dflash", "torch", "triton", "transformers", "zarr", "numcodecs", "torchdata", "safetensors"]
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_revision() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if rev.returncode != 0:
+        return None
+    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def run_record(cfg: Any) -> dict[str, Any]:
+    """What a run was: its resolved config, the package versions and the code revision."""
+    return {"config": to_dict(cfg), "versions": package_versions(), "git_revision": git_revision(),
+            "argv": sys.argv}
+
+
+def write_run_record(directory: str | Path, cfg: Any, name: str = "run") -> None:
+    """Write `<name>.toml` (the resolved config, loadable with --config) and `<name>.json` (versions)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = run_record(cfg)
+    atomic_write_text(directory / f"{name}.toml", tomli_w.dumps(record["config"]))
+    atomic_write_text(directory / f"{name}.json", json.dumps(record, indent=2, default=str))

@@ -1,0 +1,233 @@
+"""Typed, frozen configuration trees loaded from TOML with command-line overrides.
+
+Every stage (precompute, train, eval) has one tree of frozen dataclasses. Defaults live in the
+dataclass and nowhere else; a TOML file in `configs/` sets some of them; `--section.field=value` on
+the command line sets any of them last. Help text comes from each field's `help` metadata, so the CLI
+`--help`, the generated configuration reference (docs/config.md) and the code cannot drift apart.
+
+    @dataclass(frozen=True)
+    class OptimConfig:
+        lr: float = option(6e-4, "Peak learning rate of AdamW.")
+
+    cfg = load_config(TrainConfig, "configs/tiny.toml", ["--optim.lr=3e-4"])
+
+Errors a user can cause (unknown key, wrong type, value out of range) raise `ConfigError` with one
+sentence that names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value or key a user wrote is wrong; the message names it."""
+
+
+def option(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field with help text. Mutable defaults (lists) are copied per instance."""
+    metadata = {"help": help}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
+def section(cls: type, help: str) -> Any:
+    """A nested config section whose defaults are those of `cls`."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(get_args(tp)[0])}]"
+    if origin is dict:
+        return "table"
+    return "none" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and where lossless, convert) a TOML value against a field type."""
+    origin = get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        errors = []
+        for arm in get_args(tp):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError as e:
+                errors.append((arm, e))
+        real = [e for arm, e in errors if arm is not type(None)]
+        if len(real) == 1:  # Optional[X]: the error of X says more than "not a valid X | none"
+            raise real[0]
+        raise ConfigError(f"{key} = {value!r} is not a valid {_type_name(tp)}.")
+    if tp is type(None):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        raise ConfigError(f"{key} = {value!r} is not none.")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(f"{key} = {value!r} must be one of {', '.join(repr(a) for a in get_args(tp))}.")
+    if origin is list:
+        if isinstance(value, str):  # `--x=1,2,3` on the command line
+            value = [v for v in value.split(",") if v.strip()] if value.strip() else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} = {value!r} must be a list.")
+        (item_tp,) = get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r} must be a table.")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key} = {value!r} must be true or false.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} must be an integer.")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} = {value!r} must be an integer.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} = {value!r} must be a number.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key} = {value!r} must be a string.")
+    raise TypeError(f"config field {key} has a type the loader does not know: {tp!r}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build a config tree from nested dicts, refusing unknown keys and values of the wrong type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{prefix.rstrip('.')}] must be a table, not {data!r}.")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"section [{prefix.rstrip('.')}]" if prefix else "the top level"
+            raise ConfigError(
+                f"Unknown config key '{prefix}{key}' in {where}; known keys: {', '.join(sorted(names))}."
+            )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        tp, key = hints[f.name], prefix + f.name
+        if _is_section(tp):
+            kwargs[f.name] = from_dict(tp, data[f.name], key + ".")
+        else:
+            kwargs[f.name] = _coerce(data[f.name], tp, key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a __post_init__ check
+        raise ConfigError(str(e)) from e
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config tree as nested plain dicts (None values dropped, as TOML has no null)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = to_dict(value)
+        elif value is not None:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`--a.b=value` -> (["a", "b"], value); the value is read as TOML where it parses, else a string."""
+    if not text.startswith("--") or "=" not in text:
+        raise ConfigError(f"Override '{text}' must look like --section.field=value.")
+    key, raw = text[2:].split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def merge_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"Override '--{'.'.join(path)}' goes through '{part}', which is not a section.")
+    node[path[-1]] = value
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file {path} does not exist; pass an existing TOML file to --config.")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"Config file {path} is not valid TOML ({e}); fix the file.") from e
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> T:
+    """Defaults <- TOML file <- `--section.field=value` overrides, validated into a frozen tree."""
+    data = read_toml(path) if path is not None else {}
+    for text in overrides:
+        merge_override(data, *parse_override(text))
+    return from_dict(cls, data)
+
+
+def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:
+    """(dotted key, type name, default, help) for every leaf field, depth first."""
+    hints = _hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            yield from iter_fields(tp, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, _type_name(tp), getattr(defaults, f.name), f.metadata.get("help", "")
+
+
+def check(condition: bool, message: str) -> None:
+    """For __post_init__: raise ConfigError(message) unless condition holds."""
+    if not condition:
+        raise ConfigError(message)

@@ -1,0 +1,71 @@
+"""Filesystem helpers for the promise that nothing half-written is ever visible.
+
+Write aside under a hidden temporary name, fsync, then publish with one atomic rename; fsync the
+parent directory so the rename itself survives a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_sibling(path: str | Path) -> Path:
+    """A hidden name beside `path`, unique per process and call (readers skip names starting with '.')."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data` so a reader sees the old file or the new one, never a part."""
+    path = Path(path)
+    tmp = temp_sibling(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str, *, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(), durable=durable)
+
+
+def fsync_tree(root: str | Path) -> None:
+    """fsync every file and directory below `root` (before publishing it with a rename)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def publish_dir(tmp: str | Path, final: str | Path) -> bool:
+    """Atomically rename a finished directory into place; False if `final` already exists (someone
+    else published the same work first; `tmp` is removed)."""
+    tmp, final = Path(tmp), Path(final)
+    try:
+        os.rename(tmp, final)  # fails on a non-empty existing directory: the first writer wins
+    except OSError:
+        if final.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        raise
+    fsync_dir(final.parent)
+    return True

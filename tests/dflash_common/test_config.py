@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from dflash_common.config import ConfigError, check, iter_fields, load_config, option, section, to_dict
+
+
+@dataclass(frozen=True)
+class Inner:
+    lr: float = option(6e-4, "Peak learning rate.")
+    layer_ids: list[int] | None = option(None, "Target layer ids; none means the DFlash default.")
+    dtype: Literal["bf16", "fp8_e4m3"] = option("bf16", "Storage dtype.")
+
+    def __post_init__(self):
+        check(self.lr > 0, f"inner.lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class Outer:
+    name: str = option("run", "Run name.")
+    steps: int = option(10, "Steps.")
+    flag: bool = option(False, "A switch.")
+    inner: Inner = section(Inner, "Inner section.")
+
+
+def test_defaults_toml_and_overrides_layer_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('name = "x"\n[inner]\nlr = 1e-3\nlayer_ids = [1, 9]\n')
+    cfg = load_config(Outer, path, ["--inner.lr=3e-4", "--steps=7", "--flag=true", "--inner.dtype=fp8_e4m3"])
+    assert cfg == Outer(name="x", steps=7, flag=True, inner=Inner(lr=3e-4, layer_ids=[1, 9], dtype="fp8_e4m3"))
+    assert load_config(Outer, None, ["--inner.layer_ids=1,2,3"]).inner.layer_ids == [1, 2, 3]
+    assert load_config(Outer, None, ["--name=123"]).name == "123"
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("--inner.lrr=1", "inner.lrr"),
+        ("--nope=1", "'nope'"),
+        ("--steps=abc", "steps"),
+        ("--steps=1.5", "steps"),
+        ("--inner.dtype=fp16", "inner.dtype"),
+        ("--inner.lr=-1", "inner.lr must be > 0"),
+        ("--flag=maybe", "flag"),
+        ("--inner.layer_ids=1,x", "inner.layer_ids[1]"),
+        ("steps=3", "--section.field=value"),
+    ],
+)
+def test_bad_keys_and_values_are_one_sentence_naming_the_key(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(Outer, None, [override])
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Outer, tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(Outer, bad)
+
+
+def test_frozen_and_round_trip():
+    cfg = load_config(Outer, None, ["--inner.layer_ids=[1,2]"])
+    with pytest.raises(AttributeError):
+        cfg.steps = 3  # type: ignore[misc]
+    again = load_config(Outer, None, [f"--{k}={v!r}".replace("'", '"') for k, v in _flat(to_dict(cfg))])
+    assert again == cfg
+
+
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, prefix + k + ".")
+        else:
+            yield prefix + k, (str(v).lower() if isinstance(v, bool) else v)
+
+
+def test_every_field_has_help():
+    keys = {k: h for k, _, _, h in iter_fields(Outer)}
+    assert set(keys) == {"name", "steps", "flag", "inner.lr", "inner.layer_ids", "inner.dtype"}
+    assert all(keys.values())
