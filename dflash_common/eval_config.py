@@ -82,6 +82,13 @@ class CheckSection:
         True, "Also decode with the target alone: tokens/s without the drafter, speedup, lossless reference."
     )
 
+    def __post_init__(self):
+        check(
+            self.baseline or self.lossless == "off",
+            "check.lossless needs check.baseline = true (the target's own output is the reference); "
+            "set check.lossless = 'off' to skip both",
+        )
+
 
 @dataclass(frozen=True)
 class ReportSection:

@@ -27,7 +27,9 @@ from dflash_common.cli import write_run_record
 from dflash_common.eval_config import EvalConfig, GenerationSection
 from dflash_common.fsutil import atomic_write_text
 from dflash_common.layer_ids import check_layer_ids
-from train.spec_decode import Decoded, Drafter, Sampling, TargetRunner, speculative_generate, target_generate
+from train.spec_decode import (
+    Decoded, DFlashProposer, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
+)
 
 log = logging.getLogger("dflash")
 
@@ -336,14 +338,42 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_target(path: str, dtype: str, device: str, attn_implementation: str):
-    """The target causal LM (eval mode, on `device`) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The target causal LM, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
 
+    _check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
+    return model.to(resolve_device(device)).eval()
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    _check_model_dir(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _check_model_dir(path: str) -> None:
     if not path or not (Path(path) / "config.json").is_file():
         raise UserError(f"target.path {path!r} is not a model directory (no config.json); set --target.path=DIR.")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype], attn_implementation=attn_implementation)
-    model = model.to(resolve_device(device)).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+
+
+def load_proposer(path: str, model) -> DFlashProposer:
+    """The exported drafter at `path`, in the target's dtype and device, with the target's embedding
+    and lm_head attached (shared with the loaded target, not read again)."""
+    from dflash_common.export import load_drafter
+
+    if not path:
+        raise UserError("no drafter: pass --drafter DIR (an exported drafter, a step-N checkpoint or a run directory).")
+    weight = next(model.parameters())
+    drafter, dcfg = load_drafter(path, device=weight.device, dtype=weight.dtype)
+    tcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    wants = {"hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size, "num_target_layers": tcfg.num_hidden_layers}
+    bad = [f"{k} {getattr(dcfg, k)} vs the target's {v}" for k, v in wants.items() if getattr(dcfg, k) != v]
+    if bad:
+        raise UserError(f"drafter {path} was made for another target ({'; '.join(bad)}); evaluate it on its own target.")
+    drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return DFlashProposer(drafter.eval())
 
 
 def stop_token_ids(model, tokenizer) -> frozenset[int]:
@@ -379,3 +409,50 @@ def write_report(report: dict, path: str, cfg: EvalConfig) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps({**report, "run": run_record(cfg)}, indent=2, default=str))
     write_run_record(out.parent, cfg, name=f"{out.stem}.run")
+
+
+def run(cfg: EvalConfig) -> dict:
+    """Load the target and the drafter, decode every prompt, write and print the report; a failed
+    lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
+    tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
+    prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
+    model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device, cfg.target.attn_implementation)
+    proposer = load_proposer(cfg.drafter.path, model)
+    log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
+             cfg.generation.block_size or proposer.block_size)
+    report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
+    report["drafter"] = cfg.drafter.path
+    report["target"] = cfg.target.path
+    if cfg.report.path:
+        write_report(report, cfg.report.path, cfg)
+        log.info("report written to %s", cfg.report.path)
+    print(format_report(report))
+    message = lossless_message(report)
+    if message and cfg.check.lossless == "error":
+        raise LosslessError(message)
+    if message:
+        log.warning("%s", message)
+    return report
+
+
+DESCRIPTION = """Acceptance length (tau) of a DFlash drafter by real speculative decoding on its target, with
+the lossless check, tokens/s with and without the drafter and the speedup.
+  dflash-eval --config FILE --drafter DIR [--report FILE.json]"""
+
+
+@user_errors_exit
+def main(argv: Sequence[str] | None = None) -> None:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg, _ = parse_args(EvalConfig, argv, prog="dflash-eval", description=DESCRIPTION,
+                        shortcuts={"drafter": "drafter.path", "report": "report.path"})
+    setup_logging()
+    try:
+        run(cfg)
+    except LosslessError as e:
+        exit_with_error(str(e), code=1)
+
+
+if __name__ == "__main__":
+    main()

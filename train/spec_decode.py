@@ -269,3 +269,31 @@ def target_generate(
         new.append(choose(logits[-1], sampling, generator))
     t2 = target.clock()
     return Decoded(new, [], t1 - t0, t2 - t1)
+
+
+class DFlashProposer:
+    """The DFlash drafter behind the `Drafter` protocol: greedy drafts from its KV-cached draft forward.
+
+    The block is [anchor, MASK x n] at positions start..start+n; the output at block position k
+    predicts the token at start+k (same position, no shift), so position 0 is dropped. Drafts are
+    greedy even when the target samples (as DFlash serves them).
+    """
+
+    def __init__(self, drafter, block_size: int | None = None):
+        self.drafter = drafter  # a DFlashDrafter with the target's embedding and lm_head attached
+        self.block_size = block_size or drafter.cfg.block_size
+        self.layer_ids = list(drafter.cfg.target_layer_ids)
+        self.cache = None
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.cache = self.drafter.new_cache()
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, anchor: int, start: int, num_drafts: int) -> torch.Tensor:
+        if self.cache.length + context.shape[0] != start:
+            raise RuntimeError(f"drafter context ends at {self.cache.length + context.shape[0]}, block starts at {start}")
+        dtype = self.drafter.fc.weight.dtype
+        block = torch.full((num_drafts + 1,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
+        block[0] = anchor
+        hidden = self.drafter.draft(self.cache, context.to(dtype), block)  # [n+1, H]; cache: context only
+        return self.drafter.logits(hidden[1:]).argmax(-1)  # [n]

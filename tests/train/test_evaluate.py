@@ -356,3 +356,25 @@ def test_decode_prompts_warm_up_does_not_change_results(tiny, runner, prompts):
     warm = decode_prompts(runner, oracle, items, s, warmup=True)
     assert [r.spec.tokens for r in cold] == [r.spec.tokens for r in warm]
     assert all(r.first_mismatch is None for r in warm)
+
+
+@pytest.mark.parametrize("name", ["eval-tiny.toml", "eval-qwen3-8b.toml"])
+def test_shipped_eval_configs_load(name):
+    from pathlib import Path
+
+    cfg = load_config(EvalConfig, Path(__file__).resolve().parents[2] / "configs" / name)
+    assert cfg.target.path and cfg.prompts.files and cfg.report.path.endswith(".json")
+    if name == "eval-tiny.toml":
+        assert cfg.target.dtype == "float32" and cfg.check.lossless == "error"
+    else:
+        assert cfg.target.dtype == "bfloat16" and cfg.prompts.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_eval_config_refuses_a_lossless_check_without_its_reference():
+    from dflash_common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="check.lossless needs check.baseline"):
+        load_config(EvalConfig, None, ["--check.baseline=false"])
+    assert load_config(EvalConfig, None, ["--check.baseline=false", "--check.lossless=off"]).check.baseline is False
+    with pytest.raises(ConfigError, match="generation.block_size"):
+        load_config(EvalConfig, None, ["--generation.block_size=1"])
