@@ -13,6 +13,7 @@ over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -202,7 +203,7 @@ def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int]
 
 def _warm_up(target: TargetRunner, drafter: Drafter, ids: list[int], s: Settings) -> None:
     """One short decode of each kind, untimed: kernels and allocators are set up before the clock runs."""
-    short = Settings(**{**s.__dict__, "max_new_tokens": min(s.max_new_tokens, 2 * s.block_size)})
+    short = dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, 2 * s.block_size))
     decode_one(target, drafter, "warm-up", ids, short, index=0)
 
 

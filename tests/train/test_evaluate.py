@@ -31,6 +31,15 @@ LAYER_IDS = [1, 2, 3, 4, 5]  # the DFlash default for the 8-layer tiny target
 TEXTS = ["hello world, this is a test", "abc", "The quick brown fox", "0123456789", "spec decoding!"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices gain nothing from a second thread and lose much when the two cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_target):
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
