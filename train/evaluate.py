@@ -359,22 +359,32 @@ def _check_model_dir(path: str) -> None:
         raise UserError(f"target.path {path!r} is not a model directory (no config.json); set --target.path=DIR.")
 
 
-def load_proposer(path: str, model) -> DFlashProposer:
-    """The exported drafter at `path`, in the target's dtype and device, with the target's embedding
-    and lm_head attached (shared with the loaded target, not read again)."""
+def load_dflash(path: str, target_config, device: torch.device, dtype: torch.dtype):
+    """The exported drafter at `path`, refused in one sentence unless it was made for this target."""
     from dflash_common.export import load_drafter
 
     if not path:
         raise UserError("no drafter: pass --drafter DIR (an exported drafter, a step-N checkpoint or a run directory).")
-    weight = next(model.parameters())
-    drafter, dcfg = load_drafter(path, device=weight.device, dtype=weight.dtype)
-    tcfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    wants = {"hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size, "num_target_layers": tcfg.num_hidden_layers}
+    drafter, dcfg = load_drafter(path, device=device, dtype=dtype)
+    t = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    wants = {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size, "num_target_layers": t.num_hidden_layers}
     bad = [f"{k} {getattr(dcfg, k)} vs the target's {v}" for k, v in wants.items() if getattr(dcfg, k) != v]
     if bad:
         raise UserError(f"drafter {path} was made for another target ({'; '.join(bad)}); evaluate it on its own target.")
+    return drafter.eval()
+
+
+def attach_target(drafter, model) -> DFlashProposer:
+    """The drafter behind the engine's protocol, with the loaded target's embedding and lm_head
+    attached (shared, not read again)."""
     drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    return DFlashProposer(drafter.eval())
+    return DFlashProposer(drafter)
+
+
+def load_proposer(path: str, model) -> DFlashProposer:
+    """The exported drafter at `path` on the target's device and dtype, ready to propose."""
+    weight = next(model.parameters())
+    return attach_target(load_dflash(path, model.config, weight.device, weight.dtype), model)
 
 
 def stop_token_ids(model, tokenizer) -> frozenset[int]:
@@ -417,8 +427,13 @@ def run(cfg: EvalConfig) -> dict:
     lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
+    # the drafter first: one that does not fit is refused before a large target is loaded
+    from transformers import AutoConfig
+
+    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path),
+                          resolve_device(cfg.target.device), _DTYPES[cfg.target.dtype])
     model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device, cfg.target.attn_implementation)
-    proposer = load_proposer(cfg.drafter.path, model)
+    proposer = attach_target(drafter, model)
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
              cfg.generation.block_size or proposer.block_size)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
