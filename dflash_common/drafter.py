@@ -80,6 +80,8 @@ class DrafterConfig:
     eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
+        for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         check(self.num_hidden_layers >= 1, f"num_hidden_layers = {self.num_hidden_layers} must be >= 1.")
         check(self.block_size >= 2, f"block_size = {self.block_size} must be >= 2 (anchor + predictions).")
         check(
@@ -485,6 +487,8 @@ class DFlashDrafter(nn.Module):
         expected = self.cfg.num_context_layers * self.cfg.hidden_size
         if context.shape[-1] != expected:
             raise ValueError(f"context features have width {context.shape[-1]}, expected K*H = {expected}")
+        if not torch.is_autocast_enabled(context.device.type):
+            context = context.to(self.fc.weight.dtype)  # bf16 features into a float32 drafter
         return self.hidden_norm(self.fc(context))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -548,6 +552,15 @@ class DFlashDrafter(nn.Module):
             cache.values[i] = torch.cat([cache.values[i], v_new])
             x = layer(x, cache.keys[i], cache.values[i], rope_blk, attend, self.cfg.window(i))
         return self.norm(x)
+
+    @torch.no_grad()
+    def greedy_draft(self, cache: DraftCache, new_context: torch.Tensor, last_token: int,
+                     length: int | None = None) -> torch.Tensor:
+        """The drafted tokens [length - 1] after `last_token` (greedy, as served even when the target
+        samples); `length` defaults to the block size (shorter near a length limit)."""
+        ids = self._block_ids(torch.tensor([last_token], device=new_context.device), length or self.cfg.block_size)
+        hidden = self.draft(cache, new_context, ids[0])  # [b, H]
+        return self.logits(hidden[1:]).argmax(-1)  # position 0 is the given token, not a prediction
 
 
 # ----------------------------------------------------------------------------------------------
@@ -648,9 +661,7 @@ def _tile_tables(intervals, q_len: int, kv_len: int, tile: int) -> tuple[torch.T
         ctx_lo, ctx_hi, blk_lo, blk_hi = (x[r0:r0 + rows_per_chunk, None] for x in lo_hi)  # [r, 1]
         seen = _overlaps(ctx_lo, ctx_hi, col_lo, col_hi_clip) | _overlaps(blk_lo, blk_hi, col_lo, col_hi_clip)
         whole = ((ctx_lo <= col_lo) & (col_lo + tile <= ctx_hi)) | ((blk_lo <= col_lo) & (col_lo + tile <= blk_hi))
-        whole = whole & col_whole
-        if r0 + rows_per_chunk > q_len:  # padding rows make their tile partial at best
-            whole = whole & (torch.arange(r0, r0 + whole.shape[0], device=device) < q_len)[:, None]
+        whole = whole & col_whole  # padding rows have empty intervals: their tile is never full
         any_parts.append(seen.unflatten(0, (-1, tile)).any(1))
         full_parts.append(whole.unflatten(0, (-1, tile)).all(1))
     seen, full = torch.cat(any_parts), torch.cat(full_parts)  # [Qt, KVt]
@@ -677,7 +688,8 @@ def _flex_fn(device: torch.device) -> Callable:
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        # default dynamic=None: a second batch shape marks lengths dynamic instead of recompiling per shape
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 

@@ -235,3 +235,38 @@ def test_drafting_with_the_cache_equals_the_training_forward(tiny_target):
         torch.testing.assert_close(second, want[1], rtol=1e-4, atol=1e-4)
         logits = drafter.logits(second)
         assert logits.shape == (cfg.block_size, cfg.vocab_size)
+        cache.keys, cache.values = [k[:7] for k in cache.keys], [v[:7] for v in cache.values]
+        tokens = drafter.greedy_draft(cache, seq_ctx[7:12], int(seq_ids[12]))
+        assert torch.equal(tokens, logits[1:].argmax(-1)) and cache.length == 12
+
+
+def test_reads_a_released_z_lab_style_config():
+    released = {  # the layout of z-lab's released Qwen3 drafters (transformers 4.57 wrote it)
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False, "block_size": 16,
+        "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 9728,
+        "layer_types": ["full_attention"] * 3, "max_position_embeddings": 40960, "num_attention_heads": 16,
+        "num_hidden_layers": 3, "num_key_value_heads": 8, "num_target_layers": 36, "rms_norm_eps": 1e-6,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+        "use_sliding_window": False, "vocab_size": 151936,
+    }
+    cfg = DrafterConfig.from_config_json(released)
+    assert (cfg.block_size, cfg.mask_token_id, cfg.num_hidden_layers, cfg.rope_theta) == (16, 151669, 3, 1e6)
+    written = cfg.to_config_json()
+    assert all(written[k] == v for k, v in released.items()), "a field changed on the way through"
+    del released["num_target_layers"]
+    with pytest.raises(ConfigError, match="num_target_layers"):
+        DrafterConfig.from_config_json(released)
+
+
+@pytest.mark.gpu
+def test_compiled_flex_on_the_gpu_matches_the_dense_reference(tiny_target):
+    cfg = tiny_config(tiny_target)
+    drafter = tiny_drafter(cfg)
+    context, input_ids, cu = packed_batch(cfg)
+    with torch.no_grad():
+        want = _reference(drafter, context, input_ids, cu, ANCHORS)
+    drafter.cuda().attach_frozen(drafter.embed_weight.cuda(), drafter.lm_head_weight.cuda())
+    got = drafter(context.cuda(), input_ids.cuda(), cu.cuda(), torch.tensor(ANCHORS).cuda())
+    got.sum().backward()  # the compiled kernel's backward runs too
+    torch.testing.assert_close(got.detach().cpu(), want, rtol=2e-3, atol=2e-3)

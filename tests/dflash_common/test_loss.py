@@ -106,3 +106,19 @@ def test_chunk_rows_follow_the_budget():
     assert chunk_rows(16384, 4096, 151936, 2, 2) == 384
     assert chunk_rows(100, 64, 151936, 2, 2) == 128  # never below one tile by default
     assert chunk_rows(100, 64, 1000, 2, 2, chunk_bytes=10_000) == 5  # an explicit budget is obeyed
+
+
+@pytest.mark.gpu
+def test_triton_on_the_gpu_matches_the_torch_backend_in_bf16():
+    hidden, weight, labels, weights = _case(n=1000, h=256, v=5003, seed=4, dtype=torch.bfloat16)
+    hidden = hidden.detach().cuda().requires_grad_(True)
+    weight, labels, weights = weight.cuda(), labels.cuda(), weights.cuda()
+    grads, losses = [], []
+    for backend in BACKENDS:
+        out = fused_lm_head_loss(hidden, weight, labels, weights, backend=backend)
+        out.loss.backward()
+        grads.append(hidden.grad.float())
+        losses.append(out.loss)
+        hidden.grad = None
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
