@@ -596,13 +596,16 @@ class BlockLayout:
     def mask_mod(self, window: int | None):
         """flex_attention mask_mod: context of the same sequence strictly before the anchor, the
         own block bidirectionally; with a window, also q_pos - k_pos < window (both directions)."""
-        anchors, starts, t, b = self.anchors, self.starts, self.total, self.block_size
+        anchors, starts, b = self.anchors, self.starts, self.block_size
+        # first key column of each block's own keys, as a tensor: a compiled kernel then does not
+        # specialise on the batch's token count
+        block0 = self.total + torch.arange(anchors.shape[0], device=anchors.device) * b  # [A]
 
         def visible(batch, head, q, kv):
             j, k = q // b, q % b
             anchor = anchors[j]
             in_ctx = (kv >= starts[j]) & (kv < anchor)  # kv < anchor < T: a context column
-            rel = kv - t - j * b  # offset inside block j's keys
+            rel = kv - block0[j]  # offset inside block j's keys
             in_block = (rel >= 0) & (rel < b)
             if window is not None:
                 in_ctx = in_ctx & (anchor + k - kv < window)

@@ -71,6 +71,24 @@ def test_bad_drafter_options_name_the_field(tiny_target, change, message):
         tiny_config(tiny_target, **change)
 
 
+def test_rope_is_the_targets_own_including_scaling():
+    from transformers import Qwen3Config
+
+    from dflash_common.drafter import Rotary
+
+    target = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=320,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 123456.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 512})
+    cfg = DrafterConfig.from_target(target, mask_token_id=TINY_MASK_ID, depth=1)
+    positions = torch.tensor([0, 1, 7, 300, 2047])
+    cos, sin = Qwen3RotaryEmbedding(target)(torch.zeros(1, dtype=torch.float32), positions[None])
+    ours = Rotary(cfg)(positions)
+    torch.testing.assert_close(ours[0], cos[0])
+    torch.testing.assert_close(ours[1], sin[0])
+    assert Rotary(cfg).scaling != 1.0  # yarn's attention factor is applied, not dropped
+
+
 # -- parameters: released names, frozen parts outside ---------------------------------------------
 
 
@@ -270,3 +288,29 @@ def test_compiled_flex_on_the_gpu_matches_the_dense_reference(tiny_target):
     got = drafter(context.cuda(), input_ids.cuda(), cu.cuda(), torch.tensor(ANCHORS).cuda())
     got.sum().backward()  # the compiled kernel's backward runs too
     torch.testing.assert_close(got.detach().cpu(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_compiled_flex_matches_eager_and_stops_recompiling(tiny_target, monkeypatch):
+    """The GPU path (torch.compile(flex_attention) with our BlockMask), run by inductor on the CPU:
+    same output as eager, and new batch shapes stop causing compilations after the second one."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import dflash_common.drafter as drafter_module
+
+    cfg = tiny_config(tiny_target)
+    drafter = tiny_drafter(cfg)
+    torch._dynamo.reset()
+    compiled = torch.compile(drafter_module.flex_attention)
+    graphs = []
+    for lengths, anchors in (((11, 20), ANCHORS), ((13, 25, 9), [1, 4, 13, 20, 30, 38, 40]),
+                             ((17, 30), [2, 5, 9, 20, 33, 40])):
+        context, input_ids, cu = packed_batch(cfg, lengths)
+        with torch.no_grad():
+            monkeypatch.setattr(drafter_module, "_flex_fn", lambda device: compiled)
+            got = drafter(context, input_ids, cu, torch.tensor(anchors))
+            monkeypatch.setattr(drafter_module, "_flex_fn", lambda device: drafter_module.flex_attention)
+            want = drafter(context, input_ids, cu, torch.tensor(anchors))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[1]  # the third shape reused the dynamic graphs
