@@ -226,7 +226,8 @@ class DrafterConfig:
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
         """Read a released `config.json` (ours, or one following z-lab's layout)."""
         arch = data.get("architectures") or []
-        check(ARCHITECTURE in arch, f"config.json architectures = {arch} is not [{ARCHITECTURE!r}]; not a DFlash drafter.")
+        check(ARCHITECTURE in arch,
+              f"config.json architectures = {arch} is not [{ARCHITECTURE!r}]; not a DFlash drafter.")
         dflash = data.get("dflash_config") or {}
 
         def dflash_value(name: str):
@@ -237,6 +238,7 @@ class DrafterConfig:
                             ("num_target_layers", data.get("num_target_layers"))):
             check(value is not None, f"config.json has no {name}; add it (see the released checkpoint format).")
         depth = int(data["num_hidden_layers"])
+        sliding = "sliding_attention" in (data.get("layer_types") or [])
         theta, scaling = rope_from_config_dict(data)
         heads = int(data["num_attention_heads"])
         return cls(
@@ -252,7 +254,7 @@ class DrafterConfig:
             mask_token_id=int(dflash_value("mask_token_id")),
             layer_types=tuple(data.get("layer_types") or ["full_attention"] * depth),
             block_size=int(dflash_value("block_size") or 16),
-            sliding_window=data.get("sliding_window") if "sliding_attention" in (data.get("layer_types") or []) else None,
+            sliding_window=data.get("sliding_window") if sliding else None,
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(data.get("max_position_embeddings") or 40960),
@@ -354,8 +356,9 @@ class Rotary:
         self.scaling = float(hf.attention_scaling)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, D/2]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)  # once, not per call
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [n, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
         return emb.cos() * self.scaling, emb.sin() * self.scaling
 

@@ -53,6 +53,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
                  *, overwrite: bool = False) -> Path:
     """Write `config.json` + `model.safetensors` (weights cast to `dtype`, default: as they are)
     into a hidden sibling of `out_dir`, fsync, then rename into place."""
+    if not isinstance(drafter, DFlashDrafter):  # a DDP/compiled wrapper would prefix every name
+        raise TypeError(f"save_drafter needs the DFlashDrafter itself, not a {type(drafter).__name__} wrapping it")
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise UserError(f"{out_dir} already exists; choose a new directory or pass --overwrite.")
@@ -103,7 +105,9 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     if complete:
         return complete[-1] / DRAFTER_SUBDIR
     if steps:
-        raise UserError(f"run {path} has no complete checkpoint yet ({len(steps)} step dirs, none with {COMPLETE_MARKER}).")
+        raise UserError(
+            f"run {path} has no complete checkpoint yet ({len(steps)} step dirs, none with {COMPLETE_MARKER})."
+        )
     raise UserError(f"{path} holds no config.json, no {DRAFTER_SUBDIR}/ and no step-N/ checkpoints; "
                     f"pass a run directory, a step-N checkpoint or a drafter directory.")
 
@@ -136,7 +140,8 @@ def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: s
             + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
             + ". Nothing was loaded."
         )
-    bad = [f"{n} {tuple(t.shape)} (expected {expected[n]})" for n, t in tensors.items() if tuple(t.shape) != expected[n]]
+    bad = [f"{n} {tuple(t.shape)} (expected {expected[n]})"
+           for n, t in tensors.items() if tuple(t.shape) != expected[n]]
     if bad:
         raise UserError(f"{where}: weights with the wrong shape for its config.json: {', '.join(bad[:8])}.")
 

@@ -150,8 +150,8 @@ def test_cli_exports_and_refuses_an_existing_directory(drafter, tmp_path):
 
 
 def test_cli_user_error_is_one_line_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "dflash_common.export", str(tmp_path / "missing"), str(tmp_path / "o")],
-                          capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    command = [sys.executable, "-m", "dflash_common.export", str(tmp_path / "missing"), str(tmp_path / "o")]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
