@@ -184,7 +184,13 @@ class DrafterConfig:
         scaling = dict(self.rope_scaling) if self.rope_scaling else None
         rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         rope_parameters.pop("type", None)
-        return {
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        sliding = "sliding_attention" in self.layer_types
+        if sliding:
+            # sliding layers see their own block bidirectionally, as they train; vLLM
+            # (dflash_config.causal) and z-lab's loader (top-level is_causal) default them to causal
+            dflash["causal"] = False
+        config = {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
             "attention_bias": False,
@@ -192,7 +198,7 @@ class DrafterConfig:
             # top-level: z-lab's class fails without num_target_layers even when ids are given
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "dtype": dtype,
@@ -215,12 +221,13 @@ class DrafterConfig:
             "rope_parameters": rope_parameters,
             "sliding_window": self.sliding_window,
             # Qwen3Config drops sliding_window unless use_sliding_window is true
-            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "use_sliding_window": sliding,
             "tie_word_embeddings": self.tie_word_embeddings,
             "use_cache": True,
             "vocab_size": self.vocab_size,
             "transformers_version": transformers_version,
         }
+        return config | ({"is_causal": False} if sliding else {})
 
     @classmethod
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
@@ -237,6 +244,8 @@ class DrafterConfig:
                             ("mask_token_id", dflash_value("mask_token_id")),
                             ("num_target_layers", data.get("num_target_layers"))):
             check(value is not None, f"config.json has no {name}; add it (see the released checkpoint format).")
+        check(not dflash.get("causal") and not data.get("is_causal"),
+              "config.json asks for causal attention inside the block; DFlash blocks here are bidirectional.")
         depth = int(data["num_hidden_layers"])
         sliding = "sliding_attention" in (data.get("layer_types") or [])
         theta, scaling = rope_from_config_dict(data)

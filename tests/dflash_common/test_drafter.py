@@ -55,9 +55,14 @@ def test_config_json_round_trip_and_pitfall_fields(tiny_target):
     assert DrafterConfig.from_config_json(json.loads(json.dumps(data))) == cfg
     assert data["architectures"] == ["DFlashDraftModel"] and data["model_type"] == "qwen3"
     assert data["block_size"] == 4 and data["num_target_layers"] == 8 and data["num_hidden_layers"] == 2
-    assert data["dflash_config"] == {"mask_token_id": TINY_MASK_ID, "target_layer_ids": [1, 2, 3, 4, 5]}
+    assert data["dflash_config"]["mask_token_id"] == TINY_MASK_ID
+    assert data["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
     assert data["rope_theta"] == 10000.0 and data["rope_parameters"]["rope_theta"] == 10000.0
     assert data["use_sliding_window"] is True and data["sliding_window"] == 5
+    # sliding layers train with a bidirectional block: say so where vLLM and z-lab's loader look
+    assert data["dflash_config"]["causal"] is False and data["is_causal"] is False
+    with pytest.raises(ConfigError, match="causal"):
+        DrafterConfig.from_config_json({**data, "is_causal": True})
 
 
 @pytest.mark.parametrize("change, message", [
@@ -314,3 +319,28 @@ def test_compiled_flex_matches_eager_and_stops_recompiling(tiny_target, monkeypa
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[2] == graphs[1]  # the third shape reused the dynamic graphs
+
+
+def test_a_few_steps_on_one_batch_fit_it(tiny_target):
+    """Drafter, objective and fused loss together: the training signal reaches every part."""
+    from dflash_common.loss import fused_lm_head_loss
+    from dflash_common.objective import AcceptanceCounts, block_labels, sample_anchors
+
+    cfg = tiny_config(tiny_target)
+    drafter = tiny_drafter(cfg)
+    context, input_ids, cu = packed_batch(cfg)
+    loss_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    anchors = sample_anchors(loss_mask, cu, cfg.block_size, 6, torch.Generator().manual_seed(0))
+    labels, weights = block_labels(input_ids, loss_mask, cu, anchors, cfg.block_size)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(25):
+        hidden = drafter(context, input_ids, cu, anchors)
+        out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten())
+        (out.loss / weights.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item() / weights.sum().item())
+    counts = AcceptanceCounts.from_blocks(out.correct.view_as(labels), weights > 0)
+    assert losses[-1] < 0.3 * losses[0]
+    assert counts.tau > 2.0
