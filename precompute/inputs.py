@@ -66,7 +66,13 @@ class RawRecord:
 
     index: int
     source_id: str
-    payload: Any  # bytes (a JSONL line) or a _DatasetRow
+    payload: Any  # bytes (a JSONL line), a _DatasetRow, or an already loaded row (dict)
+
+    def portable(self) -> "RawRecord":
+        """The same record with a dataset row loaded, so it can be sent to another process."""
+        if isinstance(self.payload, _DatasetRow):
+            return RawRecord(self.index, self.source_id, self.payload.load())
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +220,9 @@ def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
 
 def parse_record(raw: RawRecord, fmt: str = "auto") -> Conversation | PreTokenized:
     """One raw record -> a conversation or a pre-tokenized sequence; BadRecord if it is unusable."""
-    obj = _load_json_line(raw.payload) if isinstance(raw.payload, bytes) else raw.payload.load()
+    payload = raw.payload
+    obj = _load_json_line(payload) if isinstance(payload, bytes) else (
+        payload.load() if isinstance(payload, _DatasetRow) else payload)
     if not isinstance(obj, dict):
         raise BadRecord("not_an_object", f"a record must be a JSON object, got {type(obj).__name__}")
     fmt = _detect_format(obj) if fmt == "auto" else fmt
