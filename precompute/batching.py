@@ -7,10 +7,12 @@ Why right padding (and no attention mask) rather than packed variable-length seq
   targets such as Qwen3.5 scan left to right as well). Measured on the CPU with the tiny target: a
   sequence's states alone and right-padded in a batch agree to float32 rounding
   (tests/precompute/test_batching.py).
-- Packing needs backend support to stay correct: with sdpa, transformers 5 does not isolate packed
-  sequences given only per-sequence position ids (states of the second sequence of a pack differed by
-  ~4 on the tiny target), only flash-attention varlen does, and linear-attention layers need cu_seqlens
-  of their own. Right padding needs none of that.
+- Packing is correct only on some backends and architectures. transformers 5 isolates packed
+  sequences (given per-sequence position ids) with sdpa only when no KV cache is in use, and then by
+  building a dense [T, T] block mask over the batch's T tokens (4 GiB of mask at 64K tokens, and sdpa
+  leaves its flash kernel); flash-attention varlen handles it well, but linear-attention layers of
+  hybrid targets ignore the boundaries (a leak of 0.27 on the tiny Qwen3.5-style target, measured by
+  benchmarks/precompute_batching.py and a check done while choosing). Right padding needs none of it.
 - Passing no attention mask keeps sdpa/flash on their causal fast paths (a mask forces the slower
   masked kernels).
 The price is the padding itself; sorting by length within a window of work units before cutting the

@@ -7,7 +7,7 @@ position and a stable source id (`path:line`, 1-based, or `path:index`); `parse_
 a `Conversation` or a `PreTokenized` sequence or raises `BadRecord(reason, detail)`.
 
 Bad input never stops the run and is never silent: every skipped record is counted by reason in a
-`SkipLog`, and the first few are logged with their file and line. Reasons of this module:
+`SkipLog`, and the first few are reported with their file and line (in the plan). Reasons of this module:
 
     blank_line, invalid_utf8, malformed_json, not_an_object, missing_field, wrong_field_type,
     unknown_role, empty_conversation, no_assistant_turn, unreadable_file
@@ -21,7 +21,6 @@ import dataclasses
 import glob
 import gzip
 import json
-import logging
 import os
 from collections import Counter
 from pathlib import Path
@@ -29,7 +28,6 @@ from typing import Any, Iterator
 
 from dflash_common.cli import UserError
 
-log = logging.getLogger("dflash")
 
 # Markers of a directory written by `datasets` save_to_disk (a Dataset, or a DatasetDict of splits).
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -98,19 +96,20 @@ class PreTokenized:
 
 
 class SkipLog:
-    """Counts skipped records by reason and keeps the first `report_first` with their source id."""
+    """Counts skipped records by reason and keeps the first `report_first` with their source id.
+
+    Units are tokenized apart (and in parallel), so a SkipLog logs nothing itself: the plan merges
+    the units' logs in input order and reports the first few of the whole input (`Plan.format`)."""
 
     def __init__(self, report_first: int = 5):
         self.report_first = report_first
         self.counts: Counter[str] = Counter()
         self.examples: list[tuple[str, str, str]] = []  # (source_id, reason, detail)
 
-    def add(self, source_id: str, reason: str, detail: str, *, quiet: bool = False) -> None:
+    def add(self, source_id: str, reason: str, detail: str) -> None:
         self.counts[reason] += 1
         if len(self.examples) < self.report_first:
             self.examples.append((source_id, reason, detail))
-            if not quiet:
-                log.warning("skipped %s (%s: %s)", source_id, reason, detail)
 
     def merge(self, other: "SkipLog") -> None:
         self.counts.update(other.counts)

@@ -173,11 +173,16 @@ class UnitTokenizer:
     def from_target(cls, target_path: str, data: DataConfig) -> "UnitTokenizer":
         from transformers import AutoTokenizer
 
+        from precompute.target import read_text_config
+
         try:
             tokenizer = AutoTokenizer.from_pretrained(target_path)
         except (OSError, ValueError) as e:
             raise UserError(f"target.path {target_path} has no usable tokenizer ({e}).") from e
-        return cls(ChatTemplate(tokenizer, data.chat_template_kwargs), data, len(tokenizer))
+        # Pre-tokenized ids must index the embedding, which may have more rows than the tokenizer
+        # has tokens (padded vocabularies; targets that emit ids the tokenizer cannot spell).
+        vocab = max(len(tokenizer), read_text_config(target_path).vocab_size)
+        return cls(ChatTemplate(tokenizer, data.chat_template_kwargs), data, vocab)
 
     def __call__(self, index: int, records: list[RawRecord]) -> TokenizedUnit:
         skips, truncated = SkipLog(self.data.report_first), 0
@@ -224,7 +229,7 @@ class UnitTokenizer:
         ids = np.asarray(parsed.input_ids, np.int64)
         if ids.max() >= self.vocab_size:
             raise ChatMaskError("token_id_out_of_range",
-                                f"token id {int(ids.max())} >= the tokenizer's {self.vocab_size} ids")
+                                f"token id {int(ids.max())} >= the target's {self.vocab_size} embeddings")
         return ids.astype(np.int32), np.asarray(parsed.loss_mask, np.uint8)
 
 

@@ -44,6 +44,9 @@ def test_length_rules_and_skip_reasons(tiny_target_2layer, mixed_inputs, tmp_pat
     assert dict(plan.skips.counts) == {"malformed_json": 1, "too_few_response_tokens": 1,
                                        "empty_conversation": 1, "blank_line": 1}
     assert plan.samples == 20 and plan.truncated == 1  # the 300-character answer is cut to 256 tokens
+    text = plan.format()  # the first few skips of the whole input, in input order, with file and line
+    assert f"e.g. skipped {mixed_inputs[0]}:11: malformed_json" in text
+    assert text.index(f"{mixed_inputs[0]}:12") < text.index(f"{mixed_inputs[1]}:10")
     unit = cache.load(5)
     assert unit.sample_ids == [f"{mixed_inputs[1]}:9", f"{mixed_inputs[1]}:11"]
     assert unit.lengths()[1] == 256
