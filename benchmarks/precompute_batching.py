@@ -4,8 +4,9 @@ correctness and speed of right padding (with / without an attention mask) agains
     python benchmarks/precompute_batching.py --quick        # tiny target, CPU, seconds
     python benchmarks/precompute_batching.py --device cuda  # same table on a GPU
 
-Prints two tables: padding fraction by sort window, and per-layout forward time plus the largest
-difference of a sequence's states from its states computed alone (0 = no leak).
+Prints three tables: padding fraction by sort window; per-layout forward time plus the largest
+difference of a sequence's states from its states computed alone (0 = no leak); and the same leak
+check on a hybrid linear-attention target.
 """
 
 from __future__ import annotations
@@ -74,6 +75,40 @@ def forward_table(path: Path, device: str, n: int, max_length: int, repeats: int
             print(f"{name:>26} | {ms:>8.1f} | {_leak(name, out, alone, lengths):>20.2e}")
 
 
+def build_tiny_hybrid(path: Path) -> Path:
+    """A tiny Qwen3.5-architecture checkpoint: 3 linear-attention layers per full-attention layer."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(path)
+    return path
+
+
+def hybrid_table(path: Path) -> None:
+    """Leak of right padding vs packing on a hybrid (linear + full attention) target."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    model = AutoModel.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 256, (m,), generator=gen).numpy() for m in (60, 37)]
+    lengths = [len(s) for s in seqs]
+    run = lambda **kw: model(**kw, use_cache=False).last_hidden_state
+    with torch.inference_mode():
+        alone = [run(input_ids=torch.from_numpy(s).long()[None])[0] for s in seqs]
+        padded = run(input_ids=pad_right(seqs, 0))
+        packed = run(input_ids=torch.from_numpy(np.concatenate(seqs)).long()[None],
+                     position_ids=torch.cat([torch.arange(m) for m in lengths])[None])
+    print("\nhybrid linear-attention target (tiny Qwen3.5 shape), float32")
+    print(f"{'layout':>26} | {'max |diff| vs alone':>20}")
+    print(f"{'right padding, no mask':>26} | {_leak('right', padded, alone, lengths):>20.2e}")
+    print(f"{'packed + position ids':>26} | {_leak('packed', packed, alone, lengths):>20.2e}")
+
+
 def _leak(name, out, alone, lengths) -> float:
     if name.startswith("one"):
         return 0.0
@@ -105,6 +140,7 @@ def main() -> None:
     padding_table(2048 if args.quick else 65536, budget=32768, max_length=3072)
     with tempfile.TemporaryDirectory() as tmp:
         forward_table(build_tiny_target(Path(tmp) / "tiny", TinySpec()), args.device, n, max_length, repeats)
+        hybrid_table(build_tiny_hybrid(Path(tmp) / "hybrid"))
 
 
 if __name__ == "__main__":
