@@ -43,7 +43,7 @@ import multiprocessing
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import numpy as np
 
@@ -423,7 +423,7 @@ class Plan:
 
 
 def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: int, hidden_size: int,
-              layer_ids: list[int], store_dtype: str, store_path: str, committed: set[int] = frozenset(),
+              layer_ids: list[int], store_dtype: str, store_path: str, committed: Collection[int] = (),
               report_first: int = 5) -> Plan:
     """The plan from the unit summaries of all ranks; `committed` holds units the store already has."""
     skips, per = SkipLog(report_first), bytes_per_token(hidden_size, len(layer_ids), store_dtype)
