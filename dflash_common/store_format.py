@@ -23,7 +23,7 @@ FORMAT_VERSION = 1  # bump on any change a version-1 reader would misread; reade
 SHARDS_DIR = "shards"
 STAGING_DIR = ".staging"
 STALE_STAGING_S = 24 * 3600  # a shard write takes minutes; a day-old staging dir is a dead writer's
-BUFFER_ALIGN = 4096  # carved buffers start on page boundaries (DMA- and O_DIRECT-friendly)
+BUFFER_ALIGN = 4096  # carved arrays start at page offsets of their buffer (DMA- and O_DIRECT-friendly)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
