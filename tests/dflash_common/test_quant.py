@@ -83,6 +83,19 @@ def test_nonfinite_rows_are_found_in_the_stored_bits():
     assert len(nonfinite_rows(clean.data.numpy(), None, "bf16")) == 0
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
+def test_nonfinite_scan_matches_torch_on_random_bit_patterns(dtype):
+    """Every bit pattern, many blocks: the blocked scan agrees with torch's own isfinite."""
+    g = np.random.default_rng(0)
+    bits = np.dtype(np.uint16 if dtype == "bf16" else np.uint8)
+    data = g.integers(0, 2**(8 * bits.itemsize) - 1, (20000, 64), endpoint=True).astype(bits)
+    data[g.random(data.shape) < 0.995] &= 0x3F  # mostly finite: only some rows carry NaN/Inf
+    logical = torch.bfloat16 if dtype == "bf16" else torch.float8_e4m3fn
+    want = np.flatnonzero((~torch.from_numpy(data).view(logical).float().isfinite()).any(dim=1).numpy())
+    assert 0 < len(want) < len(data) / 10
+    assert nonfinite_rows(data, None, dtype).tolist() == want.tolist()
+
+
 def test_decode_refuses_wrong_storage_dtype_and_missing_scale():
     enc = encode_states(torch.randn(4, 8), "fp8_e4m3")
     with pytest.raises(ValueError, match="scale"):
