@@ -205,8 +205,8 @@ class Store:
                     raise ChunkError(f"array {array_name} is {layout.dtype} {layout.shape}, expected "
                                      f"{spec.dtype} {spec.shape}")
                 opened.append((array_name, ArrayFile.open(shard_dir / array_name, layout)))
-            tasks = [(f, i, bufs[a]) for a, f in opened for i in range(f.layout.n_chunks)]
-            for _ in self._executor().map(lambda task: task[0].read_chunk(task[1], task[2]), tasks):
+            tasks = [(f, run, bufs[a]) for a, f in opened for run in f.runs()]
+            for _ in self._executor().map(lambda task: task[0].read_chunks(task[1], task[2]), tasks):
                 pass  # map re-raises the first chunk error here
         finally:
             for _, f in opened:
