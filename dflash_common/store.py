@@ -23,7 +23,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from dflash_common.quant import decode_states, encode_states, storage_numpy_dtype  # noqa: F401  (re-export)
-from dflash_common.store_chunks import ArrayFile, ChunkError, parse_layout
+from dflash_common.store_chunks import ArrayFile, ChunkError
 from dflash_common.store_format import (  # noqa: F401  (re-exported: the store's public API)
     BUFFER_ALIGN, FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, BufferSpec, NonFiniteStatesError, ShardInfo,
     ShardPayload, StoreCorruptError, StoreError, StoreManifest, StoreMismatchError, check_compatible,
+    check_offsets,
     layer_array, read_json, scale_array, shard_name, short_json,
 )
 from dflash_common.store_writer import StoreWriter  # noqa: F401  (re-export)
@@ -183,10 +184,13 @@ class Store:
         Each chunk lands in its buffer directly; a checksum mismatch raises StoreCorruptError."""
         attrs = self._shard_attrs(name)
         specs = self.buffer_specs(self._info(name, attrs), layer_ids)
-        bufs = _check_out(specs, out) if out is not None else {k: np.empty(s.shape, s.dtype) for k, s in specs.items()}
+        if out is None:
+            bufs = {k: np.empty(s.shape, s.dtype) for k, s in specs.items()}
+        else:
+            bufs = _check_out(specs, out)
         try:
             self._read_arrays(self.path / SHARDS_DIR / name, specs, bufs)
-            _check_offsets(bufs["offsets"], specs["input_ids"].shape[0])
+            check_offsets(bufs["offsets"], specs["input_ids"].shape[0])
         except (ChunkError, OSError, ValueError, KeyError) as e:
             raise self._corrupt(name, str(e)) from e
         ids = self._layer_ids(layer_ids)
@@ -196,18 +200,23 @@ class Store:
             layers={i: bufs[layer_array(i)] for i in ids},
             scales={i: bufs[scale_array(i)] for i in ids if scale_array(i) in bufs})
 
-    def _read_arrays(self, shard_dir: Path, specs: Mapping[str, BufferSpec], bufs: Mapping[str, np.ndarray]):
+    def _read_arrays(self, shard_dir: Path, specs: Mapping[str, BufferSpec],
+                     bufs: Mapping[str, np.ndarray]) -> None:
         opened: list[tuple[str, ArrayFile]] = []
         try:
             for array_name, spec in specs.items():
-                layout = parse_layout(read_json(shard_dir / array_name / "zarr.json"))
-                if layout.shape != spec.shape or layout.dtype != spec.dtype:
-                    raise ChunkError(f"array {array_name} is {layout.dtype} {layout.shape}, expected "
-                                     f"{spec.dtype} {spec.shape}")
-                opened.append((array_name, ArrayFile.open(shard_dir / array_name, layout)))
-            tasks = [(f, run, bufs[a]) for a, f in opened for run in f.runs()]
-            for _ in self._executor().map(lambda task: task[0].read_chunks(task[1], task[2]), tasks):
-                pass  # map re-raises the first chunk error here
+                opened.append((array_name, ArrayFile.open_expecting(shard_dir / array_name, spec.shape, spec.dtype)))
+            pool = self._executor()
+            futures = [pool.submit(f.read_chunks, run, bufs[a])
+                       for a, f in opened if len(f.layout.shape) == 2 for run in f.runs()]
+            try:  # the small 1-D arrays are read here, while the pool reads the states
+                for a, f in opened:
+                    if len(f.layout.shape) == 1:
+                        f.read_chunks(range(f.layout.n_chunks), bufs[a])
+            finally:
+                wait(futures)  # never return (or raise) while a thread still writes into `bufs`
+            for future in futures:
+                future.result()  # re-raises a chunk error
         finally:
             for _, f in opened:
                 f.close()
@@ -238,12 +247,17 @@ class Store:
         return store_info(self)
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
+
+
 def buffers_nbytes(specs: Mapping[str, BufferSpec]) -> int:
     """Size of one flat buffer holding all `specs` arrays, each starting BUFFER_ALIGN-aligned."""
-    return sum(-(-s.nbytes // BUFFER_ALIGN) * BUFFER_ALIGN for s in specs.values())
+    return sum(_aligned(s.nbytes) for s in specs.values())
 
 
-def carve_buffers(specs: Mapping[str, BufferSpec], buffer: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
+def carve_buffers(specs: Mapping[str, BufferSpec],
+                  buffer: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
     """Split a flat uint8 buffer (e.g. a slot of a pinned torch tensor) into views for `read_shard`'s
     `out`; no copy, so the read lands in the caller's memory."""
     flat = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
@@ -253,7 +267,7 @@ def carve_buffers(specs: Mapping[str, BufferSpec], buffer: np.ndarray | torch.Te
     views, offset = {}, 0
     for name, s in specs.items():
         views[name] = flat[offset: offset + s.nbytes].view(s.dtype).reshape(s.shape)
-        offset += -(-s.nbytes // BUFFER_ALIGN) * BUFFER_ALIGN
+        offset += _aligned(s.nbytes)
     return views
 
 
@@ -273,11 +287,6 @@ def _check_out(specs: Mapping[str, BufferSpec], out: Mapping[str, np.ndarray]) -
     return bufs
 
 
-def _check_offsets(offsets: np.ndarray, num_tokens: int) -> None:
-    if offsets[0] != 0 or offsets[-1] != num_tokens or (np.diff(offsets) <= 0).any():
-        raise ValueError(f"its offsets do not rise strictly from 0 to {num_tokens}")
-
-
 _SAME_ACROSS_STORES = ("hidden_size", "tokenizer.sha256", "chat_template_sha256", "target.config_sha256",
                        "target.weights_sha256")
 
@@ -295,8 +304,8 @@ def open_stores(paths: Sequence[str | Path], *, read_threads: int = 4) -> list[S
             a, b = _dig(first, key), _dig(theirs, key)
             if a != b:
                 raise StoreMismatchError(f"stores {stores[0].path} and {other.path} differ in {key} "
-                                         f"({short_json(a)} vs {short_json(b)}); train from stores of one target "
-                                         f"and tokenizer.")
+                                         f"({short_json(a)} vs {short_json(b)}); train from stores of one "
+                                         f"target and tokenizer.")
     return stores
 
 

@@ -16,6 +16,7 @@ into it from a small per-thread scratch buffer, and checked against its crc32c e
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import struct
@@ -185,7 +186,7 @@ def write_data(array_dir: Path, layout: ArrayLayout, data: np.ndarray) -> int:
         offset = 0
         for i in range(layout.n_chunks):
             chunk = _padded_chunk(data, layout, i)  # [chunk_rows, ...]
-            encoded = memoryview(chunk).cast("B") if compressor is None else memoryview(compressor.encode(chunk))
+            encoded = memoryview(chunk if compressor is None else compressor.encode(chunk)).cast("B")
             crc = struct.pack("<I", _crc(encoded))
             _write_all(fd, encoded)
             _write_all(fd, memoryview(crc))
@@ -255,6 +256,19 @@ class ArrayFile:
         self.layout = layout
         self.fd = fd
         self.index = index  # [n_chunks, 2] (offset, nbytes)
+
+    @classmethod
+    def open_expecting(cls, array_dir: Path, shape: tuple[int, ...], dtype: np.dtype) -> ArrayFile:
+        """Open an array after checking its zarr.json describes `shape` and `dtype`."""
+        try:
+            meta = json.loads((array_dir / "zarr.json").read_bytes())
+        except FileNotFoundError:
+            raise ChunkError(f"array {array_dir.name} is missing (no {array_dir / 'zarr.json'})") from None
+        layout = parse_layout(meta)
+        if layout.shape != tuple(shape) or layout.dtype != dtype:
+            raise ChunkError(f"array {array_dir.name} is {layout.dtype} {layout.shape}, expected {dtype} "
+                             f"{tuple(shape)}")
+        return cls.open(array_dir, layout)
 
     @classmethod
     def open(cls, array_dir: Path, layout: ArrayLayout) -> ArrayFile:

@@ -174,6 +174,12 @@ def read_json(path: Path) -> dict[str, Any]:
         return json.loads(f.read())
 
 
+def check_offsets(offsets: np.ndarray, num_tokens: int) -> None:
+    """Sequence boundaries must rise strictly from 0 to T (no empty sequence)."""
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != num_tokens or (np.diff(offsets) <= 0).any():
+        raise ValueError(f"its offsets do not rise strictly from 0 to {num_tokens}")
+
+
 def check_compatible(manifest: StoreManifest, *, layer_ids: Sequence[int], hidden_size: int,
                      tokenizer_sha256: str | None = None, where: str = "the store") -> None:
     """Raise StoreMismatchError (one sentence: what differs, what to do) unless a drafter reading

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from dflash_common.store_chunks import ArrayFile, ChunkError, parse_layout
+from dflash_common.store_chunks import ArrayFile, ChunkError
 from dflash_common.store_format import (
-    FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, layer_array, read_json, scale_array,
+    FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, check_offsets, layer_array, scale_array,
 )
 
 if TYPE_CHECKING:
@@ -61,29 +61,24 @@ def _verify_shard(store: Store, name: str) -> None:
         raise ValueError(f"it holds layers {attrs.get('layer_ids')} as {attrs.get('dtype')}, the manifest "
                          f"says {list(m.layer_ids)} as {m.dtype}")
     if len(attrs["sample_ids"]) != attrs["num_sequences"]:
-        raise ValueError(f"it lists {len(attrs['sample_ids'])} sample ids for {attrs['num_sequences']} sequences")
+        raise ValueError(f"it lists {len(attrs['sample_ids'])} sample ids for {attrs['num_sequences']} "
+                         f"sequences")
     specs = store.buffer_specs(name)
     shard_dir = store.path / SHARDS_DIR / name
     small = {}
     for array_name, spec in specs.items():
-        layout = parse_layout(read_json(shard_dir / array_name / "zarr.json"))
-        if layout.shape != spec.shape or layout.dtype != spec.dtype:
-            raise ValueError(f"array {array_name} is {layout.dtype} {layout.shape}, expected {spec.dtype} {spec.shape}")
-        with ArrayFile.open(shard_dir / array_name, layout) as f:
+        with ArrayFile.open_expecting(shard_dir / array_name, spec.shape, spec.dtype) as f:
             if len(spec.shape) == 2:  # states: checksums only
-                for i in range(layout.n_chunks):
+                for i in range(f.layout.n_chunks):
                     f.check_chunk(i)
             else:
                 small[array_name] = np.empty(spec.shape, spec.dtype)
-                for i in range(layout.n_chunks):
-                    f.read_chunk(i, small[array_name])
+                f.read_chunks(range(f.layout.n_chunks), small[array_name])
     _check_small_arrays(small, attrs["num_tokens"], m.layer_ids)
 
 
 def _check_small_arrays(small: dict[str, np.ndarray], num_tokens: int, layer_ids) -> None:
-    offsets = small["offsets"]
-    if offsets[0] != 0 or offsets[-1] != num_tokens or (np.diff(offsets) <= 0).any():
-        raise ValueError(f"its offsets do not rise strictly from 0 to {num_tokens}")
+    check_offsets(small["offsets"], num_tokens)
     if small["loss_mask"].max() > 1:
         raise ValueError("its loss_mask holds values other than 0 and 1")
     for layer_id in layer_ids:

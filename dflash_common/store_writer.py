@@ -82,7 +82,7 @@ def _host() -> str:
 
 
 class StoreWriter:
-    """Writes shards into one store; any number of processes may hold one for the same store."""
+    """Writes shards into one store; any number of processes (and threads) may write one store."""
 
     def __init__(self, path: Path, manifest: StoreManifest):
         self.path = path
@@ -112,8 +112,8 @@ class StoreWriter:
         if diff:
             key, old, new = diff
             raise StoreMismatchError(
-                f"Store {path} was made with {key} = {short_json(old)}, but this run has {key} = {short_json(new)}; "
-                f"use a new store path, or the settings the store was made with.")
+                f"Store {path} was made with {key} = {short_json(old)}, but this run has "
+                f"{key} = {short_json(new)}; use a new store path, or the settings the store was made with.")
         (path / SHARDS_DIR).mkdir(exist_ok=True)
         if not (path / SHARDS_DIR / "zarr.json").exists():
             _publish_new_file(path / SHARDS_DIR / "zarr.json", group_metadata({}))
@@ -173,7 +173,8 @@ class StoreWriter:
         sample_ids = [str(s) for s in payload.sample_ids]
         _check_sequences(name, t, loss_mask, offsets, sample_ids)
         if sorted(payload.layers) != list(m.layer_ids):
-            raise ValueError(f"shard {name} has layers {sorted(payload.layers)}, the store {list(m.layer_ids)}")
+            raise ValueError(f"shard {name} has layers {sorted(payload.layers)}, the store "
+                             f"{list(m.layer_ids)}")
         # small 1-D arrays are one chunk each (T int32 is 0.01% of a layer's bytes at H=4096)
         arrays = {"input_ids": (input_ids, {}, ("token",), t),
                   "loss_mask": (loss_mask, {}, ("token",), t),
@@ -194,10 +195,12 @@ class StoreWriter:
     def _layer(self, name, layer_id, enc: EncodedStates, t, offsets, sample_ids):
         m = self.manifest
         if enc.dtype != m.dtype:
-            raise ValueError(f"shard {name} layer {layer_id} is encoded as {enc.dtype}, the store as {m.dtype}")
+            raise ValueError(f"shard {name} layer {layer_id} is encoded as {enc.dtype}, the store "
+                             f"as {m.dtype}")
         data = _numpy(enc.data, f"layer {layer_id}", storage_numpy_dtype(m.dtype), 2, exact=True)
         if data.shape != (t, m.hidden_size):
-            raise ValueError(f"shard {name} layer {layer_id} has shape {data.shape}, expected {(t, m.hidden_size)}")
+            raise ValueError(f"shard {name} layer {layer_id} has shape {data.shape}, expected "
+                             f"{(t, m.hidden_size)}")
         scale = None
         if m.dtype == "fp8_e4m3":
             if enc.scale is None:
@@ -209,9 +212,9 @@ class StoreWriter:
         if len(bad):
             seq = int(np.searchsorted(offsets, bad[0], side="right")) - 1
             raise NonFiniteStatesError(
-                f"Hidden states of sample {sample_ids[seq]} (layer {layer_id}, token {bad[0] - offsets[seq]}) "
-                f"hold NaN or Inf; nothing of shard {name} was written; check that sample and the target's "
-                f"dtype.", sample_id=sample_ids[seq])
+                f"Hidden states of sample {sample_ids[seq]} (layer {layer_id}, token "
+                f"{bad[0] - offsets[seq]}) hold NaN or Inf; nothing of shard {name} was written; check that "
+                f"sample and the target's dtype.", sample_id=sample_ids[seq])
         return data, scale
 
 
