@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +39,29 @@ class VerifyReport:
 
 
 def verify_store(store: Store, *, progress: bool = False) -> VerifyReport:
-    """Check every shard of `store`; a bad shard is reported, never raised, so all are checked."""
+    """Check every shard of `store`, `store.read_threads` shards at a time; a bad shard is reported,
+    never raised, so all are checked."""
     names = store.shard_names()
     bad = {}
-    for name in tqdm(names, desc="verify", unit="shard", disable=not progress):
-        try:
-            _verify_shard(store, name)
-        except StoreCorruptError as e:
-            bad[name] = str(e)
-        except (ChunkError, OSError, ValueError, KeyError, TypeError) as e:
-            bad[name] = str(store._corrupt(name, str(e) or repr(e)))
+    with ThreadPoolExecutor(store.read_threads, thread_name_prefix="dflash-store-verify") as pool:
+        results = pool.map(lambda name: _shard_problem(store, name), names)
+        for name, problem in tqdm(zip(names, results), total=len(names), desc="verify", unit="shard",
+                                  disable=not progress):
+            if problem:
+                bad[name] = problem
     staging = sorted(os.listdir(store.path / STAGING_DIR)) if (store.path / STAGING_DIR).is_dir() else []
     return VerifyReport(len(names), bad, staging)
+
+
+def _shard_problem(store: Store, name: str) -> str | None:
+    """What is wrong with one shard, as the one-sentence message of a StoreCorruptError; None if fine."""
+    try:
+        _verify_shard(store, name)
+    except StoreCorruptError as e:
+        return str(e)
+    except (ChunkError, OSError, ValueError, KeyError, TypeError) as e:
+        return str(store._corrupt(name, str(e) or repr(e)))
+    return None
 
 
 def _verify_shard(store: Store, name: str) -> None:
