@@ -106,20 +106,22 @@ def read_raw(paths, slab: np.ndarray, nbytes: int) -> None:
                 got += f.readinto(view[got:])
 
 
-def bench_config(args, root: Path, dtype: str, codec: str) -> dict:
+def write_store(args, path: Path, dtype: str, codec: str) -> float:
+    """Write `args.shards` shards; returns the seconds spent in write_shard (fsync, publish included)."""
     layer_ids = list(range(1, 1 + 4 * args.layers, 4))
     manifest = StoreManifest(target={"name": "synthetic"}, tokenizer={"sha256": "0"}, chat_template_sha256=None,
                              layer_ids=layer_ids, hidden_size=args.hidden, dtype=dtype, codec=codec,
                              chunk_tokens=args.chunk_tokens)
-    path = root / f"{dtype}-{codec}"
     writer = StoreWriter.create_or_open(path, manifest)
     payloads = [make_payload(args, dtype, layer_ids, seed) for seed in range(args.shards)]
     t0 = time.perf_counter()
     for k, p in enumerate(payloads):
         writer.write_shard(f"u{k:08d}", p)
-    write_s = time.perf_counter() - t0
-    del payloads
-    store = Store.open(path, read_threads=args.read_threads)
+    return time.perf_counter() - t0
+
+
+def measure_reads(args, store: Store, raw_dir: Path, label: str) -> tuple[dict, int]:
+    """Best MB/s of store and raw reads, cold and warm; and the bytes one pass reads."""
     specs = store.buffer_specs(store.shards[0])
     nbytes = sum(s.nbytes for s in specs.values())
     slab = np.empty(buffers_nbytes(specs), np.uint8)
@@ -128,33 +130,37 @@ def bench_config(args, root: Path, dtype: str, codec: str) -> dict:
     raw_paths = []
     for s in store.shards:  # a raw file per shard holding exactly the bytes the store read delivers
         store.read_shard(s.name, out=views)
-        raw_paths.append(root / f"raw-{dtype}-{codec}-{s.name}")
+        raw_paths.append(raw_dir / f"raw-{s.name}")
         write_raw(raw_paths[-1], views)
     total = nbytes * len(store.shards)
-    best = {"store_cold": 0.0, "raw_cold": 0.0, "store_warm": 0.0, "raw_warm": 0.0}
-
-    def timed(key, fn, drop):
-        for p in drop:  # cold runs start with their own files evicted; warm runs follow them
-            drop_cache(p)
-        t = time.perf_counter()
-        fn()
-        mbps = total / (time.perf_counter() - t) / 1e6
-        best[key] = max(best[key], mbps)
-        if args.verbose:
-            print(f"  {dtype} {codec} {key}: {mbps:.0f} MB/s", file=sys.stderr)
-
-    read_store = lambda: [store.read_shard(s.name, out=views) for s in store.shards]  # noqa: E731
-    read_raw_files = lambda: read_raw(raw_paths, slab, nbytes)  # noqa: E731
+    best = {"store_cold": 0.0, "store_warm": 0.0, "raw_cold": 0.0, "raw_warm": 0.0}
+    runs = {
+        "store_cold": ([store.path], lambda: [store.read_shard(s.name, out=views) for s in store.shards]),
+        "raw_cold": (raw_paths, lambda: read_raw(raw_paths, slab, nbytes)),
+    }
     for _ in range(args.repeat):
-        timed("store_cold", read_store, [path])
-        timed("store_warm", read_store, [])
-        timed("raw_cold", read_raw_files, raw_paths)
-        timed("raw_warm", read_raw_files, [])
-    info = store.info()
-    store.close()
-    shutil.rmtree(path)
+        for cold_key, (files, read) in runs.items():
+            for key, drop in ((cold_key, files), (cold_key.replace("cold", "warm"), [])):
+                for p in drop:  # a cold run starts with its files evicted; its warm run follows it
+                    drop_cache(p)
+                t = time.perf_counter()
+                read()
+                mbps = total / (time.perf_counter() - t) / 1e6
+                best[key] = max(best[key], mbps)
+                if args.verbose:
+                    print(f"  {label} {key}: {mbps:.0f} MB/s", file=sys.stderr)
     for p in raw_paths:
         p.unlink()
+    return best, total
+
+
+def bench_config(args, root: Path, dtype: str, codec: str) -> dict:
+    path = root / f"{dtype}-{codec}"
+    write_s = write_store(args, path, dtype, codec)
+    with Store.open(path, read_threads=args.read_threads) as store:
+        best, total = measure_reads(args, store, root, f"{dtype} {codec}")
+        info = store.info()
+    shutil.rmtree(path)
     return {"dtype": dtype, "codec": codec, "write": total / write_s / 1e6, **best,
             "bytes_per_token": info["bytes_on_disk"] / info["tokens"], "ratio": info["compression_ratio"]}
 
