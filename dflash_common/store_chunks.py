@@ -9,8 +9,8 @@ and reads (tests check both directions), so any zarr v3 reader opens the store.
 zarr creates the metadata (`zarr.json`); the bytes of the data files are written and read here
 because zarr 3.1's sharding path assembles a whole shard in memory on write and decodes into a
 full-size temporary on read (measured 0.07-0.4x the raw read speed; docs/store-format.md). Here a
-chunk is read straight into the caller's buffer with one `preadv` (codec `none`) or decompressed
-into it from a small per-thread scratch buffer, and checked against its crc32c either way.
+chunk is read straight into the caller's buffer (codec `none`) or decompressed into it from a small
+per-thread scratch buffer, in 1 MiB pieces each checked into the chunk's crc32c while in the cache.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ ZSTD_LEVEL = 1  # higher levels gain < 1% on hidden states (measured) and cost e
 BLOSC_CLEVEL = 5  # zarr's default; lz4 speed barely depends on it
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two uint64 per inner chunk
-EMPTY_CHUNK = 2**64 - 1
+EMPTY_CHUNK = 2**64 - 1  # the sharding spec's marker for a chunk that was never written
 # Chunks are read and checksummed in pieces that fit the L2 cache, so the crc32c pass reads cached
-# bytes instead of memory (warm reads went from ~0.45x to ~0.75x a raw read; docs/benchmarks.md).
+# bytes instead of memory (warm reads: ~0.25x -> ~0.6x a raw read; docs/benchmarks.md).
 READ_PIECE_BYTES = 1 << 20
 # Parallel readers take runs of consecutive chunks, each through its own descriptor, so readahead
-# sees long sequential streams (cold reads: 0.6x -> 0.9x a raw read); 64 MiB runs still split a
+# sees long sequential streams (cold reads: ~0.6x -> ~0.8x a raw read); 64 MiB runs still split a
 # shard into enough tasks to keep the threads busy to the end.
-READ_RUN_BYTES = 64 << 20  # the sharding spec's marker for a chunk that was never written
+READ_RUN_BYTES = 64 << 20
 
 
 class ChunkError(ValueError):
@@ -249,7 +249,7 @@ def _check_crc(payload: Any, stored: bytes, what: str) -> None:
 class ArrayFile:
     """An open shard file of one array: its checked index, and per-chunk reads into caller buffers.
 
-    `read_chunk` may run on several threads at once (positional reads, per-thread scratch)."""
+    `read_chunk(s)` may run on several threads at once (positional reads, per-thread scratch)."""
 
     def __init__(self, path: Path, layout: ArrayLayout, fd: int, index: np.ndarray):
         self.path = path

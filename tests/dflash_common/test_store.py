@@ -295,3 +295,14 @@ def test_shard_names_come_from_the_unit():
     assert shard_name(17, "ABCDEF0123456789ffff") == "u00000017-abcdef0123456789"
     with pytest.raises(ValueError):
         shard_name(1, "not-hex")
+
+
+@pytest.mark.gpu
+def test_states_decode_on_the_gpu_as_on_the_cpu(tmp_path):
+    m = manifest("fp8_e4m3")
+    p, _ = payload(8, T, m)
+    write_units(tmp_path / "s", m, [], T).write_shard("u8", p)
+    with Store.open(tmp_path / "s") as store:
+        d = store.read_shard("u8", [3])
+        gpu = d.states(3, device="cuda", out_dtype=torch.float32)
+        assert gpu.is_cuda and torch.equal(gpu.cpu(), d.states(3, out_dtype=torch.float32))
