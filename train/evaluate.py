@@ -77,16 +77,22 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 def _messages(record: dict, where: str) -> list[dict] | None:
     """A record's conversation as role/content messages, or None when it is not a conversation."""
     if "messages" in record:
-        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    if "conversations" in record:  # ShareGPT: {"from": "human", "value": "..."}
-        out = []
-        for m in record["conversations"]:
-            role = _SHAREGPT_ROLES.get(m.get("from", m.get("role")))
-            if role is None:
-                raise UserError(f"{where}: unknown ShareGPT role {m.get('from')!r}; use human, gpt or system.")
-            out.append({"role": role, "content": m.get("value", m.get("content"))})
-        return out
-    return None
+        raw, role_key, content_key, roles = record["messages"], "role", "content", None
+    elif "conversations" in record:  # ShareGPT: {"from": "human", "value": "..."}
+        raw, role_key, content_key, roles = record["conversations"], "from", "value", _SHAREGPT_ROLES
+    else:
+        return None
+    if not isinstance(raw, list):
+        raise UserError(f"{where}: '{'messages' if roles is None else 'conversations'}' must be a list of messages.")
+    out = []
+    for m in raw:
+        if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or not isinstance(m.get(content_key), str):
+            raise UserError(f"{where}: every message needs a string '{role_key}' and a string '{content_key}'.")
+        role = m[role_key] if roles is None else roles.get(m[role_key])
+        if role is None:
+            raise UserError(f"{where}: unknown ShareGPT role {m[role_key]!r}; use human, gpt or system.")
+        out.append({"role": role, "content": m[content_key]})
+    return out
 
 
 def _record_to_prompt(record: Any, where: str, tokenizer, template_kwargs: dict) -> Prompt:
@@ -107,15 +113,19 @@ def _record_to_prompt(record: Any, where: str, tokenizer, template_kwargs: dict)
         messages.pop()
     if not messages:
         raise UserError(f"{where}: the conversation has no message before its reply; drop the line.")
-    return Prompt(where, ids=render_chat(tokenizer, messages, template_kwargs))
+    return Prompt(where, ids=render_chat(tokenizer, messages, template_kwargs, where))
 
 
-def render_chat(tokenizer, messages: list[dict], template_kwargs: dict) -> list[int]:
-    """Token ids of `messages` with the chat template and the generation prompt."""
+def render_chat(tokenizer, messages: list[dict], template_kwargs: dict, where: str = "") -> list[int]:
+    """Token ids of `messages` with the target's chat template and the generation prompt."""
+    from dflash_common.chat import ChatMaskError, ChatTemplate
+
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the target's tokenizer has no chat template; use {'prompt': ...} lines for raw text.")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+    try:
+        return ChatTemplate(tokenizer, template_kwargs).prompt_ids(messages)
+    except ChatMaskError as e:
+        raise UserError(f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the line.") from e
 
 
 def load_prompts(files: Sequence[str], tokenizer, template_kwargs: dict, limit: int = 0) -> list[Prompt]:
@@ -222,7 +232,7 @@ def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Pro
         messages: list[dict] = []
         for turn, text in enumerate(prompt.turns):
             messages.append({"role": "user", "content": text})
-            ids = render_chat(tokenizer, messages, template_kwargs or {})
+            ids = render_chat(tokenizer, messages, template_kwargs or {}, prompt.name)
             if warmup and not results:
                 _warm_up(target, drafter, ids, s)
             result = decode_one(target, drafter, f"{prompt.name}#turn{turn + 1}", ids, s, len(results))

@@ -311,7 +311,10 @@ def test_prompt_files_of_every_kind(tiny, tmp_path):
     "line, fragment",
     [("not json", ":2 is not valid JSON"), ('{"text": "x"}', ":2: found none of"),
      ('{"conversations": [{"from": "bot", "value": "x"}]}', "unknown ShareGPT role"),
-     ('{"messages": [{"role": "assistant", "content": "x"}]}', "no message before its reply")],
+     ('{"messages": [{"role": "assistant", "content": "x"}]}', "no message before its reply"),
+     ('{"messages": [{"role": "user"}]}', "needs a string 'role' and a string 'content'"),
+     ('{"conversations": [{"from": "human", "content": "x"}]}', "needs a string 'from' and a string 'value'"),
+     ('[1, 2]', "must be a JSON object")],
 )
 def test_bad_prompt_lines_name_file_and_line(tiny, tmp_path, line, fragment):
     path = tmp_path / "bad.jsonl"
