@@ -97,11 +97,21 @@ class ReportSection:
 
 @dataclass(frozen=True)
 class OfflineSection:
-    store: str = option("", "Store of held-out sequences for --offline (per-position accuracy, implied tau).")
-    max_sequences: int = option(0, "Use at most this many store sequences; 0 means all.")
+    store: str = option("", "Store whose held-out sequences --offline reads (per-position accuracy, implied tau).")
+    holdout_sequences: int | None = option(
+        None,
+        "Held-out sequences per store; none takes the training run's value (run.toml beside the drafter), "
+        "else the trainer's default. It must match training, or the estimate reads training data.",
+    )
+    holdout_fraction: float | None = option(
+        None, "Held-out share of each store's sequences; none takes the training run's value, as above."
+    )
 
     def __post_init__(self):
-        check(self.max_sequences >= 0, f"offline.max_sequences must be >= 0, got {self.max_sequences}")
+        check(self.holdout_sequences is None or self.holdout_sequences >= 0,
+              f"offline.holdout_sequences must be >= 0, got {self.holdout_sequences}")
+        check(self.holdout_fraction is None or 0 <= self.holdout_fraction < 1,
+              f"offline.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
 
 
 @dataclass(frozen=True)

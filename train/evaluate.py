@@ -461,9 +461,74 @@ def run(cfg: EvalConfig) -> dict:
     return report
 
 
+# ---------------------------------------------------------------- offline estimate
+
+
+def _training_run_settings(drafter_path: str) -> dict:
+    """Held-out split and gamma of the training run behind `drafter_path` (its run.toml, found in a run
+    or step-N directory or beside a step's drafter/), so the estimate reads the sequences it held out."""
+    import tomllib
+
+    here = Path(drafter_path)
+    for candidate in (here / "run.toml", here.parent / "run.toml"):
+        if candidate.is_file():
+            run = tomllib.loads(candidate.read_text())
+            data, objective = run.get("data", {}), run.get("objective", {})
+            found = {k: data[k] for k in ("holdout_sequences", "holdout_fraction") if k in data}
+            if objective.get("gamma") is not None:
+                found["gamma"] = objective["gamma"]
+            return found
+    return {}
+
+
+def run_offline(cfg: EvalConfig) -> dict:
+    """The offline estimate: per-position accuracy and the tau it implies on a store's held-out
+    sequences, by the trainer's own validation (train/validate.py). The target never runs; only its
+    embedding and lm_head are read from target.path."""
+    from transformers import AutoConfig
+
+    from dflash_common.target_weights import load_target_head
+    from train.validate import evaluate_offline
+
+    if not cfg.offline.store:
+        raise UserError("--offline needs a store: pass --store PATH (a store written by dflash-precompute).")
+    _check_model_dir(cfg.target.path)
+    device = resolve_device(cfg.target.device)
+    bf16 = cfg.target.dtype == "bfloat16"  # the trainer's precision: fp32 weights, bf16 autocast
+    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), device, torch.float32)
+    head = load_target_head(cfg.target.path, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    drafter.attach_frozen(head.embed, head.lm_head)
+    settings = _training_run_settings(cfg.drafter.path)
+    for key in ("holdout_sequences", "holdout_fraction"):
+        if getattr(cfg.offline, key) is not None:
+            settings[key] = getattr(cfg.offline, key)
+    metrics = evaluate_offline(drafter, cfg.offline.store, autocast="bf16" if bf16 else "none", **settings)
+    report = {"mode": "offline", "store": cfg.offline.store, "drafter": cfg.drafter.path,
+              "block_size": drafter.cfg.block_size, **settings, **metrics}
+    if cfg.report.path:
+        write_report(report, cfg.report.path, cfg)
+    print(format_offline(report))
+    return report
+
+
+def format_offline(report: dict) -> str:
+    lines = [
+        f"dflash-eval --offline: {report['sequences']} held-out sequences, {report['blocks']} blocks, "
+        f"block size {report['block_size']}",
+        f"  {'tau (estimated)':<28}{_fmt(report['tau'], '.3f')}",
+        f"  {'accuracy':<28}{_fmt(report['acc'], '.4f')}",
+        f"  {'loss':<28}{_fmt(report['loss'], '.4f')}",
+        "  accuracy by block position (k = 1 predicts the token after the anchor)",
+    ]
+    lines += [f"    {k:>3}  {acc * 100:5.1f}%" for k, acc in enumerate(report["acc_by_pos"], start=1)]
+    return "\n".join(lines)
+
+
 DESCRIPTION = """Acceptance length (tau) of a DFlash drafter by real speculative decoding on its target, with
 the lossless check, tokens/s with and without the drafter and the speedup.
-  dflash-eval --config FILE --drafter DIR [--report FILE.json]"""
+  dflash-eval --config FILE --drafter DIR [--report FILE.json]
+  dflash-eval --offline --store PATH --drafter DIR --target.path=DIR
+      (estimate from the store's held-out sequences: only the target's embedding and lm_head are read)"""
 
 
 @user_errors_exit
@@ -471,9 +536,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    offline = "--offline" in argv  # a plain switch; the config parser takes --key=value only
+    argv = [a for a in argv if a != "--offline"]
     cfg, _ = parse_args(EvalConfig, argv, prog="dflash-eval", description=DESCRIPTION,
-                        shortcuts={"drafter": "drafter.path", "report": "report.path"})
+                        shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store"})
     setup_logging()
+    if offline:
+        run_offline(cfg)
+        return
     try:
         run(cfg)
     except LosslessError as e:
