@@ -138,4 +138,3 @@ def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
         main([f"--target.path={tiny_target}", "--drafter", str(tmp_path / "nope"),
               "--prompts.files=data/tiny-prompts.jsonl"])
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
-
