@@ -17,14 +17,15 @@ import dataclasses
 import json
 import logging
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from dflash_common.cli import UserError, exit_with_error, parse_args, run_record, setup_logging, user_errors_exit
-from dflash_common.cli import write_run_record
+from dflash_common.cli import (
+    UserError, exit_with_error, parse_args, run_record, setup_logging, user_errors_exit, write_run_record,
+)
 from dflash_common.eval_config import EvalConfig, GenerationSection
 from dflash_common.fsutil import atomic_write_text
 from dflash_common.layer_ids import check_layer_ids
@@ -61,11 +62,6 @@ class PromptResult:
     def tau(self) -> float | None:
         lengths = self.spec.acceptance_lengths
         return sum(lengths) / len(lengths) if lengths else None
-
-
-@dataclass
-class Evaluation:
-    results: list[PromptResult] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- prompts
