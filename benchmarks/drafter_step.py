@@ -1,0 +1,164 @@
+"""One full drafter training step: forward, fused loss, backward, grad clip, AdamW step.
+
+    PYTHONPATH=. python benchmarks/drafter_step.py           # GPU: Qwen3-8B-shaped drafter, bf16 autocast
+    PYTHONPATH=. python benchmarks/drafter_step.py --quick   # CPU smoke run, tiny drafter
+
+Qwen3-8B shape: hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 12288, 5 layers,
+vocab 151936, K=5 target layers, B=16; per sequence of 3072 tokens, 512 anchors (all positions are
+response tokens here). Random weights; flex attention compiled (the drafter does so on CUDA).
+
+FLOPs counted per step (T context tokens, Q = A*B block rows, P_l visible query-key pairs of layer
+l from the sparse mask, N_loss rows with non-zero weight; Hq = heads*D, Hkv = kv_heads*D):
+    fc                     4 * T * K*H * H              (forward + weight grad; features need none)
+    context K/V, per layer 3 * 2 * T * H * 2*Hkv         (forward + input grad + weight grad)
+    block rows, per layer  3 * 2 * Q * (H*Hq + 2*H*Hkv + Hq*H + 3*H*I)
+    attention, per layer   3 * 4 * P_l * D * heads       (QK^T and PV; backward = 2x forward)
+    loss                   4 * N_loss * V * H            (logits + grad wrt hidden; lm_head frozen)
+MFU = FLOPs / (step time * peak), peak = dense bf16 of the GPU (989 TFLOP/s for an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_common.drafter import BlockLayout, DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_common.layer_ids import default_layer_ids  # noqa: E402
+from dflash_common.loss import fused_lm_head_loss  # noqa: E402
+from dflash_common.objective import block_labels, sample_anchors  # noqa: E402
+
+H200_BF16_TFLOPS = 989.0  # dense, no sparsity
+
+
+def qwen3_8b_drafter() -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, num_target_layers=36,
+        target_layer_ids=tuple(default_layer_ids(36)), mask_token_id=151669, layer_types=("full_attention",) * 5,
+        block_size=16, rope_theta=1e6,
+    )
+
+
+def tiny_drafter() -> DrafterConfig:
+    return DrafterConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, num_target_layers=8, target_layer_ids=(1, 2, 3, 4, 5), mask_token_id=500,
+        layer_types=("sliding_attention", "full_attention"), sliding_window=64, block_size=8, rope_theta=1e4,
+    )
+
+
+def make_batch(cfg: DrafterConfig, seqs: int, seq_len: int, anchors_per_seq: int, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    total = seqs * seq_len
+    k_h = cfg.num_context_layers * cfg.hidden_size
+    context = torch.randn(total, k_h, generator=g).to(device, torch.bfloat16)
+    input_ids = torch.randint(0, cfg.vocab_size, (total,), generator=g).to(device)
+    cu = torch.arange(0, total + 1, seq_len, device=device)
+    loss_mask = torch.ones(total, dtype=torch.bool, device=device)
+    anchors = sample_anchors(loss_mask.cpu(), cu.cpu(), cfg.block_size, anchors_per_seq, g).to(device)
+    labels, weights = block_labels(input_ids, loss_mask, cu, anchors, cfg.block_size)
+    return context, input_ids, cu, anchors, labels, weights
+
+
+def step_flops(cfg: DrafterConfig, cu, anchors, total: int, n_loss: int) -> float:
+    """The formula of the module docstring, with P_l counted exactly from the mask's row intervals."""
+    h, d, i, k = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_context_layers
+    hq, hkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    q = anchors.numel() * cfg.block_size
+    layout = BlockLayout.build(cu, anchors, total, cfg.block_size)
+    flops = 4.0 * total * k * h * h
+    for layer in range(cfg.num_hidden_layers):
+        ctx_lo, ctx_hi, blk_lo, blk_hi = layout.row_intervals(cfg.window(layer))
+        pairs = float((ctx_hi - ctx_lo).clamp(min=0).sum() + (blk_hi - blk_lo).clamp(min=0).sum())
+        flops += 3 * 2 * total * h * 2 * hkv
+        flops += 3 * 2 * q * (h * hq + 2 * h * hkv + hq * h + 3 * h * i)
+        flops += 3 * 4 * pairs * d * cfg.num_attention_heads
+    return flops + 4.0 * n_loss * cfg.vocab_size * h
+
+
+def train_step(drafter, optimizer, batch, autocast_dtype):
+    context, input_ids, cu, anchors, labels, weights = batch
+    with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        hidden = drafter(context, input_ids, cu, anchors)  # [A, B, H]
+    out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten())
+    (out.loss / weights.sum()).backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def timed_steps(fn, steps: int, warmup: int, cuda: bool) -> float:
+    """Median seconds per call after `warmup` calls."""
+    times = []
+    for s in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny drafter on the CPU (smoke test)")
+    parser.add_argument("--seqs", type=int, default=1, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=3072)
+    parser.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.quick
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg = qwen3_8b_drafter() if not args.quick else tiny_drafter()
+    seq_len, anchors, steps = (args.seq_len, args.anchors, args.steps) if not args.quick else (256, 16, 3)
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).to(device)  # float32 master weights
+    v, h = cfg.vocab_size, cfg.hidden_size
+    drafter.attach_frozen(torch.randn(v, h, device=device, dtype=torch.bfloat16),
+                          torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, fused=cuda)
+    batch = make_batch(cfg, args.seqs, seq_len, anchors, device)
+    total, n_anchors = batch[0].shape[0], batch[3].numel()
+    n_loss = int((batch[5] != 0).sum())
+
+    def step():
+        train_step(drafter, optimizer, batch, torch.bfloat16 if cuda else None)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    seconds = timed_steps(step, steps, args.warmup if not args.quick else 1, cuda)
+    flops = step_flops(cfg, batch[2], batch[3], total, n_loss)
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"# drafter training step on {name}: {cfg.num_hidden_layers} layers, hidden {h}, vocab {v}, "
+          f"{args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x {cfg.block_size}")
+    print(f"| {'metric':<28} | {'value':>14} |")
+    print(f"|{'-' * 30}|{'-' * 16}|")
+    rows = [
+        ("step time (median, ms)", f"{seconds * 1e3:.1f}"),
+        ("context tokens / s", f"{total / seconds:,.0f}"),
+        ("block rows / s", f"{n_anchors * cfg.block_size / seconds:,.0f}"),
+        ("model TFLOP per step", f"{flops / 1e12:.2f}"),
+        ("achieved TFLOP/s", f"{flops / seconds / 1e12:.1f}"),
+        ("MFU", f"{flops / seconds / (args.peak_tflops * 1e12):.1%}" if cuda else "n/a (CPU)"),
+        ("peak memory (GiB)", f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if cuda else "n/a"),
+        ("parameters (M)", f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}"),
+    ]
+    for key, value in rows:
+        print(f"| {key:<28} | {value:>14} |")
+
+
+if __name__ == "__main__":
+    main()

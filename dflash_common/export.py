@@ -1,0 +1,205 @@
+"""Drafters on disk, in the layout SGLang, vLLM and z-lab's loader read.
+
+A drafter directory holds `config.json` (DrafterConfig.to_config_json) and `model.safetensors`:
+every trainable weight under its released name (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`,
+`hidden_norm.weight`, `norm.weight`, ...), no `model.` prefix, no embedding, no lm_head.
+
+Training checkpoints already hold the drafter in this layout, in float32:
+
+    RUN_DIR/step-N/drafter/{config.json, model.safetensors}
+    RUN_DIR/step-N/COMPLETE          (written last; a step without it does not count)
+
+`dflash-export RUN_OR_CHECKPOINT OUT_DIR [--dtype bf16]` takes a run directory (its newest complete
+step), one step directory, or a drafter directory, and writes OUT_DIR aside and renames it into
+place. Loading refuses any weight whose name or shape the config does not expect, and any expected
+weight that is missing: engines drop such weights silently, we do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_common.cli import UserError, setup_logging, user_errors_exit
+from dflash_common.config import ConfigError
+from dflash_common.drafter import DFlashDrafter, DrafterConfig
+from dflash_common.fsutil import fsync_tree, publish_dir, temp_sibling
+
+log = logging.getLogger("dflash")
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+DRAFTER_SUBDIR = "drafter"  # step-N/drafter/ in a training checkpoint
+COMPLETE_MARKER = "COMPLETE"  # step-N/COMPLETE, written last by the trainer
+STEP_DIR = re.compile(r"^step-(\d+)$")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# Config fields that may differ between a released drafter and the run it initialises.
+_INIT_MAY_DIFFER = {"block_size", "bos_token_id", "eos_token_id", "initializer_range", "max_position_embeddings",
+                    "tie_word_embeddings"}
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
+                 *, overwrite: bool = False) -> Path:
+    """Write `config.json` + `model.safetensors` (weights cast to `dtype`, default: as they are)
+    into a hidden sibling of `out_dir`, fsync, then rename into place."""
+    if not isinstance(drafter, DFlashDrafter):  # a DDP/compiled wrapper would prefix every name
+        raise TypeError(f"save_drafter needs the DFlashDrafter itself, not a {type(drafter).__name__} wrapping it")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise UserError(f"{out_dir} already exists; choose a new directory or pass --overwrite.")
+    state = {name: p.detach().to(dtype or p.dtype).cpu().contiguous() for name, p in drafter.state_dict().items()}
+    dtypes = {t.dtype for t in state.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"drafter weights have mixed dtypes {dtypes}; pass dtype")
+    config = drafter.cfg.to_config_json(dtype=_DTYPE_NAMES[dtypes.pop()])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(out_dir)
+    tmp.mkdir()
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        fsync_tree(tmp)
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` is moved aside first and removed after."""
+    if not final.exists():
+        if not publish_dir(tmp, final):
+            raise UserError(f"{final} appeared while exporting; choose a new directory.")
+        return
+    old = temp_sibling(final)
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_drafter_dir(path: str | Path) -> Path:
+    """The drafter directory behind a run directory (newest complete step), a step directory, or a
+    drafter directory itself."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path} does not exist; pass a run directory, a step-N checkpoint or a drafter directory.")
+    if (path / CONFIG_FILE).is_file():
+        return path
+    if (path / DRAFTER_SUBDIR).is_dir():
+        if not (path / COMPLETE_MARKER).is_file():
+            raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker); pick another step.")
+        return path / DRAFTER_SUBDIR
+    steps = sorted((int(m.group(1)), d) for d in path.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
+    complete = [d for _, d in steps if (d / COMPLETE_MARKER).is_file()]
+    if complete:
+        return complete[-1] / DRAFTER_SUBDIR
+    if steps:
+        raise UserError(
+            f"run {path} has no complete checkpoint yet ({len(steps)} step dirs, none with {COMPLETE_MARKER})."
+        )
+    raise UserError(f"{path} holds no config.json, no {DRAFTER_SUBDIR}/ and no step-N/ checkpoints; "
+                    f"pass a run directory, a step-N checkpoint or a drafter directory.")
+
+
+def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """(config, weights by name) of the drafter behind `path` (see resolve_drafter_dir)."""
+    directory = resolve_drafter_dir(path)
+    try:
+        cfg = DrafterConfig.from_config_json(json.loads((directory / CONFIG_FILE).read_text()))
+    except (ConfigError, KeyError, ValueError, TypeError) as e:
+        raise UserError(f"{directory / CONFIG_FILE} is not a valid DFlash drafter config: {e}") from e
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise UserError(f"{directory} has no {WEIGHTS_FILE}.")
+    with safe_open(weights_path, framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    return cfg, tensors
+
+
+def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: str | Path) -> None:
+    """Refuse unknown, missing or misshapen weights, naming them."""
+    with torch.device("meta"):  # shapes only: no memory, no random init
+        expected = {name: tuple(p.shape) for name, p in DFlashDrafter(cfg).state_dict().items()}
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    if unknown or missing:
+        raise UserError(
+            f"{where}: weights do not match the released DFlash layout"
+            + (f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}" if unknown else "")
+            + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
+            + ". Nothing was loaded."
+        )
+    bad = [f"{n} {tuple(t.shape)} (expected {expected[n]})"
+           for n, t in tensors.items() if tuple(t.shape) != expected[n]]
+    if bad:
+        raise UserError(f"{where}: weights with the wrong shape for its config.json: {', '.join(bad[:8])}.")
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> tuple[DFlashDrafter, DrafterConfig]:
+    """A drafter (and its config) from a run, step or drafter directory; weights in `dtype`.
+    Attach the target's embedding and lm_head before use (`drafter.attach_frozen`)."""
+    cfg, tensors = read_drafter_dir(path)
+    check_weights(cfg, tensors, path)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(tensors, strict=True, assign=True)  # the file's tensors become the parameters
+    return drafter.to(device=device, dtype=dtype), cfg
+
+
+def load_weights_into(drafter: DFlashDrafter, path: str | Path) -> None:
+    """Initialise `drafter` from a released (or our own) drafter directory. The configs must agree
+    on every field that shapes or means the weights (block size and token ids may differ)."""
+    cfg, tensors = read_drafter_dir(path)
+    differ = [f for f in _fields(cfg) if f not in _INIT_MAY_DIFFER and getattr(cfg, f) != getattr(drafter.cfg, f)]
+    if differ:
+        detail = ", ".join(f"{f} = {getattr(cfg, f)!r} there vs {getattr(drafter.cfg, f)!r} here" for f in differ)
+        raise UserError(f"cannot initialise from {path}: its config differs ({detail}).")
+    check_weights(cfg, tensors, path)
+    drafter.load_state_dict(tensors, strict=True)
+
+
+def _fields(cfg: DrafterConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cfg)]
+
+
+def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+           overwrite: bool = False) -> Path:
+    """Write the drafter behind `source` to `out_dir` in the released layout."""
+    drafter, cfg = load_drafter(source)
+    save_drafter(drafter, out_dir, dtype, overwrite=overwrite)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    log.info("exported %s -> %s (%d layers, %.1fM parameters, %s)", resolve_drafter_dir(source), out_dir,
+             cfg.num_hidden_layers, n_params / 1e6, _DTYPE_NAMES[dtype])
+    return Path(out_dir)
+
+
+@user_errors_exit
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="dflash-export",
+        description="Write a trained drafter as config.json + model.safetensors, the layout SGLang and vLLM load.",
+    )
+    parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                        help="run directory (newest complete step), step-N checkpoint, or drafter directory")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the exported weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    args = parser.parse_args(argv)
+    setup_logging()
+    export(args.source, args.out_dir, DTYPES[args.dtype], args.overwrite)
+
+
+if __name__ == "__main__":
+    main()

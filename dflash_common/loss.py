@@ -1,0 +1,162 @@
+"""Weighted cross-entropy through the target's frozen lm_head, never materialising [N, V] logits.
+
+    fused_lm_head_loss(hidden [N, H], lm_head_weight [V, H], labels [N], weights [N])
+        -> LossOutput(loss = sum_i w_i * CE(hidden_i @ W^T, label_i)  (float32 scalar, grad wrt hidden),
+                      correct = argmax == label  [N] bool)
+
+Design (FLOPs first). The lm_head is frozen, so the only gradient is d loss / d hidden. Two designs:
+
+- Fully fused (flash-style): a Triton matmul with online softmax keeps only the log-sum-exp in the
+  forward (2NVH), then recomputes the logits in the backward (2NVH) to form d_logits @ W (2NVH):
+  6NVH, and a hand-written matmul that must match cuBLAS to break even.
+- Gradient during the forward (chosen): rows in chunks of C; per chunk
+  logits = h_chunk @ W^T (cuBLAS, 2CVH) -> a Triton kernel reads each row twice (online
+  max/sum-exp/argmax/label logit, then w * (softmax - onehot) written over the logits in place)
+  -> grad_h_chunk = d_logits @ W (cuBLAS, 2CVH). The backward only scales the stored [N, H]
+  gradient by grad_output (in place). 4NVH in all, the minimum with an exact softmax, and the same
+  work as Liger-Kernel's fused linear cross-entropy; without a gradient (validation) it is 2NVH.
+
+Rows whose weight is zero or whose label is IGNORE_INDEX are dropped before any matmul (position 0
+of every block is such a row: 1/B of the work). Their `correct` is False.
+
+Memory: the stored gradient ([N, H], hidden's dtype) plus one logits chunk. The chunk size follows
+a byte budget, by default the size of `hidden` itself (Liger's choice, so the peak matches it) and
+never below 128 rows; rows are a multiple of 128 so cuBLAS tiles stay full.
+
+Backends: 'triton' (CUDA, or the CPU under TRITON_INTERPRET=1), 'torch' (the same chunks with
+PyTorch ops: CPU and reference), 'auto' (triton on CUDA when importable, else torch).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+from dflash_common.objective import IGNORE_INDEX
+
+Backend = Literal["auto", "triton", "torch"]
+# Rows per chunk are a multiple of this (cuBLAS tile height) once the budget allows it.
+_ROW_QUANTUM = 128
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # float32 scalar: weighted sum of per-row cross-entropy
+    correct: torch.Tensor  # [N] bool: argmax of the logits == label (False for skipped rows)
+
+
+def fused_lm_head_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    backend: Backend = "auto",
+    chunk_bytes: int | None = None,
+) -> LossOutput:
+    """Weighted CE of hidden [N, H] through the frozen lm_head [V, H]; see the module docstring."""
+    if hidden.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match")
+    if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
+        raise ValueError("labels and weights need one entry per row of hidden")
+    backend = resolve_backend(backend, hidden.device)
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    if not need_grad:
+        loss, correct, _ = _chunked_loss(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes, False)
+        return LossOutput(loss, correct)
+    loss, correct = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes)
+    return LossOutput(loss, correct)
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton", "torch"]:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"loss backend {backend!r} unknown; use 'auto', 'triton' or 'torch'")
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _FusedLMHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, backend, chunk_bytes):
+        loss, correct, grad = _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, True)
+        ctx.grad_hidden = grad  # [N, H], d loss / d hidden for grad_output = 1
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_correct):
+        grad, ctx.grad_hidden = ctx.grad_hidden, None
+        if grad is None:
+            raise RuntimeError("fused_lm_head_loss supports one backward pass per forward")
+        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None, None
+
+
+def chunk_rows(n_rows: int, hidden_size: int, vocab: int, logits_bytes_per_value: int,
+               hidden_bytes_per_value: int, chunk_bytes: int | None = None) -> int:
+    """Rows per logits chunk under the byte budget (default: the size of the [N, H] hidden input)."""
+    budget = chunk_bytes if chunk_bytes is not None else n_rows * hidden_size * hidden_bytes_per_value
+    rows = budget // (vocab * logits_bytes_per_value)
+    if chunk_bytes is None:
+        rows = max(rows, _ROW_QUANTUM)  # the default budget never goes below one cuBLAS tile
+    if rows >= _ROW_QUANTUM:
+        rows = rows // _ROW_QUANTUM * _ROW_QUANTUM
+    return max(1, rows)
+
+
+def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_grad):
+    n, v = hidden.shape[0], weight.shape[0]
+    kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
+    m = kept.numel()
+    dense = m == n  # no row dropped: slices instead of gathers
+    correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    grad = torch.zeros_like(hidden) if need_grad else None
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    # the torch path also holds a float32 copy of the chunk
+    per_value = weight.element_size() + (4 if backend == "torch" else 0)
+    step = chunk_rows(n, hidden.shape[1], v, per_value, hidden.element_size(), chunk_bytes)
+    for r0 in range(0, m, step):
+        rows = slice(r0, min(r0 + step, m)) if dense else kept[r0:r0 + step]
+        h = hidden[rows].to(weight.dtype)  # [c, H]
+        logits = h @ weight.T  # [c, V]; becomes d loss / d logits in place
+        row_loss, row_correct = _weighted_ce(backend, logits, labels[rows].long(), weights[rows].float(), need_grad)
+        loss += row_loss.sum()
+        correct[rows] = row_correct
+        if need_grad and dense and grad.dtype == logits.dtype:
+            torch.mm(logits, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
+        elif need_grad:
+            grad[rows] = (logits @ weight).to(grad.dtype)
+    return loss, correct, grad
+
+
+def _weighted_ce(backend, logits, labels, weights, compute_grad):
+    if backend == "triton":
+        from dflash_common.loss_triton import weighted_ce_rows
+
+        return weighted_ce_rows(logits, labels, weights, compute_grad)
+    return weighted_ce_rows_torch(logits, labels, weights, compute_grad)
+
+
+def weighted_ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                           compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel's contract in PyTorch: per-row weighted CE and correctness; with
+    compute_grad, logits [C, V] is overwritten by w * (softmax - onehot)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)  # [C]
+    x_label = x.gather(1, labels[:, None]).squeeze(1)
+    loss = (lse - x_label) * weights
+    correct = x.argmax(-1) == labels
+    if compute_grad:
+        probs = x.sub_(lse[:, None]).exp_()  # x is logits itself when they are float32
+        probs[torch.arange(probs.shape[0], device=probs.device), labels] -= 1.0
+        probs.mul_(weights[:, None])
+        if probs is not logits:
+            logits.copy_(probs)
+    return loss, correct

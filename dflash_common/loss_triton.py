@@ -1,0 +1,89 @@
+"""Triton kernel of the fused LM-head loss: weighted cross-entropy, its gradient with respect to the
+logits (written in place) and argmax correctness, one row of a logits chunk per program.
+
+The matmuls around it (hidden @ W^T before, d_logits @ W after) stay in cuBLAS; see loss.py for the
+design and why this split costs 4·N·V·H FLOPs. The kernel streams each row twice: an online
+max / sum-exp / argmax / label-logit pass, then (when a gradient is wanted) a pass writing
+w * (softmax - onehot) over the logits in their own dtype. All arithmetic is float32.
+
+Runs on the CPU under TRITON_INTERPRET=1 (the test suite does so).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Columns per step: 4096 fp32 values per program keep 8 warps busy without register spills.
+MAX_BLOCK = 4096
+
+
+@triton.jit
+def _weighted_ce_rows_kernel(
+    logits_ptr,
+    logits_row_stride,
+    labels_ptr,
+    weights_ptr,
+    loss_ptr,
+    correct_ptr,
+    n_cols,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_row_stride
+    label = tl.load(labels_ptr + row)
+    weight = tl.load(weights_ptr + row).to(tl.float32)
+
+    # pass 1: running max m, sum of exp(x - m), argmax (first index of the max), label logit
+    m = float("-inf")
+    s = 0.0
+    x_label = 0.0
+    best = 0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        tile_max = tl.max(x, axis=0)
+        best = tl.where(tile_max > m, start + tl.argmax(x, axis=0), best)  # strict: earlier tile wins ties
+        m_new = tl.maximum(m, tile_max)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        x_label += tl.sum(tl.where(cols == label, x, 0.0), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    tl.store(loss_ptr + row, (lse - x_label) * weight)
+    tl.store(correct_ptr + row, (best == label).to(tl.int8))
+
+    # pass 2: d loss / d logits = w * (softmax - onehot(label)), over the logits in place
+    if COMPUTE_GRAD:
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            in_row = cols < n_cols
+            x = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)) * weight
+            tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+
+
+def weighted_ce_rows(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    compute_grad: bool,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [C, V] (rows contiguous), labels [C] in 0..V-1, weights [C] float32 ->
+    (weighted loss per row [C] float32, argmax == label [C] bool); with compute_grad, logits is
+    overwritten by the gradient of the summed weighted loss with respect to it."""
+    c, v = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("logits rows must be contiguous")
+    loss = torch.empty(c, dtype=torch.float32, device=logits.device)
+    correct = torch.empty(c, dtype=torch.int8, device=logits.device)
+    if c == 0:
+        return loss, correct.bool()
+    block = block or min(MAX_BLOCK, triton.next_power_of_2(v))
+    _weighted_ce_rows_kernel[(c,)](
+        logits, logits.stride(0), labels.contiguous(), weights.float().contiguous(), loss, correct, v,
+        COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )
+    return loss, correct.bool()

@@ -1,0 +1,139 @@
+"""The DFlash training objective on a packed batch: where blocks start, what they predict, how much
+each prediction weighs, and the acceptance-length (tau) estimate from per-position correctness.
+
+- Anchors: drawn without replacement among loss-mask (response) positions p <= S - B of each
+  sequence (so the whole block lies inside it), at most `max_anchors` per sequence, from a seeded
+  generator; the caller draws again every epoch.
+- Labels: block position k predicts the token at anchor + k: *same position, no shift*. Position 0
+  (the anchor, which the block is given) is not a prediction.
+- Weights: exp(-(k - 1) / gamma) for k >= 1; zero at k = 0, past the sequence end and outside the
+  loss mask. Labels with zero weight are IGNORE_INDEX.
+- Tau estimate: per block, accepted = leading correct predictions from k = 1 (a position that is not
+  a valid prediction ends the run, as the served draft would stop there); tau = 1 + mean accepted.
+  The trainer's validation and the eval's offline estimate both use `AcceptanceCounts`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore label
+
+# Published gamma per block size (DFlash paper): B=16 -> 7, B=10 -> 5, B=8 -> 4.
+_PUBLISHED_GAMMA = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_gamma(block_size: int) -> float:
+    """The published gamma for B in {8, 10, 16}; other sizes interpolate linearly between the
+    published points (extrapolating with the nearest segment's slope), floored at 1."""
+    (b0, g0), (b1, g1), (b2, g2) = _PUBLISHED_GAMMA
+    if block_size > b1:
+        (b0, g0), (b1, g1) = (b1, g1), (b2, g2)
+    return max(1.0, g0 + (g1 - g0) * (block_size - b0) / (b1 - b0))
+
+
+def _sequence_ids(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_size: int,
+    max_anchors: int,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Packed anchor positions [A] (sorted): per sequence, up to `max_anchors` distinct loss-mask
+    positions p with p <= S - B, uniformly at random from `generator` (deterministic for a seed)."""
+    device = loss_mask.device
+    cu = cu_seqlens.to(device, torch.long)
+    total = loss_mask.shape[0]
+    tokens = torch.arange(total, device=device)
+    seq = _sequence_ids(cu, tokens)  # [T]
+    eligible = loss_mask.bool() & (tokens <= cu[seq + 1] - block_size)  # p <= S - B, local
+    keys = torch.rand(total, generator=generator, device=generator.device, dtype=torch.float64).to(device)
+    keys = torch.where(eligible, keys, 2.0)  # ineligible positions sort last in their sequence
+    order = torch.argsort(seq.double() * 4.0 + keys)  # grouped by sequence, random within
+    rank = torch.empty_like(order)
+    rank[order] = tokens - cu[seq[order]]  # rank of each position in its sequence's random order
+    return tokens[eligible & (rank < max_anchors)]
+
+
+def block_labels(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    anchors: torch.Tensor,
+    block_size: int,
+    gamma: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [A, B] (token at anchor + k, IGNORE_INDEX where not a prediction) and float32
+    weights [A, B] = exp(-(k - 1) / gamma), zero at k = 0, past the sequence end, outside the mask."""
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    cu = cu_seqlens.to(anchors.device, torch.long)
+    k = torch.arange(block_size, device=anchors.device)
+    pos = anchors.long()[:, None] + k  # [A, B] packed positions, same position (no shift)
+    end = cu[_sequence_ids(cu, anchors.long()) + 1][:, None]  # [A, 1] end of each anchor's sequence
+    inside = pos < end
+    safe = pos.clamp(max=input_ids.shape[0] - 1)
+    valid = inside & loss_mask.bool()[safe] & (k >= 1)
+    labels = torch.where(valid, input_ids.long()[safe], IGNORE_INDEX)
+    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)  # [B]
+    weights = torch.where(valid, decay, 0.0)
+    return labels, weights
+
+
+@dataclass
+class AcceptanceCounts:
+    """Sums that add over batches and ranks: per block position, valid predictions and correct ones;
+    accepted drafts over all blocks; blocks with at least one valid prediction."""
+
+    correct: torch.Tensor  # [B] float64
+    valid: torch.Tensor  # [B] float64
+    accepted: float
+    blocks: float
+
+    @classmethod
+    def from_blocks(cls, correct: torch.Tensor, valid: torch.Tensor) -> "AcceptanceCounts":
+        """correct, valid: bool [A, B] (argmax == label; label is a prediction)."""
+        hit = (correct & valid)[:, 1:]  # position 0 is the anchor, never a prediction
+        accepted = torch.cumprod(hit.long(), dim=1).sum(1)  # leading correct run from k = 1
+        has_any = valid[:, 1:].any(1)
+        return cls(
+            correct=(correct & valid).sum(0).double().cpu(),
+            valid=valid.sum(0).double().cpu(),
+            accepted=float(accepted[has_any].sum()),
+            blocks=float(has_any.sum()),
+        )
+
+    def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
+        return AcceptanceCounts(self.correct + other.correct, self.valid + other.valid,
+                                self.accepted + other.accepted, self.blocks + other.blocks)
+
+    def to_tensor(self) -> torch.Tensor:
+        """One float64 vector (for a single all_reduce): [correct (B), valid (B), accepted, blocks]."""
+        return torch.cat([self.correct, self.valid, torch.tensor([self.accepted, self.blocks], dtype=torch.float64)])
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "AcceptanceCounts":
+        b = (t.numel() - 2) // 2
+        t = t.double().cpu()
+        return cls(t[:b], t[b:2 * b], float(t[2 * b]), float(t[2 * b + 1]))
+
+    @property
+    def per_position_accuracy(self) -> torch.Tensor:
+        """[B] accuracy at each block position (NaN where no valid prediction; always at k = 0)."""
+        return self.correct / self.valid
+
+    @property
+    def accuracy(self) -> float:
+        valid = float(self.valid.sum())
+        return float(self.correct.sum()) / valid if valid else math.nan
+
+    @property
+    def tau(self) -> float:
+        """Estimated acceptance length: 1 + mean accepted drafts per block."""
+        return 1.0 + self.accepted / self.blocks if self.blocks else math.nan
