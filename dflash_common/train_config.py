@@ -25,9 +25,10 @@ class DataConfig:
         "tokens, over- or under-sampling its shards; none = every shard of every store once per epoch.",
     )
     cache_gb: float = option(
-        16.0, "Host RAM for the shard cache in GB, pinned once at start-up; must hold two shuffle windows."
+        16.0, "Host RAM for the shard cache in GB, per rank (each process has its own), pinned once at "
+        "start-up; must hold two shuffle windows of shards."
     )
-    reader_threads: int = option(4, "Threads reading shards from disk into the cache ahead of need.")
+    reader_threads: int = option(4, "Threads reading shards from disk into the cache ahead of need, per rank.")
     batch_tokens: int = option(
         65536,
         "Token budget of one packed micro-batch (the seed pipeline used 65,536); a longer sequence is "
@@ -77,7 +78,8 @@ class DrafterSection:
     )
     sliding_window: int | None = option(None, "Window of sliding_attention layers, in tokens (2048 on Qwen3.6).")
     init_from: str | None = option(
-        None, "A released drafter directory (config.json + model.safetensors) to start from instead of random."
+        None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
+        "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ."
     )
 
     def __post_init__(self):

@@ -32,6 +32,10 @@ import torch
 
 log = logging.getLogger("dflash")
 
+
+def human_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
 # Pin slot by slot on this many threads: registering memory faults every page in, which is the slow
 # part and parallelises; a copy never spans two slots, so per-slot registrations are enough.
 _PIN_THREADS = 8
@@ -56,11 +60,10 @@ class SlotSlab:
         if pin:
             started = time.perf_counter()
             slab._register()
-            log.info("shard cache: pinned %d slots of %.1f MiB (%.2f GB) in %.1f s", n_slots,
-                     slot_bytes / 2**20, n_slots * slot_bytes / 1e9, time.perf_counter() - started)
+            log.info("shard cache: pinned %s in %.1f s", human_bytes(n_slots * slot_bytes), time.perf_counter() - started)
         else:
-            log.info("shard cache: %d slots of %.1f MiB (%.2f GB) in ordinary memory (no CUDA: nothing to pin)",
-                     n_slots, slot_bytes / 2**20, n_slots * slot_bytes / 1e9)
+            why = "no CUDA: nothing to copy to" if not torch.cuda.is_available() else "pinning turned off"
+            log.info("shard cache: %s of ordinary memory, not pinned (%s)", human_bytes(n_slots * slot_bytes), why)
         return slab
 
     def _register(self) -> None:
@@ -90,8 +93,8 @@ class SlotSlab:
 
 @dataclasses.dataclass
 class CacheStats:
-    hits: int = 0
-    misses: int = 0
+    hits: int = 0  # counted requests that found their shard already read
+    misses: int = 0  # counted requests that had to wait for a read (queued or in progress)
     bytes_read: int = 0
     read_s: float = 0.0  # reader-thread time spent in read_fn, summed over threads
     wait_s: float = 0.0  # time callers spent blocked in Handle.wait
@@ -177,8 +180,11 @@ class ShardCache:
         """Shards that fit at once."""
         return self.slab.n_slots // self.slots_per_entry
 
-    def request(self, key: Hashable) -> Handle:
-        """A handle on `key`; a miss is queued for the reader threads. Never blocks."""
+    def request(self, key: Hashable, count: bool = True) -> Handle:
+        """A handle on `key`; an absent shard is queued for the reader threads. Never blocks.
+
+        Requests that will be waited on now count as hits or misses; prefetch requests pass
+        count=False, so the hit rate says how often a batch found its shards already read."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the shard cache is closed")
@@ -186,11 +192,14 @@ class ShardCache:
             if entry is None:
                 entry = self._entries[key] = _Entry(key)
                 self._pending.append(entry)
-                self.stats.misses += 1
                 self._lock.notify_all()
             else:
-                self.stats.hits += 1
                 self._evictable.pop(key, None)
+            if count:
+                if entry.done.is_set():
+                    self.stats.hits += 1
+                else:
+                    self.stats.misses += 1
             entry.refs += 1
             return Handle(self, entry)
 

@@ -4,7 +4,7 @@
       drafter/config.json, drafter/model.safetensors   the drafter in the released layout (fp32 master)
       trainer.pt        optimiser and lr-scheduler state, the step
       ranks.pt          per rank: data-pipeline position and RNG states (torch, cuda, python, numpy)
-      config.toml/json  the resolved config of the run that wrote it
+      run.toml/json     the resolved config (and versions, git revision) of the run that wrote it
       COMPLETE          written last
 
 The directory is written aside under a hidden name, the marker written last, everything fsynced and
@@ -113,7 +113,7 @@ def save_checkpoint(
         save_drafter(tmp / "drafter")
         torch.save(trainer_state, tmp / "trainer.pt")
         torch.save(rank_states, tmp / "ranks.pt")
-        write_run_record(tmp, cfg, name="config")
+        write_run_record(tmp, cfg, name="run")  # not config.json: that name means "a drafter directory"
         atomic_write_text(tmp / COMPLETE, f"step {step}\n", durable=False)
         fsync_tree(tmp)
         publish_dir(tmp, final)

@@ -40,7 +40,7 @@ class ShardMeta:
     store: int  # index into the run's list of stores
     name: str
     lengths: np.ndarray  # int64 [N] tokens per sequence
-    responses: np.ndarray  # int64 [N] loss-mask (response) tokens per sequence
+    responses: np.ndarray  # int64 [N] loss-mask (response) tokens in the part of each sequence trained on
 
     @property
     def tokens(self) -> int:

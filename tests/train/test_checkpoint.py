@@ -31,7 +31,7 @@ def _save(run_dir, step, keep_last=3, fail=False):
 def test_a_checkpoint_is_published_whole_with_its_marker(tmp_path):
     path = _save(tmp_path, 7)
     assert path.name == "step-7" and (path / COMPLETE).is_file()
-    assert {p.name for p in path.iterdir()} >= {"drafter", "trainer.pt", "ranks.pt", "config.toml", COMPLETE}
+    assert {p.name for p in path.iterdir()} >= {"drafter", "trainer.pt", "ranks.pt", "run.toml", COMPLETE}
     trainer, ranks = load_checkpoint(path)
     assert trainer == {"step": 7} and ranks == [{"data": {"i": 7}}]
     assert [p.name for p in tmp_path.iterdir()] == ["step-7"]  # nothing left aside
