@@ -104,10 +104,25 @@ def rows_for(device) -> list[tuple[str, object, bool]]:
     return rows
 
 
+def sweep(sizes, device, dtype, reps: int) -> None:
+    """Chunk height vs time and memory: how the default chunk budget was chosen."""
+    print(f"| {'chunk rows':>10} | {'N, H, V':<20} | {'ms':>9} | {'peak GiB':>9} |")
+    for n, h, v in sizes:
+        inputs = make_inputs(n, h, v, device, dtype, False)
+        for rows in (256, 384, 512, 640, 768, 1024, 1280, 1536, 2048):
+            def fn(hidden, weight, labels, weights, rows=rows):
+                return fused_lm_head_loss(hidden, weight, labels, weights, chunk_bytes=rows * v * weight.element_size()).loss
+            ms, peak = measure(fn, inputs, reps)
+            print(f"| {rows:>10} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {peak or 0:>9.2f} |")
+        del inputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time our Triton loss at several fixed chunk heights (rows) instead of the table")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -117,6 +132,8 @@ def main() -> None:
     print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}")
     print(f"| {'loss':<52} | {'N, H, V':<20} | {'ms':>9} | {'peak GiB':>9} |")
     print(f"|{'-' * 54}|{'-' * 22}|{'-' * 11}|{'-' * 11}|")
+    if args.sweep:
+        return sweep(sizes, device, dtype, reps)
     for n, h, v in sizes:
         for label, fn, block_weights in rows_for(device):
             size = f"{n}, {h}, {v}"

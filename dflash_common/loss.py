@@ -133,6 +133,7 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
             torch.mm(logits, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
         elif need_grad:
             grad[rows] = (logits @ weight).to(grad.dtype)
+        del logits  # else the next chunk's matmul allocates while this one is alive: two chunks at peak
     return loss, correct, grad
 
 

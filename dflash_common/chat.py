@@ -1,0 +1,156 @@
+"""Chat templating and the loss mask: the target tokenizer's own chat template makes the tokens, and the
+loss mask marks the tokens the assistant generated (its turns, up to and including its end-of-turn token).
+
+Two ways to find the assistant tokens, which give the same mask where both apply (tests check it):
+
+1. Templates with `{% generation %}` markers: transformers' assistant-token mask
+   (`apply_chat_template(..., return_assistant_tokens_mask=True)`).
+2. Templates without them (Qwen3, Llama 3 ...), by rendering prefixes of the conversation. For
+   assistant turn i, with F = render(all turns):
+     start = len(render(turns[:i], add_generation_prompt=True))   (F must start with that text)
+     end   = len(render(turns[:i+1]))                             where F starts with that text,
+             trimmed to just after the end-of-turn token (the tokenizer's eos) when only whitespace
+             follows it (the newline after `<|im_end|>` is template, not generation);
+             otherwise (the template renders a last turn differently from an earlier one, as Qwen3
+             does with its empty <think></think> block) just after the first end-of-turn token
+             after `start`.
+   A conversation that opens with an assistant turn has no prompt to render and is refused
+   (`assistant_turn_first`) on this path. A token is masked when its characters overlap an assistant span, exactly as transformers does for
+   marked templates. If the generation prompt of turn i is not a prefix of F, the template rewrites
+   history (e.g. a template that strips earlier turns differently than at generation time); the
+   position of the turn is then unknown and the conversation is refused with reason
+   `template_rewrites_history` instead of getting a guessed mask.
+
+Template options (`enable_thinking` and the like) pass through as `template_kwargs`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import numpy as np
+
+from dflash_common.cli import UserError
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class ChatMaskError(ValueError):
+    """A conversation the template cannot turn into tokens + mask; `reason` is the counted category."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def has_generation_markers(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
+
+
+class ChatTemplate:
+    """The target tokenizer's chat template with fixed options: conversation -> (input_ids, loss_mask)."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None,
+                 use_markers: bool | None = None):
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        self.use_markers = has_generation_markers(tokenizer) if use_markers is None else use_markers
+        self.end_of_turn = tokenizer.eos_token  # <|im_end|> for Qwen, <|eot_id|> for Llama 3 Instruct
+        if not self.use_markers and not getattr(tokenizer, "is_fast", False):
+            raise UserError("the target's chat template has no {% generation %} markers and its tokenizer "
+                            "is not a fast tokenizer, so assistant tokens cannot be located; provide "
+                            "tokenizer.json or a template with generation markers.")
+
+    @classmethod
+    def from_pretrained(cls, path: str, template_kwargs: dict[str, Any] | None = None) -> "ChatTemplate":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path), template_kwargs)
+
+    def tokenize(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        """-> input_ids int32 [T], loss_mask uint8 [T] (1 on assistant tokens)."""
+        if self.use_markers:
+            return self._tokenize_marked(messages)
+        return self._tokenize_by_rendering(messages)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a prompt that asks for the next assistant turn (for generation and evaluation)."""
+        text = self.render(messages, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        return _guarded(lambda: self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs))
+
+    def _tokenize_marked(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        out = _guarded(lambda: self.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            **self.template_kwargs))
+        return np.asarray(out["input_ids"], np.int32), np.asarray(out["assistant_masks"], np.uint8)
+
+    def _tokenize_by_rendering(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+        full = self.render(messages)
+        spans = [self._assistant_span(messages, i, full)
+                 for i, m in enumerate(messages) if m["role"] == "assistant"]
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        ids = np.asarray(enc["input_ids"], np.int32)
+        return ids, mask_from_spans(offsets, spans)
+
+    def _assistant_span(self, messages: list[dict[str, Any]], i: int, full: str) -> tuple[int, int]:
+        if i == 0:  # no history to render a generation prompt from (transformers refuses empty chats)
+            raise ChatMaskError("assistant_turn_first",
+                                "the conversation opens with an assistant turn; without generation "
+                                "markers in the template its prompt cannot be told from its text")
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        if not full.startswith(prompt):
+            raise ChatMaskError("template_rewrites_history",
+                                f"the template renders the history before assistant turn {i} differently "
+                                "once later turns follow")
+        start = len(prompt)
+        turn = self.render(messages[: i + 1])
+        if full.startswith(turn) and len(turn) > start:
+            return start, self._trim_after_end_of_turn(full, start, len(turn))
+        end = full.find(self.end_of_turn, start) if self.end_of_turn else -1
+        if end < 0:
+            raise ChatMaskError("template_rewrites_history",
+                                f"assistant turn {i} renders differently as the last turn and has no "
+                                f"end-of-turn token {self.end_of_turn!r} to find its end")
+        return start, end + len(self.end_of_turn)
+
+    def _trim_after_end_of_turn(self, full: str, start: int, end: int) -> int:
+        eot = self.end_of_turn
+        at = full.rfind(eot, start, end) if eot else -1
+        if at >= 0 and not full[at + len(eot): end].strip():
+            return at + len(eot)
+        return end
+
+
+def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 [T]: 1 where token t's character range [a, b) overlaps a span; spans sorted, disjoint.
+
+    The same rule as transformers' assistant mask for marked templates, so both paths agree."""
+    mask = np.zeros(len(offsets), np.uint8)
+    k = 0
+    for t, (a, b) in enumerate(offsets):
+        while k < len(spans) and a >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if b > spans[k][0]:
+            mask[t] = 1
+    return mask
+
+
+def _guarded(render: Callable[[], Any]) -> Any:
+    """Run the template; any error it raises (jinja's raise_exception, a missing variable, a role the
+    template does not know) is a property of the conversation, reported as `template_error`."""
+    try:
+        return render()
+    except ChatMaskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - user templates raise anything
+        raise ChatMaskError("template_error", f"{type(e).__name__}: {e}") from None

@@ -1,0 +1,156 @@
+"""The configuration tree of `dflash-precompute`: one frozen dataclass per section.
+
+Defaults live here and nowhere else; `configs/precompute-*.toml` set some of them and
+`--section.field=value` on the command line sets any of them last (dflash_common/config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dflash_common.config import check, option, section
+
+@dataclass(frozen=True)
+class TargetConfig:
+    path: str = option(
+        "",
+        "Local directory of the target checkpoint (config.json, safetensors weights, tokenizer). "
+        "Nothing is downloaded.",
+    )
+    dtype: Literal["bf16", "fp16", "fp32"] = option(
+        "bf16", "Dtype the target runs in; bf16 is how it is served. fp32 is for parity tests."
+    )
+    attn_implementation: str = option(
+        "sdpa",
+        "transformers attention implementation: 'sdpa', 'flash_attention_2', 'flash_attention_3' "
+        "(where installed) or 'eager'.",
+    )
+    layer_ids: list[int] | None = option(
+        None,
+        "Target layers to capture; id i is the output of decoder layer i (HF hidden_states[i+1]). "
+        "None means the DFlash rule for the target's depth ([1, 9, 17, 25, 33] for 36 layers). Any list "
+        "may be given; capturing a superset (e.g. every 4th layer) lets later drafter experiments choose "
+        "their layers from one store, at the cost of disk. Layers after the deepest id are never loaded "
+        "nor run.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.layer_ids is not None:
+            check(len(self.layer_ids) > 0, "target.layer_ids must not be empty; leave it unset for the default.")
+            check(len(set(self.layer_ids)) == len(self.layer_ids),
+                  f"target.layer_ids = {self.layer_ids} repeats an id.")
+            check(min(self.layer_ids) >= 0, f"target.layer_ids = {self.layer_ids} has a negative id.")
+        check(bool(self.attn_implementation.strip()), "target.attn_implementation must not be empty.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    inputs: list[str] = option(
+        [],
+        "Input files, globs or directories, read in this order (each glob sorted by path): JSONL "
+        "(.jsonl or .jsonl.gz) with OpenAI 'messages', ShareGPT 'conversations' or pre-tokenized "
+        "'input_ids' + 'loss_mask' records; a directory holding a `datasets` dataset saved with "
+        "save_to_disk; any other directory means its *.jsonl files.",
+    )
+    format: Literal["auto", "messages", "sharegpt", "tokenized"] = option(
+        "auto", "Record format; 'auto' decides per record from its keys."
+    )
+    max_length: int = option(3072, "Longest sequence in tokens (after the chat template).")
+    overlength: Literal["truncate", "drop"] = option(
+        "truncate", "What to do with a longer sequence: keep its first max_length tokens, or drop it."
+    )
+    chat_template_kwargs: dict[str, Any] = option(
+        {},
+        "Extra variables for the target's chat template, e.g. {enable_thinking = false} for Qwen3.",
+    )
+    block_size: int = option(
+        16,
+        "Drafter block size; sequences with fewer than 2 x block_size loss-mask (response) tokens are "
+        "dropped, as the drafter cannot place anchors in them.",
+    )
+    report_first: int = option(5, "How many skipped records are logged with file and line (all are counted).")
+
+    def __post_init__(self) -> None:
+        check(self.max_length >= 2, f"data.max_length must be >= 2, got {self.max_length}.")
+        check(self.block_size >= 2, f"data.block_size must be >= 2, got {self.block_size}.")
+        check(2 * self.block_size <= self.max_length,
+              f"data.max_length = {self.max_length} cannot hold 2 x data.block_size = {2 * self.block_size} "
+              "response tokens.")
+        check(self.report_first >= 0, f"data.report_first must be >= 0, got {self.report_first}.")
+        check(all(bool(p.strip()) for p in self.inputs), "data.inputs holds an empty path.")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    path: str = option("", "Directory of the hidden-state store (created; a rerun resumes it).")
+    dtype: Literal["bf16", "fp8_e4m3"] = option(
+        "bf16", "Element type on disk: bf16 (2 bytes per value) or fp8 e4m3 with a float32 scale per token "
+        "(half the disk)."
+    )
+    codec: Literal["none", "zstd", "blosc-lz4-bitshuffle"] = option(
+        "none", "Compression of the state arrays; hidden states compress little, so 'none' is fastest."
+    )
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    token_budget: int = option(
+        32768, "Padded tokens per forward batch (batch size x longest sequence in it)."
+    )
+    sort_window_units: int = option(
+        4,
+        "Samples of this many consecutive work units are sorted by length together before batching: "
+        "larger means less padding and more host memory for states of unfinished units.",
+    )
+
+    def __post_init__(self) -> None:
+        check(self.token_budget >= 1, f"batching.token_budget must be >= 1, got {self.token_budget}.")
+        check(self.sort_window_units >= 1,
+              f"batching.sort_window_units must be >= 1, got {self.sort_window_units}.")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    samples_per_unit: int = option(
+        32,
+        "Input records per work unit (= per shard), counted before filtering so units never depend on "
+        "the number of ranks. Aim for shards of 1-4 GB: records x tokens x bytes/token.",
+    )
+    device: str = option("auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'.")
+    tokenize_workers: int = option(
+        0, "Processes that apply the chat template and tokenize (0: in the main process)."
+    )
+    cache_dir: str = option(
+        "",
+        "Where tokenized work units are kept between the plan and the forward pass (tokenize once); "
+        "empty means '<store.path>.tokens' beside the store.",
+    )
+    writer_threads: int = option(4, "Threads that encode, compress and write shards while the GPU runs.")
+    queue_depth: int = option(
+        4, "Finished units waiting for a writer before the GPU waits (bounds host memory)."
+    )
+    force: bool = option(False, "Start even when the plan says the disk is too small.")
+    dry_run: bool = option(False, "Print the plan (samples, tokens, bytes on disk, free space) and stop.")
+
+    def __post_init__(self) -> None:
+        check(self.samples_per_unit >= 1, f"run.samples_per_unit must be >= 1, got {self.samples_per_unit}.")
+        check(self.tokenize_workers >= 0, f"run.tokenize_workers must be >= 0, got {self.tokenize_workers}.")
+        check(self.writer_threads >= 1, f"run.writer_threads must be >= 1, got {self.writer_threads}.")
+        check(self.queue_depth >= 1, f"run.queue_depth must be >= 1, got {self.queue_depth}.")
+        check(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+              f"run.device = {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'.")
+
+
+@dataclass(frozen=True)
+class PrecomputeConfig:
+    target: TargetConfig = section(TargetConfig, "The target model and the layers captured from it.")
+    data: DataConfig = section(DataConfig, "Input conversations, chat template and length rules.")
+    store: StoreConfig = section(StoreConfig, "Where and how the hidden states are written.")
+    batching: BatchingConfig = section(BatchingConfig, "How sequences are grouped into forward batches.")
+    run: RunConfig = section(RunConfig, "Work units, devices, writer pool, disk check.")
+
+    def __post_init__(self) -> None:
+        check(self.batching.token_budget >= self.data.max_length,
+              f"batching.token_budget = {self.batching.token_budget} must be >= data.max_length = "
+              f"{self.data.max_length}, so the longest sequence fits one batch.")

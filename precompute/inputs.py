@@ -1,0 +1,335 @@
+"""Read the input conversations: JSONL files (OpenAI `messages`, ShareGPT `conversations`, pre-tokenized
+`input_ids` + `loss_mask`) and `datasets` datasets saved on disk, several files or globs in one run.
+
+Reading is two cheap steps so that a rank can walk the whole input and parse only its own work units:
+`iter_raw_records` streams records (a JSONL line as bytes, a dataset row by index) with a global
+position and a stable source id (`path:line`, 1-based, or `path:index`); `parse_record` turns one into
+a `Conversation` or a `PreTokenized` sequence or raises `BadRecord(reason, detail)`.
+
+Bad input never stops the run and is never silent: every skipped record is counted by reason in a
+`SkipLog`, and the first few are reported with their file and line (in the plan). Reasons of this module:
+
+    blank_line, invalid_utf8, malformed_json, not_an_object, missing_field, wrong_field_type,
+    unknown_role, empty_conversation, no_assistant_turn, unreadable_file
+
+(the chat template and the length rules add theirs; see precompute/plan.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+from dflash_common.cli import UserError
+
+
+# Markers of a directory written by `datasets` save_to_disk (a Dataset, or a DatasetDict of splits).
+_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "chatgpt": "assistant"}
+
+
+class BadRecord(ValueError):
+    """A record that cannot become a training sequence; `reason` is the counted category."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One input: a JSONL file, or one split of a dataset saved on disk."""
+
+    path: str
+    kind: str  # "jsonl" | "dataset"
+    split: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path if self.split is None else f"{self.path}[{self.split}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class RawRecord:
+    """One input record before parsing. `index` counts records across all sources, in input order."""
+
+    index: int
+    source_id: str
+    payload: Any  # bytes (a JSONL line), a _DatasetRow, or an already loaded row (dict)
+
+    def portable(self) -> "RawRecord":
+        """The same record with a dataset row loaded, so it can be sent to another process."""
+        if isinstance(self.payload, _DatasetRow):
+            return RawRecord(self.index, self.source_id, self.payload.load())
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class _DatasetRow:
+    dataset: Any
+    row: int
+
+    def load(self) -> Any:
+        return self.dataset[self.row]
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    source_id: str
+    messages: list[dict[str, Any]]  # role/content (+ reasoning_content, tool_calls where given)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreTokenized:
+    source_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class SkipLog:
+    """Counts skipped records by reason and keeps the first `report_first` with their source id.
+
+    Units are tokenized apart (and in parallel), so a SkipLog logs nothing itself: the plan merges
+    the units' logs in input order and reports the first few of the whole input (`Plan.format`)."""
+
+    def __init__(self, report_first: int = 5):
+        self.report_first = report_first
+        self.counts: Counter[str] = Counter()
+        self.examples: list[tuple[str, str, str]] = []  # (source_id, reason, detail)
+
+    def add(self, source_id: str, reason: str, detail: str) -> None:
+        self.counts[reason] += 1
+        if len(self.examples) < self.report_first:
+            self.examples.append((source_id, reason, detail))
+
+    def merge(self, other: "SkipLog") -> None:
+        self.counts.update(other.counts)
+        room = max(0, self.report_first - len(self.examples))
+        self.examples.extend(other.examples[:room])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"counts": dict(sorted(self.counts.items())),
+                "examples": [list(e) for e in self.examples]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], report_first: int = 5) -> "SkipLog":
+        out = cls(report_first)
+        out.counts.update(data.get("counts", {}))
+        out.examples = [tuple(e) for e in data.get("examples", [])][:report_first]
+        return out
+
+
+# ---------------------------------------------------------------------------------------- sources
+
+
+def resolve_inputs(entries: list[str]) -> list[Source]:
+    """Expand paths, globs and directories into sources, in a deterministic order.
+
+    Entries keep their configured order; a glob's matches are sorted by path; a file matched twice is
+    read once (where it first appears). An entry that matches nothing is a UserError."""
+    sources: list[Source] = []
+    seen: set[str] = set()
+    for entry in entries:
+        matches = sorted(glob.glob(os.path.expanduser(entry), recursive=True))
+        if not matches:
+            raise UserError(f"data.inputs entry '{entry}' matches no file; fix the path or the glob.")
+        for path in matches:
+            for source in _sources_of(path):
+                if source.name not in seen:
+                    seen.add(source.name)
+                    sources.append(source)
+    if not sources:
+        raise UserError("data.inputs names no input file; give JSONL files, globs or saved datasets.")
+    return sources
+
+
+def _sources_of(path: str) -> list[Source]:
+    if os.path.isdir(path):
+        if any(os.path.exists(os.path.join(path, m)) for m in _DATASET_MARKERS):
+            return _dataset_sources(path)
+        files = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.jsonl.gz")))
+        if not files:
+            raise UserError(f"directory {path} holds neither a saved dataset nor *.jsonl files.")
+        return [Source(f, "jsonl") for f in files]
+    if not os.access(path, os.R_OK):
+        raise UserError(f"input file {path} cannot be read; check its permissions.")
+    return [Source(path, "jsonl")]
+
+
+def _dataset_sources(path: str) -> list[Source]:
+    dict_file = Path(path) / "dataset_dict.json"
+    if dict_file.is_file():  # a DatasetDict: every split, in sorted order
+        splits = json.loads(dict_file.read_text()).get("splits", [])
+        return [Source(path, "dataset", split) for split in sorted(splits)]
+    return [Source(path, "dataset")]
+
+
+# ---------------------------------------------------------------------------------------- records
+
+
+def iter_raw_records(sources: list[Source], skips: SkipLog | None = None) -> Iterator[RawRecord]:
+    """Stream every record of every source in order, without parsing (cheap: a rank skips records of
+    units it does not own). A file that breaks mid-way (e.g. truncated gzip) is counted once as
+    `unreadable_file` in `skips` and reading goes on with the next source."""
+    index = 0
+    for source in sources:
+        it = _iter_dataset(source) if source.kind == "dataset" else _iter_jsonl(source.path)
+        try:
+            for source_id, payload in it:
+                yield RawRecord(index, source_id, payload)
+                index += 1
+        except (OSError, EOFError, ValueError) as e:
+            if skips is None:
+                raise
+            skips.add(source.name, "unreadable_file", f"reading stopped after {index} records: {e}")
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[str, bytes]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            yield f"{path}:{line_no}", line
+
+
+def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
+    import datasets  # heavy import, only when a dataset is read
+
+    ds = datasets.load_from_disk(source.path)  # memory-mapped Arrow: rows are read on access
+    if source.split is not None:
+        ds = ds[source.split]
+    for row in range(len(ds)):
+        yield f"{source.name}:{row}", _DatasetRow(ds, row)
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+def parse_record(raw: RawRecord, fmt: str = "auto") -> Conversation | PreTokenized:
+    """One raw record -> a conversation or a pre-tokenized sequence; BadRecord if it is unusable."""
+    payload = raw.payload
+    obj = _load_json_line(payload) if isinstance(payload, bytes) else (
+        payload.load() if isinstance(payload, _DatasetRow) else payload)
+    if not isinstance(obj, dict):
+        raise BadRecord("not_an_object", f"a record must be a JSON object, got {type(obj).__name__}")
+    fmt = _detect_format(obj) if fmt == "auto" else fmt
+    if fmt == "messages":
+        return Conversation(raw.source_id, _messages(_field(obj, "messages"), "role", "content", None))
+    if fmt == "sharegpt":
+        return Conversation(raw.source_id, _messages(_field(obj, "conversations"), "from", "value", SHAREGPT_ROLES))
+    return _pre_tokenized(raw.source_id, obj)
+
+
+def _load_json_line(line: bytes) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord("invalid_utf8", f"byte {e.start} is not UTF-8") from None
+    if not text.strip():
+        raise BadRecord("blank_line", "empty line")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise BadRecord("malformed_json", "nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError
+        raise BadRecord("malformed_json", str(e)) from None
+
+
+def _detect_format(obj: dict) -> str:
+    for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("input_ids", "tokenized")):
+        if key in obj:
+            return fmt
+    raise BadRecord("missing_field", "record has none of 'messages', 'conversations', 'input_ids'")
+
+
+def _field(obj: dict, key: str) -> Any:
+    if key not in obj:
+        raise BadRecord("missing_field", f"record has no '{key}'")
+    return obj[key]
+
+
+def _messages(turns: Any, role_key: str, text_key: str, role_map: dict[str, str] | None) -> list[dict]:
+    if not isinstance(turns, list):
+        raise BadRecord("wrong_field_type", f"the conversation must be a list, got {type(turns).__name__}")
+    if not turns:
+        raise BadRecord("empty_conversation", "the conversation has no turns")
+    messages = [_message(i, turn, role_key, text_key, role_map) for i, turn in enumerate(turns)]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRecord("no_assistant_turn", "no assistant turn to learn from")
+    return messages
+
+
+def _message(i: int, turn: Any, role_key: str, text_key: str, role_map: dict[str, str] | None) -> dict:
+    if not isinstance(turn, dict):
+        raise BadRecord("wrong_field_type", f"turn {i} must be an object, got {type(turn).__name__}")
+    role = turn.get(role_key)
+    if not isinstance(role, str):
+        raise BadRecord("wrong_field_type" if role_key in turn else "missing_field",
+                        f"turn {i} needs a string '{role_key}'")
+    mapped = role_map.get(role) if role_map is not None else (role if role in MESSAGE_ROLES else None)
+    if mapped is None:
+        raise BadRecord("unknown_role", f"turn {i} has role {role[:40]!r}")
+    message = {"role": mapped, "content": _content(i, turn, text_key)}
+    if isinstance(turn.get("reasoning_content"), str):
+        message["reasoning_content"] = _checked_text(i, turn["reasoning_content"])
+    if isinstance(turn.get("tool_calls"), list) and turn["tool_calls"]:
+        _checked_text(i, json.dumps(turn["tool_calls"], ensure_ascii=False))
+        message["tool_calls"] = turn["tool_calls"]
+    return message
+
+
+def _content(i: int, turn: dict, text_key: str) -> str:
+    content = turn.get(text_key)
+    if content is None and isinstance(turn.get("tool_calls"), list) and turn["tool_calls"]:
+        return ""  # an assistant turn that only calls tools
+    if isinstance(content, list):  # OpenAI content parts: text parts are joined, others refused
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise BadRecord("wrong_field_type", f"turn {i} has content parts that are not text")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise BadRecord("wrong_field_type" if text_key in turn else "missing_field",
+                        f"turn {i} needs a string '{text_key}'")
+    return _checked_text(i, content)
+
+
+def _checked_text(i: int, text: str) -> str:
+    try:  # JSON may carry lone surrogates ("\ud800") that no tokenizer can encode
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRecord("invalid_utf8", f"turn {i} holds an unpaired surrogate") from None
+    return text
+
+
+def _pre_tokenized(source_id: str, obj: dict) -> PreTokenized:
+    ids, mask = _field(obj, "input_ids"), _field(obj, "loss_mask")
+    if not (isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)):
+        raise BadRecord("wrong_field_type", "'input_ids' must be a list of non-negative integers")
+    if not (isinstance(mask, list) and all(type(m) in (int, bool) and m in (0, 1) for m in mask)):
+        raise BadRecord("wrong_field_type", "'loss_mask' must be a list of 0/1")
+    if len(ids) != len(mask):
+        raise BadRecord("wrong_field_type", f"'input_ids' has {len(ids)} tokens, 'loss_mask' {len(mask)}")
+    if not ids:
+        raise BadRecord("empty_conversation", "'input_ids' is empty")
+    return PreTokenized(source_id, ids, [int(m) for m in mask])
+
+
+def parse_or_skip(raw: RawRecord, fmt: str, skips: SkipLog) -> Conversation | PreTokenized | None:
+    """parse_record, with a bad record counted in `skips` (and logged if among the first) instead."""
+    try:
+        return parse_record(raw, fmt)
+    except BadRecord as e:
+        skips.add(raw.source_id, e.reason, e.detail)
+        return None

@@ -1,0 +1,212 @@
+"""The target model, truncated to what the drafter needs, with its hidden states captured by hooks.
+
+A layer id i is the output of decoder layer i (HF `hidden_states[i + 1]`). Nothing after the deepest
+captured layer is loaded or run: the config is cut to `max(layer_ids) + 1` decoder layers (per-layer
+lists such as `layer_types` cut with it), the base model is built without `lm_head`, and its final
+norm is replaced by an identity. transformers' loader only reads checkpoint tensors that match a
+parameter of the model it builds, so the weights of later layers, of the final norm's successors and
+of `lm_head` are never read from disk (they show up as "unexpected" keys and are dropped unread).
+
+Composite checkpoints (a vision-language model whose text tower is the target, e.g. Qwen3.5/3.6)
+load their text model only: `config.get_text_config()` picks it and transformers maps the weight names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from dflash_common.cli import UserError
+from dflash_common.layer_ids import check_layer_ids, default_layer_ids
+
+log = logging.getLogger("dflash")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+_LAYER_LIST_NAMES = ("layers", "h")
+# Bytes hashed at the start, middle and end of each weight file for the fingerprint: enough to tell
+# fine-tunes of one base apart without reading tens of GB.
+_FINGERPRINT_SAMPLE = 1 << 20
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def read_text_config(path: str | Path) -> Any:
+    """The target's (text) config from `path`/config.json, without loading weights."""
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise UserError(f"target.path {path} has no config.json; point it at a local checkpoint directory.")
+    try:
+        return AutoConfig.from_pretrained(path).get_text_config()
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"target.path {path}: transformers cannot read its config.json ({e}).") from e
+
+
+def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
+    """The configured ids, or the DFlash default for a target of `num_layers` decoder layers."""
+    try:
+        ids = default_layer_ids(num_layers) if configured is None else list(configured)
+        check_layer_ids(ids, num_layers)
+    except ValueError as e:
+        raise UserError(f"target.layer_ids: {e}.") from e
+    return ids
+
+
+def truncated_config(text_config: Any, num_layers: int) -> Any:
+    """A copy of the config with `num_layers` decoder layers; every per-layer list is cut with it."""
+    full = text_config.num_hidden_layers
+    cut = copy.deepcopy(text_config)
+    for name, value in list(vars(cut).items()):
+        if isinstance(value, (list, tuple)) and len(value) == full and name != "architectures":
+            setattr(cut, name, type(value)(value[:num_layers]))  # layer_types, per-layer windows, ...
+    cut.num_hidden_layers = num_layers
+    cut.use_cache = False
+    return cut
+
+
+def target_fingerprint(path: str | Path) -> str:
+    """Identifies a checkpoint: its config.json, and each weight file's name, size and sampled bytes.
+
+    A fingerprint, not a checksum: it reads 3 MiB per file, so it is cheap for a 60 GB target."""
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+    for p in weights:
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            for at in (0, max(0, size // 2 - _FINGERPRINT_SAMPLE // 2), max(0, size - _FINGERPRINT_SAMPLE)):
+                f.seek(at)
+                h.update(f.read(_FINGERPRINT_SAMPLE))
+    return h.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """Hash of the tokenizer and chat template files (they decide the token ids and masks)."""
+    h = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        p = Path(path) / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"run.device = {name!r} but no CUDA GPU is visible; use 'cpu' or 'auto'.")
+    return torch.device(name)
+
+
+class CapturedTarget:
+    """A truncated target whose forward returns the hidden states of `layer_ids`, in that order."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int):
+        self.model = model
+        self.layer_ids = layer_ids
+        self.num_target_layers = num_target_layers  # depth of the full target, before truncation
+        self._captured: dict[int, torch.Tensor] = {}
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """input_ids [B, S] (right-padded, see precompute/batching.py) -> K tensors [B, S, H].
+
+        No attention mask is passed: with right padding and causal attention a real token never sees a
+        pad, and sdpa/flash keep their fastest causal kernels."""
+        self._captured.clear()
+        with self._hooks():
+            self.model(input_ids=input_ids, use_cache=False)
+        return [self._captured.pop(i) for i in self.layer_ids]
+
+    @contextlib.contextmanager
+    def _hooks(self) -> Iterator[None]:
+        layers = decoder_layers(self.model)
+        handles = [layers[i].register_forward_hook(self._capture(i)) for i in self.layer_ids]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _capture(self, layer_id: int):
+        def hook(module, args, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    for name in _LAYER_LIST_NAMES:
+        layers = getattr(model, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise UserError(f"target model {type(model).__name__} has no list of decoder layers named "
+                    f"{' or '.join(_LAYER_LIST_NAMES)}; this architecture is not supported.")
+
+
+def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "bf16",
+                attn_implementation: str = "sdpa", device: torch.device | str = "cpu") -> CapturedTarget:
+    """Load the target truncated after its deepest captured layer, without lm_head or final norm."""
+    from transformers import AutoModel
+
+    text_config = read_text_config(path)
+    num_layers = text_config.num_hidden_layers
+    ids = resolve_layer_ids(layer_ids, num_layers)
+    config = truncated_config(text_config, max(ids) + 1)
+    with _quiet_transformers():
+        try:
+            model, info = AutoModel.from_pretrained(
+                path, config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+                device_map={"": str(device)}, output_loading_info=True)
+        except (OSError, ValueError, ImportError) as e:
+            raise UserError(f"target.path {path} could not be loaded ({e}).") from e
+    if info["missing_keys"]:
+        raise UserError(f"target checkpoint {path} lacks weights {sorted(info['missing_keys'])[:4]}; "
+                        "is it complete and of the architecture its config.json names?")
+    _drop_final_norm(model)
+    model.eval().requires_grad_(False)
+    log.info("target %s: %d of %d decoder layers loaded, capturing layer ids %s", path, config.num_hidden_layers,
+             num_layers, ids)
+    return CapturedTarget(model, ids, num_layers)
+
+
+def _drop_final_norm(model: nn.Module) -> None:
+    for name in _FINAL_NORM_NAMES:
+        if isinstance(getattr(model, name, None), nn.Module):
+            setattr(model, name, nn.Identity())  # its output is never stored: do not run it
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers prints a load report listing every unread (= deliberately skipped) weight."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()

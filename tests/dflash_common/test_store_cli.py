@@ -1,0 +1,59 @@
+"""`dflash-store info` and `verify`, run as the user runs them: a separate process, exit codes, output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from test_store_support import manifest, unit_name, write_units
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "dflash_common.store_cli", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_info_verify_and_exit_codes(tmp_path):
+    store = tmp_path / "s"
+    write_units(store, manifest("fp8_e4m3", "zstd"), [0, 1, 2], 100)
+
+    info = _cli("info", store, "--json")
+    assert info.returncode == 0, info.stderr
+    data = json.loads(info.stdout)
+    assert (data["shards"], data["sequences"], data["tokens"]) == (3, 9, 300)
+    assert data["layer_ids"] == [1, 3, 5] and data["dtype"] == "fp8_e4m3" and data["codec"] == "zstd"
+    disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file() and ".staging" not in p.parts)
+    assert data["bytes_on_disk"] == disk and abs(data["bytes_per_token"] - disk / 300) < 1e-9
+    # decoded: 3 layers x (64 B fp8 + 4 B scale) + 4 B id + 1 B mask per token; 8 B per offset
+    assert data["decoded_bytes"] == 300 * (3 * 68 + 5) + 3 * 4 * 8
+    assert data["compression_ratio"] == data["decoded_bytes"] / disk
+
+    text = _cli("info", store)
+    assert text.returncode == 0
+    for line in ("format version     1", "layer ids          1, 3, 5", "tokens             300"):
+        assert line in text.stdout
+
+    ok = _cli("verify", store)
+    assert ok.returncode == 0 and ok.stdout == "" and "3 shard(s)" in ok.stderr and "OK" in ok.stderr
+
+    chunk = store / "shards" / unit_name(2) / "layer_3/c/0/0"
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 1
+    chunk.write_bytes(bytes(data))
+    bad = _cli("verify", store)
+    assert bad.returncode == 1
+    assert bad.stdout.split() == [unit_name(2)] and "crc32c" in bad.stderr
+
+
+def test_a_path_that_is_not_a_store_is_one_line_and_exit_2(tmp_path):
+    for cmd in ("info", "verify"):
+        r = _cli(cmd, tmp_path)
+        assert r.returncode == 2
+        assert r.stderr.strip().count("\n") == 0 and "not a dflash store" in r.stderr
+        assert "Traceback" not in r.stderr

@@ -1,0 +1,158 @@
+"""The truncated target: captured states equal the full model's hidden_states, and nothing after the
+deepest captured layer is built or read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash_common.cli import UserError
+from precompute import target as T
+
+
+@pytest.fixture(scope="module")
+def full_tiny(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+def reference_states(full, ids):
+    with torch.no_grad():
+        return full(ids, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("layer_ids", [None, [0, 3, 6], [6, 2]])
+def test_captured_states_equal_full_model_hidden_states(tiny_target, full_tiny, layer_ids):
+    t = T.load_target(tiny_target, layer_ids, dtype="fp32")
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    got = t.forward(ids)
+    want = reference_states(full_tiny, ids)
+    expected_ids = layer_ids or [1, 2, 3, 4, 5]  # the DFlash rule for 8 layers
+    assert t.layer_ids == expected_ids and len(got) == len(expected_ids)
+    for layer_id, states in zip(expected_ids, got):
+        assert states.shape == (2, 33, 64)
+        torch.testing.assert_close(states, want[layer_id + 1], rtol=1e-5, atol=1e-5)  # id i = hidden_states[i+1]
+        if layer_id > 0:
+            assert not torch.allclose(states, want[layer_id], atol=1e-3)  # and not the layer before
+
+
+def test_last_layer_is_captured_before_the_final_norm(tiny_target, full_tiny):
+    """HF's hidden_states[N] is the normed output; id N-1 means the decoder layer's own output."""
+    t = T.load_target(tiny_target, [7], dtype="fp32")
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    (got,) = t.forward(ids)
+    seen = {}
+    handle = full_tiny.model.layers[7].register_forward_hook(lambda m, a, o: seen.setdefault("out", o))
+    try:
+        want = reference_states(full_tiny, ids)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, seen["out"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full_tiny.model.norm(got), want[8], rtol=1e-5, atol=1e-5)
+
+
+def test_truncated_model_has_nothing_after_the_deepest_layer(tiny_target):
+    t = T.load_target(tiny_target, [1, 3], dtype="fp32")
+    names = [n for n, _ in t.model.named_parameters()]
+    assert t.model.config.num_hidden_layers == 4 and len(t.model.layers) == 4
+    assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {"0", "1", "2", "3"}
+    assert not [n for n in names if "lm_head" in n or n.startswith("norm")]
+    assert isinstance(t.model.norm, torch.nn.Identity)
+    assert len(t.model.config.layer_types) == 4 and t.num_target_layers == 8
+
+
+def test_unused_weights_are_never_read_from_disk(tiny_target, monkeypatch):
+    """Record which checkpoint tensors the loader actually materialises."""
+    import transformers.modeling_utils as mu
+
+    read: set[str] = set()
+    real_open = mu.safe_open
+
+    class Slice:
+        def __init__(self, key, inner):
+            self.key, self.inner = key, inner
+
+        def __getitem__(self, item):
+            read.add(self.key)
+            return self.inner[item]
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    class File:
+        def __init__(self, *a, **k):
+            self.inner = real_open(*a, **k)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def get_slice(self, key):
+            return Slice(key, self.inner.get_slice(key))
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(mu, "safe_open", File)
+    t = T.load_target(tiny_target, [1, 2], dtype="fp32")
+    assert read, "the probe saw no tensor being read"
+    assert not [k for k in read if "lm_head" in k or any(f"layers.{i}." in k for i in range(3, 8))]
+    assert {f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)} <= read
+    assert len(t.model.layers) == 3
+
+
+def test_default_dtype_is_bf16(tiny_target):
+    t = T.load_target(tiny_target, [1])
+    assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
+    assert t.forward(torch.zeros(1, 5, dtype=torch.long))[0].dtype == torch.bfloat16
+
+
+def test_truncated_config_cuts_every_per_layer_list(tiny_target):
+    cfg = AutoConfig.from_pretrained(tiny_target)
+    cfg.layer_types = ["sliding_attention", "full_attention"] * 4
+    cut = T.truncated_config(cfg, 3)
+    assert cut.num_hidden_layers == 3 and cut.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert cfg.num_hidden_layers == 8 and len(cfg.layer_types) == 8  # the original is untouched
+
+
+def test_user_errors(tiny_target, tmp_path):
+    with pytest.raises(UserError, match="no config.json"):
+        T.load_target(tmp_path, None)
+    with pytest.raises(UserError, match="target.layer_ids"):
+        T.load_target(tiny_target, [8])
+    with pytest.raises(UserError, match="list the layer ids explicitly"):
+        T.resolve_layer_ids(None, 4)
+
+
+def test_fingerprints_see_weights_and_tokenizer(tiny_target, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_target, copy)
+    assert T.target_fingerprint(copy) == T.target_fingerprint(tiny_target)
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert T.target_fingerprint(copy) != T.target_fingerprint(tiny_target)
+    before = T.tokenizer_fingerprint(copy)
+    (copy / "chat_template.jinja").write_text("{{ messages }}")
+    assert T.tokenizer_fingerprint(copy) != before
+
+
+def test_composite_checkpoint_loads_its_text_tower_truncated(tiny_vlm):
+    path, full = tiny_vlm
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    t = T.load_target(path, [1, 4], dtype="fp32")
+    assert len(t.model.layers) == 5 and t.model.config.layer_types[3] == "full_attention"
+    assert not [n for n, _ in t.model.named_parameters() if "visual" in n or "lm_head" in n]
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = full.model.language_model(ids, output_hidden_states=True, use_cache=False).hidden_states
+    for layer_id, states in zip([1, 4], t.forward(ids)):
+        torch.testing.assert_close(states, want[layer_id + 1], rtol=1e-5, atol=1e-5)
