@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_tiny_store
+from train_helpers import write_tiny_store
 
 from dflash_common.config import load_config
 from dflash_common.objective import AcceptanceCounts, sample_anchors
