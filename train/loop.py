@@ -154,6 +154,7 @@ class StepInfo:
 
     epoch: int
     position: dict[str, Any]  # data-pipeline state that resumes right after this step
+    lr: float = 0.0  # the learning rate this step used
 
 
 def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg: TrainConfig,
@@ -182,10 +183,11 @@ def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg:
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
     sums[_GNORM] += grad_norm.double()
     sums[_N] += 1
+    lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return info
+    return dataclasses.replace(info, lr=lr)
 
 
 class Window:
@@ -348,7 +350,7 @@ def run(cfg: TrainConfig) -> Path:
             bar.update(1)
             last = step == r.total
             if step % c.log.every_steps == 0 or last:
-                record = window.record(step, info.epoch, r.scheduler.get_last_lr()[0], r.data.cache.stats, r.dist.world)
+                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world)
                 if metrics is not None:
                     metrics.write(record)
             if (c.validation.every_steps and step % c.validation.every_steps == 0) or last:

@@ -158,9 +158,9 @@ class DataPlan:
         for w, shards in enumerate(windows):
             seqs = np.concatenate([np.column_stack([np.full(len(self.split.train[s]), s), self.split.train[s]])
                                    for s in shards]).astype(np.int64)  # [n, 2] (shard, sequence)
-            seqs = seqs[rng(self.seed, _WINDOW, epoch, rank, w).permutation(len(seqs))]
-            lengths = np.array([self.shards[s].lengths[q] for s, q in seqs.tolist()], dtype=np.int64)
-            packed = pack(seqs, lengths, self.batch_tokens)
+            lengths = np.concatenate([self.shards[s].lengths[self.split.train[s]] for s in shards])  # [n]
+            order = rng(self.seed, _WINDOW, epoch, rank, w).permutation(len(seqs))
+            packed = pack(seqs[order], lengths[order], self.batch_tokens)
             batches += packed
             batch_window += [w] * len(packed)
         return EpochPlan(epoch, batches, np.array(batch_window, dtype=np.int64), windows)
