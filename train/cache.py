@@ -39,6 +39,9 @@ def human_bytes(n: float) -> str:
 # Pin slot by slot on this many threads: registering memory faults every page in, which is the slow
 # part and parallelises; a copy never spans two slots, so per-slot registrations are enough.
 _PIN_THREADS = 8
+# Slots start and end on page boundaries: the driver pins whole pages, and two registrations may not
+# share one (the second would fail as already registered).
+PAGE = 4096
 
 
 class SlotSlab:
@@ -52,11 +55,15 @@ class SlotSlab:
 
     @classmethod
     def allocate(cls, n_slots: int, slot_bytes: int, pin: bool | None = None) -> "SlotSlab":
+        """One allocation of `n_slots` page-aligned slots of at least `slot_bytes`; pinned by default
+        when CUDA is present."""
         if n_slots < 1 or slot_bytes < 1:
             raise ValueError(f"a slab needs at least one slot of at least one byte, got {n_slots} x {slot_bytes}")
         pin = torch.cuda.is_available() if pin is None else pin
-        buffer = torch.empty(n_slots * slot_bytes, dtype=torch.uint8)
-        slab = cls(buffer, slot_bytes, pinned=False)
+        slot_bytes = -(-slot_bytes // PAGE) * PAGE
+        raw = torch.empty(n_slots * slot_bytes + PAGE, dtype=torch.uint8)  # malloc aligns to 64 bytes, not pages
+        start = -raw.data_ptr() % PAGE
+        slab = cls(raw[start:start + n_slots * slot_bytes], slot_bytes, pinned=False)
         if pin:
             started = time.perf_counter()
             slab._register()

@@ -31,11 +31,26 @@ def _cache(n_slots, per_entry=2, threads=2, **kw):
     return ShardCache(slab, per_entry, _filler(reads, **kw), threads), reads
 
 
-def test_slots_are_views_of_one_allocation():
-    slab = SlotSlab.allocate(4, 8, pin=False)
+def test_slots_are_page_aligned_views_of_one_allocation():
+    slab = SlotSlab.allocate(4, 5000, pin=False)
+    assert slab.slot_bytes == 8192 and slab.n_slots == 4
     slab.buffer.zero_()
     slab.view(2).fill_(7)
-    assert slab.buffer.numel() == 32 and slab.buffer[16:24].eq(7).all() and slab.buffer[:16].eq(0).all()
+    assert slab.buffer[2 * 8192:3 * 8192].eq(7).all() and slab.buffer[:2 * 8192].eq(0).all()
+    assert all(slab.view(i).data_ptr() % 4096 == 0 for i in range(4))
+    assert slab.view(3).untyped_storage().data_ptr() == slab.view(0).untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+def test_pinned_slots_copy_to_the_gpu_without_blocking():
+    slab = SlotSlab.allocate(3, 10_000, pin=True)  # odd size: slots still own whole pages
+    assert slab.pinned and all(slab.view(i).is_pinned() for i in range(3))
+    slab.view(1).fill_(5)
+    dev = slab.view(1).to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert dev.eq(5).all()
+    slab.close()
+    assert not slab.pinned
 
 
 def test_hits_misses_bytes_and_contents():
@@ -45,7 +60,7 @@ def test_hits_misses_bytes_and_contents():
         assert [int(v[0]) for v in views] == [1, 1]
     with cache.request(1) as h:
         h.wait()
-    assert (cache.stats.hits, cache.stats.misses, cache.stats.bytes_read) == (1, 1, 32)
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.bytes_read) == (1, 1, 2 * cache.slab.slot_bytes)
     assert reads == [1]
     cache.close()
 
