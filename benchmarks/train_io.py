@@ -11,9 +11,11 @@ It prints tok/s, the data-stall fraction (host time blocked waiting for a batch)
 peak GPU memory of each phase, and the ratio from-disk / resident (goal: >= 0.97).
 
 The script is self-contained: it writes its own store of random states with a Qwen3-8B-like shape
-(hidden 4096, 5 target layers, vocabulary 151,936, 5 draft layers) through the store API.
+(hidden 4096, 5 target layers, vocabulary 151,936, 5 draft layers) through the store API: 18
+shards of 32,768 tokens (24 GB in bf16), shuffle windows of 4 shards (two 65,536-token batches),
+so the cache (half the store) holds two windows and every epoch reads the store again.
 
-    python benchmarks/train_io.py                    # on a CUDA GPU (writes ~16 GB under --workdir)
+    python benchmarks/train_io.py                    # on a CUDA GPU (writes ~24 GB under --workdir)
     python benchmarks/train_io.py --quick            # tiny sizes, any CPU: a smoke test
 """
 
@@ -45,11 +47,11 @@ from train.loop import _N, _TOKENS, _WAIT, build_optimizer, train_step  # noqa: 
 
 # Qwen3-8B: hidden 4096, 32 heads of 128, 8 KV heads, MLP 12288, vocabulary 151,936, 36 layers.
 FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, target_layers=36,
-            layer_ids=[1, 9, 17, 25, 33], depth=5, block=16, store_gb=16.0, shard_tokens=16384,
-            batch_tokens=65536, seq_min=512, seq_max=3072, steps=20, warmup=3)
+            layer_ids=[1, 9, 17, 25, 33], depth=5, block=16, anchors=512, store_gb=24.0, shard_tokens=32768,
+            window=4, batch_tokens=65536, seq_min=512, seq_max=3072, steps=20, warmup=3)
 QUICK = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, target_layers=8,
-             layer_ids=[1, 3, 5], depth=1, block=8, store_gb=0.004, shard_tokens=2048,
-             batch_tokens=1024, seq_min=64, seq_max=300, steps=6, warmup=1)
+             layer_ids=[1, 3, 5], depth=1, block=8, anchors=16, store_gb=0.004, shard_tokens=2048, window=1,
+             batch_tokens=1024, seq_min=64, seq_max=300, steps=4, warmup=1)
 
 
 def parse() -> argparse.Namespace:
@@ -117,7 +119,8 @@ def make_drafter(s: dict, device: torch.device) -> DFlashDrafter:
                         target_layer_ids=tuple(s["layer_ids"]), mask_token_id=s["vocab"] - 1,
                         layer_types=("full_attention",) * s["depth"], block_size=s["block"])
     torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg).to(device)
+    with torch.device(device):  # initialise in place: a 1B-parameter drafter is slow to build on a CPU
+        drafter = DFlashDrafter(cfg)
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = torch.randn(s["vocab"], s["hidden"], device=device, dtype=head_dtype) * 0.02
     drafter.attach_frozen(embed, torch.randn_like(embed) * 0.02)
@@ -174,11 +177,15 @@ def main() -> None:
 
 def run(args, s, store, store_path, store_bytes, steps, device) -> None:
     autocast = "bf16" if device.type == "cuda" else "none"
+    biggest = max(store.shard_nbytes(i.name, s["layer_ids"]) for i in store.shards)
+    cache_bytes = max(args.cache_fraction * store_bytes, 2 * s["window"] * biggest * 1.001)  # the trainer's minimum
+    print(f"cache: {human_bytes(cache_bytes)} = {cache_bytes / store_bytes:.0%} of the store")
     cfg = load_config(TrainConfig, None, [
-        f"--data.stores=[\"{store_path}\"]", f"--data.cache_gb={args.cache_fraction * store_bytes / 1e9}",
+        f"--data.stores=[\"{store_path}\"]", f"--data.cache_gb={cache_bytes / 1e9}",
         f"--data.reader_threads={args.reader_threads}", f"--data.batch_tokens={s['batch_tokens']}",
-        "--data.window_shards=1", f"--data.gpu_prefetch={args.gpu_prefetch}", "--data.holdout_sequences=0",
-        f"--drafter.block_size={s['block']}", f"--precision.autocast={autocast}", "--optim.warmup_fraction=0"])
+        f"--data.window_shards={s['window']}", f"--data.gpu_prefetch={args.gpu_prefetch}", "--data.holdout_sequences=0",
+        f"--drafter.block_size={s['block']}", f"--objective.max_anchors={s['anchors']}",
+        f"--precision.autocast={autocast}", "--optim.warmup_fraction=0"])
     drafter = make_drafter(s, device)
     total = s["warmup"] + steps
 
@@ -199,7 +206,7 @@ def run(args, s, store, store_path, store_bytes, steps, device) -> None:
     print()
     print(f"| phase | tok/s | data stall | peak GPU memory |")
     print(f"| --- | --- | --- | --- |")
-    print(f"| from disk (cache {args.cache_fraction:.0%} of the store, page cache "
+    print(f"| from disk (cache {cache_bytes / store_bytes:.0%} of the store, page cache "
           f"{'dropped' if dropped else 'kept'}) | {disk['tok_s']:,.0f} | {disk['stall']:.1%} | {_gb(disk['peak_gb'])} |")
     print(f"| resident on the {device.type.upper()} (peak includes {min(total, args.resident_batches)} resident batches) | "
           f"{gpu['tok_s']:,.0f} | - | {_gb(gpu['peak_gb'])} |")
