@@ -3,7 +3,7 @@ logits (written in place) and argmax correctness, one row of a logits chunk per 
 
 The matmuls around it (hidden @ W^T before, d_logits @ W after) stay in cuBLAS; see loss.py for the
 design and why this split costs 4·N·V·H FLOPs. The kernel streams each row twice: an online
-max / sum-exp / argmax / label-logit pass, then (when a gradient is wanted) a pass writing
+max / sum-exp / argmax pass kept per lane, then (when a gradient is wanted) a pass writing
 w * (softmax - onehot) over the logits in their own dtype. All arithmetic is float32.
 
 Runs on the CPU under TRITON_INTERPRET=1 (the test suite does so).
@@ -35,22 +35,25 @@ def _weighted_ce_rows_kernel(
     row_ptr = logits_ptr + row * logits_row_stride
     label = tl.load(labels_ptr + row)
     weight = tl.load(weights_ptr + row).to(tl.float32)
+    x_label = tl.load(row_ptr + label).to(tl.float32)
 
-    # pass 1: running max m, sum of exp(x - m), argmax (first index of the max), label logit
-    m = float("-inf")
-    s = 0.0
-    x_label = 0.0
-    best = 0
+    # pass 1: every lane keeps its own running max, sum of exp and argmax across tiles, so the
+    # loop has no cross-warp reduction; lanes are combined once at the end. The start value is a
+    # finite floor, not -inf, so exp(-|x - m|) never sees inf - inf on lanes past the row's end.
+    m_lane = tl.full([BLOCK], -1.0e30, tl.float32)
+    s_lane = tl.zeros([BLOCK], tl.float32)
+    i_lane = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        tile_max = tl.max(x, axis=0)
-        best = tl.where(tile_max > m, start + tl.argmax(x, axis=0), best)  # strict: earlier tile wins ties
-        m_new = tl.maximum(m, tile_max)
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        x_label += tl.sum(tl.where(cols == label, x, 0.0), axis=0)
-        m = m_new
-    lse = m + tl.log(s)
+        above = x > m_lane  # strict: a lane keeps the first column of its max
+        e = tl.exp(-tl.abs(x - m_lane))  # one exp per value: exp(m - x) if above, else exp(x - m)
+        s_lane = tl.where(above, s_lane * e + 1.0, s_lane + e)
+        i_lane = tl.where(above, cols, i_lane)
+        m_lane = tl.maximum(m_lane, x)
+    m = tl.max(m_lane, axis=0)
+    lse = m + tl.log(tl.sum(s_lane * tl.exp(m_lane - m), axis=0))
+    best = tl.min(tl.where(m_lane == m, i_lane, n_cols), axis=0)  # first column holding the max
     tl.store(loss_ptr + row, (lse - x_label) * weight)
     tl.store(correct_ptr + row, (best == label).to(tl.int8))
 

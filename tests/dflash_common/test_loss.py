@@ -83,15 +83,17 @@ def test_triton_kernel_tiles_the_vocabulary_like_the_torch_rows():
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 200, generator=g) * 4
-    logits[2, 190] = logits[2, 7] = 50.0  # a tie across tiles: the first index wins, as torch.argmax
-    labels = torch.tensor([0, 199, 7, 64, 63, 128])
+    # ties across tiles, in other lanes (7, 190) and in the same lane (7, 71): the first index wins
+    logits[2, 190] = logits[2, 7] = logits[2, 71] = 50.0
+    logits[5, 195] = 60.0  # the max only in the last, partial tile
+    labels = torch.tensor([0, 199, 7, 64, 63, 195])
     weights = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.0, 0.25])
     a, b = logits.clone(), logits.clone()
     loss_t, correct_t = weighted_ce_rows(a, labels, weights, compute_grad=True, block=64)  # 4 tiles, last partial
     loss_r, correct_r = weighted_ce_rows_torch(b, labels, weights, compute_grad=True)
     torch.testing.assert_close(loss_t, loss_r)
     torch.testing.assert_close(a, b)
-    assert torch.equal(correct_t, correct_r) and correct_t[2]
+    assert torch.equal(correct_t, correct_r) and correct_t[2] and correct_t[5]
 
 
 def test_nothing_to_learn_gives_zero_loss_and_zero_gradient():
@@ -102,9 +104,11 @@ def test_nothing_to_learn_gives_zero_loss_and_zero_gradient():
 
 
 def test_chunk_rows_follow_the_budget():
-    # default: the size of hidden itself, in whole 128-row tiles (N=16384, H=4096, V=151936, bf16)
-    assert chunk_rows(16384, 4096, 151936, 2, 2) == 384
-    assert chunk_rows(100, 64, 151936, 2, 2) == 128  # never below one tile by default
+    # default: about the size of hidden itself, in 512-row quanta (N=16384, H=4096, V=151936, bf16)
+    assert chunk_rows(16384, 4096, 151936, 2, 2) == 512
+    assert chunk_rows(65536, 5120, 248320, 2, 2) == 1536
+    assert chunk_rows(100, 64, 151936, 2, 2) == 512  # never below one quantum by default
+    assert chunk_rows(100, 64, 151936, 2, 2, chunk_bytes=2000 * 151936 * 2) == 1536  # whole quanta
     assert chunk_rows(100, 64, 1000, 2, 2, chunk_bytes=10_000) == 5  # an explicit budget is obeyed
 
 

@@ -119,7 +119,13 @@ def test_encoding_on_the_gpu_matches_the_cpu(dtype):
     x = _states(1024, 256).float()
     cpu = encode_states(x, dtype)
     gpu = encode_states(x.cuda(), dtype)
-    assert torch.equal(gpu.data.cpu(), cpu.data)
+    diff = (gpu.data.cpu() != cpu.data).nonzero()
+    assert diff.numel() == 0, (
+        f"{len(diff)} codes differ, e.g. at {diff[:3].tolist()}: gpu {gpu.data.cpu()[tuple(diff[0])]}, "
+        f"cpu {cpu.data[tuple(diff[0])]}, x {x[tuple(diff[0])].item()!r}, "
+        f"scale gpu {gpu.scale.cpu()[diff[0, 0]].item() if gpu.scale is not None else None!r} "
+        f"cpu {cpu.scale[diff[0, 0]].item() if cpu.scale is not None else None!r}"
+    )
     if dtype == "fp8_e4m3":
         assert torch.equal(gpu.scale.cpu(), cpu.scale)
         back = decode_states(gpu.data, gpu.scale, dtype, out_dtype=torch.float32)
