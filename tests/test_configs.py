@@ -15,6 +15,7 @@ from dflash_common.config import load_config
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGES = {
     "precompute": "dflash_common.precompute_config:PrecomputeConfig",
+    "train": "dflash_common.train_config:TrainConfig",
     "eval": "dflash_common.eval_config:EvalConfig",
 }
 

@@ -1,0 +1,197 @@
+"""The configuration tree of `dflash-train`: data, drafter, objective, optimiser, precision,
+checkpoints, logging, validation and the run itself.
+
+Defaults are the published DFlash recipe: AdamW lr 6e-4, weight decay 0, grad clip 1.0, cosine
+schedule with 4% warmup, 6 epochs, block size 16, up to 512 anchors per sequence, 5 draft layers;
+batches of 65,536 packed tokens as the seed pipeline used.
+
+    cfg = load_config(TrainConfig, "configs/train-tiny.toml", ["--optim.lr=3e-4"])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dflash_common.config import check, option, section
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    stores: list[str] = option([], "Store directories written by dflash-precompute; at least one (or --store).")
+    weights: list[float] | None = option(
+        None,
+        "Mixing weight of each store, in tokens: store i supplies weights[i]/sum(weights) of every epoch's "
+        "tokens, over- or under-sampling its shards; none = every shard of every store once per epoch.",
+    )
+    cache_gb: float = option(
+        16.0, "Host RAM for the shard cache in GB, per rank (each process has its own), pinned once at "
+        "start-up; must hold two shuffle windows of shards."
+    )
+    reader_threads: int = option(4, "Threads reading shards from disk into the cache ahead of need, per rank.")
+    batch_tokens: int = option(
+        65536,
+        "Token budget of one packed micro-batch (the seed pipeline used 65,536); a longer sequence is "
+        "truncated to it.",
+    )
+    window_shards: int = option(
+        4, "Shards whose sequences are shuffled and packed together (the shuffle window, per rank)."
+    )
+    gpu_prefetch: int = option(
+        1, "Batches copied to the GPU on a side stream while one trains: 1 overlaps copy and compute, 0 not."
+    )
+    host_prefetch: int = option(2, "Packed batches assembled on the host ahead of the GPU copy.")
+    holdout_sequences: int = option(
+        256, "Sequences of each store held out for validation (chosen deterministically by shard and index)."
+    )
+    holdout_fraction: float = option(
+        0.0, "Held-out share of each store's sequences; the larger of this and holdout_sequences applies."
+    )
+
+    def __post_init__(self):
+        check(self.weights is None or len(self.weights) == len(self.stores),
+              f"data.weights has {len(self.weights or [])} entries but data.stores has {len(self.stores)}; "
+              "give one weight per store.")
+        check(self.weights is None or all(w > 0 for w in self.weights), "data.weights must all be > 0.")
+        check(self.cache_gb > 0, f"data.cache_gb must be > 0, got {self.cache_gb}.")
+        check(self.reader_threads >= 1, f"data.reader_threads must be >= 1, got {self.reader_threads}.")
+        check(self.batch_tokens >= 1, f"data.batch_tokens must be >= 1, got {self.batch_tokens}.")
+        check(self.window_shards >= 1, f"data.window_shards must be >= 1, got {self.window_shards}.")
+        check(self.gpu_prefetch in (0, 1), f"data.gpu_prefetch must be 0 or 1, got {self.gpu_prefetch}.")
+        check(self.host_prefetch >= 1, f"data.host_prefetch must be >= 1, got {self.host_prefetch}.")
+        check(self.holdout_sequences >= 0, "data.holdout_sequences must be >= 0.")
+        check(0.0 <= self.holdout_fraction < 1.0, "data.holdout_fraction must be in [0, 1).")
+
+
+@dataclass(frozen=True)
+class DrafterSection:
+    depth: int = option(5, "Draft layers (5 for Qwen3/Llama drafters, 8 for Qwen3-Coder).")
+    block_size: int = option(16, "Tokens per block: the anchor plus block_size-1 masked predictions.")
+    layer_ids: list[int] | None = option(
+        None, "Target layer ids the drafter reads, a subset of the store's, in this order; none = all the store's."
+    )
+    mask_token_id: int | None = option(
+        None, "Token id of MASK (151669 for Qwen3); none = the target tokenizer's '<|mask|>' token."
+    )
+    layer_types: list[str] | None = option(
+        None, "Attention kind per draft layer ('full_attention' or 'sliding_attention'); none = all full."
+    )
+    sliding_window: int | None = option(None, "Window of sliding_attention layers, in tokens (2048 on Qwen3.6).")
+    init_from: str | None = option(
+        None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
+        "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ."
+    )
+
+    def __post_init__(self):
+        check(self.depth >= 1, f"drafter.depth must be >= 1, got {self.depth}.")
+        check(self.block_size >= 2, f"drafter.block_size must be >= 2, got {self.block_size}.")
+        check(self.layer_types is None or len(self.layer_types) == self.depth,
+              f"drafter.layer_types has {len(self.layer_types or [])} entries for drafter.depth = {self.depth}.")
+        kinds = {"full_attention", "sliding_attention"}
+        check(self.layer_types is None or set(self.layer_types) <= kinds,
+              f"drafter.layer_types must hold only {sorted(kinds)}, got {self.layer_types}.")
+        check(self.layer_types is None or "sliding_attention" not in self.layer_types
+              or self.sliding_window is not None,
+              "drafter.layer_types has sliding_attention layers; set drafter.sliding_window.")
+
+
+@dataclass(frozen=True)
+class ObjectiveSection:
+    max_anchors: int = option(512, "Anchors sampled per sequence per epoch, at most (among loss-mask positions).")
+    gamma: float | None = option(
+        None, "Loss weight decay exp(-(k-1)/gamma) over block positions; none = by block size (7 for 16)."
+    )
+
+    def __post_init__(self):
+        check(self.max_anchors >= 1, f"objective.max_anchors must be >= 1, got {self.max_anchors}.")
+        check(self.gamma is None or self.gamma > 0, f"objective.gamma must be > 0, got {self.gamma}.")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = option(6e-4, "Peak learning rate of AdamW.")
+    weight_decay: float = option(0.0, "AdamW weight decay (the recipe uses none).")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas (torch's defaults; the recipe names none).")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
+    warmup_fraction: float = option(0.04, "Share of all optimiser steps spent warming the lr up linearly.")
+    schedule: Literal["cosine", "constant"] = option("cosine", "Learning-rate decay after warmup.")
+    min_lr_ratio: float = option(0.0, "The cosine schedule ends at lr * min_lr_ratio.")
+    epochs: int = option(6, "Passes over the training data.")
+    max_steps: int | None = option(None, "Stop after this many optimiser steps (the schedule spans them).")
+    grad_accum: int = option(1, "Micro-batches per optimiser step on each rank.")
+
+    def __post_init__(self):
+        check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}.")
+        check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}.")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+              f"optim.betas must be two numbers in [0, 1), got {self.betas}.")
+        check(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}.")
+        check(0 <= self.warmup_fraction < 1, f"optim.warmup_fraction must be in [0, 1), got {self.warmup_fraction}.")
+        check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+        check(self.epochs >= 1, f"optim.epochs must be >= 1, got {self.epochs}.")
+        check(self.max_steps is None or self.max_steps >= 1, f"optim.max_steps must be >= 1, got {self.max_steps}.")
+        check(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}.")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    autocast: Literal["bf16", "none"] = option(
+        "bf16", "Compute dtype of forward and loss; weights, gradients and AdamW state stay fp32 either way."
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = option(1000, "Save a checkpoint every this many optimiser steps (and at the end).")
+    keep_last: int = option(3, "Complete checkpoints kept; older ones are deleted.")
+    resume: bool = option(True, "Resume from the newest complete checkpoint in run.out_dir, if any.")
+
+    def __post_init__(self):
+        check(self.every_steps >= 1, f"checkpoint.every_steps must be >= 1, got {self.every_steps}.")
+        check(self.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {self.keep_last}.")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    every_steps: int = option(10, "Print and record metrics every this many optimiser steps.")
+    tensorboard: bool = option(True, "Also write TensorBoard event files into the run directory.")
+    progress: bool = option(True, "Show a progress bar (on rank 0).")
+
+    def __post_init__(self):
+        check(self.every_steps >= 1, f"log.every_steps must be >= 1, got {self.every_steps}.")
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    every_steps: int = option(1000, "Evaluate the held-out sequences every this many steps; 0 = only at the end.")
+
+    def __post_init__(self):
+        check(self.every_steps >= 0, f"validation.every_steps must be >= 0, got {self.every_steps}.")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: str = option("runs/dflash", "Run directory: checkpoints, metrics, report, final drafter.")
+    seed: int = option(0, "Seed of the initial weights, the data order and the anchors.")
+    target: str | None = option(
+        None, "Target model directory (HF layout): its frozen embedding and lm_head, and its tokenizer, "
+        "whose fingerprint must match the store's."
+    )
+    device: str = option("auto", "'auto' (CUDA if present), 'cpu' or 'cuda'; under torchrun each rank takes its GPU.")
+
+    def __post_init__(self):
+        check(self.device in ("auto", "cpu", "cuda"), f"run.device must be auto, cpu or cuda, got {self.device!r}.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: DataConfig = section(DataConfig, "Stores, shard cache, batching and held-out data.")
+    drafter: DrafterSection = section(DrafterSection, "Shape of the drafter being trained.")
+    objective: ObjectiveSection = section(ObjectiveSection, "The DFlash objective: anchors and loss weights.")
+    optim: OptimConfig = section(OptimConfig, "AdamW and the learning-rate schedule.")
+    precision: PrecisionConfig = section(PrecisionConfig, "Mixed precision.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
+    log: LogConfig = section(LogConfig, "Console, JSONL and TensorBoard metrics.")
+    validation: ValidationConfig = section(ValidationConfig, "Validation on held-out sequences.")
+    run: RunConfig = section(RunConfig, "Run directory, seed and target.")

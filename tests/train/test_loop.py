@@ -1,0 +1,184 @@
+"""dflash-train end to end on the tiny target and real stores: exact resume, SIGTERM, two ranks under
+torchrun, two differently shaped drafters from one untouched store, user errors, and the offline
+estimate agreeing with the trainer's own validation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train.loop as loop
+from dflash_common.export import load_drafter
+from dflash_common.target_weights import load_target_head
+from dflash_common.train_config import TrainConfig
+from train.checkpoint import complete_checkpoints
+from train.cli import main, parse
+from train.metrics import read_metrics
+from train.validate import evaluate_offline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(store, target, out, *extra):
+    return ["--config", str(ROOT / "configs" / "train-tiny.toml"), "--store", str(store), "--out", str(out),
+            f"--run.target={target}", "--data.batch_tokens=1024", "--data.holdout_sequences=4",
+            "--drafter.block_size=4", "--objective.max_anchors=8", "--log.every_steps=1", "--log.progress=false",
+            "--log.tensorboard=false", *extra]
+
+
+def _cfg(*args) -> TrainConfig:
+    return parse(list(args))
+
+
+def _curve(run_dir):
+    keys = ("kind", "step", "epoch", "loss", "acc", "acc_by_pos", "tau", "lr", "grad_norm")
+    return [tuple(json.dumps(r.get(k)) for k in keys) for r in read_metrics(run_dir)]
+
+
+def test_stop_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tiny_store, tiny_target, tmp_path, monkeypatch):
+    extra = ["--optim.max_steps=8", "--optim.grad_accum=2", "--validation.every_steps=4",
+             "--checkpoint.every_steps=100"]
+    loop.run(_cfg(*_args(tiny_store, tiny_target, tmp_path / "straight", *extra)))
+
+    real_step, calls = loop.train_step, []
+
+    def step_then_sigterm(*a, **k):
+        info = real_step(*a, **k)
+        calls.append(info.epoch)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler: save at this step boundary, leave
+        return info
+
+    monkeypatch.setattr(loop, "train_step", step_then_sigterm)
+    stopped = tmp_path / "stopped"
+    loop.run(_cfg(*_args(tiny_store, tiny_target, stopped, *extra)))
+    assert [s for s, _ in complete_checkpoints(stopped)] == [3] and not (stopped / "drafter").exists()
+    monkeypatch.setattr(loop, "train_step", real_step)
+    loop.run(_cfg(*_args(tiny_store, tiny_target, stopped, *extra)))  # the same command again: resumes
+
+    straight = _curve(tmp_path / "straight")
+    assert len(straight) == 8 + 2 and _curve(stopped) == straight  # 8 train + 2 val records, all equal
+    assert len({r["epoch"] for r in read_metrics(stopped) if r["kind"] == "train"}) >= 2
+    a = load_file(tmp_path / "straight" / "step-8" / "drafter" / "model.safetensors")
+    b = load_file(stopped / "step-8" / "drafter" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    first = load_file(stopped / "step-3" / "drafter" / "model.safetensors")
+    assert not all(torch.equal(first[k], b[k]) for k in b)
+
+    # the offline estimate reads the same held-out sequences with the same anchors as validation did
+    drafter, _ = load_drafter(stopped / "step-8")
+    head = load_target_head(tiny_target)
+    drafter.attach_frozen(head.embed, head.lm_head)
+    offline = evaluate_offline(drafter, tiny_store, max_anchors=8, holdout_sequences=4, batch_tokens=1024,
+                               autocast="none")
+    val = [r for r in read_metrics(stopped) if r["kind"] == "val"][-1]
+    for key in ("loss", "acc", "tau", "acc_by_pos", "sequences"):
+        assert offline[key] == pytest.approx(val[key], rel=1e-6), key
+
+
+def _store_fingerprint(path: Path) -> dict[str, tuple[str, int]]:
+    return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_two_drafters_of_other_shapes_from_one_store_which_stays_untouched(tiny_store, tiny_target, tmp_path):
+    before = _store_fingerprint(tiny_store)
+    runs = {"a": (["--drafter.layer_ids=[1,3,5]", "--drafter.block_size=4", "--drafter.depth=1"], 4, [1, 3, 5], 1),
+            "b": (["--drafter.layer_ids=[4,2]", "--drafter.block_size=8", "--drafter.depth=2", "--optim.lr=3e-4"],
+                  8, [4, 2], 2)}
+    for name, (extra, *_) in runs.items():
+        main(_args(tiny_store, tiny_target, tmp_path / name, "--optim.max_steps=3", *extra))
+    assert _store_fingerprint(tiny_store) == before  # every file: same bytes, same mtime
+    for name, (_, block, layers, depth) in runs.items():
+        config = json.loads((tmp_path / name / "drafter" / "config.json").read_text())
+        assert (config["block_size"], config["dflash_config"]["target_layer_ids"], config["num_hidden_layers"]) == (
+            block, layers, depth)
+        weights = load_file(tmp_path / name / "drafter" / "model.safetensors")
+        assert weights["fc.weight"].shape == (64, 64 * len(layers))
+        train = [r for r in read_metrics(tmp_path / name) if r["kind"] == "train"]
+        assert len(train[-1]["acc_by_pos"]) == block - 1
+
+
+def test_user_errors_are_one_sentence(tiny_store, tiny_target, tmp_path, capsys):
+    cases = [
+        (["--store", str(tmp_path / "nowhere")], "not a dflash store"),
+        (["--drafter.layer_ids=[6]"], "layers"),
+        (["--run.target=" + str(tmp_path)], "run.target"),
+        (["--data.cache_gb=0.0001"], "data.cache_gb"),
+    ]
+    for extra, fragment in cases:
+        with pytest.raises(SystemExit) as e:
+            main(_args(tiny_store, tiny_target, tmp_path / "run", "--optim.max_steps=1", *extra))
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and fragment in err and err.startswith("error:"), err
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def test_sigterm_saves_and_exits_zero(tiny_store, tiny_target, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train.cli", *_args(tiny_store, tiny_target, out, "--optim.max_steps=100000",
+                                                         "--checkpoint.every_steps=100000")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if " step 2/" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, rest = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode == 0, text
+    steps = [s for s, _ in complete_checkpoints(out)]
+    assert len(steps) == 1 and f"checkpoint saved in {out / f'step-{steps[0]}'}" in text
+    assert "Traceback" not in text
+
+
+def test_two_ranks_under_torchrun_with_gloo(tiny_store, tiny_target, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train.cli",
+           *_args(tiny_store, tiny_target, out, "--optim.max_steps=3", "--data.window_shards=1",
+                  "--run.device=cpu")]
+    started = time.time()
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[rank 1]" in done.stderr
+    ranks = torch.load(out / "step-3" / "ranks.pt", weights_only=True)
+    assert len(ranks) == 2 and ranks[0]["data"] == ranks[1]["data"]  # same position in their own plans
+    train = [r for r in read_metrics(out) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3] and all(r["loss"] > 0 for r in train)
+    assert time.time() - started < 240
+
+
+def test_the_schedule_warms_up_linearly_then_follows_a_cosine_to_the_floor():
+    f = [loop.lr_factor(s, 100, 0.04, "cosine", 0.1) for s in range(100)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0
+    assert all(a >= b for a, b in zip(f[4:], f[5:])) and f[-1] == pytest.approx(0.1, abs=1e-3)
+    assert f[52] == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-9)  # halfway through the decay
+    assert loop.lr_factor(50, 100, 0.04, "constant", 0.0) == 1.0
+
+
+def test_an_fp8_store_trains(tiny_store_fp8, tiny_target, tmp_path):
+    main(_args(tiny_store_fp8, tiny_target, tmp_path / "fp8", "--optim.max_steps=2", "--data.gpu_prefetch=0"))
+    train = [r for r in read_metrics(tmp_path / "fp8") if r["kind"] == "train"]
+    assert len(train) == 2 and all(0 < r["loss"] < 20 for r in train)
+
+
+def test_help_lists_every_config_field():
+    done = subprocess.run([sys.executable, "-m", "train.cli", "--help"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0
+    for key in ("--store", "--out", "--data.cache_gb", "--drafter.layer_ids", "--optim.grad_accum", "--run.target"):
+        assert key in done.stdout

@@ -1,0 +1,400 @@
+"""From stores on disk to packed host batches, as a `torchdata.nodes` pipeline whose position is
+checkpointable.
+
+    stores --scan--> ShardMeta --train/plan.py--> batches of (shard, sequence, tokens)
+      BatchNode: keeps the current and the next shuffle window requested from the shard cache
+                 (reader threads fill pinned slots ahead of need), assembles each planned batch from
+                 the slots and draws its anchors
+      Prefetcher(BatchNode): assembles `host_prefetch` batches ahead on a thread
+      Loader: state_dict() / load_state_dict() give and take the position (epoch, batch index)
+    -> train/transfer.py copies each batch to the GPU
+
+A shard occupies one cache slot; slots are sized for the largest shard (chosen layers only). Shards
+of one store come from fixed-size work units, so their sizes differ little, and the waste of
+fixed-size slots (the gap between a shard and the largest one) is logged at start-up; fixed slots
+in exchange never fragment and need no compaction.
+
+Only the layers the drafter reads are read from disk, and a batch lists them in the drafter's
+`target_layer_ids` order. Anchors come from `objective.sample_anchors` with a generator seeded by
+(seed, epoch, rank, batch index): they change every epoch, and a resumed run draws the same ones
+without carrying any generator state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode, Loader, Prefetcher
+
+from dflash_common.objective import sample_anchors
+from dflash_common.store import Store, carve_buffers
+
+from train.cache import Handle, ShardCache, SlotSlab
+from train.plan import DataPlan, EpochPlan, ShardMeta, holdout_split, rng
+
+log = logging.getLogger("dflash")
+
+_ANCHORS, _VAL_ANCHORS = 11, 12  # random-stream tags (train/plan.py uses 1-3)
+
+
+def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int) -> list[ShardMeta]:
+    """Sequence lengths and response-token counts of every shard (token arrays only, no layer).
+    Responses are counted in the part of a sequence a batch keeps (its first `batch_tokens`), so a
+    sequence that passes the 2B-response rule always yields anchors."""
+
+    def scan(job: tuple[int, str]) -> ShardMeta:
+        s, name = job
+        data = stores[s].read_shard(name, layer_ids=[])
+        starts = data.offsets[:-1].astype(np.int64)
+        lengths = np.diff(data.offsets).astype(np.int64)
+        ends = starts + np.minimum(lengths, batch_tokens)
+        cum = np.concatenate([[0], np.cumsum(data.loss_mask, dtype=np.int64)])  # [T+1]
+        return ShardMeta(s, name, lengths, cum[ends] - cum[starts])
+
+    jobs = [(s, info.name) for s, store in enumerate(stores) for info in store.shards]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(scan, jobs))
+
+
+@dataclasses.dataclass
+class ShardSlot:
+    """A shard in its cache slot, the chosen layers in the drafter's order (views of the slot)."""
+
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # uint8 [T]
+    offsets: np.ndarray  # int64 [N+1]
+    states: list[torch.Tensor]  # K x [T, H] raw bits (int16 for bf16, uint8 for fp8)
+    scales: list[torch.Tensor] | None  # K x float32 [T] (fp8)
+
+
+def raw_dtype(storage: str) -> torch.dtype:
+    """The dtype the bits travel in: int16 (copy_ supports it everywhere) for bf16, uint8 for fp8."""
+    return torch.int16 if storage == "bf16" else torch.uint8
+
+
+def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int]):
+    """The cache's read_fn: read shard `key` (an index into `shards`) straight into its slot."""
+
+    def read(key: int, views: list[torch.Tensor]) -> tuple[ShardSlot, int]:
+        meta = shards[key]
+        store = stores[meta.store]
+        specs = store.buffer_specs(meta.name, layer_ids)
+        data = store.read_shard(meta.name, layer_ids, out=carve_buffers(specs, views[0]))
+        raw = raw_dtype(store.manifest.dtype)
+        states = [torch.from_numpy(data.layers[i]).view(raw) for i in layer_ids]
+        scales = [torch.from_numpy(data.scales[i]) for i in layer_ids] if data.scales else None
+        slot = ShardSlot(data.input_ids, data.loss_mask, data.offsets, states, scales)
+        return slot, sum(s.nbytes for s in specs.values())
+
+    return read
+
+
+def slot_size(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int]) -> tuple[int, float]:
+    """Bytes of a slot (the largest shard's read, chosen layers only) and the mean fill of a slot."""
+    sizes = [stores[m.store].shard_nbytes(m.name, layer_ids) for m in shards]
+    biggest = max(sizes)
+    return biggest, float(np.mean(sizes)) / biggest
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """A packed batch on the host: small arrays assembled, states still in the cache slots."""
+
+    epoch: int
+    index: int
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # int64 [T] (0/1)
+    cu_seqlens: torch.Tensor  # int64 [N+1]
+    anchors: torch.Tensor  # int64 [A]
+    segments: list[tuple[int, int, int, int]]  # (shard slot index, source row, dest row, rows)
+    shards: list[ShardSlot]
+    handles: list[Handle]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def take_handles(self) -> list[Handle]:
+        """Hand over the cache handles (to whoever waits for the copies out of the slots)."""
+        handles, self.handles = self.handles, []
+        return handles
+
+    def small_tensor(self) -> torch.Tensor:
+        """ids, mask, anchors, cu_seqlens in one int64 vector: one copy to the device, not four."""
+        return torch.cat([self.input_ids, self.loss_mask, self.anchors, self.cu_seqlens])
+
+    def small_numel(self) -> int:
+        return 2 * self.tokens + self.anchors.numel() + self.cu_seqlens.numel()
+
+    def split_small(self, small: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t, a = self.tokens, self.anchors.numel()
+        return small[:t], small[t:2 * t], small[2 * t:2 * t + a], small[2 * t + a:2 * t + a + self.cu_seqlens.numel()]
+
+
+def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int], generator: torch.Generator,
+             block_size: int, max_anchors: int, epoch: int, index: int, handles: list[Handle]) -> HostBatch:
+    """Planned rows [n, 3] (shard, sequence, tokens) -> a HostBatch, anchors drawn from `generator`."""
+    ids, mask, segments, lengths, dst = [], [], [], [], 0
+    for shard, seq, n in rows.tolist():
+        slot = shards[slot_of[shard]]
+        src = int(slot.offsets[seq])
+        ids.append(slot.input_ids[src:src + n])
+        mask.append(slot.loss_mask[src:src + n])
+        segments.append((slot_of[shard], src, dst, n))
+        lengths.append(n)
+        dst += n
+    input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
+    loss_mask = torch.from_numpy(np.concatenate(mask).astype(np.int64))
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    anchors = sample_anchors(loss_mask, cu, block_size, max_anchors, generator).long()
+    return HostBatch(epoch, index, input_ids, loss_mask, cu, anchors, segments, shards, handles)
+
+
+def seeded_generator(*key: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(rng(*key).integers(0, 2**63 - 1)))
+
+
+class BatchNode(BaseNode[HostBatch]):
+    """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next batch."""
+
+    def __init__(self, plan: DataPlan, cache: ShardCache, *, rank: int, seed: int, block_size: int,
+                 max_anchors: int):
+        super().__init__()
+        self.plan = plan
+        self.cache = cache
+        self.rank = rank
+        self.seed = seed
+        self.block_size = block_size
+        self.max_anchors = max_anchors
+        self.epoch = 0
+        self.index = 0
+        self._windows: dict[tuple[int, int], list[Handle]] = {}  # (epoch, window) -> handles held
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self._release_windows(keep=())
+        state = initial_state or {"epoch": 0, "index": 0}
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+    def get_state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def _current(self) -> EpochPlan:
+        p = self.plan.epoch(self.epoch, self.rank)
+        if not p.batches:
+            raise RuntimeError(f"epoch {self.epoch} has no batches for rank {self.rank}: too few shards or "
+                               f"usable sequences for {self.plan.world} rank(s)")
+        if self.index >= len(p.batches):
+            self.epoch, self.index = self.epoch + 1, 0
+            return self._current()
+        return p
+
+    def next(self) -> HostBatch:
+        p = self._current()
+        self._hold_windows(p, int(p.batch_window[self.index]))
+        rows = p.batches[self.index]
+        keys = sorted(set(rows[:, 0].tolist()))
+        handles = [self.cache.request(k) for k in keys]
+        shards = [h.wait() for h in handles]
+        gen = seeded_generator(self.seed, _ANCHORS, self.epoch, self.rank, self.index)
+        batch = assemble(rows, shards, {k: i for i, k in enumerate(keys)}, gen, self.block_size,
+                         self.max_anchors, self.epoch, self.index, handles)
+        self.index += 1
+        return batch
+
+    def _hold_windows(self, p: EpochPlan, window: int) -> None:
+        """Keep the current window and the next one (maybe the next epoch's first) requested."""
+        wanted = [(p.epoch, window)]
+        if window + 1 < len(p.windows):
+            wanted.append((p.epoch, window + 1))
+        else:
+            wanted.append((p.epoch + 1, 0))
+        for epoch, w in wanted:
+            if (epoch, w) not in self._windows:
+                plan = p if epoch == p.epoch else self.plan.epoch(epoch, self.rank)
+                shards = plan.windows[w].tolist() if w < len(plan.windows) else []
+                self._windows[(epoch, w)] = [self.cache.request(s, count=False) for s in shards]
+        self._release_windows(keep=wanted)
+
+    def _release_windows(self, keep: Sequence[tuple[int, int]]) -> None:
+        for key in [k for k in self._windows if k not in keep]:
+            for h in self._windows.pop(key):
+                h.release()
+
+
+def val_batches(plan: DataPlan, cache: ShardCache, *, rank: int, block_size: int, max_anchors: int):
+    """This rank's held-out batches, with fixed anchors (seeded by the batch, not the run): every
+    validation of every run of the same store draws the same blocks. Generator of HostBatch."""
+    for i, rows in enumerate(plan.val_batches(rank)):
+        keys = sorted(set(rows[:, 0].tolist()))
+        handles = [cache.request(k) for k in keys]
+        shards = [h.wait() for h in handles]
+        gen = seeded_generator(0, _VAL_ANCHORS, rank, i)
+        yield assemble(rows, shards, {k: j for j, k in enumerate(keys)}, gen, block_size, max_anchors, -1, i, handles)
+
+
+def build_loader(node: BatchNode, host_prefetch: int) -> Loader:
+    """The checkpointable pipeline: `host_prefetch` batches assembled ahead on a thread."""
+    return Loader(Prefetcher(node, prefetch_factor=host_prefetch), restart_on_stop_iteration=False)
+
+
+def allocate_cache(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int], *,
+                   cache_gb: float, min_shards: int, threads: int, what: str) -> ShardCache:
+    """A cache of as many whole-shard slots as `cache_gb` holds (at least `min_shards`)."""
+    nbytes, fill = slot_size(stores, shards, layer_ids)
+    n = min(int(cache_gb * 1e9) // nbytes, len(shards))  # more slots than shards would never be used
+    min_shards = min(min_shards, len(shards))  # a store smaller than two windows just fits whole
+    if n < min_shards:
+        from dflash_common.cli import UserError
+
+        raise UserError(f"data.cache_gb = {cache_gb} holds {n} shard(s) of {nbytes / 1e9:.3f} GB, but the "
+                        f"{what} needs {min_shards}; raise data.cache_gb to at least "
+                        f"{min_shards * nbytes / 1e9:.3f} or lower data.window_shards.")
+    log.info("%s shard cache: %d slots of %.1f MiB, one shard each (slots fit the largest shard of layers "
+             "%s; shards fill %.0f%% of a slot on average)", what, n, nbytes / 2**20, list(layer_ids), 100 * fill)
+    return ShardCache(SlotSlab.allocate(n, nbytes), 1, shard_reader(stores, shards, layer_ids), threads)
+
+
+def feature_dtype(autocast: str) -> torch.dtype:
+    """Context features arrive in the compute dtype: bf16 under bf16 autocast, else float32."""
+    return torch.bfloat16 if autocast == "bf16" else torch.float32
+
+
+def make_feeder(source, position, stores: Sequence[Store], layer_ids: Sequence[int], *, device: torch.device,
+                batch_tokens: int, autocast: str, prefetch: int):
+    from dflash_common.quant import decode_states
+
+    from train.transfer import DeviceFeeder
+
+    storage = stores[0].manifest.dtype
+
+    def decode(raw: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        bits = raw.view(torch.uint16) if storage == "bf16" else raw
+        return decode_states(bits, scale, storage, out_dtype=dtype)
+
+    return DeviceFeeder(source, position, device=device, layers=len(layer_ids),
+                        hidden=stores[0].manifest.hidden_size, raw_dtype=raw_dtype(storage),
+                        scaled=storage == "fp8_e4m3", batch_tokens=batch_tokens,
+                        feature_dtype=feature_dtype(autocast), decode=decode, prefetch=prefetch)
+
+
+def check_stores_agree(stores: Sequence[Store]) -> None:
+    """Batches mix stores, so their states must share one hidden size and one storage dtype."""
+    from dflash_common.cli import UserError
+
+    first = stores[0].manifest
+    for store in stores[1:]:
+        m = store.manifest
+        if (m.hidden_size, m.dtype) != (first.hidden_size, first.dtype):
+            raise UserError(f"store {store.path} holds {m.dtype} states of hidden size {m.hidden_size} but "
+                            f"{stores[0].path} holds {first.dtype} of {first.hidden_size}; mix only stores of "
+                            f"one target and one dtype.")
+
+
+class TrainData:
+    """Everything between the stores and the training loop, for one rank: the plan, the shard caches
+    (training, and a small one for held-out shards), the checkpointable loader and the GPU feeder."""
+
+    def __init__(self, plan: DataPlan, cache: ShardCache, val_cache: ShardCache | None, node: BatchNode,
+                 loader: Loader, feeder_args: dict[str, Any], gpu_prefetch: int):
+        self.plan = plan
+        self.cache = cache
+        self.val_cache = val_cache
+        self.node = node
+        self.loader = loader
+        self.feeder_args = feeder_args  # make_feeder's arguments, shared by training and validation
+        self.gpu_prefetch = gpu_prefetch
+        self.feeder = None
+
+    @classmethod
+    def build(cls, cfg, stores: Sequence[Store], layer_ids: Sequence[int], *, rank: int, world: int,
+              device: torch.device) -> "TrainData":
+        """`cfg` is the TrainConfig; `layer_ids` the drafter's target_layer_ids (their order is kept)."""
+        d = cfg.data
+        check_stores_agree(stores)
+        shards = scan_stores(stores, d.reader_threads, d.batch_tokens)
+        split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,
+                              2 * cfg.drafter.block_size)  # sequences with < 2B response tokens are dropped
+        plan = DataPlan(shards, split, n_stores=len(stores), weights=d.weights, seed=cfg.run.seed,
+                        batch_tokens=d.batch_tokens, window_shards=d.window_shards, world=world,
+                        grad_accum=cfg.optim.grad_accum)
+        cache = allocate_cache(stores, shards, layer_ids, cache_gb=d.cache_gb, min_shards=2 * d.window_shards,
+                               threads=d.reader_threads, what="training")
+        val_shards = sum(1 for v in split.val if len(v))
+        val_cache = None
+        if val_shards:  # held-out shards get their own slots, so validation never waits on training's
+            n = min(val_shards, 2)
+            log.info("validation shard cache: %d slot(s) for the %d shard(s) holding held-out sequences", n, val_shards)
+            val_cache = ShardCache(SlotSlab.allocate(n, cache.slab.slot_bytes), 1,
+                                   shard_reader(stores, shards, layer_ids), threads=1)
+        node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=cfg.drafter.block_size,
+                         max_anchors=cfg.objective.max_anchors)
+        loader = build_loader(node, d.host_prefetch)
+        feeder_args = dict(stores=stores, layer_ids=list(layer_ids), device=device, batch_tokens=d.batch_tokens,
+                           autocast=cfg.precision.autocast)
+        return cls(plan, cache, val_cache, node, loader, feeder_args, d.gpu_prefetch)
+
+    def start(self, position: dict[str, Any] | None = None):
+        """Begin iterating, at `position` (a loader state from a checkpoint) or at the start."""
+        if position is not None:
+            self.loader.load_state_dict(position)
+        self.feeder = make_feeder(iter(self.loader), self.loader.state_dict, prefetch=self.gpu_prefetch,
+                                  **self.feeder_args)
+        return self.feeder
+
+    def val_batches(self):
+        """Device batches of this rank's share of the held-out sequences (copied one at a time)."""
+        if self.val_cache is None:
+            return
+        node = self.node
+        host = val_batches(self.plan, self.val_cache, rank=node.rank, block_size=node.block_size,
+                           max_anchors=node.max_anchors)
+        feeder = make_feeder(host, dict, prefetch=0, **self.feeder_args)
+        try:
+            yield from feeder
+        finally:
+            feeder.close()
+
+    def close(self) -> None:
+        """Stop the loader thread and the readers, then free (unpin) the caches."""
+        if self.feeder is not None:
+            self.feeder.close()
+        for cache in (self.cache, self.val_cache):
+            if cache is not None:
+                cache.close()  # wakes a loader thread waiting for a shard
+        prefetch = getattr(self.loader.root, "_it", None)  # torchdata offers no public way to stop it
+        if prefetch is not None:
+            prefetch._shutdown()
+        for cache in (self.cache, self.val_cache):
+            if cache is not None:
+                cache.slab.close()
+
+
+@contextlib.contextmanager
+def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchors: int, holdout_sequences: int,
+                    holdout_fraction: float, batch_tokens: int, reader_threads: int, autocast: str):
+    """Device batches of a store's held-out sequences, split as the trainer splits them."""
+    store = Store.open(store_path, read_threads=reader_threads)
+    layer_ids = list(drafter_cfg.target_layer_ids)
+    shards = scan_stores([store], reader_threads, batch_tokens)
+    split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, 2 * drafter_cfg.block_size)
+    plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
+                    window_shards=1, world=1, grad_accum=1)
+    nbytes, _ = slot_size([store], shards, layer_ids)
+    cache = ShardCache(SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1)
+    host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.block_size, max_anchors=max_anchors)
+    feeder = make_feeder(host, dict, [store], layer_ids, device=device, batch_tokens=batch_tokens,
+                         autocast=autocast, prefetch=0)
+    try:
+        yield feeder
+    finally:
+        feeder.close()
+        cache.close()
+        cache.slab.close()
+        store.close()

@@ -1,0 +1,392 @@
+"""The training loop of `dflash-train`: set up, then one visible loop
+
+    for step in range(start + 1, total + 1):
+        fetch batch(es) -> forward, fused loss, backward -> clip, AdamW, lr schedule -> log -> checkpoint
+
+Precision: weights, gradients and AdamW state are float32 (the master weights); forward and loss run
+under bf16 autocast. Several GPUs: torchrun starts one process per GPU, each with its own shard cache
+and its own disjoint shards (train/plan.py), and DDP averages gradients.
+
+Exact resume: weights, optimiser, scheduler, RNG states and the data position are checkpointed at
+step boundaries, and anchors are a function of the position, so a stopped-and-resumed run repeats
+the losses of an uninterrupted one bit for bit on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dflash_common.cli import UserError, write_run_record
+from dflash_common.drafter import DFlashDrafter, DrafterConfig
+from dflash_common.export import load_weights_into, save_drafter
+from dflash_common.store import Store, check_compatible
+from dflash_common.store import open_stores as open_store_paths
+from dflash_common.target_weights import load_target_head
+from dflash_common.train_config import TrainConfig
+
+from train.checkpoint import (
+    StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
+)
+from train.cache import CacheStats, human_bytes
+from train.data import TrainData
+from train.metrics import MetricsWriter
+from train.report import write_report
+from train.target import mask_token_id, target_config, tokenizer_sha256
+from train.validate import batch_objective, evaluate_batches, summarize
+
+log = logging.getLogger("dflash")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(choice: str) -> Dist:
+    """One process per GPU under torchrun (NCCL), or per CPU process (gloo); a single process otherwise."""
+    cuda = torch.cuda.is_available() and choice != "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("run.device = cuda but no CUDA device is visible; use run.device=auto or cpu.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return Dist(rank, world, device)
+
+
+def open_stores(cfg: TrainConfig) -> list[Store]:
+    if not cfg.data.stores:
+        raise UserError("No store given; pass --store PATH (repeatable) or set data.stores in the config.")
+    return open_store_paths(cfg.data.stores, read_threads=cfg.data.reader_threads)
+
+
+def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
+    """The drafter's config, from the target's config and the [drafter] section."""
+    d = cfg.drafter
+    layer_ids = d.layer_ids if d.layer_ids is not None else list(stores[0].manifest.layer_ids)
+    return DrafterConfig.from_target(
+        target_config(cfg.run.target), mask_token_id=mask_token_id(cfg.run.target, d.mask_token_id),
+        depth=d.depth, block_size=d.block_size, layer_ids=layer_ids, layer_types=d.layer_types,
+        sliding_window=d.sliding_window)
+
+
+def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
+    """Refuse a store this drafter cannot train from; return the one-sentence verdict."""
+    sha = tokenizer_sha256(target)
+    for store in stores:
+        check_compatible(store.manifest, layer_ids=dcfg.target_layer_ids, hidden_size=dcfg.hidden_size,
+                         tokenizer_sha256=sha, where=f"store {store.path}")
+    held = "; ".join(f"{s.path} holds layers {list(s.manifest.layer_ids)}" for s in stores)
+    return (f"Compatible: {held}; the drafter reads layers {list(dcfg.target_layer_ids)} at hidden size "
+            f"{dcfg.hidden_size}, the target's, and the tokenizer of {target} (sha256 {sha[:12]}) is the store's.")
+
+
+def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -> DFlashDrafter:
+    torch.manual_seed(cfg.run.seed)  # the same random start on every rank and every run of this seed
+    drafter = DFlashDrafter(dcfg)
+    if cfg.drafter.init_from:  # refuses a drafter whose config differs in anything that shapes weights
+        load_weights_into(drafter, cfg.drafter.init_from)
+    drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; autocast computes in bf16
+    head_dtype = torch.bfloat16 if cfg.precision.autocast == "bf16" else torch.float32
+    head = load_target_head(cfg.run.target, device=device, dtype=head_dtype)
+    drafter.attach_frozen(head.embed, head.lm_head)
+    return drafter
+
+
+def lr_factor(step: int, total: int, warmup_fraction: float, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr after `step` optimiser steps: linear warmup, then cosine (or flat)."""
+    warmup = math.ceil(warmup_fraction * total)
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(cfg: TrainConfig, drafter: DFlashDrafter, total: int, device: torch.device):
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total, o.warmup_fraction, o.schedule, o.min_lr_ratio))
+    return optimizer, scheduler
+
+
+def total_steps(cfg: TrainConfig, data: TrainData) -> int:
+    if cfg.optim.max_steps is not None:
+        return cfg.optim.max_steps
+    total = sum(data.plan.steps_in_epoch(e) for e in range(cfg.optim.epochs))
+    if total == 0:
+        raise UserError("The stores give no full optimiser step per epoch; add data, lower data.batch_tokens "
+                        "or optim.grad_accum, or use fewer ranks.")
+    return total
+
+
+# Layout of the per-step sums kept on the device between logging steps (one all_reduce per log).
+_LOSS, _WEIGHT, _TOKENS, _GNORM, _WAIT, _N = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """Where the last micro-batch of a step came from (its tensors are already freed)."""
+
+    epoch: int
+    position: dict[str, Any]  # data-pipeline state that resumes right after this step
+    lr: float = 0.0  # the learning rate this step used
+
+
+def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg: TrainConfig,
+               sums: torch.Tensor, counts: torch.Tensor) -> StepInfo:
+    """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and `counts`.
+    Each micro-batch's loss is its weighted mean, and the step's loss their mean."""
+    accum = cfg.optim.grad_accum
+    for micro in range(accum):
+        batch = next(feeder)
+        if batch.anchors.numel() == 0:
+            raise RuntimeError(f"batch {batch.index} of epoch {batch.epoch} has no anchors")
+        last = micro == accum - 1
+        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        with sync:
+            loss_sum, weight, c = batch_objective(drafter, model, batch, block_size=drafter.cfg.block_size,
+                                                  gamma=cfg.objective.gamma, autocast=cfg.precision.autocast)
+            (loss_sum / weight.clamp(min=1e-9) / accum).backward()
+        sums[_LOSS] += loss_sum.detach().double()
+        sums[_WEIGHT] += weight.double()
+        sums[_TOKENS] += batch.tokens
+        sums[_WAIT] += batch.data_wait_s
+        counts += c
+        info = StepInfo(batch.epoch, batch.position)
+        del batch  # free its features before the next batch is decoded: one batch on the GPU
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
+    sums[_GNORM] += grad_norm.double()
+    sums[_N] += 1
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return dataclasses.replace(info, lr=lr)
+
+
+class Window:
+    """The figures of the steps since the last logging step, kept on the device (no per-step sync)."""
+
+    def __init__(self, device: torch.device, block_size: int):
+        self.device = device
+        self.sums = torch.zeros(_N + 1, dtype=torch.float64, device=device)  # laid out by _LOSS.._N
+        self.counts = torch.zeros(2 * block_size + 2, dtype=torch.float64, device=device)  # block_counts layout
+        self.cache_seen = (0, 0, 0)  # cache hits, misses, bytes read at the last logging step
+        self.started = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Leave validation and checkpoint time out of tok/s."""
+        self.started = time.perf_counter()
+
+    def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int) -> dict[str, Any]:
+        """Sum the window over ranks (one collective), make the logging step's record, start a new window."""
+        now = (cache.hits, cache.misses, cache.bytes_read)
+        window = torch.tensor([a - b for a, b in zip(now, self.cache_seen)], dtype=torch.float64, device=self.device)
+        both = torch.cat([self.sums, self.counts, window])
+        if dist.is_initialized():
+            dist.all_reduce(both)
+        both = both.cpu()
+        sums, counts, (hits, misses, read) = both[:_N + 1], both[_N + 1:-3], both[-3:].tolist()
+        figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
+        steps = max(1.0, float(sums[_N]))
+        record = {"kind": "train", "step": step, "epoch": epoch, "loss": figures["loss"], "acc": figures["acc"],
+                  "acc_by_pos": figures["acc_by_pos"], "tau": figures["tau"], "lr": lr,
+                  "grad_norm": float(sums[_GNORM]) / steps,
+                  "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
+                  "data_wait_ms": 1e3 * float(sums[_WAIT]) / steps,
+                  "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_read_gb": read / 1e9,
+                  "gpu_mem_gb": self._peak_memory_gb(), "steps": steps / world, "time": time.time()}
+        self.sums.zero_(), self.counts.zero_()
+        self.cache_seen, self.started = now, time.perf_counter()
+        return record
+
+    def _peak_memory_gb(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop works with, built by `setup`."""
+
+    cfg: TrainConfig
+    dist: Dist
+    out: Path
+    drafter: DFlashDrafter
+    model: torch.nn.Module  # the drafter, or its DDP wrapper
+    data: TrainData
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    total: int
+    start: int  # optimiser steps already done (resume)
+    position: dict[str, Any] | None  # data position to resume from
+
+
+def setup(cfg: TrainConfig) -> Run:
+    d = setup_distributed(cfg.run.device)
+    out = Path(cfg.run.out_dir)
+    stores = open_stores(cfg)
+    dcfg = resolve_drafter(cfg, stores)
+    verdict = check_stores(stores, dcfg, cfg.run.target)
+    if d.main:
+        log.info("%s", verdict)
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_saves(out)
+        write_run_record(out, cfg, name="run")
+    drafter = build_drafter(cfg, dcfg, d.device)
+    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
+    total = total_steps(cfg, data)
+    optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
+    start, position = resume(cfg, out, d, drafter, optimizer, scheduler)
+    model = drafter
+    if d.world > 1:
+        model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+                    broadcast_buffers=False)  # no buffers; the frozen head is a plain attribute
+    return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position)
+
+
+def resume(cfg: TrainConfig, out: Path, d: Dist, drafter, optimizer, scheduler) -> tuple[int, dict | None]:
+    """Load the newest complete checkpoint of the run directory, if any: (steps done, data position)."""
+    path = latest_checkpoint(out) if cfg.checkpoint.resume else None
+    if path is None:
+        return 0, None
+    trainer_state, ranks = load_checkpoint(path)
+    if len(ranks) != d.world:
+        raise UserError(f"{path} was written by {len(ranks)} rank(s) but this run has {d.world}; resume with "
+                        f"{len(ranks)}, or start a new run directory (--out).")
+    load_weights_into(drafter, path / "drafter")
+    optimizer.load_state_dict(trainer_state["optimizer"])
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    set_rng_state(ranks[d.rank]["rng"])
+    if d.main:
+        log.info("resuming from %s (step %d)", path, trainer_state["step"])
+    return int(trainer_state["step"]), ranks[d.rank]["data"]
+
+
+def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
+    """Save step-N/ (rank 0 writes; every rank contributes its data position and RNG states)."""
+    mine = {"data": position, "rng": rng_state()}
+    ranks = [mine]
+    if r.dist.world > 1:
+        ranks = [None] * r.dist.world
+        dist.all_gather_object(ranks, mine)
+    path = Path(r.out) / f"step-{step}"
+    if r.dist.main:
+        trainer_state = {"step": step, "optimizer": r.optimizer.state_dict(),
+                         "scheduler": r.scheduler.state_dict(), "total_steps": r.total}
+        path = save_checkpoint(r.out, step, save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
+                               trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
+                               keep_last=r.cfg.checkpoint.keep_last)
+        write_report(r.out)
+    if r.dist.world > 1:
+        dist.barrier()
+    return path
+
+
+def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any] | None:
+    if r.data.val_cache is None:
+        return None
+    result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
+                              gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True)
+    record = {"kind": "val", "step": step, **result}
+    if metrics is not None:
+        metrics.write(record)
+    return record
+
+
+def stop_agreed(stop: StopRequest, d: Dist) -> bool:
+    """Whether any rank was asked to stop (all ranks must leave the loop at the same step)."""
+    if d.world == 1:
+        return stop.requested
+    flag = torch.tensor([1.0 if stop.requested else 0.0], device=d.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def run(cfg: TrainConfig) -> Path:
+    """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    r = setup(cfg)
+    c, main = r.cfg, r.dist.main
+    metrics = MetricsWriter(r.out, r.total, c.log.tensorboard, r.start) if main else None
+    window = Window(r.dist.device, r.drafter.cfg.block_size)
+    feeder = r.data.start(r.position)
+    saved, stopped = r.start, None
+    bar = tqdm(total=r.total, initial=r.start, disable=not (main and c.log.progress), unit="step", dynamic_ncols=True)
+    with StopRequest() as stop, logging_redirect_tqdm():
+        for step in range(r.start + 1, r.total + 1):
+            info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, c, window.sums, window.counts)
+            bar.update(1)
+            last = step == r.total
+            if step % c.log.every_steps == 0 or last:
+                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world)
+                if metrics is not None:
+                    metrics.write(record)
+            if (c.validation.every_steps and step % c.validation.every_steps == 0) or last:
+                validate(r, step, metrics)
+                window.restart_clock()
+            if r.dist.world == 1 or step % c.log.every_steps == 0 or last:  # ranks agree only at log steps
+                stopped = stop.signum if stop_agreed(stop, r.dist) else None
+            if step % c.checkpoint.every_steps == 0 or last or stopped:
+                checkpoint(r, step, info.position)
+                saved = step
+                window.restart_clock()
+            if stopped:
+                break
+    bar.close()
+    return finish(r, metrics, saved, stopped)
+
+
+def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | None) -> Path:
+    st = r.data.cache.stats
+    log.info("shard cache: %d hits, %d misses (%.0f%% hits), %s read by the readers in %.1f s, batches waited "
+             "%.1f s for shards", st.hits, st.misses, 100 * st.hit_rate, human_bytes(st.bytes_read), st.read_s,
+             st.wait_s)
+    r.data.close()
+    if metrics is not None:
+        metrics.close()
+    if r.dist.main:
+        ckpt = r.out / f"step-{saved}"
+        if stopped:
+            log.info("stopped by %s after step %d; checkpoint saved in %s; run the same command again "
+                     "to resume", signal.Signals(stopped).name, saved, ckpt)
+        else:
+            save_drafter(r.drafter, r.out / "drafter", dtype=torch.bfloat16, overwrite=True)  # as served
+            write_report(r.out)
+            log.info("done: %d steps; drafter in %s, checkpoint in %s, report %s", saved, r.out / "drafter", ckpt,
+                     r.out / "report.png")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return r.out

@@ -1,0 +1,90 @@
+"""What a run reports: one fixed-format line per logging step, the same record in `metrics.jsonl`, and
+TensorBoard scalars, all in the run directory.
+
+    step 120/3000 | ep 0 | loss 2.3456 | acc 0.412 | acc@k .81 .62 .50 .41 .33 .27 .22 | tau 3.21 |
+    lr 5.9e-04 | gnorm 0.83 | 182.3k tok/s | wait 1.2 ms | cache 97% | mem 12.3 GB
+
+Training records have "kind": "train", validation records "kind": "val". A resumed run first drops the
+records written after its checkpoint, so the curves have no doubled steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from dflash_common.fsutil import atomic_write_text
+
+log = logging.getLogger("dflash")
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _positions(values: list[float]) -> str:
+    """Per-position accuracies as a compact list: 0.8123 -> '.81' (1.0 -> '1.0')."""
+    return " ".join("1.0" if v >= 0.995 else f"{v:.2f}".lstrip("0") for v in values)
+
+
+def format_train_line(r: dict[str, Any], total_steps: int) -> str:
+    mem = f"{r['gpu_mem_gb']:.1f} GB" if r.get("gpu_mem_gb") is not None else "-"
+    return (
+        f"step {r['step']}/{total_steps} | ep {r['epoch']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
+        f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | lr {r['lr']:.1e} | "
+        f"gnorm {r['grad_norm']:.2f} | {r['tok_s'] / 1e3:.1f}k tok/s | wait {r['data_wait_ms']:.1f} ms | "
+        f"cache {100 * r['cache_hit_rate']:.0f}% | mem {mem}"
+    )
+
+
+def format_val_line(r: dict[str, Any]) -> str:
+    return (f"val  step {r['step']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
+            f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | {r['sequences']} sequences")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Console line + JSONL + TensorBoard. Only rank 0 makes one; the others record nothing."""
+
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, resume_step: int):
+        self.run_dir = run_dir
+        self.total_steps = total_steps
+        self._truncate_after(resume_step)
+        self._file = open(run_dir / METRICS_FILE, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides events a killed run wrote after its last checkpoint
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+
+    def _truncate_after(self, step: int) -> None:
+        kept = [r for r in read_metrics(self.run_dir) if r["step"] <= step]
+        atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept), durable=False)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = format_train_line(record, self.total_steps) if record["kind"] == "train" else format_val_line(record)
+        log.info("%s", line)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            self._scalars(record)
+
+    def _scalars(self, r: dict[str, Any]) -> None:
+        step, kind = r["step"], r["kind"]
+        for key, value in r.items():
+            if isinstance(value, (int, float)) and key not in ("step", "epoch"):
+                self._tb.add_scalar(f"{kind}/{key}", value, step)
+        for k, acc in enumerate(r.get("acc_by_pos", []), start=1):
+            self._tb.add_scalar(f"{kind}/acc_pos_{k}", acc, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,73 @@
+"""A one-page PNG of a run, `report.png` in the run directory: loss and accuracy over steps (train and
+validation), accuracy by block position (latest), and the estimated acceptance length tau over steps.
+Written at every checkpoint and at the end of the run, from `metrics.jsonl` alone.
+
+    python -m train.report RUN_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash_common.fsutil import temp_sibling
+
+from train.metrics import read_metrics
+
+REPORT_FILE = "report.png"
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    return [r["step"] for r in records], [r[key] for r in records]
+
+
+def write_report(run_dir: str | Path, title: str | None = None) -> Path | None:
+    """Draw the run's curves into run_dir/report.png (atomically); None if there is nothing to draw yet."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    val = [r for r in records if r["kind"] == "val"]
+    if not train and not val:
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, key, label in ((axes[0, 0], "loss", "loss"), (axes[0, 1], "acc", "accuracy"), (axes[1, 1], "tau", "tau")):
+        for records_, name, style in ((train, "train", "-"), (val, "validation", "o-")):
+            if records_:
+                ax.plot(*_series(records_, key), style, label=name, markersize=4)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    axes[1, 1].set_title("estimated acceptance length")
+    _by_position(axes[1, 0], train, val)
+    fig.suptitle(title or run_dir.name)
+    fig.tight_layout()
+    path = run_dir / REPORT_FILE
+    tmp = temp_sibling(path).with_suffix(".png")
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def _by_position(ax, train: list[dict[str, Any]], val: list[dict[str, Any]]) -> None:
+    for records, name in ((train, "train"), (val, "validation")):
+        if records:
+            acc = records[-1]["acc_by_pos"]
+            ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{name} (step {records[-1]['step']})")
+    ax.set_xlabel("block position k (predicts anchor + k)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("accuracy by block position")
+
+
+if __name__ == "__main__":
+    print(write_report(sys.argv[1]))

@@ -1,0 +1,55 @@
+"""What the trainer needs to know of the target besides its weights: its config, its tokenizer's
+fingerprint (checked against the store's) and the MASK token id."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_common.cli import UserError
+from dflash_common.fingerprint import tokenizer_fingerprint
+
+MASK_TOKEN = "<|mask|>"  # the token DFlash adds to the tokenizer (dflash_common/tiny.py has it too)
+
+
+def _target_dir(path: str | None) -> Path:
+    if path is None:
+        raise UserError("No target given; set run.target to the target model's directory (its embedding, "
+                        "lm_head and tokenizer are needed).")
+    target = Path(path)
+    if not (target / "config.json").is_file():
+        raise UserError(f"run.target = {path} has no config.json; pass the target model's directory.")
+    return target
+
+
+def target_config(path: str | None) -> dict[str, Any]:
+    return json.loads((_target_dir(path) / "config.json").read_text())
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the tokenizer of run.target = {path} ({e}); the directory needs its "
+                        f"tokenizer files.") from e
+
+
+def tokenizer_sha256(path: str | None) -> str:
+    return tokenizer_fingerprint(_tokenizer(str(_target_dir(path))))["sha256"]
+
+
+def mask_token_id(path: str | None, configured: int | None) -> int:
+    """`configured` if set, else the id of the tokenizer's MASK token."""
+    if configured is not None:
+        return configured
+    token_id = _tokenizer(str(_target_dir(path))).convert_tokens_to_ids(MASK_TOKEN)
+    unk = _tokenizer(str(_target_dir(path))).unk_token_id
+    if token_id is None or token_id == unk:
+        raise UserError(f"the tokenizer of {path} has no {MASK_TOKEN} token; set drafter.mask_token_id to an "
+                        f"unused embedding row (151669 for Qwen3).")
+    return int(token_id)
