@@ -460,20 +460,24 @@ def run(cfg: EvalConfig) -> dict:
 # ---------------------------------------------------------------- offline estimate
 
 
+# What the offline estimate takes from the training run's run.toml: its held-out split, and how its
+# validation packed and weighted the blocks, so the estimate repeats the trainer's own validation.
+_RUN_SETTINGS = {"holdout_sequences": ("data", "holdout_sequences"), "holdout_fraction": ("data", "holdout_fraction"),
+                 "batch_tokens": ("data", "batch_tokens"), "max_anchors": ("objective", "max_anchors"),
+                 "gamma": ("objective", "gamma")}
+
+
 def _training_run_settings(drafter_path: str) -> dict:
-    """Held-out split and gamma of the training run behind `drafter_path` (its run.toml, found in a run
-    or step-N directory or beside a step's drafter/), so the estimate reads the sequences it held out."""
+    """Settings of the training run behind `drafter_path` (its run.toml, in a run or step-N directory
+    or beside a run's drafter/), by the keyword names of `evaluate_offline`; {} when there is none."""
     import tomllib
 
     here = Path(drafter_path)
     for candidate in (here / "run.toml", here.parent / "run.toml"):
         if candidate.is_file():
             run = tomllib.loads(candidate.read_text())
-            data, objective = run.get("data", {}), run.get("objective", {})
-            found = {k: data[k] for k in ("holdout_sequences", "holdout_fraction") if k in data}
-            if objective.get("gamma") is not None:
-                found["gamma"] = objective["gamma"]
-            return found
+            return {key: run[sec][name] for key, (sec, name) in _RUN_SETTINGS.items()
+                    if run.get(sec, {}).get(name) is not None}
     return {}
 
 
