@@ -138,3 +138,75 @@ def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
         main([f"--target.path={tiny_target}", "--drafter", str(tmp_path / "nope"),
               "--prompts.files=data/tiny-prompts.jsonl"])
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def _briefly_trained_drafter(model, tok, root, steps=60):
+    """A depth-1 drafter trained for a few dozen steps on the target's own responses (data/tiny-train.jsonl)
+    with the training forward and the DFlash labels: good enough to get some drafts accepted."""
+    from dflash_common.objective import IGNORE_INDEX, block_labels
+
+    records = [json.loads(line) for line in (root / "data" / "tiny-train.jsonl").read_text().splitlines()[:48]]
+    cfg = DrafterConfig.from_target(model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=1,
+                                    block_size=BLOCK, layer_ids=[1, 3, 5])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    with torch.inference_mode():
+        feats = [torch.cat(_layers(model, r["input_ids"], cfg.target_layer_ids), -1) for r in records]  # [S, K*H]
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        pick = torch.randperm(len(records), generator=gen)[:8].tolist()
+        ids = torch.tensor(sum((records[i]["input_ids"] for i in pick), []))
+        mask = torch.tensor(sum((records[i]["loss_mask"] for i in pick), []))
+        cu = torch.tensor([0] + [len(records[i]["input_ids"]) for i in pick]).cumsum(0).int()
+        pos = torch.arange(len(ids))
+        end = cu[torch.searchsorted(cu, pos, right=True)]  # [T] end of each position's sequence
+        # anchors: a third of the response positions with a whole block left (the rest next steps)
+        anchors = torch.nonzero(mask.bool() & (pos <= end - BLOCK) & (pos % 3 == step % 3))[:, 0]
+        labels, weights = block_labels(ids, mask, cu, anchors, BLOCK)
+        hidden = drafter(torch.cat([feats[i] for i in pick]).clone(), ids, cu, anchors)  # [A, B, H]
+        ce = torch.nn.functional.cross_entropy(drafter.logits(hidden).flatten(0, 1), labels.flatten().clamp(min=0),
+                                               reduction="none")
+        loss = (ce * weights.flatten() * (labels.flatten() != IGNORE_INDEX)).sum() / weights.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+def _layers(model, ids, layer_ids):
+    states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return [states[i + 1][0] for i in layer_ids]
+
+
+def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_target):
+    """No training/serving mismatch: with a briefly trained drafter, each cycle's acceptance length is
+    the leading run of the training forward's correct predictions at that cycle's anchor."""
+    from pathlib import Path
+
+    from train.evaluate import load_prompts
+    from train.spec_decode import DFlashProposer
+
+    root = Path(__file__).resolve().parents[2]
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    proposer = DFlashProposer(_briefly_trained_drafter(model, tok, root))
+    target = TargetRunner(model, proposer.layer_ids)
+    max_new, seen = 40, []
+    for prompt in load_prompts([str(root / "data" / "tiny-prompts.jsonl")], tok, {}):
+        out = speculative_generate(target, proposer, prompt.ids, block_size=BLOCK, max_new_tokens=max_new)
+        assert out.tokens == target_generate(target, prompt.ids, max_new_tokens=max_new).tokens
+        seq, max_len = prompt.ids + out.tokens, len(prompt.ids) + max_new
+        anchors = (len(prompt.ids) + torch.tensor([0] + out.acceptance_lengths[:-1]).cumsum(0)).tolist()
+        with torch.inference_mode():
+            feats = torch.cat(_layers(model, seq, proposer.layer_ids), -1)
+            cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+            hidden = proposer.drafter(feats, torch.tensor(seq), cu, torch.tensor(anchors))
+            predicted = proposer.drafter.logits(hidden[:, 1:]).argmax(-1)  # [cycles, B-1]
+        for a, n, row in zip(anchors, out.acceptance_lengths, predicted.tolist()):
+            if a + BLOCK > max_len:  # the last block is shorter than the trained one: another input
+                continue
+            run = next((k for k in range(BLOCK - 1) if row[k] != seq[a + 1 + k]), BLOCK - 1)
+            assert n == min(run + 1, max_len - a - 1), f"{prompt.name}: cycle at {a}"
+            seen.append(n)
+    assert max(seen) >= 3 and len(seen) > 50, "the drafter should get drafts accepted for the check to bite"
