@@ -12,7 +12,7 @@ peak GPU memory of each phase, and the ratio from-disk / resident (goal: >= 0.97
 
 The script is self-contained: it writes its own store of random states with a Qwen3-8B-like shape
 (hidden 4096, 5 target layers, vocabulary 151,936, 5 draft layers) through the store API: 18
-shards of 32,768 tokens (24 GB in bf16), shuffle windows of 4 shards (two 65,536-token batches),
+shards of 32,768 tokens (24 GB in bf16), shuffle windows of 4 shards (eight 16,384-token batches),
 so the cache (half the store) holds two windows and every epoch reads the store again.
 
     python benchmarks/train_io.py                    # on a CUDA GPU (writes ~24 GB under --workdir)
@@ -47,8 +47,10 @@ from train.loop import _N, _TOKENS, _WAIT, build_optimizer, train_step  # noqa: 
 
 # Qwen3-8B: hidden 4096, 32 heads of 128, 8 KV heads, MLP 12288, vocabulary 151,936, 36 layers.
 FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, target_layers=36,
-            layer_ids=[1, 9, 17, 25, 33], depth=5, block=16, anchors=512, store_gb=24.0, shard_tokens=32768,
-            window=4, batch_tokens=65536, seq_min=512, seq_max=3072, steps=20, warmup=3)
+            layer_ids=[1, 9, 17, 25, 33], depth=5, block=16, anchors=256, store_gb=24.0, shard_tokens=32768,
+            window=4, batch_tokens=16384, seq_min=512, seq_max=3072, steps=20, warmup=3)
+# 16,384 tokens x 256 anchors per batch: ~37K block rows, ~60 GB of activations for this drafter on one
+# GPU (measured ~1.6 MB per block row); 65,536 tokens x 512 anchors would not fit in 141 GB.
 QUICK = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, target_layers=8,
              layer_ids=[1, 3, 5], depth=1, block=8, anchors=16, store_gb=0.004, shard_tokens=2048, window=1,
              batch_tokens=1024, seq_min=64, seq_max=300, steps=4, warmup=1)

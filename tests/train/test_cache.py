@@ -44,7 +44,12 @@ def test_slots_are_page_aligned_views_of_one_allocation():
 @pytest.mark.gpu
 def test_pinned_slots_copy_to_the_gpu_without_blocking():
     slab = SlotSlab.allocate(3, 10_000, pin=True)  # odd size: slots still own whole pages
-    assert slab.pinned and all(slab.view(i).is_pinned() for i in range(3))
+    # Tensor.is_pinned() looks at the storage's base pointer, which lies before the page-aligned
+    # slots and is not registered; the driver's own answer: registering a slot again must fail with
+    # cudaErrorHostMemoryAlreadyRegistered (712).
+    cudart = torch.cuda.cudart()
+    assert slab.pinned
+    assert all(int(cudart.cudaHostRegister(slab.view(i).data_ptr(), slab.slot_bytes, 1)) == 712 for i in range(3))
     slab.view(1).fill_(5)
     dev = slab.view(1).to("cuda", non_blocking=True)
     torch.cuda.synchronize()
