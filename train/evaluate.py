@@ -121,7 +121,8 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict, where: s
     try:
         return ChatTemplate(tokenizer, template_kwargs).prompt_ids(messages)
     except ChatMaskError as e:
-        raise UserError(f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the line.") from e
+        raise UserError(
+            f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the line.") from e
 
 
 def load_prompts(files: Sequence[str], tokenizer, template_kwargs: dict, limit: int = 0) -> list[Prompt]:
@@ -376,7 +377,8 @@ def load_dflash(path: str, target_config, device: torch.device, dtype: torch.dty
     wants = {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size, "num_target_layers": t.num_hidden_layers}
     bad = [f"{k} {getattr(dcfg, k)} vs the target's {v}" for k, v in wants.items() if getattr(dcfg, k) != v]
     if bad:
-        raise UserError(f"drafter {path} was made for another target ({'; '.join(bad)}); evaluate it on its own target.")
+        raise UserError(
+            f"drafter {path} was made for another target ({'; '.join(bad)}); evaluate it on its own target.")
     return drafter.eval()
 
 
@@ -408,7 +410,8 @@ def evaluate_drafter(model, tokenizer, drafter: Drafter, cfg: EvalConfig, prompt
     try:
         check_layer_ids(list(drafter.layer_ids), num_layers)
     except ValueError as e:
-        raise UserError(f"the drafter does not fit this target: {e}; evaluate it on the target it was trained for.") from e
+        raise UserError(
+            f"the drafter does not fit this target: {e}; evaluate it on the target it was trained for.") from e
     s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
                       stop_token_ids(model, tokenizer))
     target = TargetRunner(model, drafter.layer_ids)

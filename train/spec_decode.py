@@ -291,7 +291,8 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, anchor: int, start: int, num_drafts: int) -> torch.Tensor:
         if self.cache.length + context.shape[0] != start:
-            raise RuntimeError(f"drafter context ends at {self.cache.length + context.shape[0]}, block starts at {start}")
+            ends = self.cache.length + context.shape[0]
+            raise RuntimeError(f"drafter context ends at {ends}, block starts at {start}")
         dtype = self.drafter.fc.weight.dtype
         block = torch.full((num_drafts + 1,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = anchor
