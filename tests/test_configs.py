@@ -16,6 +16,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGES = {
     "precompute": "dflash_common.precompute_config:PrecomputeConfig",
     "train": "dflash_common.train_config:TrainConfig",
+    "eval": "dflash_common.eval_config:EvalConfig",
 }
 
 

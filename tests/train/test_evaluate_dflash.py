@@ -1,0 +1,212 @@
+"""dflash-eval with the real DFlash drafter: an untrained drafter, exported and loaded back, drives
+speculative decoding on the tiny target; its drafts match the training forward's predictions; the
+output is the target's own greedy output; tau lies in [1, B]."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dflash_common.cli import UserError
+from dflash_common.drafter import DFlashDrafter, DrafterConfig
+from dflash_common.export import save_drafter
+from dflash_common.tiny import MASK_TOKEN
+from train.evaluate import load_proposer, main
+from train.spec_decode import TargetRunner, speculative_generate, target_generate
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices gain nothing from a second thread and lose much when the two cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target, tmp_path_factory):
+    """An untrained (random) DFlash drafter for the tiny target, exported in the released layout."""
+    mask = AutoTokenizer.from_pretrained(tiny_target).convert_tokens_to_ids(MASK_TOKEN)
+    cfg = DrafterConfig.from_target(AutoConfig.from_pretrained(tiny_target), mask_token_id=mask, depth=2,
+                                    block_size=BLOCK)
+    torch.manual_seed(0)
+    return save_drafter(DFlashDrafter(cfg), tmp_path_factory.mktemp("drafter") / "export", dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    texts = ["Tell me about bees.", "Explain tides to a child.", "abc"]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts], tok
+
+
+def test_proposer_drafts_what_the_training_forward_predicts(model, drafter_dir, prompt_ids):
+    """The KV-cached draft, fed context in two pieces, equals the packed training forward with one
+    anchor: same positions, no shift, context strictly before the anchor."""
+    texts, tok = prompt_ids
+    proposer = load_proposer(str(drafter_dir), model)
+    drafter = proposer.drafter
+    ids = tok.encode(texts[0])
+    seq = ids + target_generate(TargetRunner(model, []), ids, max_new_tokens=12).tokens
+    with torch.inference_mode():
+        states = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    feats = torch.cat([states[i + 1][0] for i in proposer.layer_ids], dim=-1)  # [T, K*H]
+    first, second = len(ids), len(ids) + 5
+    proposer.begin(ids)
+    proposer.propose(feats[:first], seq[first], first, BLOCK - 1)
+    drafts = proposer.propose(feats[first:second], seq[second], second, BLOCK - 1)
+    with torch.inference_mode():
+        cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+        hidden = drafter(feats, torch.tensor(seq), cu, torch.tensor([second]))  # [1, B, H]
+        expected = drafter.logits(hidden[0, 1:]).argmax(-1)
+    assert drafts.tolist() == expected.tolist()
+    assert proposer.cache.length == second
+
+
+def test_untrained_dflash_drafter_is_lossless_with_tau_in_range(model, drafter_dir, prompt_ids):
+    texts, tok = prompt_ids
+    proposer = load_proposer(str(drafter_dir), model)
+    target = TargetRunner(model, proposer.layer_ids)
+    for text in texts:
+        ids = tok.encode(text)
+        spec = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=33)
+        assert spec.tokens == target_generate(target, ids, max_new_tokens=33).tokens
+        assert all(1 <= n <= BLOCK for n in spec.acceptance_lengths)
+        assert len(spec.tokens) == 1 + sum(spec.acceptance_lengths)
+
+
+def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir, tmp_path, capsys):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    report = tmp_path / "out" / "eval.json"
+    main(["--config", str(root / "configs" / "eval-tiny.toml"), "--drafter", str(drafter_dir),
+          "--report", str(report), f"--target.path={tiny_target}",
+          f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=3",
+          "--generation.max_new_tokens=20"])
+    out = json.loads(report.read_text())
+    assert out["num_prompts"] == 3 and out["block_size"] == BLOCK
+    assert 1 <= out["tau"] <= BLOCK
+    assert out["lossless"] == {"checked": True, "ok": True, "mismatches": []}
+    assert out["spec_tokens_per_s"] > 0 and out["target_tokens_per_s"] > 0 and out["speedup"] > 0
+    assert out["run"]["config"]["drafter"]["path"] == str(drafter_dir)
+    assert (report.parent / "eval.run.toml").is_file()
+    assert "tau (acceptance length)" in capsys.readouterr().out
+
+
+def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    report = tmp_path / "eval.json"
+    main(["--config", str(root / "configs" / "eval-tiny.toml"), "--drafter", str(drafter_dir),
+          "--report", str(report), f"--target.path={tiny_target}", "--generation.block_size=3",
+          f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=1",
+          "--generation.max_new_tokens=9", "--generation.warmup=false"])
+    out = json.loads(report.read_text())
+    assert out["block_size"] == 3 and all(n <= 3 for n in out["prompts"][0]["acceptance_lengths"])
+
+
+def test_drafter_for_another_target_is_refused_in_one_sentence(tiny_target_2layer, drafter_dir, capsys):
+    model2 = AutoModelForCausalLM.from_pretrained(tiny_target_2layer, dtype=torch.float32)
+    with pytest.raises(UserError, match="made for another target.*num_target_layers 8 vs the target's 2"):
+        load_proposer(str(drafter_dir), model2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([f"--target.path={tiny_target_2layer}", "--drafter", str(drafter_dir),
+              "--prompts.files=data/tiny-prompts.jsonl"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "another target" in err and "Traceback" not in err
+    assert "Loading weights" not in err, "the target is not loaded for a drafter that does not fit"
+
+
+def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([f"--target.path={tiny_target}", "--drafter", str(tmp_path / "nope"),
+              "--prompts.files=data/tiny-prompts.jsonl"])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def _briefly_trained_drafter(model, tok, root, steps=60):
+    """A depth-1 drafter trained for a few dozen steps on the target's own responses (data/tiny-train.jsonl)
+    with the training forward and the DFlash labels: good enough to get some drafts accepted."""
+    from dflash_common.objective import IGNORE_INDEX, block_labels
+
+    records = [json.loads(line) for line in (root / "data" / "tiny-train.jsonl").read_text().splitlines()[:48]]
+    cfg = DrafterConfig.from_target(model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=1,
+                                    block_size=BLOCK, layer_ids=[1, 3, 5])
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    with torch.inference_mode():
+        feats = [torch.cat(_layers(model, r["input_ids"], cfg.target_layer_ids), -1) for r in records]  # [S, K*H]
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        pick = torch.randperm(len(records), generator=gen)[:8].tolist()
+        ids = torch.tensor(sum((records[i]["input_ids"] for i in pick), []))
+        mask = torch.tensor(sum((records[i]["loss_mask"] for i in pick), []))
+        cu = torch.tensor([0] + [len(records[i]["input_ids"]) for i in pick]).cumsum(0).int()
+        pos = torch.arange(len(ids))
+        end = cu[torch.searchsorted(cu, pos, right=True)]  # [T] end of each position's sequence
+        # anchors: a third of the response positions with a whole block left (the rest next steps)
+        anchors = torch.nonzero(mask.bool() & (pos <= end - BLOCK) & (pos % 3 == step % 3))[:, 0]
+        labels, weights = block_labels(ids, mask, cu, anchors, BLOCK)
+        hidden = drafter(torch.cat([feats[i] for i in pick]).clone(), ids, cu, anchors)  # [A, B, H]
+        ce = torch.nn.functional.cross_entropy(drafter.logits(hidden).flatten(0, 1), labels.flatten().clamp(min=0),
+                                               reduction="none")
+        loss = (ce * weights.flatten() * (labels.flatten() != IGNORE_INDEX)).sum() / weights.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+def _layers(model, ids, layer_ids):
+    states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return [states[i + 1][0] for i in layer_ids]
+
+
+def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_target):
+    """No training/serving mismatch: with a briefly trained drafter, each cycle's acceptance length is
+    the leading run of the training forward's correct predictions at that cycle's anchor."""
+    from pathlib import Path
+
+    from train.evaluate import load_prompts
+    from train.spec_decode import DFlashProposer
+
+    root = Path(__file__).resolve().parents[2]
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    proposer = DFlashProposer(_briefly_trained_drafter(model, tok, root))
+    target = TargetRunner(model, proposer.layer_ids)
+    max_new, seen = 40, []
+    for prompt in load_prompts([str(root / "data" / "tiny-prompts.jsonl")], tok, {}):
+        out = speculative_generate(target, proposer, prompt.ids, block_size=BLOCK, max_new_tokens=max_new)
+        assert out.tokens == target_generate(target, prompt.ids, max_new_tokens=max_new).tokens
+        seq, max_len = prompt.ids + out.tokens, len(prompt.ids) + max_new
+        anchors = (len(prompt.ids) + torch.tensor([0] + out.acceptance_lengths[:-1]).cumsum(0)).tolist()
+        with torch.inference_mode():
+            feats = torch.cat(_layers(model, seq, proposer.layer_ids), -1)
+            cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+            hidden = proposer.drafter(feats, torch.tensor(seq), cu, torch.tensor(anchors))
+            predicted = proposer.drafter.logits(hidden[:, 1:]).argmax(-1)  # [cycles, B-1]
+        for a, n, row in zip(anchors, out.acceptance_lengths, predicted.tolist()):
+            if a + BLOCK > max_len:  # the last block is shorter than the trained one: another input
+                continue
+            run = next((k for k in range(BLOCK - 1) if row[k] != seq[a + 1 + k]), BLOCK - 1)
+            assert n == min(run + 1, max_len - a - 1), f"{prompt.name}: cycle at {a}"
+            seen.append(n)
+    assert max(seen) >= 3 and len(seen) > 50, "the drafter should get drafts accepted for the check to bite"
