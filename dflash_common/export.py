@@ -96,7 +96,7 @@ def resolve_drafter_dir(path: str | Path) -> Path:
         raise UserError(f"{path} does not exist; pass a run directory, a step-N checkpoint or a drafter directory.")
     if (path / CONFIG_FILE).is_file():
         return path
-    if (path / DRAFTER_SUBDIR).is_dir():
+    if STEP_DIR.match(path.name) and (path / DRAFTER_SUBDIR).is_dir():
         if not (path / COMPLETE_MARKER).is_file():
             raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker); pick another step.")
         return path / DRAFTER_SUBDIR
@@ -104,6 +104,8 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     complete = [d for _, d in steps if (d / COMPLETE_MARKER).is_file()]
     if complete:
         return complete[-1] / DRAFTER_SUBDIR
+    if (path / DRAFTER_SUBDIR / CONFIG_FILE).is_file():  # a run's final drafter, without step checkpoints
+        return path / DRAFTER_SUBDIR
     if steps:
         raise UserError(
             f"run {path} has no complete checkpoint yet ({len(steps)} step dirs, none with {COMPLETE_MARKER})."

@@ -105,6 +105,12 @@ def test_newest_complete_step_is_exported(drafter, tmp_path):
         resolve_drafter_dir(run / "step-30")
     with pytest.raises(UserError, match="no complete checkpoint"):
         resolve_drafter_dir(_checkpoint(tmp_path / "run2", 1, drafter, complete=False).parent)
+    # a run with its final drafter/ beside the steps: steps still decide; alone, the final one serves
+    save_drafter(newer, run / "drafter")
+    assert resolve_drafter_dir(run) == run / "step-12" / "drafter"
+    final_only = tmp_path / "run3"
+    save_drafter(newer, final_only / "drafter")
+    assert resolve_drafter_dir(final_only) == final_only / "drafter"
 
 
 def test_unknown_missing_or_misshapen_weights_are_refused(drafter, tmp_path):
