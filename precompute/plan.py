@@ -407,6 +407,7 @@ class Plan:
     store_dtype: str
     store_path: str
     committed_units: int
+    empty_units: list[int]  # units whose records were all skipped: done, with no shard
     bytes_to_write: int
     bytes_total: int
     free_bytes: int
@@ -422,7 +423,7 @@ class Plan:
                    else f"{len(self.layer_ids)} x ({self.hidden_size} + 4)")
         lines = [
             f"plan: {self.records:,} input records -> {self.units:,} work units "
-            f"({self.committed_units:,} already in the store)",
+            f"({self.committed_units:,} already in the store, {len(self.empty_units):,} without a sequence)",
             f"  samples kept: {self.samples:,}; skipped {self.skips.total:,} ({skipped}); "
             f"truncated {self.truncated:,}",
             f"  tokens after templating: {self.tokens:,} (response tokens {self.response_tokens:,})",
@@ -457,7 +458,8 @@ def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: i
         response_tokens=sum(s.response_tokens for s in summaries),
         truncated=sum(s.truncated for s in summaries), skips=skips, hidden_size=hidden_size,
         layer_ids=list(layer_ids), store_dtype=store_dtype, store_path=store_path,
-        committed_units=len(committed), bytes_total=sum(size.values()),
+        committed_units=len(committed), empty_units=sorted(s.index for s in summaries if s.samples == 0),
+        bytes_total=sum(size.values()),
         bytes_to_write=sum(v for u, v in size.items() if u not in committed),
         free_bytes=free_space(store_path),
     )
