@@ -143,8 +143,8 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
     done = time.perf_counter()
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
-        timings = {"plan": planned - started, "load_target": loaded - planned, "pipeline": done - loaded,
-                   "total": done - started}
+        timings = {"plan": planned - started, "load_target": loaded - planned, "staging_setup": stats.setup_s,
+                   "forward_write": done - loaded - stats.setup_s, "total": done - started}
         summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)
         writer.write_summary(summary)
         print(format_summary(summary), flush=True)
@@ -325,7 +325,7 @@ def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, floa
         "units_already_in_store": plan.committed_units, "bytes_written": total("bytes_written"),
         "batches": total("batches"), "tokens_forwarded": total("tokens"), "padded_tokens": total("padded_tokens"),
         "seconds": {k: round(v, 3) for k, v in timings.items()},
-        "tokens_per_s": round(total("tokens") / max(1e-9, timings["pipeline"]), 1),
+        "tokens_per_s": round(total("tokens") / max(1e-9, timings["forward_write"]), 1),
         "disk_wait_s_max_rank": round(max(s.wait_s for s in stats), 3),
         "write_s": round(total("write_s"), 3), "max_units_in_memory": max(s.max_units_in_memory for s in stats),
     }
@@ -346,6 +346,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])}), "
         f"{run['units_already_in_store']:,} already in the store; {run['tokens_forwarded']:,} tokens forwarded "
         f"at {run['tokens_per_s']:,.0f} tok/s on {run['world_size']} rank(s)",
-        f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, "
-        f"forward + write {s['pipeline']:.1f}); waited for the disk {run['disk_wait_s_max_rank']:.1f} s",
+        f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
+        f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
+        f"{run['disk_wait_s_max_rank']:.1f} s",
     ])

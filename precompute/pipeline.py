@@ -36,6 +36,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -78,6 +79,7 @@ class PipelineStats:
     padded_tokens: int = 0  # token slots of the forward, pads included
     units_written: int = 0
     bytes_written: int = 0  # on disk, published shards of this run
+    setup_s: float = 0.0  # allocating (and pinning) the staging buffers, starting the threads
     wait_s: float = 0.0  # main thread blocked on a free staging buffer: the GPU waited for the disk
     write_s: float = 0.0  # writer-thread time in write_shard, summed over threads
     max_units_in_memory: int = 0
@@ -183,13 +185,15 @@ class Pipeline:
     def start(cls, writer: StoreWriter, *, device: torch.device, capacity_tokens: int, writer_threads: int,
               queue_depth: int) -> Pipeline:
         """Allocate (and on a GPU pin) the staging buffers once, start the threads."""
-        m = writer.manifest
+        started, m = time.perf_counter(), writer.manifest
         pin = device.type == "cuda"
-        staging = [_allocate_staging(len(m.layer_ids), m.hidden_size, m.dtype, capacity_tokens, pin, device)
-                   for _ in range(STAGING_BUFFERS)]
+        with ThreadPoolExecutor(STAGING_BUFFERS) as pool:  # pinning faults every page in: in parallel
+            staging = list(pool.map(lambda _: _allocate_staging(len(m.layer_ids), m.hidden_size, m.dtype,
+                                                                capacity_tokens, pin, device), range(STAGING_BUFFERS)))
         pipe = cls(writer, list(m.layer_ids), device, staging, writer_threads, queue_depth)
         for t in pipe._threads:
             t.start()
+        pipe.stats.setup_s = time.perf_counter() - started
         return pipe
 
     def __enter__(self) -> Pipeline:
@@ -276,6 +280,8 @@ class Pipeline:
             self._put(self.write_q, None)
         for t in self._threads[1:]:
             t.join()
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # no copy may still land in a buffer about to be unpinned
         for s in self.staging:
             _release_staging(s)
         if not abort:
@@ -287,6 +293,8 @@ class Pipeline:
         while (item := self.collect_q.get()) is not None:
             staging, pieces = item
             try:
+                if staging.event is not None:
+                    staging.event.synchronize()  # releases the GIL while the copy finishes
                 if not self._stop.is_set():
                     self._place(staging, pieces)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
@@ -295,8 +303,6 @@ class Pipeline:
                 self.free.put(staging)
 
     def _place(self, staging: _Staging, pieces: list[_Piece]) -> None:
-        if staging.event is not None:
-            staging.event.synchronize()  # releases the GIL while the copy finishes
         for p in pieces:
             if p.assembly.place(p.sample, staging, p.at, self.layer_ids) and not self._put(self.write_q, p.assembly):
                 return
@@ -431,12 +437,20 @@ def run_windows(target, windows: Iterable[list[UnitWork]], pipe: Pipeline, token
             for batch in window_batches(units, token_budget):
                 seqs = [units[u].input_ids[units[u].offsets[n]: units[u].offsets[n + 1]] for u, n in batch]
                 ids = pad_right(seqs, pad_id=0).to(device, non_blocking=True)  # [B, S]; pads are never kept
-                states = dict(zip(target.layer_ids, target.forward(ids)))
+                states = _forward(target, ids, token_budget)
                 pieces = [_Piece(assemblies[u], n, row, len(seqs[row]))
                           for row, (u, n) in enumerate(batch) if u in assemblies]
                 pipe.submit(states, pieces)
                 _count(pipe.stats, seqs, ids)
                 on_batch(len(seqs), sum(len(s) for s in seqs))
+
+
+def _forward(target, ids: torch.Tensor, token_budget: int) -> dict[int, torch.Tensor]:
+    try:
+        return dict(zip(target.layer_ids, target.forward(ids)))
+    except torch.OutOfMemoryError as e:
+        raise UserError(f"the target's forward ran out of GPU memory on a batch of {ids.shape[0]} x {ids.shape[1]} "
+                        f"tokens; lower batching.token_budget (now {token_budget}).") from e
 
 
 def _count(stats: PipelineStats, seqs: list[np.ndarray], ids: torch.Tensor) -> None:
