@@ -136,15 +136,12 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
     if ranks.main:
         write_run_record(store_path.parent, cfg, name=f"{store_path.name}.precompute")
     planned = time.perf_counter()
-    target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
-                         attn_implementation=cfg.target.attn_implementation, device=ranks.device)
-    loaded = time.perf_counter()
-    stats = _compute(cfg, ranks, target, writer, mine)
+    stats, load_s = _compute(cfg, ranks, layer_ids, writer, mine)
     done = time.perf_counter()
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
-        timings = {"plan": planned - started, "load_target": loaded - planned, "staging_setup": stats.setup_s,
-                   "forward_write": done - loaded - stats.setup_s, "total": done - started}
+        timings = {"plan": planned - started, "load_target": load_s, "staging_setup": stats.setup_s,
+                   "forward_write": done - planned - load_s - stats.setup_s, "total": done - started}
         summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)
         writer.write_summary(summary)
         print(format_summary(summary), flush=True)
@@ -246,12 +243,20 @@ def _load_windows(units: RankUnits, windows: list[list[int]]) -> Iterator[list[U
                for u in window]
 
 
-def _compute(cfg: PrecomputeConfig, ranks: Ranks, target, writer: StoreWriter, units: RankUnits) -> PipelineStats:
+def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: StoreWriter,
+             units: RankUnits) -> tuple[PipelineStats, float]:
+    """Load the target and run this rank's windows -> (statistics, seconds spent loading)."""
     windows = my_windows(units, cfg.batching.sort_window_units)
     samples = {s.index: s.samples for s in units.summaries}
     total = sum(samples[u] for w in windows for u in w)
     log.info("%d windows of %d work units to compute (%d samples); %d units of this rank already in the store",
              len(windows), sum(len(w) for w in windows), total, len(units.committed))
+    if not windows:
+        return PipelineStats(), 0.0  # nothing left here: the target is not even loaded
+    started = time.perf_counter()
+    target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
+                         attn_implementation=cfg.target.attn_implementation, device=ranks.device)
+    load_s = time.perf_counter() - started
     with _cpu_core_for_writers(ranks.device), \
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,
                            writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
@@ -260,7 +265,7 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, target, writer: StoreWriter, u
     log.info("%d shards written (%s) from %s tokens in %d batches; waited %.1f s for the disk",
              pipe.stats.units_written, human_bytes(pipe.stats.bytes_written), f"{pipe.stats.tokens:,}",
              pipe.stats.batches, pipe.stats.wait_s)
-    return pipe.stats
+    return pipe.stats, load_s
 
 
 @contextlib.contextmanager

@@ -93,6 +93,7 @@ def test_a_rerun_writes_nothing_new(one_rank_bf16, tiny_target, inputs):
     assert _shard_stamps(one_rank_bf16) == before and store_files(one_rank_bf16) == files
     runs = Store.open(one_rank_bf16).summary["runs"]
     assert runs[-1]["units_written"] == 0 and runs[-1]["batches"] == 0 and runs[-1]["units_already_in_store"] == 12
+    assert runs[-1]["seconds"]["load_target"] == 0  # nothing to compute: the target is not even loaded
 
 
 def test_a_job_killed_mid_way_resumes_to_the_store_of_an_uninterrupted_job(tiny_target, inputs, tmp_path):
