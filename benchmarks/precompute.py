@@ -164,8 +164,8 @@ def batches_like_precompute(seqs: list[np.ndarray], samples_per_unit: int, budge
     for start in range(0, len(seqs), samples_per_unit):
         chunk = seqs[start: start + samples_per_unit]
         offsets = np.concatenate([[0], np.cumsum([len(s) for s in chunk])])
-        unit = TokenizedUnit(start // samples_per_unit, len(chunk), np.concatenate(chunk), np.ones(offsets[-1], np.uint8),
-                             offsets, [str(i) for i in range(len(chunk))], SkipLog())
+        unit = TokenizedUnit(start // samples_per_unit, len(chunk), np.concatenate(chunk),
+                             np.ones(offsets[-1], np.uint8), offsets, [str(i) for i in range(len(chunk))], SkipLog())
         out += [[chunk[n] for _, n in batch] for batch in window_batches([unit], budget)]
     return out
 

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     configs/*-tiny.toml use, in .cache/tiny-target)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dflash_common.tiny", description="Build the embedded tiny target (TinySpec defaults) into OUT_DIR.")
+    parser = argparse.ArgumentParser(prog="python -m dflash_common.tiny",
+                                     description="Build the embedded tiny target (TinySpec defaults) into OUT_DIR.")
     parser.add_argument("out_dir", help="directory to write the target to (reused if it already holds it)")
     args = parser.parse_args(argv)
     print(build_tiny_target(args.out_dir, TinySpec()))

@@ -166,20 +166,17 @@ class Pipeline:
         self.device = device
         self.capacity = staging[0].data[0].shape[0]
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.free: queue.Queue[_Staging] = queue.Queue()
-        for s in staging:
-            self.free.put(s)
         self.staging = staging
+        self.free: queue.Queue[_Staging] = queue.Queue()  # staging buffers the GPU may copy into
         self.collect_q: queue.Queue = queue.Queue()  # bounded by the staging buffers in it
         self.write_q: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self.writer_threads = writer_threads
         self.stats = PipelineStats()
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._in_memory = 0
-        self._threads = [threading.Thread(target=self._collect, name="dflash-collect", daemon=True)]
-        self._threads += [threading.Thread(target=self._write, name=f"dflash-write-{i}", daemon=True)
-                          for i in range(writer_threads)]
+        self._threads: list[threading.Thread] = []  # the collector, then the writers
 
     @classmethod
     def start(cls, writer: StoreWriter, *, device: torch.device, capacity_tokens: int, writer_threads: int,
@@ -191,6 +188,11 @@ class Pipeline:
             staging = list(pool.map(lambda _: _allocate_staging(len(m.layer_ids), m.hidden_size, m.dtype,
                                                                 capacity_tokens, pin, device), range(STAGING_BUFFERS)))
         pipe = cls(writer, list(m.layer_ids), device, staging, writer_threads, queue_depth)
+        for s in staging:
+            pipe.free.put(s)
+        pipe._threads = [threading.Thread(target=pipe._collect, name="dflash-collect", daemon=True)]
+        pipe._threads += [threading.Thread(target=pipe._write, name=f"dflash-write-{i}", daemon=True)
+                          for i in range(writer_threads)]
         for t in pipe._threads:
             t.start()
         pipe.stats.setup_s = time.perf_counter() - started

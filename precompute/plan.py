@@ -43,7 +43,6 @@ import io
 import json
 import logging
 import multiprocessing
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Collection, Iterator
