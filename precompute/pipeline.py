@@ -439,10 +439,9 @@ def run_windows(target, windows: Iterable[list[UnitWork]], pipe: Pipeline, token
             for batch in window_batches(units, token_budget):
                 seqs = [units[u].input_ids[units[u].offsets[n]: units[u].offsets[n + 1]] for u, n in batch]
                 ids = pad_right(seqs, pad_id=0).to(device, non_blocking=True)  # [B, S]; pads are never kept
-                states = _forward(target, ids, token_budget)
                 pieces = [_Piece(assemblies[u], n, row, len(seqs[row]))
                           for row, (u, n) in enumerate(batch) if u in assemblies]
-                pipe.submit(states, pieces)
+                pipe.submit(_forward(target, ids, token_budget), pieces)  # the states live no longer
                 _count(pipe.stats, seqs, ids)
                 on_batch(len(seqs), sum(len(s) for s in seqs))
 
