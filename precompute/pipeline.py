@@ -292,6 +292,8 @@ class Pipeline:
     # -- collector and writer threads ----------------------------------------------------------
 
     def _collect(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: else CUDA calls here open a context on GPU 0
         while (item := self.collect_q.get()) is not None:
             staging, pieces = item
             try:
@@ -405,6 +407,7 @@ def _allocate_staging(layers: int, hidden: int, dtype: str, capacity: int, pin: 
     staging = _Staging(raw, [t.numpy() for t in data_t], data_t, [t.numpy() for t in scales_t] if fp8 else None,
                        scales_t if fp8 else None, _event(device))
     if pin:
+        torch.cuda.set_device(device)  # this is a pool thread: its CUDA calls go to GPU 0 otherwise
         err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), total, _CUDA_HOST_REGISTER_PORTABLE))
         if err != 0:
             raise RuntimeError(f"pinning a {total}-byte staging buffer failed (cudaError {err})")
