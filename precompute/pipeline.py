@@ -15,8 +15,9 @@ Back-pressure instead of unbounded RAM: the main thread takes a free staging buf
 tokens: torch's pinned allocator would round every request up to a power of two), the collector
 blocks when `run.queue_depth` finished units wait for the `run.writer_threads` writers, and so the
 GPU waits only when the disk cannot keep up (`PipelineStats.wait_s` measures it). Host memory per
-rank, in units of one unit's states: the window being computed and the one before it (still being
-collected) + queue_depth + writer_threads, plus the staging buffers.
+rank, counted in work units' states: at most (STAGING_BUFFERS + 1) windows (the one being computed,
+and those whose last batches are still in staging buffers) + queue_depth + writer_threads, plus
+the staging buffers themselves (`PipelineStats.max_units_in_memory` reports the peak).
 
 On a CPU the same code runs without streams or events: the copies are plain copies.
 

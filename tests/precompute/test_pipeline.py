@@ -33,11 +33,10 @@ def full_model(tiny_target):
     return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
 
 
-def reference(full_model, ids: np.ndarray, layer_id: int) -> torch.Tensor:
-    """The full model's hidden_states[i + 1] of one sequence run alone: [T, H]."""
+def reference(full_model, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """The full model's hidden_states of one sequence run alone: layer id i is [i + 1][0], [T, H]."""
     with torch.no_grad():
-        out = full_model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True)
-    return out.hidden_states[layer_id + 1][0]
+        return full_model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
 
 
 def _inputs(tmp_path):
@@ -71,9 +70,10 @@ def test_shards_hold_each_unit_in_input_order_with_the_full_models_states(tiny_t
         np.testing.assert_array_equal(data.offsets, unit.offsets)
         for n in range(unit.num_samples):
             a, b = unit.offsets[n], unit.offsets[n + 1]
+            hidden = reference(full_model, unit.input_ids[a:b])
             for layer_id in (1, 5):
                 got = data.states(layer_id, out_dtype=torch.float32)[a:b]
-                want = reference(full_model, unit.input_ids[a:b], layer_id)
+                want = hidden[layer_id + 1][0]
                 worst = max(worst, _check_close(got, want, dtype, data.scales.get(layer_id), a, b))
     assert "sample" in json.dumps(store.summary) and store.summary["samples"] == 11
     assert store.summary["skips"]["counts"] == {"malformed_json": 1, "too_few_response_tokens": 1}
