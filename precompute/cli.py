@@ -11,7 +11,6 @@ Rerunning the same command resumes: published shards are kept, the rest is compu
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from dflash_common.cli import parse_args, setup_logging, user_errors_exit
@@ -31,12 +30,13 @@ def parse(argv: Sequence[str] | None = None) -> PrecomputeConfig:
 
 
 @user_errors_exit
-def main(argv: Sequence[str] | None = None) -> Path:
+def main(argv: Sequence[str] | None = None) -> None:
+    """Returns None: console scripts pass main()'s result to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
     from precompute.job import run  # after argument parsing: --help stays fast
 
-    return run(cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

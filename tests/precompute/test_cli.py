@@ -28,7 +28,8 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
     from train.cli import parse as parse_train
     from train.loop import run as train
 
-    store = main(_tiny_args(tiny_target, tmp_path / "store"))
+    store = tmp_path / "store"
+    assert main(_tiny_args(tiny_target, store)) is None  # a console script's exit code is main()'s result
     out = capsys.readouterr().out
     assert "plan: 384 input records -> 24 work units" in out and "done: 383 samples" in out
     s = Store.open(store)
