@@ -72,7 +72,10 @@ def encode_states(states: torch.Tensor, dtype: str) -> EncodedStates:
     if dtype == "bf16":
         return EncodedStates("bf16", states.to(torch.bfloat16).contiguous().view(torch.uint16))
     x = states.float()
-    scale = x.abs().amax(dim=1) / FP8_E4M3_MAX  # [T]; Inf/NaN in a row make it non-finite
+    amax = x.abs().amax(dim=1)  # [T]; Inf/NaN in a row make the scale non-finite
+    # A tensor divisor, not the Python number: CUDA divides by a scalar as a multiplication by its
+    # rounded reciprocal, a last-bit difference that changes codes; tensor division is exact on both.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
     # clamp: x / (amax / 448) can round a hair above 448, and casts need not saturate on every device
     scaled = (x / safe[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
