@@ -28,7 +28,7 @@ from dflash_common.store_chunks import balanced_chunk_rows, create_array, write_
 from dflash_common.store_format import (
     FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError,
     ShardInfo, ShardPayload, StoreError, StoreManifest, StoreMismatchError, check_shard_name,
-    group_metadata, layer_array, read_json, scale_array, short_json,
+    group_metadata, layer_array, read_json, read_root_attributes, scale_array, short_json,
 )
 
 
@@ -105,7 +105,7 @@ class StoreWriter:
                 raise StoreError(f"{path} is a non-empty directory that is not a dflash store (it holds "
                                  f"{foreign[0]!r}); pass a new or empty directory.")
             _publish_new_file(root_meta, group_metadata(manifest.to_json()))
-        attrs = read_json(root_meta).get("attributes", {})
+        attrs = read_root_attributes(path)
         StoreManifest.from_json(attrs, where=f"store {path}")  # refuses other formats and versions
         stored = {k: v for k, v in attrs.items() if k != "summary"}
         diff = _first_difference(stored, manifest.to_json())
