@@ -40,7 +40,7 @@ from train.checkpoint import (
     StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
 )
 from train.cache import CacheStats, human_bytes
-from train.data import TrainData
+from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.report import write_report
 from train.target import mask_token_id, target_config, tokenizer_sha256
@@ -204,15 +204,15 @@ class Window:
         """Leave validation and checkpoint time out of tok/s."""
         self.started = time.perf_counter()
 
-    def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int) -> dict[str, Any]:
+    def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int, bad: BadShards) -> dict[str, Any]:
         """Sum the window over ranks (one collective), make the logging step's record, start a new window."""
         now = (cache.hits, cache.misses, cache.bytes_read)
-        window = torch.tensor([a - b for a, b in zip(now, self.cache_seen)], dtype=torch.float64, device=self.device)
-        both = torch.cat([self.sums, self.counts, window])
+        window = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]  # ranks read apart
+        both = torch.cat([self.sums, self.counts, torch.tensor(window, dtype=torch.float64, device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(both)
         both = both.cpu()
-        sums, counts, (hits, misses, read) = both[:_N + 1], both[_N + 1:-3], both[-3:].tolist()
+        sums, counts, (hits, misses, read, bad_read) = both[:_N + 1], both[_N + 1:-4], both[-4:].tolist()
         figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
         steps = max(1.0, float(sums[_N]))
         record = {"kind": "train", "step": step, "epoch": epoch, "loss": figures["loss"], "acc": figures["acc"],
@@ -221,7 +221,8 @@ class Window:
                   "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
                   "data_wait_ms": 1e3 * float(sums[_WAIT]) / steps,
                   "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_read_gb": read / 1e9,
-                  "gpu_mem_gb": self._peak_memory_gb(), "steps": steps / world, "time": time.time()}
+                  "gpu_mem_gb": self._peak_memory_gb(), "steps": steps / world,
+                  "bad_shards": bad.at_scan + int(bad_read), "time": time.time()}
         self.sums.zero_(), self.counts.zero_()
         self.cache_seen, self.started = now, time.perf_counter()
         return record
@@ -334,12 +335,24 @@ def stop_agreed(stop: StopRequest, d: Dist) -> bool:
 
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
+    r = setup(cfg)
+    metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.dist.main else None
+    try:
+        saved, stopped = train(r, metrics)
+    except BaseException:  # e.g. a corrupt shard under data.on_bad_shard = stop: what is saved stays
+        r.data.close()  # stop the loader and reader threads, so the process can end
+        if metrics is not None:
+            metrics.close()
+        raise
+    return finish(r, metrics, saved, stopped)
+
+
+def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
+    """The loop: -> (last step saved, the signal that stopped it early or None)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    r = setup(cfg)
     c, main = r.cfg, r.dist.main
-    metrics = MetricsWriter(r.out, r.total, c.log.tensorboard, r.start) if main else None
     window = Window(r.dist.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
@@ -350,7 +363,7 @@ def run(cfg: TrainConfig) -> Path:
             bar.update(1)
             last = step == r.total
             if step % c.log.every_steps == 0 or last:
-                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world)
+                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world, r.data.bad)
                 if metrics is not None:
                     metrics.write(record)
             if (c.validation.every_steps and step % c.validation.every_steps == 0) or last:
@@ -365,7 +378,7 @@ def run(cfg: TrainConfig) -> Path:
             if stopped:
                 break
     bar.close()
-    return finish(r, metrics, saved, stopped)
+    return saved, stopped
 
 
 def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | None) -> Path:
@@ -373,6 +386,10 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
     log.info("shard cache: %d hits, %d misses (%.0f%% hits), %s read by the readers in %.1f s, batches waited "
              "%.1f s for shards", st.hits, st.misses, 100 * st.hit_rate, human_bytes(st.bytes_read), st.read_s,
              st.wait_s)
+    if r.data.bad.skipped:
+        log.warning("%d corrupt shard(s) skipped (data.on_bad_shard = skip): %s; delete them and rerun "
+                    "dflash-precompute to rewrite them", len(r.data.bad.skipped),
+                    ", ".join(name for _, name in sorted(r.data.bad.skipped)))
     r.data.close()
     if metrics is not None:
         metrics.close()

@@ -34,6 +34,7 @@ def format_train_line(r: dict[str, Any], total_steps: int) -> str:
         f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | lr {r['lr']:.1e} | "
         f"gnorm {r['grad_norm']:.2f} | {r['tok_s'] / 1e3:.1f}k tok/s | wait {r['data_wait_ms']:.1f} ms | "
         f"cache {100 * r['cache_hit_rate']:.0f}% | mem {mem}"
+        + (f" | {r['bad_shards']} bad shard(s) skipped" if r.get("bad_shards") else "")
     )
 
 
