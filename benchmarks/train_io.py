@@ -206,8 +206,8 @@ def run(args, s, store, store_path, store_bytes, steps, device) -> None:
     data.close()
 
     print()
-    print(f"| phase | tok/s | data stall | peak GPU memory |")
-    print(f"| --- | --- | --- | --- |")
+    print("| phase | tok/s | data stall | peak GPU memory |")
+    print("| --- | --- | --- | --- |")
     print(f"| from disk (cache {cache_bytes / store_bytes:.0%} of the store, page cache "
           f"{'dropped' if dropped else 'kept'}) | {disk['tok_s']:,.0f} | {disk['stall']:.1%} | {_gb(disk['peak_gb'])} |")
     print(f"| resident on the {device.type.upper()} (peak includes {min(total, args.resident_batches)} resident batches) | "

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from dflash_common.store_format import (  # noqa: F401  (re-exported: the store'
     layer_array, read_json, read_root_attributes, scale_array, shard_name, short_json,
 )
 from dflash_common.store_writer import StoreWriter  # noqa: F401  (re-export)
+
+if TYPE_CHECKING:  # verify() imports it lazily: store_verify imports this module
+    from dflash_common.store_verify import VerifyReport
 
 
 @dataclasses.dataclass

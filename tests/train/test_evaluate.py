@@ -31,13 +31,7 @@ LAYER_IDS = [1, 2, 3, 4, 5]  # the DFlash default for the 8-layer tiny target
 TEXTS = ["hello world, this is a test", "abc", "The quick brown fox", "0123456789", "spec decoding!"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from a second thread and lose much when the two cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -7,33 +7,14 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
-from dflash_common.drafter import DFlashDrafter, DrafterConfig
-from dflash_common.export import save_drafter
-from dflash_common.tiny import MASK_TOKEN
+from conftest import EVAL_BLOCK
 from train.evaluate import main
 
-BLOCK = 4
+BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices gain nothing from a second thread and lose much when the two cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_target, tmp_path_factory):
-    """An untrained (random) DFlash drafter for the tiny target, exported in the released layout."""
-    mask = AutoTokenizer.from_pretrained(tiny_target).convert_tokens_to_ids(MASK_TOKEN)
-    cfg = DrafterConfig.from_target(AutoConfig.from_pretrained(tiny_target), mask_token_id=mask, depth=2,
-                                    block_size=BLOCK)
-    torch.manual_seed(0)
-    return save_drafter(DFlashDrafter(cfg), tmp_path_factory.mktemp("drafter") / "export", dtype=torch.bfloat16)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_offline_estimate_reads_the_held_out_split_of_the_training_run(tiny_target, tiny_store, drafter_dir,
