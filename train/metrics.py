@@ -44,10 +44,23 @@ def format_val_line(r: dict[str, Any]) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl; a line that does not parse (a write cut by a kill or a full
+    disk) is left out with a warning, so a resumed run still starts."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+            else:
+                log.warning("%s:%d is not a metrics record (a write cut short?); leaving it out", path, n)
+    return records
 
 
 class MetricsWriter:
