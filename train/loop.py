@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import UserError, write_run_record
+from dflash_common.config import to_dict
 from dflash_common.drafter import DFlashDrafter, DrafterConfig
 from dflash_common.export import load_weights_into, save_drafter
 from dflash_common.store import Store, check_compatible
@@ -258,6 +260,7 @@ def setup(cfg: TrainConfig) -> Run:
     stores = open_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
     verdict = check_stores(stores, dcfg, cfg.run.target)
+    from_path = checkpoint_to_resume(cfg, out, dcfg)
     if d.main:
         log.info("%s", verdict)
         out.mkdir(parents=True, exist_ok=True)
@@ -267,7 +270,7 @@ def setup(cfg: TrainConfig) -> Run:
     data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
-    start, position = resume(cfg, out, d, drafter, optimizer, scheduler)
+    start, position = resume(from_path, d, drafter, optimizer, scheduler)
     model = drafter
     if d.world > 1:
         model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
@@ -275,9 +278,50 @@ def setup(cfg: TrainConfig) -> Run:
     return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position)
 
 
-def resume(cfg: TrainConfig, out: Path, d: Dist, drafter, optimizer, scheduler) -> tuple[int, dict | None]:
-    """Load the newest complete checkpoint of the run directory, if any: (steps done, data position)."""
+def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Path | None:
+    """The newest complete checkpoint of the run directory, if resuming; one sentence when it holds
+    another drafter than this config makes (before anything of this run is written)."""
     path = latest_checkpoint(out) if cfg.checkpoint.resume else None
+    if path is None:
+        return None
+    try:
+        saved = DrafterConfig.from_config_json(json.loads((path / "drafter" / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
+        raise UserError(f"checkpoint {path} has no readable drafter/config.json ({e}); delete {path} to resume "
+                        f"from an older one, or start a new run directory (--out).") from e
+    differ = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)]
+    if differ:
+        detail = ", ".join(f"{f} = {getattr(saved, f)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3])
+        raise UserError(f"cannot resume from {path}: it holds another drafter ({detail}); resume with the settings "
+                        f"of {path / 'run.toml'}, or start a new run directory (--out).")
+    _warn_of_changed_settings(path, cfg)
+    return path
+
+
+def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
+    """Settings other than the drafter's may change on resume (more steps, another log interval), but
+    the optimiser and schedule go on from the checkpoint's state: say what differs."""
+    import tomllib
+
+    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return out
+
+    try:
+        before = flat(tomllib.loads((path / "run.toml").read_text()))
+    except (OSError, ValueError):
+        return
+    now = flat(to_dict(cfg))
+    changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k != "run.out_dir"]
+    if changed:
+        log.warning("resuming from %s with settings that differ from the run that wrote it: %s", path,
+                    ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:8]))
+
+
+def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler) -> tuple[int, dict | None]:
+    """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position)."""
     if path is None:
         return 0, None
     trainer_state, ranks = load_checkpoint(path)
