@@ -152,3 +152,24 @@ def test_skip_logs_counts_and_still_resumes_exactly(damaged, tiny_target, tmp_pa
         return [tuple(json.dumps(r.get(k)) for k in keys) for r in read_metrics(run)]
 
     assert curve(resumed) == curve(straight)
+
+
+def test_offline_evaluation_of_a_damaged_store_is_one_sentence(store8, tiny_target, tmp_path, capsys):
+    """dflash-eval --offline reads the held-out shards through the same reader: same sentence, exit 2."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_common.drafter import DFlashDrafter, DrafterConfig
+    from dflash_common.export import save_drafter
+    from dflash_common.tiny import MASK_TOKEN
+    from train.evaluate import main as eval_main
+
+    path = copy_store(store8, tmp_path / "store")
+    for name in shard_names(path):  # whichever shard holds the held-out sequences is damaged
+        corrupt(path, name, "flipped_byte")
+    mask = AutoTokenizer.from_pretrained(tiny_target).convert_tokens_to_ids(MASK_TOKEN)
+    cfg = DrafterConfig.from_target(AutoConfig.from_pretrained(tiny_target), mask_token_id=mask, depth=1, block_size=4)
+    drafter = save_drafter(DFlashDrafter(cfg), tmp_path / "drafter")
+    with pytest.raises(SystemExit) as e:
+        eval_main(["--offline", "--store", str(path), "--drafter", str(drafter), f"--target.path={tiny_target}"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("error: Shard ") and "fails its crc32c checksum" in err, err
