@@ -117,10 +117,10 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     try:
         save_drafter(tmp / "drafter")
-        torch.save(trainer_state, tmp / "trainer.pt")
+        _torch_save(trainer_state, tmp / "trainer.pt")
         if os.environ.get(PAUSE_IN_SAVE_ENV):
             time.sleep(float(os.environ[PAUSE_IN_SAVE_ENV]))
-        torch.save(rank_states, tmp / "ranks.pt")
+        _torch_save(rank_states, tmp / "ranks.pt")
         write_run_record(tmp, cfg, name="run")  # not config.json: that name means "a drafter directory"
         atomic_write_text(tmp / COMPLETE, f"step {step}\n", durable=False)
         fsync_tree(tmp)
@@ -129,6 +129,13 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
     prune_checkpoints(run_dir, keep_last)
     return final
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a Python file: a full disk then raises OSError(ENOSPC), where torch's own
+    file writer raises a RuntimeError that does not say why ('unexpected pos 576 vs 534')."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:

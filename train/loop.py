@@ -33,6 +33,7 @@ from dflash_common.cli import UserError, write_run_record
 from dflash_common.config import to_dict
 from dflash_common.drafter import DFlashDrafter, DrafterConfig
 from dflash_common.export import load_weights_into, save_drafter
+from dflash_common.fsutil import is_disk_full
 from dflash_common.store import Store, check_compatible
 from dflash_common.store import open_stores as open_store_paths
 from dflash_common.target_weights import load_target_head
@@ -379,6 +380,18 @@ def stop_agreed(stop: StopRequest, d: Dist) -> bool:
 
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
+    try:
+        return _run(cfg)
+    except Exception as e:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
+        if not is_disk_full(e):
+            raise
+        latest = latest_checkpoint(cfg.run.out_dir)
+        raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({str(e).splitlines()[0]}); free "
+                        f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
+                        f"{latest or 'the start'}.") from e
+
+
+def _run(cfg: TrainConfig) -> Path:
     r = setup(cfg)
     metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.dist.main else None
     try:
