@@ -141,3 +141,17 @@ def test_a_checkpoint_of_another_drafter_is_refused_on_resume_and_as_init(tiny_s
     line = _fails(capsys, train_args(tiny_store, tiny_target, tmp_path / "init2", "--drafter.depth=1",
                                      f"--drafter.init_from={path}"))
     assert f"cannot initialise from {path}: its config differs (hidden_size = 32 there vs 64 here" in line
+
+
+def test_a_checkpoint_of_another_number_of_ranks_is_refused(tiny_store, tiny_target, tmp_path, monkeypatch):
+    import train.loop as loop
+    from dflash_common.cli import UserError
+
+    monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)
+    run = tmp_path / "run"
+    train_main(train_args(tiny_store, tiny_target, run, "--optim.max_steps=1"))
+    two = loop.Dist(rank=0, world=2, device=torch.device("cpu"))  # as under torchrun --nproc-per-node=2
+    with pytest.raises(UserError) as e:
+        loop.resume(run / "step-1", two, None, None, None)
+    assert str(e.value) == (f"{run / 'step-1'} was written by 1 rank(s) but this run has 2; resume with 1, or start "
+                            f"a new run directory (--out).")
