@@ -67,14 +67,25 @@ def _staging_owner_dead(entry: os.DirEntry, host: str, now: float) -> bool:
     or (writers on other hosts) when it is older than STALE_STAGING_S."""
     parts = entry.name.rsplit("~", 3)
     if len(parts) == 4 and parts[1] == host and parts[2].isdigit():
-        try:
-            os.kill(int(parts[2]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's
-            return False
-        return False
+        return not _process_alive(int(parts[2]))
     return now - entry.stat(follow_symlinks=False).st_mtime > STALE_STAGING_S
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie (killed, not yet reaped: a rank SIGKILLed after its torchrun agent,
+    under a PID 1 that reaps late) is dead, though signal 0 still finds it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no /proc here (not Linux), or it just ended
+        return True
+    return stat[stat.rindex(b")") + 2:][:1] != b"Z"  # the state follows the parenthesised command name
 
 
 def _host() -> str:
