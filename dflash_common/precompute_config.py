@@ -131,6 +131,7 @@ class RunConfig:
         4, "Finished units waiting for a writer before the GPU waits (bounds host memory)."
     )
     force: bool = option(False, "Start even when the plan says the disk is too small.")
+    progress: bool = option(True, "Show a progress bar (rank 0): samples, tokens/s, GB written, ETA.")
     dry_run: bool = option(False, "Print the plan (samples, tokens, bytes on disk, free space) and stop.")
 
     def __post_init__(self) -> None:

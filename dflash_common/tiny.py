@@ -115,3 +115,19 @@ def build_tiny_target(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     tokenizer.save_pretrained(path)
     stamp.write_text(json.dumps({"fingerprint": spec.fingerprint(), "spec": dataclasses.asdict(spec)}))
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m dflash_common.tiny OUT_DIR`: build the default tiny target (what `make demo` and
+    configs/*-tiny.toml use, in .cache/tiny-target)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_common.tiny",
+                                     description="Build the embedded tiny target (TinySpec defaults) into OUT_DIR.")
+    parser.add_argument("out_dir", help="directory to write the target to (reused if it already holds it)")
+    args = parser.parse_args(argv)
+    print(build_tiny_target(args.out_dir, TinySpec()))
+
+
+if __name__ == "__main__":
+    main()

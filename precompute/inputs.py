@@ -232,7 +232,11 @@ def _skip_line(f) -> int:
 
 
 def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
-    import datasets  # heavy import, only when a dataset is read
+    try:
+        import datasets  # heavy import, only when a dataset is read
+    except ImportError:
+        raise UserError(f"{source.path} is a saved `datasets` dataset but the datasets package is not "
+                        "installed; run `pip install 'dflash[hf-datasets]'`.") from None
 
     ds = datasets.load_from_disk(source.path)  # memory-mapped Arrow: rows are read on access
     if source.split is not None:

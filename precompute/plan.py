@@ -2,11 +2,14 @@
 
 Work units. The input record stream (every line or row of every input, in input order, bad ones
 included) is cut into units of `run.samples_per_unit` consecutive records: unit u holds records
-[u*S, (u+1)*S). Units depend on the input alone, never on the number of ranks; rank r computes the
-units with u % world_size == r. Each unit becomes one shard whose name is derived from its content
-(`shard_name`): the unit index, its sample ids, token ids, loss mask, and the parts of the
-configuration that change the states (`state_key`). A rerun computes the same names and skips the
-shards the store already has.
+[u*S, (u+1)*S). Units depend on the input alone, never on the number of ranks. Consecutive units
+form windows of `batching.sort_window_units` (window w = units [w*W, (w+1)*W)), whose samples are
+sorted by length and batched together; rank r computes the windows with w % world_size == r. As a
+window is batched the same way whatever the number of ranks, every sequence runs in the same batch
+and its states are the same bits with 1 rank or 100. Each unit becomes one shard whose name is
+derived from its content (`unit_shard_name`): the unit index, its sample ids, token ids, loss mask,
+and the parts of the configuration that change the states (`state_key`). A rerun computes the same
+names and skips the shards the store already has.
 
 Tokenize once. Applying the chat template is the slow part of reading (a Jinja render per turn).
 The plan needs the token counts, so the plan pass tokenizes each rank's units and keeps the result in
@@ -40,7 +43,6 @@ import io
 import json
 import logging
 import multiprocessing
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Collection, Iterator
@@ -49,8 +51,10 @@ import numpy as np
 
 from dflash_common.chat import ChatMaskError, ChatTemplate
 from dflash_common.cli import UserError
+from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
 from dflash_common.fsutil import atomic_write_bytes
 from dflash_common.precompute_config import DataConfig, PrecomputeConfig
+from dflash_common.store import shard_name
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
 
 log = logging.getLogger("dflash")
@@ -66,9 +70,9 @@ _OFFSET_BYTES = 8  # int64 offset per sample
 # ------------------------------------------------------------------------------------ work units
 
 
-def owner(unit: int, world_size: int) -> int:
-    """The rank that computes `unit`."""
-    return unit % world_size
+def owner(unit: int, world_size: int, units_per_window: int = 1) -> int:
+    """The rank that computes `unit`: the owner of its window (windows go round-robin)."""
+    return (unit // units_per_window) % world_size
 
 
 def num_units(num_records: int, samples_per_unit: int) -> int:
@@ -76,7 +80,7 @@ def num_units(num_records: int, samples_per_unit: int) -> int:
 
 
 def iter_unit_records(records: Iterator[RawRecord], samples_per_unit: int, rank: int = 0,
-                      world_size: int = 1) -> Iterator[tuple[int, list[RawRecord]]]:
+                      world_size: int = 1, units_per_window: int = 1) -> Iterator[tuple[int, list[RawRecord]]]:
     """Group the record stream into (unit index, records) for the units this rank owns. Records of
     other ranks' units are passed over without being kept or parsed."""
     current, batch = -1, []
@@ -86,7 +90,7 @@ def iter_unit_records(records: Iterator[RawRecord], samples_per_unit: int, rank:
             if batch:
                 yield current, batch
             current, batch = unit, []
-        if owner(unit, world_size) == rank:
+        if owner(unit, world_size, units_per_window) == rank:
             batch.append(record)
     if batch:
         yield current, batch
@@ -244,13 +248,14 @@ class TokenCache:
         self.report_first = report_first
 
     @classmethod
-    def for_config(cls, cfg: PrecomputeConfig, sources: list[Source]) -> "TokenCache":
-        from precompute.target import tokenizer_fingerprint
-
+    def for_config(cls, cfg: PrecomputeConfig, sources: list[Source],
+                   tokenizer: dict[str, Any] | None = None) -> "TokenCache":
+        """The cache of this config's units; `tokenizer` is `tokenizer_identity(cfg.target.path)`
+        (computed here when not given)."""
         base = Path(cfg.run.cache_dir or f"{cfg.store.path.rstrip('/')}.tokens")
         key = {
             "version": TOKENIZE_VERSION,
-            "tokenizer": tokenizer_fingerprint(cfg.target.path),
+            "tokenizer": tokenizer if tokenizer is not None else tokenizer_identity(cfg.target.path),
             "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("inputs", "report_first")},
             "samples_per_unit": cfg.run.samples_per_unit,
             "sources": [_source_stamp(s) for s in sources],
@@ -272,6 +277,18 @@ class TokenCache:
         return TokenizedUnit.from_file(self.path(unit), self.report_first)
 
 
+def tokenizer_identity(target_path: str) -> dict[str, Any]:
+    """What decides the tokens of a conversation: the tokenizer's vocabulary and special tokens and
+    the chat template (the store manifest's fingerprints of them)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"target.path {target_path} has no usable tokenizer ({e}).") from e
+    return {"tokenizer": tokenizer_fingerprint(tokenizer), "chat_template_sha256": chat_template_sha256(tokenizer)}
+
+
 def _source_stamp(source: Source) -> list[Any]:
     paths = [Path(source.path)] if source.kind == "jsonl" else sorted(Path(source.path).rglob("*"))
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.is_file()]
@@ -284,7 +301,8 @@ def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCac
 
     -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
     counter = _RecordCounter(iter_raw_records(sources, SkipLog(0)))
-    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size)
+    window = cfg.batching.sort_window_units
+    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, window)
     todo = ((u, recs) for u, recs in units if not cache.has(u) or _stale(cache, u, recs))
     if cfg.run.tokenize_workers > 0:
         _tokenize_in_pool(cfg, todo, cache)
@@ -293,7 +311,7 @@ def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCac
         for u, recs in todo:
             cache.save(tokenizer(u, recs))
     total_units = num_units(counter.count, cfg.run.samples_per_unit)
-    mine = [u for u in range(total_units) if owner(u, world_size) == rank]
+    mine = [u for u in range(total_units) if owner(u, world_size, window) == rank]
     return [cache.load(u).summary() for u in mine], counter.count
 
 
@@ -350,16 +368,18 @@ def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache: TokenCache) -> None:
 # ------------------------------------------------------------------------------------ shard names
 
 
-def state_key(target_fingerprint: str, layer_ids: list[int], cfg: PrecomputeConfig) -> str:
-    """Hash of every setting that changes the stored states of a given token sequence."""
-    key = {"target": target_fingerprint, "layer_ids": list(layer_ids), "dtype": cfg.target.dtype,
+def state_key(target: Any, layer_ids: list[int], cfg: PrecomputeConfig) -> str:
+    """Hash of every setting that changes the stored states of a given token sequence; `target` is
+    the target's fingerprint (the manifest's `target`)."""
+    key = {"target": target, "layer_ids": sorted(layer_ids), "dtype": cfg.target.dtype,
            "attn_implementation": cfg.target.attn_implementation, "store_dtype": cfg.store.dtype}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def shard_name(unit: int, digest: str, state: str) -> str:
-    """`u00000042-<20 hex>`: ordered by input position, named by content and state settings."""
-    return f"u{unit:08d}-{hashlib.sha256((state + digest).encode()).hexdigest()[:20]}"
+def unit_shard_name(unit: int, content_digest: str, state: str) -> str:
+    """The store's name for a unit's shard (`u00000042-<16 hex>`): ordered by input position, with a
+    digest of the state settings and the unit's content (`TokenizedUnit.content_digest`)."""
+    return shard_name(unit, hashlib.sha256((state + content_digest).encode()).hexdigest())
 
 
 # ------------------------------------------------------------------------------------ disk plan
@@ -386,6 +406,7 @@ class Plan:
     store_dtype: str
     store_path: str
     committed_units: int
+    empty_units: list[int]  # units whose records were all skipped: done, with no shard
     bytes_to_write: int
     bytes_total: int
     free_bytes: int
@@ -401,7 +422,7 @@ class Plan:
                    else f"{len(self.layer_ids)} x ({self.hidden_size} + 4)")
         lines = [
             f"plan: {self.records:,} input records -> {self.units:,} work units "
-            f"({self.committed_units:,} already in the store)",
+            f"({self.committed_units:,} already in the store, {len(self.empty_units):,} without a sequence)",
             f"  samples kept: {self.samples:,}; skipped {self.skips.total:,} ({skipped}); "
             f"truncated {self.truncated:,}",
             f"  tokens after templating: {self.tokens:,} (response tokens {self.response_tokens:,})",
@@ -436,7 +457,8 @@ def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: i
         response_tokens=sum(s.response_tokens for s in summaries),
         truncated=sum(s.truncated for s in summaries), skips=skips, hidden_size=hidden_size,
         layer_ids=list(layer_ids), store_dtype=store_dtype, store_path=store_path,
-        committed_units=len(committed), bytes_total=sum(size.values()),
+        committed_units=len(committed), empty_units=sorted(s.index for s in summaries if s.samples == 0),
+        bytes_total=sum(size.values()),
         bytes_to_write=sum(v for u, v in size.items() if u not in committed),
         free_bytes=free_space(store_path),
     )

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -33,11 +31,6 @@ log = logging.getLogger("dflash")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 _LAYER_LIST_NAMES = ("layers", "h")
-# Bytes hashed at the start, middle and end of each weight file for the fingerprint: enough to tell
-# fine-tunes of one base apart without reading tens of GB.
-_FINGERPRINT_SAMPLE = 1 << 20
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def read_text_config(path: str | Path) -> Any:
@@ -45,7 +38,8 @@ def read_text_config(path: str | Path) -> Any:
     from transformers import AutoConfig
 
     if not (Path(path) / "config.json").is_file():
-        raise UserError(f"target.path {path} has no config.json; point it at a local checkpoint directory.")
+        raise UserError(f"target.path {path} has no config.json; point it at a local checkpoint directory "
+                        f"(the demo's tiny target is built with `python -m dflash_common.tiny {path}`).")
     try:
         return AutoConfig.from_pretrained(path).get_text_config()
     except (OSError, ValueError, KeyError) as e:
@@ -74,42 +68,17 @@ def truncated_config(text_config: Any, num_layers: int) -> Any:
     return cut
 
 
-def target_fingerprint(path: str | Path) -> str:
-    """Identifies a checkpoint: its config.json, and each weight file's name, size and sampled bytes.
-
-    A fingerprint, not a checksum: it reads 3 MiB per file, so it is cheap for a 60 GB target."""
-    path = Path(path)
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
-    for p in weights:
-        size = p.stat().st_size
-        h.update(f"{p.name}:{size}".encode())
-        with open(p, "rb") as f:
-            for at in (0, max(0, size // 2 - _FINGERPRINT_SAMPLE // 2), max(0, size - _FINGERPRINT_SAMPLE)):
-                f.seek(at)
-                h.update(f.read(_FINGERPRINT_SAMPLE))
-    return h.hexdigest()[:32]
-
-
-def tokenizer_fingerprint(path: str | Path) -> str:
-    """Hash of the tokenizer and chat template files (they decide the token ids and masks)."""
-    h = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
-        p = Path(path) / name
-        if p.is_file():
-            h.update(name.encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()[:32]
-
-
 def resolve_device(name: str) -> torch.device:
-    """'auto' is this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU."""
+    """'auto' is this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; 'cuda' without an
+    index is this rank's GPU too (a device with an index: streams and set_device need one)."""
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"run.device = {name!r} but no CUDA GPU is visible; use 'cpu' or 'auto'.")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
 
 
 class CapturedTarget:

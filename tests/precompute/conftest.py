@@ -7,6 +7,16 @@ import torch
 from precompute_helpers import chat, write_jsonl
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The tiny target's ops are small: on a small shared CPU box an intra-op pool spanning every core
+    stalls on them (10-60x slower), so precompute tests run on one thread, as torchrun's workers do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture()
 def mixed_inputs(tmp_path):
     """Two files with good conversations, bad lines and short answers, 24 records in all."""

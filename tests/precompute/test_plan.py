@@ -31,9 +31,15 @@ def test_units_are_cut_by_input_order_and_never_depend_on_world_size(tiny_target
         parts = []
         for rank in range(world):
             (mine, n), _ = tokenize(cfg, rank, world)
-            assert n == 24 and all(P.owner(s.index, world) == rank for s in mine)
+            assert n == 24 and all(P.owner(s.index, world, cfg.batching.sort_window_units) == rank for s in mine)
             parts += mine
         assert sorted(parts, key=lambda s: s.index) == one
+
+
+def test_ranks_own_whole_windows_round_robin():
+    assert [P.owner(u, 2, 3) for u in range(10)] == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1]
+    assert [P.owner(u, 3) for u in range(4)] == [0, 1, 2, 0]
+    assert all(P.owner(u, 1, 4) == 0 for u in range(9))
 
 
 def test_length_rules_and_skip_reasons(tiny_target_2layer, mixed_inputs, tmp_path):
@@ -99,6 +105,22 @@ def test_cache_is_reused_and_invalidated_by_changed_inputs(tiny_target_2layer, t
     assert P.TokenCache.for_config(other, resolve_inputs([path])).root != cache3.root
 
 
+def test_cache_key_follows_the_tokenizer_and_chat_template(tiny_target_2layer, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_target_2layer, copy)
+    same = P.tokenizer_identity(str(copy))
+    assert same == P.tokenizer_identity(str(tiny_target_2layer))
+    template = copy / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))
+    changed = P.tokenizer_identity(str(copy))
+    assert changed["chat_template_sha256"] != same["chat_template_sha256"]
+    assert changed["tokenizer"] == same["tokenizer"]
+    cfg = make_config(copy, ["x"], tmp_path / "s")
+    assert P.TokenCache.for_config(cfg, [], changed).root != P.TokenCache.for_config(cfg, [], same).root
+
+
 def test_process_pool_tokenizes_the_same_units(tiny_target_2layer, mixed_inputs, tmp_path):
     inline = make_config(tiny_target_2layer, mixed_inputs, tmp_path / "a")
     pooled = make_config(tiny_target_2layer, mixed_inputs, tmp_path / "b", "run.tokenize_workers=2")
@@ -111,10 +133,12 @@ def test_shard_names_follow_content_and_state_settings(tiny_target_2layer, mixed
     cfg = make_config(tiny_target_2layer, mixed_inputs, tmp_path / "s")
     (summaries, _), _ = tokenize(cfg)
     key = P.state_key("fp", [0, 1], cfg)
-    names = [P.shard_name(s.index, s.digest, key) for s in summaries]
-    assert len(set(names)) == len(names) and names[0].startswith("u00000000-")
+    names = [P.unit_shard_name(s.index, s.digest, key) for s in summaries]
+    assert len(set(names)) == len(names) and names[0].startswith("u00000000-") and len(names[0]) == 26
     (again, _), _ = tokenize(make_config(tiny_target_2layer, mixed_inputs, tmp_path / "s", "run.tokenize_workers=0"))
-    assert [P.shard_name(s.index, s.digest, key) for s in again] == names
+    assert [P.unit_shard_name(s.index, s.digest, key) for s in again] == names
+    assert P.unit_shard_name(0, summaries[0].digest, P.state_key("fp", [0, 1], cfg)) == names[0]
+    assert P.unit_shard_name(0, summaries[1].digest, key) != names[0]  # content, not only the index
     fp8 = make_config(tiny_target_2layer, mixed_inputs, tmp_path / "s", 'store.dtype="fp8_e4m3"')
     assert P.state_key("fp", [0, 1], fp8) != key
     assert P.state_key("fp", [0], cfg) != key and P.state_key("fp2", [0, 1], cfg) != key

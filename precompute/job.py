@@ -1,0 +1,357 @@
+"""One `dflash-precompute` job, on every rank: manifest, plan, target, pipeline, summary.
+
+    rank 0 fingerprints the target, tokenizer and inputs once -> the manifest, sent to every rank
+    every rank tokenizes its windows of work units (or finds them in the token cache)
+    the ranks' unit summaries are gathered -> the plan (samples, tokens, bytes, free space), printed
+      by rank 0; rank 0 decides whether the disk is big enough, every rank obeys; --dry-run stops here
+    every rank loads the target (truncated) and runs its windows through the pipeline
+    the ranks' statistics are gathered (a barrier) -> rank 0 writes the summary into the store
+
+Distribution: one process per GPU under torchrun (LOCAL_RANK picks the GPU; NCCL on GPUs, gloo on
+CPUs), any number of nodes. Windows of `batching.sort_window_units` units go round-robin to the
+ranks (precompute/plan.py), so the set of shards, their names and their bytes do not depend on the
+number of ranks.
+
+Resume: a unit whose shard is published is done, and so is a unit whose records were all skipped
+(it has no sequences, hence no shard; the summary lists it under `empty_units`, and every rerun
+knows it from the token cache without running anything). A window is computed when any of its
+units is not done, and then whole, so that its batches, and therefore the bits of the units it
+writes, are those of an uninterrupted run; units already published are not written again. A job
+killed at any point resumes by running the same command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from dflash_common.cli import UserError, write_run_record
+from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
+from dflash_common.precompute_config import PrecomputeConfig
+from dflash_common.store import Store, StoreManifest, StoreWriter
+from precompute.inputs import Source, resolve_inputs
+from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
+from precompute.plan import (
+    TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, human_bytes, make_plan, tokenize_units,
+    tokenizer_identity, unit_shard_name, state_key,
+)
+from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
+
+log = logging.getLogger("dflash")
+
+# The last collective waits for the slowest rank's last window; a failed rank ends the job through
+# torchrun long before, so a long timeout costs nothing.
+_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job (world 1 without torchrun)."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def from_main(self, fn: Callable[[], Any]) -> Any:
+        """Rank 0 runs `fn`; every rank returns its result or raises its error."""
+        if self.world == 1:
+            return fn()
+        box: list[Any] = [None]
+        if self.main:
+            try:
+                box[0] = (True, fn())
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                box[0] = (False, e)
+        dist.broadcast_object_list(box, src=0)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_ranks(device_choice: str) -> Ranks:
+    """Join torchrun's process group if there is one; pick this rank's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = resolve_device(device_choice)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        cuda = device.type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=_COLLECTIVE_TIMEOUT,
+                                device_id=device if cuda else None)
+    return Ranks(rank, world, device)
+
+
+def run(cfg: PrecomputeConfig) -> Path:
+    """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
+    ranks = start_ranks(cfg.run.device)
+    try:
+        return _run(cfg, ranks)
+    finally:
+        ranks.close()
+
+
+def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
+    started = time.perf_counter()
+    store_path = _store_path(cfg)
+    text_config = read_text_config(_target_path(cfg))
+    layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
+    sources = resolve_inputs(cfg.data.inputs)
+    manifest = ranks.from_main(lambda: build_manifest(cfg, sources, layer_ids, text_config.hidden_size))
+    if (store_path / "zarr.json").is_file():
+        StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
+    plan, mine = make_job_plan(cfg, ranks, sources, manifest)
+    if ranks.main:
+        print(plan.format(), flush=True)
+    ranks.from_main(lambda: check_disk(plan, cfg.run.force))
+    if cfg.run.dry_run:
+        return store_path
+    writer = StoreWriter.create_or_open(store_path, manifest)
+    if ranks.main:
+        write_run_record(store_path.parent, cfg, name=f"{store_path.name}.precompute")
+    planned = time.perf_counter()
+    stats, load_s = _compute(cfg, ranks, layer_ids, writer, mine)
+    done = time.perf_counter()
+    everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
+    if ranks.main:
+        timings = {"plan": planned - started, "load_target": load_s, "staging_setup": stats.setup_s,
+                   "forward_write": done - planned - load_s - stats.setup_s, "total": done - started}
+        summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)
+        writer.write_summary(summary)
+        print(format_summary(summary), flush=True)
+    return store_path
+
+
+def _store_path(cfg: PrecomputeConfig) -> Path:
+    if not cfg.store.path.strip():
+        raise UserError("store.path is not set; pass --out STORE (a new or an existing store directory).")
+    return Path(cfg.store.path)
+
+
+def _target_path(cfg: PrecomputeConfig) -> str:
+    if not cfg.target.path.strip():
+        raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
+    return cfg.target.path
+
+
+# ---------------------------------------------------------------------------------------- manifest
+
+
+def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list[int],
+                   hidden_size: int) -> StoreManifest:
+    """The store's manifest: fingerprints and the settings that shape its content. Nothing in it
+    depends on paths, the number of ranks or the clock, so every rank and every rerun agrees."""
+    tokenizer = tokenizer_identity(cfg.target.path)
+    inputs = list(dict.fromkeys(s.path for s in sources))  # a dataset's splits share one directory
+    return StoreManifest(
+        target=target_fingerprint(cfg.target.path), tokenizer=tokenizer["tokenizer"],
+        chat_template_sha256=tokenizer["chat_template_sha256"], layer_ids=tuple(layer_ids),
+        hidden_size=hidden_size, dtype=cfg.store.dtype, codec=cfg.store.codec,
+        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg))
+
+
+def content_settings(cfg: PrecomputeConfig) -> dict[str, Any]:
+    """The config fields that change what the store holds (the manifest's `precompute` table).
+
+    Left out: paths (they differ between machines), the device and thread counts, and the batching
+    knobs, which decide speed and memory; batches are formed the same way on every run of a config,
+    so a resume keeps them, and changing them between runs changes states at the rounding level."""
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("inputs", "report_first")}
+    return {"target": {"dtype": cfg.target.dtype, "attn_implementation": cfg.target.attn_implementation},
+            "data": data, "run": {"samples_per_unit": cfg.run.samples_per_unit},
+            "tokenize_version": TOKENIZE_VERSION}
+
+
+# ---------------------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class RankUnits:
+    """This rank's units: summaries, shard names (units with sequences) and those already published."""
+
+    summaries: list[UnitSummary]
+    names: dict[int, str]
+    committed: set[int]
+    cache: TokenCache
+
+
+def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
+                  manifest: StoreManifest) -> tuple[Plan, RankUnits]:
+    """Tokenize this rank's units (once: the token cache), find the published ones, and gather the
+    plan of the whole job from every rank."""
+    cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
+                                                 "chat_template_sha256": manifest.chat_template_sha256})
+    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world)
+    state = state_key(manifest.target, list(manifest.layer_ids), cfg)
+    names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
+    published = set(_published(Path(cfg.store.path)))
+    committed = {u for u, name in names.items() if name in published}
+    gathered = ranks.gather((summaries, committed))
+    plan = make_plan([s for part, _ in gathered for s in part], records,
+                     samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
+                     layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
+                     committed=set().union(*(c for _, c in gathered)), report_first=cfg.data.report_first)
+    return plan, RankUnits(summaries, names, committed, cache)
+
+
+def _published(store_path: Path) -> list[str]:
+    return Store.open(store_path).shard_names() if (store_path / "zarr.json").is_file() else []
+
+
+# ---------------------------------------------------------------------------------------- compute
+
+
+def my_windows(units: RankUnits, window_size: int) -> list[list[int]]:
+    """This rank's windows (unit indices) that hold a unit still to write."""
+    windows: dict[int, list[int]] = {}
+    for s in units.summaries:
+        windows.setdefault(s.index // window_size, []).append(s.index)
+    todo = lambda u: u in units.names and u not in units.committed  # noqa: E731
+    return [w for _, w in sorted(windows.items()) if any(todo(u) for u in w)]
+
+
+def _load_windows(units: RankUnits, windows: list[list[int]]) -> Iterator[list[UnitWork]]:
+    """Each window's units from the token cache, loaded when the window comes up."""
+    for window in windows:
+        yield [UnitWork(units.cache.load(u), None if u in units.committed else units.names.get(u))
+               for u in window]
+
+
+def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: StoreWriter,
+             units: RankUnits) -> tuple[PipelineStats, float]:
+    """Load the target and run this rank's windows -> (statistics, seconds spent loading)."""
+    windows = my_windows(units, cfg.batching.sort_window_units)
+    samples = {s.index: s.samples for s in units.summaries}
+    total = sum(samples[u] for w in windows for u in w)
+    log.info("%d windows of %d work units to compute (%d samples); %d units of this rank already in the store",
+             len(windows), sum(len(w) for w in windows), total, len(units.committed))
+    if not windows:
+        return PipelineStats(), 0.0  # nothing left here: the target is not even loaded
+    started = time.perf_counter()
+    target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
+                         attn_implementation=cfg.target.attn_implementation, device=ranks.device)
+    load_s = time.perf_counter() - started
+    with _cpu_core_for_writers(ranks.device), \
+            Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,
+                           writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
+            ProgressBar(total, pipe, ranks, cfg.run.progress) as on_batch:
+        run_windows(target, _load_windows(units, windows), pipe, cfg.batching.token_budget, on_batch)
+    log.info("%d shards written (%s) from %s tokens in %d batches; waited %.1f s for the disk",
+             pipe.stats.units_written, human_bytes(pipe.stats.bytes_written), f"{pipe.stats.tokens:,}",
+             pipe.stats.batches, pipe.stats.wait_s)
+    return pipe.stats, load_s
+
+
+@contextlib.contextmanager
+def _cpu_core_for_writers(device: torch.device) -> Iterator[None]:
+    """On a CPU, the forward's thread pool leaves one core to the collector and writer threads: a
+    pool spanning every core stalls whenever they run (10x slower forwards, measured on 2 cores)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads < 2:
+        yield
+        return
+    torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class ProgressBar:
+    """tqdm on rank 0: samples, tokens/s and bytes written by this rank, ETA."""
+
+    def __init__(self, total: int, pipe: Pipeline, ranks: Ranks, enabled: bool):
+        self.total = total
+        self.pipe = pipe
+        self.ranks = ranks
+        self.enabled = enabled and ranks.main
+        self.bar = None
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> Callable[[int, int], None]:
+        if self.enabled:
+            from tqdm import tqdm
+
+            desc = "precompute" if self.ranks.world == 1 else f"precompute, rank 0 of {self.ranks.world}"
+            self.bar = tqdm(total=self.total, unit="sample", desc=desc, dynamic_ncols=True)
+        return self.update
+
+    def update(self, sequences: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is not None:
+            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
+            self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {self.pipe.stats.bytes_written / 1e9:.2f} GB written",
+                                     refresh=False)
+            self.bar.update(sequences)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------- summary
+
+
+def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, float],
+                 previous: dict[str, Any] | None, world: int) -> dict[str, Any]:
+    """The store's summary: totals of the whole input (from the plan) and one entry per run (a
+    resumed store keeps the entries of the runs before)."""
+    total = lambda field: sum(getattr(s, field) for s in stats)  # noqa: E731
+    this_run = {
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": world, "units_written": total("units_written"),
+        "units_already_in_store": plan.committed_units, "bytes_written": total("bytes_written"),
+        "batches": total("batches"), "tokens_forwarded": total("tokens"), "padded_tokens": total("padded_tokens"),
+        "seconds": {k: round(v, 3) for k, v in timings.items()},
+        "tokens_per_s": round(total("tokens") / max(1e-9, timings["forward_write"]), 1),
+        "disk_wait_s_max_rank": round(max(s.wait_s for s in stats), 3),
+        "write_s": round(total("write_s"), 3), "max_units_in_memory": max(s.max_units_in_memory for s in stats),
+    }
+    runs = list((previous or {}).get("runs", [])) + [this_run]
+    return {"records": plan.records, "units": plan.units, "samples": plan.samples, "tokens": plan.tokens,
+            "response_tokens": plan.response_tokens, "truncated": plan.truncated, "skips": plan.skips.to_dict(),
+            "empty_units": plan.empty_units, "bytes_projected": plan.bytes_total, "runs": runs}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    run = summary["runs"][-1]
+    skips = ", ".join(f"{k} {v:,}" for k, v in summary["skips"]["counts"].items()) or "none"
+    s = run["seconds"]
+    return "\n".join([
+        f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in {summary['units']:,} work units "
+        f"({len(summary['empty_units']):,} without a sequence)",
+        f"  skipped records: {skips}; truncated {summary['truncated']:,}",
+        f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])}), "
+        f"{run['units_already_in_store']:,} already in the store; {run['tokens_forwarded']:,} tokens forwarded "
+        f"at {run['tokens_per_s']:,.0f} tok/s on {run['world_size']} rank(s)",
+        f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
+        f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
+        f"{run['disk_wait_s_max_rank']:.1f} s",
+    ])

@@ -1,0 +1,99 @@
+"""The dflash-precompute command line: the shipped tiny config end to end (and the trainer's tiny
+config reading its store), --dry-run, the disk check, and user errors as one sentence with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_common.store import Store
+from precompute import plan as P
+from precompute.cli import main, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "precompute-tiny.toml")
+
+
+def _tiny_args(tiny_target, out, *extra):
+    return ["--config", TINY, "--out", str(out), f"--target.path={tiny_target}",
+            f"--data.inputs={json.dumps([str(ROOT / 'data' / 'tiny-train.jsonl')])}", "--run.progress=false", *extra]
+
+
+def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_path, capsys):
+    from dflash_common.train_config import TrainConfig
+    from train.cli import parse as parse_train
+    from train.loop import run as train
+
+    store = tmp_path / "store"
+    assert main(_tiny_args(tiny_target, store)) is None  # a console script's exit code is main()'s result
+    out = capsys.readouterr().out
+    assert "plan: 384 input records -> 24 work units" in out and "done: 383 samples" in out
+    s = Store.open(store)
+    assert len(s.shards) == 24 and s.manifest.layer_ids == (1, 2, 3, 4, 5) and s.verify().bad == {}
+    assert s.summary["skips"]["counts"] == {"too_few_response_tokens": 1}
+    cfg: TrainConfig = parse_train(["--config", str(ROOT / "configs" / "train-tiny.toml"), "--store", str(store),
+                                    "--out", str(tmp_path / "train"), f"--run.target={tiny_target}",
+                                    "--optim.max_steps=2", "--log.progress=false", "--log.tensorboard=false"])
+    run_dir = train(cfg)
+    assert (Path(run_dir) / "drafter" / "model.safetensors").is_file()
+
+
+def test_dry_run_prints_the_plan_and_writes_no_store(tiny_target, tmp_path, capsys):
+    main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run"))
+    out = capsys.readouterr().out
+    assert "tokens after templating: 57,471" in out and "645 bytes/token" in out and "free space" in out
+    assert "done:" not in out and not (tmp_path / "store").exists()
+    assert parse(["--config", TINY, "--dry-run"]).run.dry_run and parse(["--config", TINY, "--force"]).run.force
+
+
+def test_a_disk_too_small_is_refused_in_one_sentence(tiny_target, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(P, "free_space", lambda path: 1_000_000)
+    with pytest.raises(SystemExit) as caught:
+        main(_tiny_args(tiny_target, tmp_path / "store"))
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1 and "--run.force=true" in err and "Traceback" not in err
+    assert not (tmp_path / "store").exists()
+    main(_tiny_args(tiny_target, tmp_path / "store", "--force", "--dry-run"))  # forced: goes on
+
+
+def test_a_missing_target_says_how_to_build_the_tiny_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(_tiny_args(tmp_path / "nowhere", tmp_path / "store"))
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and f"python -m dflash_common.tiny {tmp_path / 'nowhere'}" in err
+
+
+def test_a_store_made_with_other_settings_is_refused_before_any_work(tiny_target, tmp_path, capsys):
+    records = (ROOT / "data" / "tiny-train.jsonl").read_text().splitlines(keepends=True)[:8]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(records))
+    args = ["--config", TINY, "--out", str(tmp_path / "store"), f"--target.path={tiny_target}",
+            f"--data.inputs={json.dumps([str(data)])}", "--run.progress=false"]
+    main(args)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as caught:
+        main(args + ["--target.layer_ids=1,3"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "layer_ids" in err and "use a new store path" in err
+
+
+def test_the_tiny_target_builder_makes_the_fixtures_target(tiny_target, tmp_path, capsys):
+    from dflash_common.tiny import main as build
+
+    build([str(tmp_path / "t")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "t")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "t" / name).read_bytes() == (tiny_target / name).read_bytes()
+
+
+def test_help_lists_the_flags_and_every_field():
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    shown = subprocess.run([sys.executable, "-m", "precompute.cli", "--help"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0
+    for key in ("--out", "--dry-run", "--force", "--run.samples_per_unit", "--store.dtype", "--run.queue_depth"):
+        assert key in shown.stdout

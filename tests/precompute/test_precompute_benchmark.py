@@ -1,0 +1,23 @@
+"""benchmarks/precompute.py --quick runs end to end and prints its table (a smoke test; figures are
+not judged here, they are measured on an H200)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_precompute_benchmark_quick(tmp_path, capsys):
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "precompute.py"), run_name="benchmark")
+    bench["main"](["--quick", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("(a)") or line.startswith("(b)")]
+    assert [r.split("|")[0].strip() for r in rows] == [
+        "(a) HF forward, output_hidden_states, states on GPU",
+        "(b) dflash-precompute -> store, bf16",
+        "(b) dflash-precompute -> store, fp8_e4m3"]
+    assert all(int(r.split("|")[1].replace(",", "")) == int(rows[0].split("|")[1].replace(",", "")) for r in rows)
+    assert "disk write, fsynced, 1 stream(s)" in out and "store write during (b), fp8_e4m3" in out
+    assert list(tmp_path.iterdir()) == []  # it cleans up after itself
