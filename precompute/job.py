@@ -140,6 +140,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
     done = time.perf_counter()
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
+        mine.cache.remove_leftovers()  # of killed runs; no rank writes the cache any more
         timings = {"plan": planned - started, "load_target": load_s, "staging_setup": stats.setup_s,
                    "forward_write": done - planned - load_s - stats.setup_s, "total": done - started}
         summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)

@@ -276,6 +276,14 @@ class TokenCache:
     def load(self, unit: int) -> TokenizedUnit:
         return TokenizedUnit.from_file(self.path(unit), self.report_first)
 
+    def remove_leftovers(self) -> int:
+        """Remove what saves cut by a kill left behind (hidden temporary files, never read); -> how many.
+        Call it only when no process of the job writes the cache any more."""
+        leftovers = list(self.root.glob(".unit-*.tmp-*")) if self.root.is_dir() else []
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+        return len(leftovers)
+
 
 def tokenizer_identity(target_path: str) -> dict[str, Any]:
     """What decides the tokens of a conversation: the tokenizer's vocabulary and special tokens and
