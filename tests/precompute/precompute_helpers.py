@@ -55,11 +55,11 @@ def job_overrides(store_dtype: str, samples_per_unit: int = 4) -> list[str]:
             "run.progress=false"]
 
 
-def cli_args(target, inputs, store, store_dtype: str, *extra: str) -> list[str]:
-    """dflash-precompute's arguments for the job `make_config(..., *job_overrides(store_dtype))` runs in
-    process (the shipped tiny config plus overrides); `extra` are further `--section.field=value`."""
+def cli_args(target, inputs, store, store_dtype: str, *extra: str, samples_per_unit: int = 4) -> list[str]:
+    """dflash-precompute's arguments for the job `make_config(..., *job_overrides(store_dtype, samples_per_unit))`
+    runs in process (the shipped tiny config plus overrides); `extra` are further `--section.field=value`."""
     cfg_args = [f"--target.path={target}", f"--data.inputs={json.dumps(inputs)}", "--data.block_size=4",
-                "--run.device=cpu"] + [f"--{o}" for o in job_overrides(store_dtype)]
+                "--run.device=cpu"] + [f"--{o}" for o in job_overrides(store_dtype, samples_per_unit)]
     return ["--config", str(ROOT / "configs" / "precompute-tiny.toml"), "--out", str(store), *cfg_args, *extra]
 
 
