@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import subprocess
 
 import pytest
 from fault_helpers import train_args
@@ -34,22 +33,6 @@ def straight(tiny_store, tiny_target, tmp_path_factory):
     return _curve(out)
 
 
-def _mount(mnt, options: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True, text=True)
-
-
-@pytest.fixture()
-def small_fs(tmp_path):
-    """A 1200 KiB tmpfs: one checkpoint of the tiny drafter (~0.75 MB) fits, a second beside it does not."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = _mount(mnt, "size=1200k")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); the injected test still runs")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def _full_then_resumed(run, args, capsys, free_space, straight) -> None:
     with pytest.raises(SystemExit) as e:
         train_main(args)
@@ -63,14 +46,11 @@ def _full_then_resumed(run, args, capsys, free_space, straight) -> None:
     assert _curve(run) == straight and [s for s, _ in complete_checkpoints(run)] == [6]
 
 
-def test_a_real_full_disk(small_fs, tiny_store, tiny_target, capsys, straight):
-    run = small_fs / "run"
-
-    def grow():
-        done = subprocess.run(["mount", "-o", "remount,size=16m", str(small_fs)], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-
-    _full_then_resumed(run, train_args(tiny_store, tiny_target, run, *EXTRA), capsys, grow, straight)
+def test_a_real_full_disk(small_disk, tiny_store, tiny_target, capsys, straight):
+    disk = small_disk("1200k")  # one checkpoint of the tiny drafter (~0.75 MB) fits, a second beside it does not
+    run = disk.path / "run"
+    _full_then_resumed(run, train_args(tiny_store, tiny_target, run, *EXTRA), capsys, lambda: disk.resize("16m"),
+                       straight)
 
 
 def test_an_injected_full_disk_in_the_second_save(tiny_store, tiny_target, tmp_path, capsys, straight, monkeypatch):
