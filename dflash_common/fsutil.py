@@ -84,3 +84,11 @@ def is_disk_full(error: BaseException) -> bool:
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
+
+
+def os_reason(error: BaseException) -> str:
+    """The OS's words for an error ('No space left on device'), without the errno and the file name
+    (which would name a hidden temporary file); else the error's first line."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from dflash_common.cli import UserError, write_run_record
 from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
+from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.precompute_config import PrecomputeConfig
 from dflash_common.store import Store, StoreManifest, StoreWriter
 from precompute.inputs import Source, resolve_inputs
@@ -113,6 +114,13 @@ def run(cfg: PrecomputeConfig) -> Path:
     ranks = start_ranks(cfg.run.device)
     try:
         return _run(cfg, ranks)
+    except UserError:
+        raise
+    except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
+        if not is_disk_full(e):
+            raise
+        raise UserError(f"the filesystem of {cfg.store.path} is full ({os_reason(e)}); free space and rerun the "
+                        "same command: published shards are kept and the job resumes.") from e
     finally:
         ranks.close()
 
