@@ -78,6 +78,12 @@ def store_files(path: Path) -> dict[str, str]:
     return out
 
 
+def shard_sums(store: Path, names: list[str]) -> dict[str, str]:
+    """sha256 of every file of the shards `names`."""
+    return {str(f.relative_to(store)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for name in names for f in sorted((store / "shards" / name).rglob("*")) if f.is_file()}
+
+
 def published(store: Path) -> list[str]:
     """The shard names a reader sees (hidden names are never published)."""
     shards = store / "shards"

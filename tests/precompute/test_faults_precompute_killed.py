@@ -10,7 +10,6 @@ test modules are imported by their base name.)"""
 
 from __future__ import annotations
 
-import hashlib
 import random
 import subprocess
 import sys
@@ -21,8 +20,8 @@ from dflash_common.store import Store
 from precompute import job
 
 from precompute_helpers import (
-    ROOT, cli_args, demo_inputs, job_overrides, kill_process_tree, make_config, published, store_files,
-    subprocess_env,
+    ROOT, cli_args, demo_inputs, job_overrides, kill_process_tree, make_config, published, shard_sums,
+    store_files, subprocess_env,
 )
 
 SEED = 20240611  # the kill points are random, but the same in every run of the test
@@ -63,11 +62,6 @@ def _token_files(store: Path) -> int:
     return sum(1 for _ in cache.rglob("unit-*.npz")) if cache.is_dir() else 0
 
 
-def _shard_sums(store: Path, names: list[str]) -> dict[str, str]:
-    return {str(f.relative_to(store)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for name in names for f in sorted((store / "shards" / name).rglob("*")) if f.is_file()}
-
-
 def _kill_points(rng: random.Random, store: Path):
     """(ranks, description, ready) of each kill; `ready` is made when its run starts."""
     def in_start_up(job: Job):
@@ -103,7 +97,7 @@ def test_five_random_sigkills_of_two_ranks_and_one_then_one_rank_finishes_the_sa
         schedule.append((ranks, where, before, len(seen), _token_files(store)))
         assert set(seen) <= set(names) and len(seen) < UNITS, schedule
         # what a reader sees after a kill is whole: every visible shard holds the reference's bytes
-        assert _shard_sums(store, seen) == _shard_sums(reference, seen), schedule
+        assert shard_sums(store, seen) == shard_sums(reference, seen), schedule
 
     assert any(after > before for _, where, before, after, _ in schedule if where == "writing"), schedule
     left = UNITS - len(published(store))
