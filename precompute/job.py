@@ -39,7 +39,7 @@ from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.precompute_config import PrecomputeConfig
 from dflash_common.store import Store, StoreManifest, StoreWriter
-from precompute.inputs import Source, resolve_inputs
+from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import (
     TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, human_bytes, make_plan, tokenize_units,
@@ -216,16 +216,18 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     plan of the whole job from every rank."""
     cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
                                                  "chat_template_sha256": manifest.chat_template_sha256})
-    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world)
+    reader_skips = SkipLog(cfg.data.report_first)
+    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips)
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
     published = set(_published(Path(cfg.store.path)))
     committed = {u for u, name in names.items() if name in published}
-    gathered = ranks.gather((summaries, committed))
-    plan = make_plan([s for part, _ in gathered for s in part], records,
+    gathered = ranks.gather((summaries, committed, reader_skips.to_dict()))
+    plan = make_plan([s for part, _, _ in gathered for s in part], records,
                      samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
                      layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
-                     committed=set().union(*(c for _, c in gathered)), report_first=cfg.data.report_first)
+                     committed=set().union(*(c for _, c, _ in gathered)), report_first=cfg.data.report_first,
+                     reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first))  # read by every rank
     return plan, RankUnits(summaries, names, committed, cache)
 
 
