@@ -38,7 +38,7 @@ from dflash_common.cli import UserError, write_run_record
 from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.precompute_config import PrecomputeConfig
-from dflash_common.store import Store, StoreManifest, StoreWriter
+from dflash_common.store import SHARDS_DIR, Store, StoreManifest, StoreWriter
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import (
@@ -232,7 +232,14 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
 
 
 def _published(store_path: Path) -> list[str]:
-    return Store.open(store_path).shard_names() if (store_path / "zarr.json").is_file() else []
+    """Shards already in the store, listed without its root metadata: a store whose cut zarr.json was
+    deleted (as the error says to) keeps its shards. Names derive from content and state settings, so
+    a name found is this run's shard."""
+    try:
+        with os.scandir(store_path / SHARDS_DIR) as entries:
+            return [e.name for e in entries if not e.name.startswith(".") and e.is_dir()]
+    except FileNotFoundError:
+        return []
 
 
 # ---------------------------------------------------------------------------------------- compute
