@@ -1,6 +1,6 @@
 """dflash-precompute into a store it must not write: one made from another target or with other
 settings, one of an unknown format version, one whose root metadata is cut. Each is one sentence
-(exit 2) before any work, and the store is left exactly as it was."""
+(exit 2) before any work, and the store is left exactly as it was; the fix a sentence gives works."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import shutil
 
 import pytest
 
+from dflash_common.store import Store
 from dflash_common.tiny import TinySpec, build_tiny_target
 from precompute import job
 from precompute.cli import main
 
-from precompute_helpers import cli_args, demo_inputs, job_overrides, make_config
+from precompute_helpers import cli_args, demo_inputs, job_overrides, make_config, store_files
 
 
 @pytest.fixture(scope="module")
@@ -71,5 +72,12 @@ def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(made, tiny_ta
     else:
         root.write_text(root.read_text()[:200])
         want = f"store {store} has an unreadable zarr.json"
-    line = _refused(capsys, cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6), store)
+    args = cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6)
+    line = _refused(capsys, args, store)
     assert want in line, line
+    if damage == "cut_root_metadata":  # the fix the sentence gives: delete it and rerun, the shards are kept
+        assert "delete that file and rerun dflash-precompute" in line
+        root.unlink()
+        main(args)
+        assert store_files(store) == store_files(made_store)
+        assert Store.open(store).summary["runs"][-1]["units_written"] == 0
