@@ -6,6 +6,7 @@ parent directory so the rename itself survives a crash.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -69,3 +70,25 @@ def publish_dir(tmp: str | Path, final: str | Path) -> bool:
         raise
     fsync_dir(final.parent)
     return True
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it came from, says the filesystem is full or over quota. Not every
+    library raises OSError(ENOSPC): safetensors raises SafetensorError('... No space left on device
+    (os error 28)')."""
+    seen = 0
+    while error is not None and seen < 8:  # a chain of causes; never loops on a cycle
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(error) for text in ("No space left on device", "Disk quota exceeded")):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def os_reason(error: BaseException) -> str:
+    """The OS's words for an error ('No space left on device'), without the errno and the file name
+    (which would name a hidden temporary file); else the error's first line."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

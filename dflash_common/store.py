@@ -36,7 +36,7 @@ from dflash_common.store_format import (  # noqa: F401  (re-exported: the store'
     BUFFER_ALIGN, FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, BufferSpec, NonFiniteStatesError, ShardInfo,
     ShardPayload, StoreCorruptError, StoreError, StoreManifest, StoreMismatchError, check_compatible,
     check_offsets,
-    layer_array, read_json, scale_array, shard_name, short_json,
+    layer_array, read_json, read_root_attributes, scale_array, shard_name, short_json,
 )
 from dflash_common.store_writer import StoreWriter  # noqa: F401  (re-export)
 
@@ -90,7 +90,7 @@ class Store:
         if not (path / "zarr.json").is_file():
             raise StoreError(f"{path} is not a dflash store (no zarr.json); pass the directory "
                              f"dflash-precompute wrote.")
-        attrs = read_json(path / "zarr.json").get("attributes", {})
+        attrs = read_root_attributes(path)
         manifest = StoreManifest.from_json(attrs, where=f"store {path}")
         return cls(path, manifest, attrs.get("summary"), max(1, read_threads))
 
@@ -133,7 +133,9 @@ class Store:
     def _shard_attrs(self, name: str) -> dict[str, Any]:
         try:
             attrs = read_json(self.path / SHARDS_DIR / name / "zarr.json")["attributes"]
-            int(attrs["num_tokens"]), int(attrs["num_sequences"]), list(attrs["sample_ids"])
+            t, n, ids = int(attrs["num_tokens"]), int(attrs["num_sequences"]), attrs["sample_ids"]
+            if not (0 < n <= t and isinstance(ids, list) and len(ids) == n):  # sizes buffers: check first
+                raise ValueError(f"{n} sequences, {t} tokens and {len(ids)} sample ids do not fit together")
         except FileNotFoundError:
             if not (self.path / SHARDS_DIR / name).is_dir():
                 raise StoreError(f"store {self.path} has no shard {name!r}; list store.shards.") from None

@@ -358,12 +358,16 @@ def _read_index(fd: int, path: Path, layout: ArrayLayout) -> np.ndarray:
     index_start = size - n * INDEX_ENTRY_BYTES - CRC_BYTES
     if index_start < 0:
         raise ChunkError(f"{path} is too short ({size} bytes) to hold its index")
+    raw_size = layout.chunk_rows * layout.row_bytes + CRC_BYTES
+    expected = n * (raw_size + INDEX_ENTRY_BYTES) + CRC_BYTES
+    if layout.codec == "none" and size != expected:  # uncompressed: the size is known, say what is wrong
+        raise ChunkError(f"{path} is {size} bytes, but its array needs {expected} (the file was cut short "
+                         f"or overwritten)")
     raw = bytearray(n * INDEX_ENTRY_BYTES + CRC_BYTES)
     _pread_into(fd, [memoryview(raw)], index_start, path)
     _check_crc(memoryview(raw)[:-CRC_BYTES], bytes(raw[-CRC_BYTES:]), f"the index of {path}")
     index = np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2)
     ends = index[:, 0] + index[:, 1]
-    raw_size = layout.chunk_rows * layout.row_bytes + CRC_BYTES
     if (index == EMPTY_CHUNK).any() or (ends > index_start).any() or (index[:, 1] <= CRC_BYTES).any():
         raise ChunkError(f"the index of {path} points outside its data or at missing chunks")
     if layout.codec == "none" and (index[:, 1] != raw_size).any():

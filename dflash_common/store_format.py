@@ -174,6 +174,20 @@ def read_json(path: Path) -> dict[str, Any]:
         return json.loads(f.read())
 
 
+def read_root_attributes(path: Path) -> dict[str, Any]:
+    """The root group's attributes (manifest + summary); a cut or overwritten root zarr.json is a
+    StoreError with the fix, not a JSON traceback."""
+    try:
+        attrs = read_json(path / "zarr.json").get("attributes", {})
+        if not isinstance(attrs, dict):
+            raise ValueError("its attributes are not a table")
+    except (ValueError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise StoreError(f"store {path} has an unreadable zarr.json ({e}); delete that file and rerun "
+                         f"dflash-precompute with the store's config, which rewrites it and keeps the "
+                         f"shards.") from e
+    return attrs
+
+
 def check_offsets(offsets: np.ndarray, num_tokens: int) -> None:
     """Sequence boundaries must rise strictly from 0 to T (no empty sequence)."""
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != num_tokens or (np.diff(offsets) <= 0).any():

@@ -28,7 +28,7 @@ from dflash_common.store_chunks import balanced_chunk_rows, create_array, write_
 from dflash_common.store_format import (
     FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError,
     ShardInfo, ShardPayload, StoreError, StoreManifest, StoreMismatchError, check_shard_name,
-    group_metadata, layer_array, read_json, scale_array, short_json,
+    group_metadata, layer_array, read_json, read_root_attributes, scale_array, short_json,
 )
 
 
@@ -67,14 +67,25 @@ def _staging_owner_dead(entry: os.DirEntry, host: str, now: float) -> bool:
     or (writers on other hosts) when it is older than STALE_STAGING_S."""
     parts = entry.name.rsplit("~", 3)
     if len(parts) == 4 and parts[1] == host and parts[2].isdigit():
-        try:
-            os.kill(int(parts[2]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # alive, another user's
-            return False
-        return False
+        return not _process_alive(int(parts[2]))
     return now - entry.stat(follow_symlinks=False).st_mtime > STALE_STAGING_S
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie (killed, not yet reaped: a rank SIGKILLed after its torchrun agent,
+    under a PID 1 that reaps late) is dead, though signal 0 still finds it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no /proc here (not Linux), or it just ended
+        return True
+    return stat[stat.rindex(b")") + 2:][:1] != b"Z"  # the state follows the parenthesised command name
 
 
 def _host() -> str:
@@ -105,7 +116,7 @@ class StoreWriter:
                 raise StoreError(f"{path} is a non-empty directory that is not a dflash store (it holds "
                                  f"{foreign[0]!r}); pass a new or empty directory.")
             _publish_new_file(root_meta, group_metadata(manifest.to_json()))
-        attrs = read_json(root_meta).get("attributes", {})
+        attrs = read_root_attributes(path)
         StoreManifest.from_json(attrs, where=f"store {path}")  # refuses other formats and versions
         stored = {k: v for k, v in attrs.items() if k != "summary"}
         diff = _first_difference(stored, manifest.to_json())

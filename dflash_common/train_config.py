@@ -47,6 +47,12 @@ class DataConfig:
     holdout_fraction: float = option(
         0.0, "Held-out share of each store's sequences; the larger of this and holdout_sequences applies."
     )
+    on_bad_shard: Literal["stop", "skip"] = option(
+        "stop",
+        "What a corrupt shard (a failed checksum, a cut or missing file, missing metadata) does: 'stop' ends "
+        "the run with one sentence naming it (delete it, rerun dflash-precompute, rerun to resume); 'skip' "
+        "trains on without its sequences, logging it and counting it in the metrics (bad_shards).",
+    )
 
     def __post_init__(self):
         check(self.weights is None or len(self.weights) == len(self.stores),

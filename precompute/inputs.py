@@ -10,7 +10,7 @@ Bad input never stops the run and is never silent: every skipped record is count
 `SkipLog`, and the first few are reported with their file and line (in the plan). Reasons of this module:
 
     blank_line, invalid_utf8, malformed_json, not_an_object, missing_field, wrong_field_type,
-    unknown_role, empty_conversation, no_assistant_turn, unreadable_file
+    unknown_role, empty_conversation, no_assistant_turn, unreadable_file, record_too_large
 
 (the chat template and the length rules add theirs; see precompute/plan.py).
 """
@@ -32,6 +32,11 @@ from dflash_common.cli import UserError
 # Markers of a directory written by `datasets` save_to_disk (a Dataset, or a DatasetDict of splits).
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+# A JSONL line longer than this is skipped unread (`record_too_large`): a file without newlines (a
+# JSON array, a binary) would otherwise be read whole into memory, and rendering tens of MB through a
+# chat template takes minutes, all to keep data.max_length tokens. Real records are far shorter: a
+# 128K-token conversation is ~0.5 MB.
+MAX_RECORD_BYTES = 32 << 20
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "chatgpt": "assistant"}
 
@@ -64,13 +69,20 @@ class RawRecord:
 
     index: int
     source_id: str
-    payload: Any  # bytes (a JSONL line), a _DatasetRow, or an already loaded row (dict)
+    payload: Any  # bytes (a JSONL line), TooLarge, a _DatasetRow, or an already loaded row (dict)
 
     def portable(self) -> "RawRecord":
         """The same record with a dataset row loaded, so it can be sent to another process."""
         if isinstance(self.payload, _DatasetRow):
             return RawRecord(self.index, self.source_id, self.payload.load())
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TooLarge:
+    """Stands for a JSONL line over MAX_RECORD_BYTES, which was skipped unread."""
+
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,11 +209,26 @@ def iter_raw_records(sources: list[Source], skips: SkipLog | None = None) -> Ite
             skips.add(source.name, "unreadable_file", f"reading stopped after {index} records: {e}")
 
 
-def _iter_jsonl(path: str) -> Iterator[tuple[str, bytes]]:
+def _iter_jsonl(path: str) -> Iterator[tuple[str, bytes | TooLarge]]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            yield f"{path}:{line_no}", line
+        line_no = 0
+        while line := f.readline(MAX_RECORD_BYTES + 1):  # never more than the cap in memory
+            line_no += 1
+            if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
+                yield f"{path}:{line_no}", TooLarge(len(line) + _skip_line(f))
+            else:
+                yield f"{path}:{line_no}", line
+
+
+def _skip_line(f) -> int:
+    """Read past the rest of the current line, 1 MiB at a time; -> the bytes skipped."""
+    skipped = 0
+    while piece := f.readline(1 << 20):
+        skipped += len(piece)
+        if piece.endswith(b"\n"):
+            break
+    return skipped
 
 
 def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
@@ -224,6 +251,8 @@ def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
 def parse_record(raw: RawRecord, fmt: str = "auto") -> Conversation | PreTokenized:
     """One raw record -> a conversation or a pre-tokenized sequence; BadRecord if it is unusable."""
     payload = raw.payload
+    if isinstance(payload, TooLarge):
+        raise BadRecord("record_too_large", f"a line of {payload.nbytes:,} bytes (more than {MAX_RECORD_BYTES:,})")
     obj = _load_json_line(payload) if isinstance(payload, bytes) else (
         payload.load() if isinstance(payload, _DatasetRow) else payload)
     if not isinstance(obj, dict):

@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from dflash_common.cli import UserError, write_run_record
 from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
+from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.precompute_config import PrecomputeConfig
-from dflash_common.store import Store, StoreManifest, StoreWriter
-from precompute.inputs import Source, resolve_inputs
+from dflash_common.store import SHARDS_DIR, Store, StoreManifest, StoreWriter
+from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import (
     TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, human_bytes, make_plan, tokenize_units,
@@ -113,6 +114,13 @@ def run(cfg: PrecomputeConfig) -> Path:
     ranks = start_ranks(cfg.run.device)
     try:
         return _run(cfg, ranks)
+    except UserError:
+        raise
+    except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
+        if not is_disk_full(e):
+            raise
+        raise UserError(f"the filesystem of {cfg.store.path} is full ({os_reason(e)}); free space and rerun the "
+                        "same command: published shards are kept and the job resumes.") from e
     finally:
         ranks.close()
 
@@ -140,6 +148,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
     done = time.perf_counter()
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
+        mine.cache.remove_leftovers()  # of killed runs; no rank writes the cache any more
         timings = {"plan": planned - started, "load_target": load_s, "staging_setup": stats.setup_s,
                    "forward_write": done - planned - load_s - stats.setup_s, "total": done - started}
         summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)
@@ -207,21 +216,30 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     plan of the whole job from every rank."""
     cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
                                                  "chat_template_sha256": manifest.chat_template_sha256})
-    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world)
+    reader_skips = SkipLog(cfg.data.report_first)
+    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips)
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
     published = set(_published(Path(cfg.store.path)))
     committed = {u for u, name in names.items() if name in published}
-    gathered = ranks.gather((summaries, committed))
-    plan = make_plan([s for part, _ in gathered for s in part], records,
+    gathered = ranks.gather((summaries, committed, reader_skips.to_dict()))
+    plan = make_plan([s for part, _, _ in gathered for s in part], records,
                      samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
                      layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
-                     committed=set().union(*(c for _, c in gathered)), report_first=cfg.data.report_first)
+                     committed=set().union(*(c for _, c, _ in gathered)), report_first=cfg.data.report_first,
+                     reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first))  # read by every rank
     return plan, RankUnits(summaries, names, committed, cache)
 
 
 def _published(store_path: Path) -> list[str]:
-    return Store.open(store_path).shard_names() if (store_path / "zarr.json").is_file() else []
+    """Shards already in the store, listed without its root metadata: a store whose cut zarr.json was
+    deleted (as the error says to) keeps its shards. Names derive from content and state settings, so
+    a name found is this run's shard."""
+    try:
+        with os.scandir(store_path / SHARDS_DIR) as entries:
+            return [e.name for e in entries if not e.name.startswith(".") and e.is_dir()]
+    except FileNotFoundError:
+        return []
 
 
 # ---------------------------------------------------------------------------------------- compute

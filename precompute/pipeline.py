@@ -31,7 +31,6 @@ kept, so after a fix (e.g. `--target.dtype=bf16` instead of fp16) the same comma
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import queue
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from dflash_common.cli import UserError
+from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.quant import EncodedStates, encode_states, storage_numpy_dtype
 from dflash_common.store import SHARDS_DIR, NonFiniteStatesError, ShardPayload, StoreWriter
 from precompute.batching import pad_right, plan_batches
@@ -318,7 +318,7 @@ class Pipeline:
                 if not self._stop.is_set():
                     self._write_one(assembly)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
-                self._fail(e)
+                self._fail(e, shard=assembly.work.name)
             finally:
                 with self._lock:
                     self._in_memory -= 1
@@ -333,10 +333,10 @@ class Pipeline:
             self.stats.units_written += 1
             self.stats.bytes_written += nbytes
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, shard: str | None = None) -> None:
         with self._lock:
             if self.error is None:
-                self.error = _as_user_error(error)
+                self.error = _as_user_error(error, shard)
         self._stop.set()
 
     def _get(self, q: queue.Queue):
@@ -367,16 +367,18 @@ def _put_nowait(q: queue.Queue) -> bool:
         return False
 
 
-def _as_user_error(error: BaseException) -> BaseException:
-    """Errors a user acts on get the sentence that says what happens next."""
+def _as_user_error(error: BaseException, shard: str | None) -> BaseException:
+    """Errors a user acts on get the sentence that says what happens next (`shard`: the one being
+    written when the error came, if any)."""
     resume = "shards published so far are kept, and rerunning the same command resumes after the fix."
     if isinstance(error, NonFiniteStatesError):
         return NonFiniteStatesError(f"{error} The run stopped; {resume}", error.sample_id)
     if isinstance(error, UserError):
         return UserError(f"{error} The run stopped; {resume}")
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return UserError(f"the store's filesystem is full ({error}); free space (or choose store.dtype = "
-                         f"'fp8_e4m3'); {resume}")
+    if is_disk_full(error):  # the failed shard's staging dir is already removed (StoreWriter.write_shard)
+        where = f" while writing shard {shard}" if shard else ""
+        return UserError(f"the store's filesystem is full{where} ({os_reason(error)}); free space (or choose "
+                         f"store.dtype = 'fp8_e4m3'); nothing of that shard is visible, {resume}")
     return error
 
 

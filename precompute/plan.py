@@ -276,6 +276,14 @@ class TokenCache:
     def load(self, unit: int) -> TokenizedUnit:
         return TokenizedUnit.from_file(self.path(unit), self.report_first)
 
+    def remove_leftovers(self) -> int:
+        """Remove what saves cut by a kill left behind (hidden temporary files, never read); -> how many.
+        Call it only when no process of the job writes the cache any more."""
+        leftovers = list(self.root.glob(".unit-*.tmp-*")) if self.root.is_dir() else []
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+        return len(leftovers)
+
 
 def tokenizer_identity(target_path: str) -> dict[str, Any]:
     """What decides the tokens of a conversation: the tokenizer's vocabulary and special tokens and
@@ -296,11 +304,12 @@ def _source_stamp(source: Source) -> list[Any]:
 
 
 def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCache, rank: int = 0,
-                   world_size: int = 1) -> tuple[list[UnitSummary], int]:
-    """Tokenize (or find in the cache) every unit this rank owns.
+                   world_size: int = 1, reader_skips: SkipLog | None = None) -> tuple[list[UnitSummary], int]:
+    """Tokenize (or find in the cache) every unit this rank owns. Files that break mid-way are counted
+    in `reader_skips` (`unreadable_file`; every rank reads every file, so one rank's count is the job's).
 
     -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
-    counter = _RecordCounter(iter_raw_records(sources, SkipLog(0)))
+    counter = _RecordCounter(iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips))
     window = cfg.batching.sort_window_units
     units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, window)
     todo = ((u, recs) for u, recs in units if not cache.has(u) or _stale(cache, u, recs))
@@ -445,11 +454,14 @@ class Plan:
 
 def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: int, hidden_size: int,
               layer_ids: list[int], store_dtype: str, store_path: str, committed: Collection[int] = (),
-              report_first: int = 5) -> Plan:
-    """The plan from the unit summaries of all ranks; `committed` holds units the store already has."""
+              report_first: int = 5, reader_skips: SkipLog | None = None) -> Plan:
+    """The plan from the unit summaries of all ranks; `committed` holds units the store already has,
+    `reader_skips` the files that could not be read to their end (tokenize_units)."""
     skips, per = SkipLog(report_first), bytes_per_token(hidden_size, len(layer_ids), store_dtype)
     for s in sorted(summaries, key=lambda s: s.index):
         skips.merge(SkipLog.from_dict(s.skips, report_first))
+    if reader_skips is not None:
+        skips.merge(reader_skips)
     size = {s.index: s.tokens * per + (s.samples + 1) * _OFFSET_BYTES for s in summaries}
     return Plan(
         records=records, units=num_units(records, samples_per_unit),

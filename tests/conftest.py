@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -35,3 +36,36 @@ def tiny_target_2layer(tmp_path_factory):
     """A 2-layer, hidden-64 Qwen3 target (tied embeddings, template without generation markers)."""
     spec = TinySpec(num_layers=2, tie_word_embeddings=True, generation_markers=False, seed=1)
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target-2l"), spec)
+
+
+class SmallDisk:
+    """A tmpfs of a given size mounted for one test: a real filesystem that fills up."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def resize(self, size: str) -> None:
+        """Grow (or shrink) it in place, files kept: 'space is freed'."""
+        done = subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """small_disk(size) -> a SmallDisk of `size` (tmpfs syntax: '1200k', '2m'); skips the test where
+    mounting is not allowed (the fault tests inject the same errors without it)."""
+    mounted = []
+
+    def mount(size: str) -> SmallDisk:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); the injected test still runs")
+        mounted.append(path)
+        return SmallDisk(path)
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -20,11 +20,13 @@ with code 0.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +40,9 @@ log = logging.getLogger("dflash")
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# Fault tests set this (seconds) to hold every save half-written, the drafter and optimiser state on
+# disk and the rank states and marker not yet, so a SIGKILL lands inside the save every time.
+PAUSE_IN_SAVE_ENV = "DFLASH_TEST_PAUSE_IN_CHECKPOINT_S"
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -105,14 +110,17 @@ def save_checkpoint(
     scheduler state dicts and counters; `rank_states[r]` the data position and RNG states of rank r.
     """
     final = step_dir(run_dir, step)
-    if final.exists():  # a resumed run reaching a step it already saved: that save stands
+    if (final / COMPLETE).is_file():  # a resumed run reaching a step it already saved: that save stands
         return final
+    shutil.rmtree(final, ignore_errors=True)  # a step dir without its marker is never a checkpoint
     tmp = temp_sibling(final)
     tmp.mkdir(parents=True)
     try:
         save_drafter(tmp / "drafter")
-        torch.save(trainer_state, tmp / "trainer.pt")
-        torch.save(rank_states, tmp / "ranks.pt")
+        _torch_save(trainer_state, tmp / "trainer.pt")
+        if os.environ.get(PAUSE_IN_SAVE_ENV):
+            time.sleep(float(os.environ[PAUSE_IN_SAVE_ENV]))
+        _torch_save(rank_states, tmp / "ranks.pt")
         write_run_record(tmp, cfg, name="run")  # not config.json: that name means "a drafter directory"
         atomic_write_text(tmp / COMPLETE, f"step {step}\n", durable=False)
         fsync_tree(tmp)
@@ -123,6 +131,13 @@ def save_checkpoint(
     return final
 
 
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a Python file: a full disk then raises OSError(ENOSPC), where torch's own
+    file writer raises a RuntimeError that does not say why ('unexpected pos 576 vs 534')."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` complete checkpoints (incomplete ones are left alone)."""
     for _, path in complete_checkpoints(run_dir)[:-keep_last]:
@@ -131,11 +146,18 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
 
 
 def remove_stale_saves(run_dir: str | Path) -> None:
-    """Delete the hidden half-written `step-N` directories a killed process left behind."""
+    """Delete what a killed process left behind: hidden half-written `step-N` and `drafter`
+    directories, and `step-N` directories whose marker a pruning had already removed. Call it before
+    this run writes anything (one run owns its directory)."""
     run_dir = Path(run_dir)
-    if run_dir.is_dir():
-        for path in run_dir.glob(".step-*.tmp-*"):
-            log.info("removing %s, a checkpoint save that never finished", path)
+    if not run_dir.is_dir():
+        return
+    for path in [*run_dir.glob(".step-*.tmp-*"), *run_dir.glob(".drafter.tmp-*")]:
+        log.info("removing %s, a save that never finished", path)
+        shutil.rmtree(path, ignore_errors=True)
+    for path in run_dir.glob("step-*"):
+        if _STEP_DIR.match(path.name) and path.is_dir() and not (path / COMPLETE).is_file():
+            log.info("removing %s, a checkpoint without its %s marker (its deletion was cut short)", path, COMPLETE)
             shutil.rmtree(path, ignore_errors=True)
 
 

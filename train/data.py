@@ -25,15 +25,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
+from dflash_common.cli import UserError
 from dflash_common.objective import sample_anchors
-from dflash_common.store import Store, carve_buffers
+from dflash_common.store import Store, StoreCorruptError, carve_buffers
 
 from train.cache import Handle, ShardCache, SlotSlab
 from train.plan import DataPlan, EpochPlan, ShardMeta, holdout_split, rng
@@ -43,23 +45,71 @@ log = logging.getLogger("dflash")
 _ANCHORS, _VAL_ANCHORS = 11, 12  # random-stream tags (train/plan.py uses 1-3)
 
 
-def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int) -> list[ShardMeta]:
+class BadShards:
+    """Corrupt shards met while reading (a failed checksum, a cut or missing file, missing metadata).
+
+    policy 'stop': the first one raises StoreCorruptError naming it, plus `hint`. policy 'skip': it is
+    logged once, counted, and its sequences are left out of every batch from then on. That is
+    deterministic: the shard is met at the first batch that needs it, so a resumed run drops exactly
+    the sequences an uninterrupted run drops, and the losses stay equal. Shared by the loader thread
+    and the main thread (validation)."""
+
+    def __init__(self, policy: str = "stop", hint: str = ""):
+        self.policy = policy
+        self.hint = hint
+        self.skipped: dict[tuple[int, str], str] = {}  # (store index, shard name) -> what is wrong
+        self.at_scan = 0  # of them found by the start-up scan (every rank finds those)
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: tuple[int, str]) -> bool:
+        return key in self.skipped
+
+    def met(self, key: tuple[int, str], error: StoreCorruptError, *, at_scan: bool = False) -> None:
+        """Raise (stop) or record (skip) a corrupt shard."""
+        if self.policy == "stop":
+            raise StoreCorruptError(str(error).rstrip(".") + self.hint + ".", error.shard) from error
+        with self._lock:
+            if key in self.skipped:
+                return
+            self.skipped[key] = str(error)
+            self.at_scan += at_scan
+            n = len(self.skipped)
+        log.warning("skipping a corrupt shard (data.on_bad_shard = skip; %d skipped so far): %s", n, error)
+
+    def found_while_reading(self) -> int:
+        return len(self.skipped) - self.at_scan
+
+
+def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int,
+                bad: BadShards | None = None) -> list[ShardMeta]:
     """Sequence lengths and response-token counts of every shard (token arrays only, no layer).
     Responses are counted in the part of a sequence a batch keeps (its first `batch_tokens`), so a
-    sequence that passes the 2B-response rule always yields anchors."""
+    sequence that passes the 2B-response rule always yields anchors. A shard whose metadata or token
+    arrays are corrupt goes to `bad` (which raises, or skips it)."""
+    bad = bad if bad is not None else BadShards()
 
-    def scan(job: tuple[int, str]) -> ShardMeta:
+    def scan(job: tuple[int, str]) -> ShardMeta | None:
         s, name = job
-        data = stores[s].read_shard(name, layer_ids=[])
+        try:
+            data = stores[s].read_shard(name, layer_ids=[])
+        except StoreCorruptError as e:
+            bad.met((s, name), e, at_scan=True)
+            return None
         starts = data.offsets[:-1].astype(np.int64)
         lengths = np.diff(data.offsets).astype(np.int64)
         ends = starts + np.minimum(lengths, batch_tokens)
         cum = np.concatenate([[0], np.cumsum(data.loss_mask, dtype=np.int64)])  # [T+1]
         return ShardMeta(s, name, lengths, cum[ends] - cum[starts])
 
-    jobs = [(s, info.name) for s, store in enumerate(stores) for info in store.shards]
+    jobs = [(s, name) for s, store in enumerate(stores) for name in store.shard_names()]
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(scan, jobs))
+        found = [m for m in pool.map(scan, jobs) if m is not None]
+    if not found:
+        paths = ", ".join(str(s.path) for s in stores)
+        raise UserError(f"{paths} hold{'s' if len(stores) == 1 else ''} no readable shard"
+                        + (f" ({len(bad.skipped)} corrupt ones skipped)" if bad.skipped else "")
+                        + "; run dflash-precompute to fill the store before training from it.")
+    return found
 
 
 @dataclasses.dataclass
@@ -160,11 +210,54 @@ def seeded_generator(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(rng(*key).integers(0, 2**63 - 1)))
 
 
+@dataclasses.dataclass
+class FailedBatch:
+    """Stands in the loader's queue for a batch that could not be made (a corrupt shard under policy
+    'stop'). torchdata re-raises an error of its thread as a RuntimeError holding a traceback in its
+    text; handed over as an item, the error reaches the training loop unchanged (`raise_failures`)
+    and ends the run as one sentence."""
+
+    error: BaseException
+
+
+def raise_failures(items: Iterator[Any]) -> Iterator[Any]:
+    """Pass batches through; raise the error of a FailedBatch on the consumer's thread."""
+    for item in items:
+        if isinstance(item, FailedBatch):
+            raise item.error
+        yield item
+
+
+def usable_rows(rows: np.ndarray, shards: Sequence[ShardMeta], bad: BadShards) -> np.ndarray:
+    """Planned rows [n, 3] less those of shards skipped as corrupt."""
+    if not bad.skipped:
+        return rows
+    keep = [(shards[s].store, shards[s].name) not in bad for s in rows[:, 0].tolist()]
+    return rows[np.array(keep, dtype=bool)]
+
+
+def wait_for_shards(rows: np.ndarray, cache: ShardCache, shards: Sequence[ShardMeta], bad: BadShards):
+    """(keys, handles, slots) of the shards planned rows need, once all are read; None when one turned
+    out corrupt (it went to `bad`, which raised or recorded it: drop its rows and try again)."""
+    keys = sorted(set(rows[:, 0].tolist()))
+    handles = [cache.request(k) for k in keys]
+    slots = []
+    for key, handle in zip(keys, handles):
+        try:
+            slots.append(handle.wait())
+        except StoreCorruptError as e:
+            for h in handles:
+                h.release()
+            bad.met((shards[key].store, shards[key].name), e)
+            return None
+    return keys, handles, slots
+
+
 class BatchNode(BaseNode[HostBatch]):
     """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next batch."""
 
     def __init__(self, plan: DataPlan, cache: ShardCache, *, rank: int, seed: int, block_size: int,
-                 max_anchors: int):
+                 max_anchors: int, bad: BadShards | None = None):
         super().__init__()
         self.plan = plan
         self.cache = cache
@@ -172,13 +265,16 @@ class BatchNode(BaseNode[HostBatch]):
         self.seed = seed
         self.block_size = block_size
         self.max_anchors = max_anchors
+        self.bad = bad if bad is not None else BadShards()
         self.epoch = 0
         self.index = 0
         self._windows: dict[tuple[int, int], list[Handle]] = {}  # (epoch, window) -> handles held
+        self._failure: FailedBatch | None = None
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
         self._release_windows(keep=())
+        self._failure = None
         state = initial_state or {"epoch": 0, "index": 0}
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
@@ -195,18 +291,37 @@ class BatchNode(BaseNode[HostBatch]):
             return self._current()
         return p
 
-    def next(self) -> HostBatch:
-        p = self._current()
-        self._hold_windows(p, int(p.batch_window[self.index]))
-        rows = p.batches[self.index]
-        keys = sorted(set(rows[:, 0].tolist()))
-        handles = [self.cache.request(k) for k in keys]
-        shards = [h.wait() for h in handles]
+    def next(self) -> HostBatch | FailedBatch:
+        if self._failure is None:
+            try:
+                return self._next()
+            except UserError as e:  # runs on the prefetch thread: hand the error over as an item
+                self._failure = FailedBatch(e)
+        return self._failure
+
+    def _next(self) -> HostBatch:
+        while True:
+            p = self._current()
+            self._hold_windows(p, int(p.batch_window[self.index]))
+            rows = usable_rows(p.batches[self.index], self.plan.shards, self.bad)
+            if not len(rows):  # every sequence of this batch is in skipped shards
+                self._check_some_shard_left()
+                self.index += 1
+                continue
+            got = wait_for_shards(rows, self.cache, self.plan.shards, self.bad)
+            if got is not None:
+                break
+        keys, handles, slots = got
         gen = seeded_generator(self.seed, _ANCHORS, self.epoch, self.rank, self.index)
-        batch = assemble(rows, shards, {k: i for i, k in enumerate(keys)}, gen, self.block_size,
+        batch = assemble(rows, slots, {k: i for i, k in enumerate(keys)}, gen, self.block_size,
                          self.max_anchors, self.epoch, self.index, handles)
         self.index += 1
         return batch
+
+    def _check_some_shard_left(self) -> None:
+        if all((m.store, m.name) in self.bad for m in self.plan.shards):
+            raise UserError(f"every one of the {len(self.plan.shards)} shards planned for training is corrupt; "
+                            f"rerun dflash-precompute to rewrite them.")
 
     def _hold_windows(self, p: EpochPlan, window: int) -> None:
         """Keep the current window and the next one (maybe the next epoch's first) requested."""
@@ -219,7 +334,8 @@ class BatchNode(BaseNode[HostBatch]):
             if (epoch, w) not in self._windows:
                 plan = p if epoch == p.epoch else self.plan.epoch(epoch, self.rank)
                 shards = plan.windows[w].tolist() if w < len(plan.windows) else []
-                self._windows[(epoch, w)] = [self.cache.request(s, count=False) for s in shards]
+                self._windows[(epoch, w)] = [self.cache.request(s, count=False) for s in shards
+                                             if (self.plan.shards[s].store, self.plan.shards[s].name) not in self.bad]
         self._release_windows(keep=wanted)
 
     def _release_windows(self, keep: Sequence[tuple[int, int]]) -> None:
@@ -228,15 +344,23 @@ class BatchNode(BaseNode[HostBatch]):
                 h.release()
 
 
-def val_batches(plan: DataPlan, cache: ShardCache, *, rank: int, block_size: int, max_anchors: int):
+def val_batches(plan: DataPlan, cache: ShardCache, *, rank: int, block_size: int, max_anchors: int,
+                bad: BadShards | None = None):
     """This rank's held-out batches, with fixed anchors (seeded by the batch, not the run): every
     validation of every run of the same store draws the same blocks. Generator of HostBatch."""
-    for i, rows in enumerate(plan.val_batches(rank)):
-        keys = sorted(set(rows[:, 0].tolist()))
-        handles = [cache.request(k) for k in keys]
-        shards = [h.wait() for h in handles]
+    bad = bad if bad is not None else BadShards()
+    for i, planned in enumerate(plan.val_batches(rank)):
+        got, rows = None, planned
+        while got is None:
+            rows = usable_rows(planned, plan.shards, bad)
+            if not len(rows):
+                break
+            got = wait_for_shards(rows, cache, plan.shards, bad)
+        if got is None:
+            continue
+        keys, handles, slots = got
         gen = seeded_generator(0, _VAL_ANCHORS, rank, i)
-        yield assemble(rows, shards, {k: j for j, k in enumerate(keys)}, gen, block_size, max_anchors, -1, i, handles)
+        yield assemble(rows, slots, {k: j for j, k in enumerate(keys)}, gen, block_size, max_anchors, -1, i, handles)
 
 
 def build_loader(node: BatchNode, host_prefetch: int) -> Loader:
@@ -302,7 +426,7 @@ class TrainData:
     (training, and a small one for held-out shards), the checkpointable loader and the GPU feeder."""
 
     def __init__(self, plan: DataPlan, cache: ShardCache, val_cache: ShardCache | None, node: BatchNode,
-                 loader: Loader, feeder_args: dict[str, Any], gpu_prefetch: int):
+                 loader: Loader, feeder_args: dict[str, Any], gpu_prefetch: int, bad: BadShards):
         self.plan = plan
         self.cache = cache
         self.val_cache = val_cache
@@ -310,6 +434,7 @@ class TrainData:
         self.loader = loader
         self.feeder_args = feeder_args  # make_feeder's arguments, shared by training and validation
         self.gpu_prefetch = gpu_prefetch
+        self.bad = bad  # corrupt shards met so far (data.on_bad_shard)
         self.feeder = None
 
     @classmethod
@@ -318,7 +443,8 @@ class TrainData:
         """`cfg` is the TrainConfig; `layer_ids` the drafter's target_layer_ids (their order is kept)."""
         d = cfg.data
         check_stores_agree(stores)
-        shards = scan_stores(stores, d.reader_threads, d.batch_tokens)
+        bad = BadShards(d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it')
+        shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
         split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,
                               2 * cfg.drafter.block_size)  # sequences with < 2B response tokens are dropped
         plan = DataPlan(shards, split, n_stores=len(stores), weights=d.weights, seed=cfg.run.seed,
@@ -334,18 +460,18 @@ class TrainData:
             val_cache = ShardCache(SlotSlab.allocate(n, cache.slab.slot_bytes), 1,
                                    shard_reader(stores, shards, layer_ids), threads=1)
         node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=cfg.drafter.block_size,
-                         max_anchors=cfg.objective.max_anchors)
+                         max_anchors=cfg.objective.max_anchors, bad=bad)
         loader = build_loader(node, d.host_prefetch)
         feeder_args = dict(stores=stores, layer_ids=list(layer_ids), device=device, batch_tokens=d.batch_tokens,
                            autocast=cfg.precision.autocast)
-        return cls(plan, cache, val_cache, node, loader, feeder_args, d.gpu_prefetch)
+        return cls(plan, cache, val_cache, node, loader, feeder_args, d.gpu_prefetch, bad)
 
     def start(self, position: dict[str, Any] | None = None):
         """Begin iterating, at `position` (a loader state from a checkpoint) or at the start."""
         if position is not None:
             self.loader.load_state_dict(position)
-        self.feeder = make_feeder(iter(self.loader), self.loader.state_dict, prefetch=self.gpu_prefetch,
-                                  **self.feeder_args)
+        self.feeder = make_feeder(raise_failures(iter(self.loader)), self.loader.state_dict,
+                                  prefetch=self.gpu_prefetch, **self.feeder_args)
         return self.feeder
 
     def val_batches(self):
@@ -354,7 +480,7 @@ class TrainData:
             return
         node = self.node
         host = val_batches(self.plan, self.val_cache, rank=node.rank, block_size=node.block_size,
-                           max_anchors=node.max_anchors)
+                           max_anchors=node.max_anchors, bad=self.bad)
         feeder = make_feeder(host, dict, prefetch=0, **self.feeder_args)
         try:
             yield from feeder

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -29,8 +30,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import UserError, write_run_record
+from dflash_common.config import to_dict
 from dflash_common.drafter import DFlashDrafter, DrafterConfig
 from dflash_common.export import load_weights_into, save_drafter
+from dflash_common.fsutil import is_disk_full
 from dflash_common.store import Store, check_compatible
 from dflash_common.store import open_stores as open_store_paths
 from dflash_common.target_weights import load_target_head
@@ -40,7 +43,7 @@ from train.checkpoint import (
     StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
 )
 from train.cache import CacheStats, human_bytes
-from train.data import TrainData
+from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.report import write_report
 from train.target import mask_token_id, target_config, tokenizer_sha256
@@ -204,15 +207,15 @@ class Window:
         """Leave validation and checkpoint time out of tok/s."""
         self.started = time.perf_counter()
 
-    def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int) -> dict[str, Any]:
+    def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int, bad: BadShards) -> dict[str, Any]:
         """Sum the window over ranks (one collective), make the logging step's record, start a new window."""
         now = (cache.hits, cache.misses, cache.bytes_read)
-        window = torch.tensor([a - b for a, b in zip(now, self.cache_seen)], dtype=torch.float64, device=self.device)
-        both = torch.cat([self.sums, self.counts, window])
+        window = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]  # ranks read apart
+        both = torch.cat([self.sums, self.counts, torch.tensor(window, dtype=torch.float64, device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(both)
         both = both.cpu()
-        sums, counts, (hits, misses, read) = both[:_N + 1], both[_N + 1:-3], both[-3:].tolist()
+        sums, counts, (hits, misses, read, bad_read) = both[:_N + 1], both[_N + 1:-4], both[-4:].tolist()
         figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
         steps = max(1.0, float(sums[_N]))
         record = {"kind": "train", "step": step, "epoch": epoch, "loss": figures["loss"], "acc": figures["acc"],
@@ -221,7 +224,8 @@ class Window:
                   "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
                   "data_wait_ms": 1e3 * float(sums[_WAIT]) / steps,
                   "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_read_gb": read / 1e9,
-                  "gpu_mem_gb": self._peak_memory_gb(), "steps": steps / world, "time": time.time()}
+                  "gpu_mem_gb": self._peak_memory_gb(), "steps": steps / world,
+                  "bad_shards": bad.at_scan + int(bad_read), "time": time.time()}
         self.sums.zero_(), self.counts.zero_()
         self.cache_seen, self.started = now, time.perf_counter()
         return record
@@ -257,6 +261,7 @@ def setup(cfg: TrainConfig) -> Run:
     stores = open_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
     verdict = check_stores(stores, dcfg, cfg.run.target)
+    from_path = checkpoint_to_resume(cfg, out, dcfg)
     if d.main:
         log.info("%s", verdict)
         out.mkdir(parents=True, exist_ok=True)
@@ -266,7 +271,7 @@ def setup(cfg: TrainConfig) -> Run:
     data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
-    start, position = resume(cfg, out, d, drafter, optimizer, scheduler)
+    start, position = resume(from_path, d, drafter, optimizer, scheduler)
     model = drafter
     if d.world > 1:
         model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
@@ -274,9 +279,50 @@ def setup(cfg: TrainConfig) -> Run:
     return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position)
 
 
-def resume(cfg: TrainConfig, out: Path, d: Dist, drafter, optimizer, scheduler) -> tuple[int, dict | None]:
-    """Load the newest complete checkpoint of the run directory, if any: (steps done, data position)."""
+def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Path | None:
+    """The newest complete checkpoint of the run directory, if resuming; one sentence when it holds
+    another drafter than this config makes (before anything of this run is written)."""
     path = latest_checkpoint(out) if cfg.checkpoint.resume else None
+    if path is None:
+        return None
+    try:
+        saved = DrafterConfig.from_config_json(json.loads((path / "drafter" / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
+        raise UserError(f"checkpoint {path} has no readable drafter/config.json ({e}); delete {path} to resume "
+                        f"from an older one, or start a new run directory (--out).") from e
+    differ = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)]
+    if differ:
+        detail = ", ".join(f"{f} = {getattr(saved, f)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3])
+        raise UserError(f"cannot resume from {path}: it holds another drafter ({detail}); resume with the settings "
+                        f"of {path / 'run.toml'}, or start a new run directory (--out).")
+    _warn_of_changed_settings(path, cfg)
+    return path
+
+
+def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
+    """Settings other than the drafter's may change on resume (more steps, another log interval), but
+    the optimiser and schedule go on from the checkpoint's state: say what differs."""
+    import tomllib
+
+    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return out
+
+    try:
+        before = flat(tomllib.loads((path / "run.toml").read_text()))
+    except (OSError, ValueError):
+        return
+    now = flat(to_dict(cfg))
+    changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k != "run.out_dir"]
+    if changed:
+        log.warning("resuming from %s with settings that differ from the run that wrote it: %s", path,
+                    ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:8]))
+
+
+def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler) -> tuple[int, dict | None]:
+    """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position)."""
     if path is None:
         return 0, None
     trainer_state, ranks = load_checkpoint(path)
@@ -334,12 +380,36 @@ def stop_agreed(stop: StopRequest, d: Dist) -> bool:
 
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
+    try:
+        return _run(cfg)
+    except Exception as e:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
+        if not is_disk_full(e):
+            raise
+        latest = latest_checkpoint(cfg.run.out_dir)
+        raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({str(e).splitlines()[0]}); free "
+                        f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
+                        f"{latest or 'the start'}.") from e
+
+
+def _run(cfg: TrainConfig) -> Path:
+    r = setup(cfg)
+    metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.dist.main else None
+    try:
+        saved, stopped = train(r, metrics)
+    except BaseException:  # e.g. a corrupt shard under data.on_bad_shard = stop: what is saved stays
+        r.data.close()  # stop the loader and reader threads, so the process can end
+        if metrics is not None:
+            metrics.close()
+        raise
+    return finish(r, metrics, saved, stopped)
+
+
+def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
+    """The loop: -> (last step saved, the signal that stopped it early or None)."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    r = setup(cfg)
     c, main = r.cfg, r.dist.main
-    metrics = MetricsWriter(r.out, r.total, c.log.tensorboard, r.start) if main else None
     window = Window(r.dist.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
@@ -350,7 +420,7 @@ def run(cfg: TrainConfig) -> Path:
             bar.update(1)
             last = step == r.total
             if step % c.log.every_steps == 0 or last:
-                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world)
+                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world, r.data.bad)
                 if metrics is not None:
                     metrics.write(record)
             if (c.validation.every_steps and step % c.validation.every_steps == 0) or last:
@@ -365,7 +435,7 @@ def run(cfg: TrainConfig) -> Path:
             if stopped:
                 break
     bar.close()
-    return finish(r, metrics, saved, stopped)
+    return saved, stopped
 
 
 def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | None) -> Path:
@@ -373,6 +443,10 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
     log.info("shard cache: %d hits, %d misses (%.0f%% hits), %s read by the readers in %.1f s, batches waited "
              "%.1f s for shards", st.hits, st.misses, 100 * st.hit_rate, human_bytes(st.bytes_read), st.read_s,
              st.wait_s)
+    if r.data.bad.skipped:
+        log.warning("%d corrupt shard(s) skipped (data.on_bad_shard = skip): %s; delete them and rerun "
+                    "dflash-precompute to rewrite them", len(r.data.bad.skipped),
+                    ", ".join(name for _, name in sorted(r.data.bad.skipped)))
     r.data.close()
     if metrics is not None:
         metrics.close()

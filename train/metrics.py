@@ -34,6 +34,7 @@ def format_train_line(r: dict[str, Any], total_steps: int) -> str:
         f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | lr {r['lr']:.1e} | "
         f"gnorm {r['grad_norm']:.2f} | {r['tok_s'] / 1e3:.1f}k tok/s | wait {r['data_wait_ms']:.1f} ms | "
         f"cache {100 * r['cache_hit_rate']:.0f}% | mem {mem}"
+        + (f" | {r['bad_shards']} bad shard(s) skipped" if r.get("bad_shards") else "")
     )
 
 
@@ -43,10 +44,23 @@ def format_val_line(r: dict[str, Any]) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl; a line that does not parse (a write cut by a kill or a full
+    disk) is left out with a warning, so a resumed run still starts."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+            else:
+                log.warning("%s:%d is not a metrics record (a write cut short?); leaving it out", path, n)
+    return records
 
 
 class MetricsWriter:

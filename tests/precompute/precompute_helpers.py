@@ -1,11 +1,20 @@
-"""Helpers shared by the precompute tests: small JSONL inputs and configs on the tiny targets."""
+"""Helpers shared by the precompute tests: small JSONL inputs and configs on the tiny targets, the
+command line of short dflash-precompute processes, and the bytes of a finished store."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
+import subprocess
+from pathlib import Path
 
 from dflash_common.config import load_config
 from dflash_common.precompute_config import PrecomputeConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_DATA = ROOT / "data" / "tiny-train.jsonl"
 
 
 def chat(i: int, answer_len: int = 40) -> dict:
@@ -28,3 +37,99 @@ def make_config(target, inputs, store, *overrides: str) -> PrecomputeConfig:
             "--batching.token_budget=1024", "--run.samples_per_unit=4", "--target.dtype=fp32",
             "--run.device=cpu"]
     return load_config(PrecomputeConfig, None, args + [f"--{o}" for o in overrides])
+
+
+def demo_inputs(directory: Path) -> list[str]:
+    """The first 48 demo records (responses of the tiny target), as two input files."""
+    lines = TINY_DATA.read_text().splitlines(keepends=True)[:48]
+    (directory / "a.jsonl").write_text("".join(lines[:30]))
+    (directory / "b.jsonl").write_text("".join(lines[30:]))
+    return [str(directory / "a.jsonl"), str(directory / "b.jsonl")]
+
+
+def job_overrides(store_dtype: str, samples_per_unit: int = 4) -> list[str]:
+    """Overrides of a short job over `demo_inputs`: with 4 samples per unit, 12 units in windows of 2,
+    so 6 windows, 3 per rank with 2 ranks, several batches each."""
+    return ["data.max_length=512", "batching.token_budget=512", "batching.sort_window_units=2",
+            f"run.samples_per_unit={samples_per_unit}", "target.dtype=bf16", f'store.dtype="{store_dtype}"',
+            "run.progress=false"]
+
+
+def cli_args(target, inputs, store, store_dtype: str, *extra: str, samples_per_unit: int = 4) -> list[str]:
+    """dflash-precompute's arguments for the job `make_config(..., *job_overrides(store_dtype, samples_per_unit))`
+    runs in process (the shipped tiny config plus overrides); `extra` are further `--section.field=value`."""
+    cfg_args = [f"--target.path={target}", f"--data.inputs={json.dumps(inputs)}", "--data.block_size=4",
+                "--run.device=cpu"] + [f"--{o}" for o in job_overrides(store_dtype, samples_per_unit)]
+    return ["--config", str(ROOT / "configs" / "precompute-tiny.toml"), "--out", str(store), *cfg_args, *extra]
+
+
+def subprocess_env() -> dict[str, str]:
+    """One intra-op thread, as in the tests' own process: the same float reductions, the same bits."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def store_files(path: Path) -> dict[str, str]:
+    """sha256 of every file of every shard, and the manifest (root attributes without the summary)."""
+    out = {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+           for f in sorted((path / "shards").rglob("*")) if f.is_file()}
+    attrs = json.loads((path / "zarr.json").read_text())["attributes"]
+    attrs.pop("summary")
+    out["manifest"] = json.dumps(attrs, sort_keys=True)
+    return out
+
+
+def shard_sums(store: Path, names: list[str]) -> dict[str, str]:
+    """sha256 of every file of the shards `names`."""
+    return {str(f.relative_to(store)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for name in names for f in sorted((store / "shards" / name).rglob("*")) if f.is_file()}
+
+
+def published(store: Path) -> list[str]:
+    """The shard names a reader sees (hidden names are never published)."""
+    shards = store / "shards"
+    return sorted(p.name for p in shards.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if shards.is_dir() else []
+
+
+def kill_process_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process below it, as a preempted node loses them: torchrun starts each
+    worker in a session of its own, so killing torchrun's process group alone would leave them running."""
+    tree = [proc.pid, *_descendants(proc.pid)]
+    for pgid in dict.fromkeys(_pgid(pid) for pid in tree):
+        if pgid is not None and pgid != os.getpgrp():  # never the test's own group
+            _signal(lambda: os.killpg(pgid, signal.SIGKILL))
+    for pid in tree:  # in a group of its own that another process leads
+        _signal(lambda: os.kill(pid, signal.SIGKILL))
+    proc.wait(timeout=30)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after the command name: state, ppid
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _signal(send) -> None:
+    try:
+        send()
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -5,9 +5,6 @@ SIGKILLed mid-way must, once rerun, leave the store an uninterrupted job leaves.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,46 +16,11 @@ import pytest
 from dflash_common.store import Store
 from precompute import job
 
-from precompute_helpers import make_config
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY_DATA = ROOT / "data" / "tiny-train.jsonl"
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
+from precompute_helpers import ROOT, cli_args, demo_inputs, job_overrides, make_config, store_files, subprocess_env
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    """The first 48 demo records (responses of the tiny target), as two input files."""
-    lines = TINY_DATA.read_text().splitlines(keepends=True)[:48]
-    d = tmp_path_factory.mktemp("inputs")
-    (d / "a.jsonl").write_text("".join(lines[:30]))
-    (d / "b.jsonl").write_text("".join(lines[30:]))
-    return [str(d / "a.jsonl"), str(d / "b.jsonl")]
-
-
-def _overrides(store_dtype: str) -> list[str]:
-    # 12 units of 4 records in windows of 2: 6 windows, 3 per rank with 2 ranks; several batches each
-    return ["data.max_length=512", "batching.token_budget=512", "batching.sort_window_units=2",
-            "run.samples_per_unit=4", "target.dtype=bf16", f'store.dtype="{store_dtype}"', "run.progress=false"]
-
-
-def _cli_args(target, inputs, store, store_dtype: str) -> list[str]:
-    cfg_args = [f"--target.path={target}", f"--data.inputs={json.dumps(inputs)}", "--data.block_size=4",
-                "--run.device=cpu"] + [f"--{o}" for o in _overrides(store_dtype)]
-    return ["--config", str(ROOT / "configs" / "precompute-tiny.toml"), "--out", str(store), *cfg_args]
-
-
-def store_files(path: Path) -> dict[str, str]:
-    """sha256 of every file of every shard, and the manifest (root attributes without the summary)."""
-    out = {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-           for f in sorted((path / "shards").rglob("*")) if f.is_file()}
-    attrs = json.loads((path / "zarr.json").read_text())["attributes"]
-    attrs.pop("summary")
-    out["manifest"] = json.dumps(attrs, sort_keys=True)
-    return out
+    return demo_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def _shard_stamps(path: Path) -> dict[str, tuple[int, int]]:
@@ -68,15 +30,15 @@ def _shard_stamps(path: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module")
 def one_rank_bf16(tiny_target, inputs, tmp_path_factory):
     store = tmp_path_factory.mktemp("one") / "store"
-    job.run(make_config(tiny_target, inputs, store, *_overrides("bf16")))
+    job.run(make_config(tiny_target, inputs, store, *job_overrides("bf16")))
     return store
 
 
 def test_two_ranks_under_torchrun_write_the_same_store_as_one(one_rank_bf16, tiny_target, inputs, tmp_path):
     store = tmp_path / "store"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "precompute.cli",
-           *_cli_args(tiny_target, inputs, store, "bf16")]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+           *cli_args(tiny_target, inputs, store, "bf16")]
+    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[rank 1]" in done.stderr and done.stdout.count("plan:") == 1  # rank 0 alone prints
     summary = Store.open(store).summary
@@ -89,7 +51,7 @@ def test_two_ranks_under_torchrun_write_the_same_store_as_one(one_rank_bf16, tin
 
 def test_a_rerun_writes_nothing_new(one_rank_bf16, tiny_target, inputs):
     before, files = _shard_stamps(one_rank_bf16), store_files(one_rank_bf16)
-    job.run(make_config(tiny_target, inputs, one_rank_bf16, *_overrides("bf16")))
+    job.run(make_config(tiny_target, inputs, one_rank_bf16, *job_overrides("bf16")))
     assert _shard_stamps(one_rank_bf16) == before and store_files(one_rank_bf16) == files
     runs = Store.open(one_rank_bf16).summary["runs"]
     assert runs[-1]["units_written"] == 0 and runs[-1]["batches"] == 0 and runs[-1]["units_already_in_store"] == 12
@@ -98,17 +60,17 @@ def test_a_rerun_writes_nothing_new(one_rank_bf16, tiny_target, inputs):
 
 def test_a_job_killed_mid_way_resumes_to_the_store_of_an_uninterrupted_job(tiny_target, inputs, tmp_path):
     straight = tmp_path / "straight"
-    job.run(make_config(tiny_target, inputs, straight, *_overrides("fp8_e4m3")))
+    job.run(make_config(tiny_target, inputs, straight, *job_overrides("fp8_e4m3")))
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "precompute.cli", *_cli_args(tiny_target, inputs, killed, "fp8_e4m3"),
+    cmd = [sys.executable, "-m", "precompute.cli", *cli_args(tiny_target, inputs, killed, "fp8_e4m3"),
            "--run.writer_threads=1", "--run.queue_depth=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     published = _wait_for_first_shard(killed / "shards", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     published = len([p for p in (killed / "shards").iterdir() if p.is_dir()])
     assert 0 < published < 12, "the job was not killed mid-way"
-    job.run(make_config(tiny_target, inputs, killed, *_overrides("fp8_e4m3")))
+    job.run(make_config(tiny_target, inputs, killed, *job_overrides("fp8_e4m3")))
     assert store_files(killed) == store_files(straight)
     assert Store.open(killed).summary["runs"][-1]["units_written"] == 12 - published
     assert not any((killed / ".staging").iterdir())  # the killed writer's leftovers are gone
