@@ -75,8 +75,10 @@ class SlotSlab:
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
+        device = torch.cuda.current_device()  # this rank's GPU; a new thread starts on GPU 0
 
         def pin(i: int) -> None:
+            torch.cuda.set_device(device)  # else every rank's pin threads make a CUDA context on GPU 0
             ptr = self.buffer.data_ptr() + i * self.slot_bytes
             err = int(cudart.cudaHostRegister(ptr, self.slot_bytes, 1))  # 1: cudaHostRegisterPortable
             if err != 0:
