@@ -9,14 +9,14 @@ DEVICE=${DEVICE:-cuda}  # cpu: the same check with processes on the CPU (gloo)
 N=${NGPU:-$(python -c "import torch; print(torch.cuda.device_count())")}
 python -m dflash_common.tiny .cache/tiny-target >/dev/null
 t0=$(date +%s.%N)
-python -m precompute.cli --config configs/precompute-tiny.toml --out="$W/one" --run.device="$DEVICE" >"$W/one.log" 2>&1
+python -m precompute.cli --config configs/tiny.toml --out="$W/one" --run.device="$DEVICE" >"$W/one.log" 2>&1
 t1=$(date +%s.%N)
-torchrun --standalone --nproc_per_node="$N" -m precompute.cli --config configs/precompute-tiny.toml \
+torchrun --standalone --nproc_per_node="$N" -m precompute.cli --config configs/tiny.toml \
          --out="$W/many" --run.device="$DEVICE" >"$W/many.log" 2>&1
 t2=$(date +%s.%N)
 same=$(cd "$W/one/shards" && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 other=$(cd "$W/many/shards" && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
-torchrun --standalone --nproc_per_node="$N" -m train.cli --config configs/train-tiny.toml --store="$W/many" \
+torchrun --standalone --nproc_per_node="$N" -m train.cli --config configs/tiny.toml --store="$W/many" \
          --out="$W/train" --run.device="$DEVICE" --optim.epochs=1 >"$W/train.log" 2>&1
 t3=$(date +%s.%N)
 printf '| run | GPUs | seconds | result |\n| --- | --- | --- | --- |\n'

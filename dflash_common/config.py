@@ -207,9 +207,26 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"Config file {path} is not valid TOML ({e}); fix the file.") from e
 
 
+# The stages a config file may hold side by side ([precompute.target], [train.optim], ...): one file
+# can then describe a whole experiment (configs/tiny.toml), each CLI reading its own table.
+STAGES = ("precompute", "train", "eval")
+
+
+def stage_table(cls: type, data: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """`data` itself for a one-stage file; the table of `cls.STAGE` for a file made of stage tables."""
+    stage = getattr(cls, "STAGE", None)
+    if stage is None or not data or not set(data) <= set(STAGES):
+        return data
+    if stage not in data:
+        raise ConfigError(f"Config file {path} holds the stages {sorted(data)} but no [{stage}] table; add one "
+                          f"or pass a {stage} config.")
+    return data[stage]
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> T:
-    """Defaults <- TOML file <- `--section.field=value` overrides, validated into a frozen tree."""
-    data = read_toml(path) if path is not None else {}
+    """Defaults <- TOML file (its `[<stage>]` table when it holds several stages) <- `--section.field=value`
+    overrides, validated into a frozen tree."""
+    data = stage_table(cls, read_toml(path), path) if path is not None else {}
     for text in overrides:
         merge_override(data, *parse_override(text))
     return from_dict(cls, data)

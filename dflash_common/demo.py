@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash_common.tiny import TinySpec, build_tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET = ROOT / ".cache" / "tiny-target"  # where configs/*-tiny.toml look for it
+TARGET = ROOT / ".cache" / "tiny-target"  # where configs/tiny.toml looks for it
 
 
 def stage(title: str, *args: str) -> float:
@@ -51,13 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     for old in (store, run, drafter):
         shutil.rmtree(old, ignore_errors=True)
     times = {
-        "precompute": stage("precompute", "precompute.cli", "--config", "configs/precompute-tiny.toml",
+        "precompute": stage("precompute", "precompute.cli", "--config", "configs/tiny.toml",
                             f"--out={store}"),
         "verify": stage("verify", "dflash_common.store_cli", "verify", str(store)),
-        "train": stage("train", "train.cli", "--config", "configs/train-tiny.toml", f"--store={store}",
+        "train": stage("train", "train.cli", "--config", "configs/tiny.toml", f"--store={store}",
                        f"--out={run}"),
         "export": stage("export", "dflash_common.export", str(run), str(drafter), "--overwrite"),
-        "eval": stage("eval", "train.evaluate", "--config", "configs/eval-tiny.toml", f"--drafter={drafter}",
+        "eval": stage("eval", "train.evaluate", "--config", "configs/tiny.toml", f"--drafter={drafter}",
                       f"--report={report_path}"),
     }
     info = json.loads(subprocess.run([sys.executable, "-m", "dflash_common.store_cli", "info", str(store), "--json"],

@@ -1,13 +1,13 @@
 """Configuration of `dflash-eval`: which target, which prompts, how to decode, what to check and report.
 
-One frozen tree; defaults live here and nowhere else. `configs/eval-tiny.toml` and
+One frozen tree; defaults live here and nowhere else. `configs/tiny.toml` and
 `configs/eval-qwen3-8b.toml` set some of them; `--section.field=value` sets any of them last.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dflash_common.config import check, option, section
 
@@ -116,6 +116,7 @@ class OfflineSection:
 
 @dataclass(frozen=True)
 class EvalConfig:
+    STAGE: ClassVar[str] = "eval"  # its table in a config file that holds several stages
     target: TargetSection = section(TargetSection, "The target model.")
     drafter: DrafterSection = section(DrafterSection, "The drafter under evaluation.")
     prompts: PromptsSection = section(PromptsSection, "Prompts to decode.")

@@ -7,7 +7,7 @@ Defaults live here and nowhere else; `configs/precompute-*.toml` set some of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from dflash_common.config import check, option, section
 
@@ -145,6 +145,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class PrecomputeConfig:
+    STAGE: ClassVar[str] = "precompute"  # its table in a config file that holds several stages
     target: TargetConfig = section(TargetConfig, "The target model and the layers captured from it.")
     data: DataConfig = section(DataConfig, "Input conversations, chat template and length rules.")
     store: StoreConfig = section(StoreConfig, "Where and how the hidden states are written.")

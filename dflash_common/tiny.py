@@ -119,7 +119,7 @@ def build_tiny_target(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m dflash_common.tiny OUT_DIR`: build the default tiny target (what `make demo` and
-    configs/*-tiny.toml use, in .cache/tiny-target)."""
+    configs/tiny.toml use, in .cache/tiny-target)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m dflash_common.tiny",

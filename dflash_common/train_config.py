@@ -5,13 +5,13 @@ Defaults are the published DFlash recipe: AdamW lr 6e-4, weight decay 0, grad cl
 schedule with 4% warmup, 6 epochs, block size 16, up to 512 anchors per sequence, 5 draft layers;
 batches of 65,536 packed tokens as the seed pipeline used.
 
-    cfg = load_config(TrainConfig, "configs/train-tiny.toml", ["--optim.lr=3e-4"])
+    cfg = load_config(TrainConfig, "configs/tiny.toml", ["--optim.lr=3e-4"])
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dflash_common.config import check, option, section
 
@@ -192,6 +192,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    STAGE: ClassVar[str] = "train"  # its table in a config file that holds several stages
     data: DataConfig = section(DataConfig, "Stores, shard cache, batching and held-out data.")
     drafter: DrafterSection = section(DrafterSection, "Shape of the drafter being trained.")
     objective: ObjectiveSection = section(ObjectiveSection, "The DFlash objective: anchors and loss weights.")

@@ -1,7 +1,7 @@
 """`dflash-train`: train a DFlash drafter from one or more hidden-state stores.
 
     dflash-train --config configs/train-qwen3-8b.toml --store /nvme/stores/qwen3-8b --out runs/exp1
-    dflash-train --config configs/train-tiny.toml --drafter.block_size=8 --optim.lr=3e-4
+    dflash-train --config configs/tiny.toml --drafter.block_size=8 --optim.lr=3e-4
     torchrun --nproc-per-node 8 -m train.cli --config ...      # one process per GPU
 
 Rerunning the same command resumes from the newest complete checkpoint in the run directory.

@@ -60,7 +60,7 @@ def cli_args(target, inputs, store, store_dtype: str, *extra: str, samples_per_u
     runs in process (the shipped tiny config plus overrides); `extra` are further `--section.field=value`."""
     cfg_args = [f"--target.path={target}", f"--data.inputs={json.dumps(inputs)}", "--data.block_size=4",
                 "--run.device=cpu"] + [f"--{o}" for o in job_overrides(store_dtype, samples_per_unit)]
-    return ["--config", str(ROOT / "configs" / "precompute-tiny.toml"), "--out", str(store), *cfg_args, *extra]
+    return ["--config", str(ROOT / "configs" / "tiny.toml"), "--out", str(store), *cfg_args, *extra]
 
 
 def subprocess_env() -> dict[str, str]:

@@ -15,7 +15,7 @@ from precompute import plan as P
 from precompute.cli import main, parse
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "precompute-tiny.toml")
+TINY = str(ROOT / "configs" / "tiny.toml")
 
 
 def _tiny_args(tiny_target, out, *extra):
@@ -35,7 +35,7 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
     s = Store.open(store)
     assert len(s.shards) == 24 and s.manifest.layer_ids == (1, 2, 3, 4, 5) and s.verify().bad == {}
     assert s.summary["skips"]["counts"] == {"too_few_response_tokens": 1}
-    cfg: TrainConfig = parse_train(["--config", str(ROOT / "configs" / "train-tiny.toml"), "--store", str(store),
+    cfg: TrainConfig = parse_train(["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store),
                                     "--out", str(tmp_path / "train"), f"--run.target={tiny_target}",
                                     "--optim.max_steps=2", "--log.progress=false", "--log.tensorboard=false"])
     run_dir = train(cfg)

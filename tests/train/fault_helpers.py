@@ -47,7 +47,7 @@ def shard_names(store: Path) -> list[str]:
 
 def train_args(store, target, out, *extra: str) -> list[str]:
     """A short, quiet dflash-train run on the tiny target (block 4, one draft layer, fp32)."""
-    return ["--config", str(ROOT / "configs" / "train-tiny.toml"), "--store", str(store), "--out", str(out),
+    return ["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store), "--out", str(out),
             f"--run.target={target}", "--data.batch_tokens=1024", "--data.holdout_sequences=4",
             "--drafter.block_size=4", "--objective.max_anchors=8", "--log.every_steps=1", "--log.progress=false",
             "--log.tensorboard=false", *extra]

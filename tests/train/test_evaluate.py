@@ -364,13 +364,13 @@ def test_decode_prompts_warm_up_does_not_change_results(tiny, runner, prompts):
     assert all(r.first_mismatch is None for r in warm)
 
 
-@pytest.mark.parametrize("name", ["eval-tiny.toml", "eval-qwen3-8b.toml"])
+@pytest.mark.parametrize("name", ["tiny.toml", "eval-qwen3-8b.toml"])
 def test_shipped_eval_configs_load(name):
     from pathlib import Path
 
     cfg = load_config(EvalConfig, Path(__file__).resolve().parents[2] / "configs" / name)
     assert cfg.target.path and cfg.prompts.files and cfg.report.path.endswith(".json")
-    if name == "eval-tiny.toml":
+    if name == "tiny.toml":
         assert cfg.target.dtype == "float32" and cfg.check.lossless == "error"
     else:
         assert cfg.target.dtype == "bfloat16" and cfg.prompts.chat_template_kwargs == {"enable_thinking": False}

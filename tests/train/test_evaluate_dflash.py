@@ -76,7 +76,7 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
 
     root = Path(__file__).resolve().parents[2]
     report = tmp_path / "out" / "eval.json"
-    main(["--config", str(root / "configs" / "eval-tiny.toml"), "--drafter", str(drafter_dir),
+    main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
           "--report", str(report), f"--target.path={tiny_target}",
           f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=3",
           "--generation.max_new_tokens=20"])
@@ -95,7 +95,7 @@ def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     report = tmp_path / "eval.json"
-    main(["--config", str(root / "configs" / "eval-tiny.toml"), "--drafter", str(drafter_dir),
+    main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
           "--report", str(report), f"--target.path={tiny_target}", "--generation.block_size=3",
           f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=1",
           "--generation.max_new_tokens=9", "--generation.warmup=false"])

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(store, target, out, *extra):
-    return ["--config", str(ROOT / "configs" / "train-tiny.toml"), "--store", str(store), "--out", str(out),
+    return ["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store), "--out", str(out),
             f"--run.target={target}", "--data.batch_tokens=1024", "--data.holdout_sequences=4",
             "--drafter.block_size=4", "--objective.max_anchors=8", "--log.every_steps=1", "--log.progress=false",
             "--log.tensorboard=false", *extra]

@@ -9,11 +9,12 @@ import pytest
 from dflash_common.config import ConfigError, iter_fields, load_config
 from dflash_common.train_config import TrainConfig
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("train-*.toml"))
+_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = sorted([*_DIR.glob("train-*.toml"), _DIR / "tiny.toml"])
 
 
 def test_the_two_shipped_configs_name_stores_and_a_target():  # tests/test_configs.py loads every config
-    assert {p.name for p in CONFIGS} >= {"train-tiny.toml", "train-qwen3-8b.toml"}
+    assert {p.name for p in CONFIGS} >= {"tiny.toml", "train-qwen3-8b.toml"}
     for path in CONFIGS:
         cfg = load_config(TrainConfig, path)
         assert cfg.data.stores and cfg.run.target
