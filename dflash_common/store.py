@@ -69,6 +69,16 @@ class ShardData:
         return decode_states(data, scale_t, self.dtype, out_dtype=out_dtype)
 
 
+def published_shard_names(path: str | Path) -> list[str]:
+    """The shards published in the store at `path`, sorted, read from its shards directory alone (no
+    root metadata needed: a store whose root zarr.json is gone still lists them)."""
+    try:
+        with os.scandir(Path(path) / SHARDS_DIR) as entries:
+            return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
+    except FileNotFoundError:
+        return []
+
+
 class Store:
     """A store opened for reading. Thread-safe: several threads may read shards at once."""
 
@@ -110,11 +120,7 @@ class Store:
 
     def shard_names(self) -> list[str]:
         """Published shard names, sorted; hidden names (never published) are skipped."""
-        try:
-            with os.scandir(self.path / SHARDS_DIR) as entries:
-                return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
-        except FileNotFoundError:
-            return []
+        return published_shard_names(self.path)
 
     @property
     def shards(self) -> list[ShardInfo]:

@@ -38,7 +38,7 @@ from dflash_common.cli import UserError, write_run_record
 from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.precompute_config import PrecomputeConfig
-from dflash_common.store import SHARDS_DIR, Store, StoreManifest, StoreWriter
+from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import (
@@ -220,7 +220,9 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips)
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
-    published = set(_published(Path(cfg.store.path)))
+    # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
+    # keeps its shards; names derive from content and state settings, so a name found is this run's shard
+    published = set(published_shard_names(cfg.store.path))
     committed = {u for u, name in names.items() if name in published}
     gathered = ranks.gather((summaries, committed, reader_skips.to_dict()))
     plan = make_plan([s for part, _, _ in gathered for s in part], records,
@@ -229,17 +231,6 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
                      committed=set().union(*(c for _, c, _ in gathered)), report_first=cfg.data.report_first,
                      reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first))  # read by every rank
     return plan, RankUnits(summaries, names, committed, cache)
-
-
-def _published(store_path: Path) -> list[str]:
-    """Shards already in the store, listed without its root metadata: a store whose cut zarr.json was
-    deleted (as the error says to) keeps its shards. Names derive from content and state settings, so
-    a name found is this run's shard."""
-    try:
-        with os.scandir(store_path / SHARDS_DIR) as entries:
-            return [e.name for e in entries if not e.name.startswith(".") and e.is_dir()]
-    except FileNotFoundError:
-        return []
 
 
 # ---------------------------------------------------------------------------------------- compute

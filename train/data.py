@@ -253,6 +253,18 @@ def wait_for_shards(rows: np.ndarray, cache: ShardCache, shards: Sequence[ShardM
     return keys, handles, slots
 
 
+def wait_for_usable(planned: np.ndarray, cache: ShardCache, shards: Sequence[ShardMeta], bad: BadShards):
+    """(rows, keys, handles, slots) of a planned batch's rows whose shards are readable, once read;
+    None when none is left (every shard it needs is corrupt and skipped)."""
+    while True:
+        rows = usable_rows(planned, shards, bad)
+        if not len(rows):
+            return None
+        got = wait_for_shards(rows, cache, shards, bad)
+        if got is not None:
+            return (rows, *got)
+
+
 class BatchNode(BaseNode[HostBatch]):
     """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next batch."""
 
@@ -303,15 +315,12 @@ class BatchNode(BaseNode[HostBatch]):
         while True:
             p = self._current()
             self._hold_windows(p, int(p.batch_window[self.index]))
-            rows = usable_rows(p.batches[self.index], self.plan.shards, self.bad)
-            if not len(rows):  # every sequence of this batch is in skipped shards
-                self._check_some_shard_left()
-                self.index += 1
-                continue
-            got = wait_for_shards(rows, self.cache, self.plan.shards, self.bad)
+            got = wait_for_usable(p.batches[self.index], self.cache, self.plan.shards, self.bad)
             if got is not None:
                 break
-        keys, handles, slots = got
+            self._check_some_shard_left()  # every sequence of this batch is in skipped shards
+            self.index += 1
+        rows, keys, handles, slots = got
         gen = seeded_generator(self.seed, _ANCHORS, self.epoch, self.rank, self.index)
         batch = assemble(rows, slots, {k: i for i, k in enumerate(keys)}, gen, self.block_size,
                          self.max_anchors, self.epoch, self.index, handles)
@@ -350,15 +359,10 @@ def val_batches(plan: DataPlan, cache: ShardCache, *, rank: int, block_size: int
     validation of every run of the same store draws the same blocks. Generator of HostBatch."""
     bad = bad if bad is not None else BadShards()
     for i, planned in enumerate(plan.val_batches(rank)):
-        got, rows = None, planned
-        while got is None:
-            rows = usable_rows(planned, plan.shards, bad)
-            if not len(rows):
-                break
-            got = wait_for_shards(rows, cache, plan.shards, bad)
+        got = wait_for_usable(planned, cache, plan.shards, bad)
         if got is None:
             continue
-        keys, handles, slots = got
+        rows, keys, handles, slots = got
         gen = seeded_generator(0, _VAL_ANCHORS, rank, i)
         yield assemble(rows, slots, {k: j for j, k in enumerate(keys)}, gen, block_size, max_anchors, -1, i, handles)
 

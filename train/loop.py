@@ -33,7 +33,7 @@ from dflash_common.cli import UserError, write_run_record
 from dflash_common.config import to_dict
 from dflash_common.drafter import DFlashDrafter, DrafterConfig
 from dflash_common.export import load_weights_into, save_drafter
-from dflash_common.fsutil import is_disk_full
+from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import Store, check_compatible
 from dflash_common.store import open_stores as open_store_paths
 from dflash_common.target_weights import load_target_head
@@ -386,7 +386,7 @@ def run(cfg: TrainConfig) -> Path:
         if not is_disk_full(e):
             raise
         latest = latest_checkpoint(cfg.run.out_dir)
-        raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({str(e).splitlines()[0]}); free "
+        raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({os_reason(e)}); free "
                         f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
                         f"{latest or 'the start'}.") from e
 
