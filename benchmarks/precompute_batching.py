@@ -3,6 +3,7 @@ correctness and speed of right padding (with / without an attention mask) agains
 
     python benchmarks/precompute_batching.py --quick        # tiny target, CPU, seconds
     python benchmarks/precompute_batching.py --device cuda  # same table on a GPU
+    python benchmarks/precompute_batching.py --device cuda --qwen3-8b-layers 8  # + the real layer shape
 
 Prints three tables: padding fraction by sort window; per-layout forward time plus the largest
 difference of a sequence's states from its states computed alone (0 = no leak); and the same leak
@@ -44,13 +45,33 @@ def padding_table(n: int, budget: int, max_length: int) -> None:
         print(f"{window:>22} | {padding_fraction(lengths, batches):>8.1%} | {len(batches):>7}")
 
 
-def forward_table(path: Path, device: str, n: int, max_length: int, repeats: int) -> None:
+def tiny_model(path: Path, device: str) -> torch.nn.Module:
     from transformers import AutoModel
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    return AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()
+
+
+def qwen3_8b_layers(device: str, layers: int) -> torch.nn.Module:
+    """Qwen3-8B's layer shape (hidden 4096, 32 heads, 8 kv heads, head_dim 128, MLP 12288) with
+    random bf16 weights made on `device`, `layers` deep: the layouts' relative cost is per layer."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return Qwen3Model(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def forward_table(model: torch.nn.Module, label: str, device: str, n: int, max_length: int, repeats: int) -> None:
     gen = torch.Generator().manual_seed(0)
     lengths = sorted(lengths_like_chat(n, max_length, seed=1), reverse=True)
     seqs = [torch.randint(0, 256, (m,), generator=gen).numpy() for m in lengths]
@@ -67,7 +88,7 @@ def forward_table(path: Path, device: str, n: int, max_length: int, repeats: int
             "right padding + mask": lambda: run(input_ids=padded, attention_mask=mask),
             "packed + position ids": lambda: run(input_ids=packed, position_ids=positions),
         }
-        print(f"\nforward of {n} sequences ({sum(lengths)} tokens) on {device}, tiny target, float32")
+        print(f"\nforward of {n} sequences ({sum(lengths)} tokens) on {device}, {label}")
         print(f"{'layout':>26} | {'ms':>8} | {'max |diff| vs alone':>20}")
         for name, fn in layouts.items():
             out = fn()
@@ -135,11 +156,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes for a CPU smoke run")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--qwen3-8b-layers", type=int, default=0, metavar="N",
+                        help="also time the layouts on N layers of Qwen3-8B's shape in bf16 (a GPU run)")
     args = parser.parse_args()
     n, max_length, repeats = (8, 512, 3) if args.quick else (32, 3072, 7)
     padding_table(2048 if args.quick else 65536, budget=32768, max_length=3072)
     with tempfile.TemporaryDirectory() as tmp:
-        forward_table(build_tiny_target(Path(tmp) / "tiny", TinySpec()), args.device, n, max_length, repeats)
+        tiny = tiny_model(build_tiny_target(Path(tmp) / "tiny", TinySpec()), args.device)
+        forward_table(tiny, "tiny target, float32", args.device, n, max_length, repeats)
+        if args.qwen3_8b_layers:
+            big = qwen3_8b_layers(args.device, args.qwen3_8b_layers)
+            forward_table(big, f"{args.qwen3_8b_layers} layers of Qwen3-8B's shape, bf16, sdpa", args.device, n,
+                          max_length, repeats)
+            del big
         hybrid_table(build_tiny_hybrid(Path(tmp) / "hybrid"))
 
 

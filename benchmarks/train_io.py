@@ -1,9 +1,8 @@
 """Trainer I/O: does reading the store from disk slow training down?
 
 In one run, the same drafter trains on the same batches twice:
-1. resident: the first batches of the plan, decoded and already on the GPU, no data path at all
-   (cycled when there are fewer of them than steps);
-2. from disk: the same plan through the trainer's data path (reader threads -> pinned slot cache ->
+1. resident: the batches of the plan, decoded and already on the GPU, no data path at all;
+2. from disk: the same batches, in the same order, through the trainer's data path (reader threads -> pinned slot cache ->
    one batch on the GPU plus one in flight), with a cache smaller than the store and the store's pages
    dropped from the page cache (posix_fadvise DONTNEED) first, so shards really come from the disk.
 
@@ -48,7 +47,7 @@ from train.loop import _N, _TOKENS, _WAIT, build_optimizer, train_step  # noqa: 
 # Qwen3-8B: hidden 4096, 32 heads of 128, 8 KV heads, MLP 12288, vocabulary 151,936, 36 layers.
 FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, target_layers=36,
             layer_ids=[1, 9, 17, 25, 33], depth=5, block=16, anchors=256, store_gb=24.0, shard_tokens=32768,
-            window=4, batch_tokens=16384, seq_min=512, seq_max=3072, steps=20, warmup=3)
+            window=4, batch_tokens=16384, seq_min=512, seq_max=3072, steps=30, warmup=3)
 # 16,384 tokens x 256 anchors per batch: ~37K block rows, ~60 GB of activations for this drafter on one
 # GPU (measured ~1.6 MB per block row); 65,536 tokens x 512 anchors would not fit in 141 GB.
 QUICK = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, target_layers=8,
@@ -67,8 +66,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="timed optimiser steps per phase")
     p.add_argument("--reader-threads", type=int, default=8)
     p.add_argument("--gpu-prefetch", type=int, default=1, choices=[0, 1])
-    p.add_argument("--resident-batches", type=int, default=8,
-                   help="distinct batches held on the GPU for the resident phase, cycled (2.7 GB each at full size)")
+    p.add_argument("--resident-batches", type=int, default=None,
+                   help="cap on the batches held on the GPU for the resident phase (0.7 GB each at full size); "
+                        "default: every batch of the phase, so that both phases train exactly the same batches. "
+                        "A cap cycles them, and the phases then compare different batches")
     return p.parse_args()
 
 
@@ -194,7 +195,8 @@ def run(args, s, store, store_path, store_bytes, steps, device) -> None:
     # resident first: the same batches the disk phase will train on, decoded on the device
     data = TrainData.build(cfg, [store], s["layer_ids"], rank=0, world=1, device=device)
     feeder = data.start()
-    resident = [dataclasses.replace(next(feeder), data_wait_s=0.0) for _ in range(min(total, args.resident_batches))]
+    held = min(total, args.resident_batches or total)
+    resident = [dataclasses.replace(next(feeder), data_wait_s=0.0) for _ in range(held)]
     data.close()
     gpu = timed_phase(drafter, itertools.cycle(resident), cfg, steps, s["warmup"], device)
     del resident, feeder
@@ -210,7 +212,7 @@ def run(args, s, store, store_path, store_bytes, steps, device) -> None:
     print("| --- | --- | --- | --- |")
     print(f"| from disk (cache {cache_bytes / store_bytes:.0%} of the store, page cache "
           f"{'dropped' if dropped else 'kept'}) | {disk['tok_s']:,.0f} | {disk['stall']:.1%} | {_gb(disk['peak_gb'])} |")
-    print(f"| resident on the {device.type.upper()} (peak includes {min(total, args.resident_batches)} resident batches) | "
+    print(f"| resident on the {device.type.upper()} (peak includes {held} resident batches) | "
           f"{gpu['tok_s']:,.0f} | - | {_gb(gpu['peak_gb'])} |")
     print()
     ratio = disk["tok_s"] / gpu["tok_s"]
