@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import time
+import dataclasses
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -92,6 +93,14 @@ def _host() -> str:
     return socket.gethostname().replace("~", "-").replace("/", "-")
 
 
+@dataclasses.dataclass(frozen=True)
+class WrittenShard(ShardInfo):
+    """A shard write's result: False `published` means another writer published this name first and
+    its shard was kept (this copy was dropped)."""
+
+    published: bool = True
+
+
 class StoreWriter:
     """Writes shards into one store; any number of processes (and threads) may write one store."""
 
@@ -147,10 +156,11 @@ class StoreWriter:
                     removed.append(entry.name)
         return removed
 
-    def write_shard(self, name: str, payload: ShardPayload) -> ShardInfo:
+    def write_shard(self, name: str, payload: ShardPayload) -> WrittenShard:
         """Write one shard and publish it atomically. NaN/Inf states are refused (naming the sample)
         before anything touches the disk. If the name is already published (a rerun, or another
-        writer of the same unit), the shard on disk is kept and this copy dropped."""
+        writer of the same unit), the shard on disk is kept and this copy dropped: `published` is
+        then False."""
         check_shard_name(name)
         arrays, attrs = self._shard_arrays(name, payload)
         staging = self.staging_dir / f"{name}~{_host()}~{os.getpid()}~{uuid.uuid4().hex[:8]}"
@@ -161,10 +171,10 @@ class StoreWriter:
                                       array_attrs, dims)
                 write_data(staging / array_name, layout, data)
             fsync_tree(staging)
-            publish_dir(staging, self.shards_dir / name)
+            published = publish_dir(staging, self.shards_dir / name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # gone after a publish; a failed write's rest
-        return ShardInfo(name, attrs["num_tokens"], attrs["num_sequences"])
+        return WrittenShard(name, attrs["num_tokens"], attrs["num_sequences"], published)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Add `summary` (totals, timings: anything, it is not part of the manifest) to the root

@@ -336,7 +336,8 @@ def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, floa
     this_run = {
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": world, "units_written": total("units_written"),
-        "units_already_in_store": plan.committed_units, "bytes_written": total("bytes_written"),
+        "units_already_in_store": plan.committed_units,
+        "units_published_elsewhere": total("units_published_elsewhere"), "bytes_written": total("bytes_written"),
         "batches": total("batches"), "tokens_forwarded": total("tokens"), "padded_tokens": total("padded_tokens"),
         "seconds": {k: round(v, 3) for k, v in timings.items()},
         "tokens_per_s": round(total("tokens") / max(1e-9, timings["forward_write"]), 1),
@@ -349,6 +350,11 @@ def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, floa
             "empty_units": plan.empty_units, "bytes_projected": plan.bytes_total, "runs": runs}
 
 
+def _elsewhere(run: dict[str, Any]) -> str:
+    n = run.get("units_published_elsewhere", 0)  # absent from the runs of older versions
+    return f", {n:,} published meanwhile by another job (its copy kept)" if n else ""
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     run = summary["runs"][-1]
     skips = ", ".join(f"{k} {v:,}" for k, v in summary["skips"]["counts"].items()) or "none"
@@ -358,8 +364,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"({len(summary['empty_units']):,} without a sequence)",
         f"  skipped records: {skips}; truncated {summary['truncated']:,}",
         f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])}), "
-        f"{run['units_already_in_store']:,} already in the store; {run['tokens_forwarded']:,} tokens forwarded "
-        f"at {run['tokens_per_s']:,.0f} tok/s on {run['world_size']} rank(s)",
+        f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
+        f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s on {run['world_size']} rank(s)",
         f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
         f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
         f"{run['disk_wait_s_max_rank']:.1f} s",

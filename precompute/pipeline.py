@@ -78,7 +78,8 @@ class PipelineStats:
     sequences: int = 0
     tokens: int = 0  # real tokens through the forward
     padded_tokens: int = 0  # token slots of the forward, pads included
-    units_written: int = 0
+    units_written: int = 0  # shards this run published
+    units_published_elsewhere: int = 0  # computed, but another job published the same unit first
     bytes_written: int = 0  # on disk, published shards of this run
     setup_s: float = 0.0  # allocating (and pinning) the staging buffers, starting the threads
     wait_s: float = 0.0  # main thread blocked on a free staging buffer: the GPU waited for the disk
@@ -326,11 +327,12 @@ class Pipeline:
     def _write_one(self, assembly: _Assembly) -> None:
         started = time.perf_counter()
         name = assembly.work.name
-        self.writer.write_shard(name, assembly.payload())
-        nbytes = _tree_bytes(self.writer.path / SHARDS_DIR / name)
+        published = self.writer.write_shard(name, assembly.payload()).published
+        nbytes = _tree_bytes(self.writer.path / SHARDS_DIR / name) if published else 0
         with self._lock:
             self.stats.write_s += time.perf_counter() - started
-            self.stats.units_written += 1
+            self.stats.units_written += published
+            self.stats.units_published_elsewhere += not published
             self.stats.bytes_written += nbytes
 
     def _fail(self, error: BaseException, shard: str | None = None) -> None:

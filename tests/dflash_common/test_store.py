@@ -211,7 +211,7 @@ def test_rewriting_a_published_shard_keeps_the_first(tmp_path):
     w = write_units(tmp_path / "s", m, [0], 100)
     before = (tmp_path / "s/shards" / unit_name(0) / "layer_1/c/0/0").stat().st_mtime_ns
     info = w.write_shard(unit_name(0), payload(0, 100, m)[0])
-    assert info.num_tokens == 100
+    assert info.num_tokens == 100 and not info.published
     assert (tmp_path / "s/shards" / unit_name(0) / "layer_1/c/0/0").stat().st_mtime_ns == before
     assert os.listdir(tmp_path / "s/.staging") == []
 

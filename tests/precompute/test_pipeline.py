@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -124,6 +125,34 @@ def test_a_unit_whose_records_were_all_skipped_is_done_without_a_shard(tiny_targ
     job.run(cfg)  # the rerun knows unit 1 is done: nothing runs
     again = Store.open(tmp_path / "store").summary["runs"]
     assert len(again) == 2 and again[1]["batches"] == 0 and again[1]["units_written"] == 0
+
+
+def test_a_unit_another_job_published_first_is_not_counted_as_written(tiny_target, tmp_path, monkeypatch, capsys):
+    real_write = StoreWriter.write_shard
+    raced, lock = {}, threading.Lock()
+
+    def racing_write(self, name, payload):
+        with lock:  # another job publishes the first unit written just before this job does
+            first = not raced
+            if first:
+                raced[name] = None
+        if first:
+            raced[name] = real_write(self, name, payload).published
+        return real_write(self, name, payload)
+
+    monkeypatch.setattr(StoreWriter, "write_shard", racing_write)
+    inputs = [write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(8)])]
+    cfg = make_config(tiny_target, inputs, tmp_path / "store", "run.samples_per_unit=2", "run.progress=false")
+    job.run(cfg)
+    store = Store.open(tmp_path / "store")
+    run = store.summary["runs"][0]
+    assert list(raced.values()) == [True] and len(store.shards) == 4
+    assert run["units_written"] == 3 and run["units_published_elsewhere"] == 1
+    ours = [s.name for s in store.shards if s.name not in raced]
+    assert run["bytes_written"] == sum(f.stat().st_size for name in ours
+                                       for f in (tmp_path / "store/shards" / name).rglob("*") if f.is_file())
+    assert "3 shards written" in capsys.readouterr().out and "1 published meanwhile by another job" in \
+        job.format_summary(store.summary)
 
 
 def test_a_slow_disk_holds_the_forward_back_instead_of_filling_memory(tiny_target, tmp_path, monkeypatch):
