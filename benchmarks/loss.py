@@ -111,7 +111,8 @@ def sweep(sizes, device, dtype, reps: int) -> None:
         inputs = make_inputs(n, h, v, device, dtype, False)
         for rows in (256, 384, 512, 640, 768, 1024, 1280, 1536, 2048):
             def fn(hidden, weight, labels, weights, rows=rows):
-                return fused_lm_head_loss(hidden, weight, labels, weights, chunk_bytes=rows * v * weight.element_size()).loss
+                chunk_bytes = rows * v * weight.element_size()
+                return fused_lm_head_loss(hidden, weight, labels, weights, chunk_bytes=chunk_bytes).loss
             ms, peak = measure(fn, inputs, reps)
             print(f"| {rows:>10} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {peak or 0:>9.2f} |")
         del inputs

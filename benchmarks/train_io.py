@@ -2,9 +2,10 @@
 
 In one run, the same drafter trains on the same batches twice:
 1. resident: the batches of the plan, decoded and already on the GPU, no data path at all;
-2. from disk: the same batches, in the same order, through the trainer's data path (reader threads -> pinned slot cache ->
-   one batch on the GPU plus one in flight), with a cache smaller than the store and the store's pages
-   dropped from the page cache (posix_fadvise DONTNEED) first, so shards really come from the disk.
+2. from disk: the same batches, in the same order, through the trainer's data path (reader threads
+   -> pinned slot cache -> one batch on the GPU plus one in flight), with a cache smaller than the
+   store and the store's pages dropped from the page cache (posix_fadvise DONTNEED) first, so shards
+   really come from the disk.
 
 It prints tok/s, the data-stall fraction (host time blocked waiting for a batch), cache hits and
 peak GPU memory of each phase, and the ratio from-disk / resident (goal: >= 0.97).
@@ -211,7 +212,8 @@ def run(args, s, store, store_path, store_bytes, steps, device) -> None:
     print("| phase | tok/s | data stall | peak GPU memory |")
     print("| --- | --- | --- | --- |")
     print(f"| from disk (cache {cache_bytes / store_bytes:.0%} of the store, page cache "
-          f"{'dropped' if dropped else 'kept'}) | {disk['tok_s']:,.0f} | {disk['stall']:.1%} | {_gb(disk['peak_gb'])} |")
+          f"{'dropped' if dropped else 'kept'}) | {disk['tok_s']:,.0f} | {disk['stall']:.1%} | "
+          f"{_gb(disk['peak_gb'])} |")
     print(f"| resident on the {device.type.upper()} (peak includes {held} resident batches) | "
           f"{gpu['tok_s']:,.0f} | - | {_gb(gpu['peak_gb'])} |")
     print()

@@ -63,7 +63,8 @@ def main() -> None:
     prompts = make_prompts(args.train + args.prompts, seed=0)
     with open(HERE / "tiny-train.jsonl", "w") as f:
         for i, (p, r) in enumerate(answer(model, tokenizer, prompts[: args.train], args.max_new_tokens)):
-            f.write(json.dumps({"id": f"tiny-{i}", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}) + "\n")
+            record = {"id": f"tiny-{i}", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}
+            f.write(json.dumps(record) + "\n")
     with open(HERE / "tiny-prompts.jsonl", "w") as f:
         for prompt in prompts[args.train:]:
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt}]}) + "\n")

@@ -15,10 +15,11 @@ Two ways to find the assistant tokens, which give the same mask where both apply
              does with its empty <think></think> block) just after the first end-of-turn token
              after `start`.
    A conversation that opens with an assistant turn has no prompt to render and is refused
-   (`assistant_turn_first`) on this path. A token is masked when its characters overlap an assistant span, exactly as transformers does for
-   marked templates. If the generation prompt of turn i is not a prefix of F, the template rewrites
-   history (e.g. a template that strips earlier turns differently than at generation time); the
-   position of the turn is then unknown and the conversation is refused with reason
+   (`assistant_turn_first`) on this path. A token is masked when its characters overlap an assistant
+   span, exactly as transformers does for marked templates. If the generation prompt of turn i is
+   not a prefix of F, the template rewrites history (e.g. a template that strips earlier turns
+   differently than at generation time); the position of the turn is then unknown and the
+   conversation is refused with reason
    `template_rewrites_history` instead of getting a guessed mask.
 
 Template options (`enable_thinking` and the like) pass through as `template_kwargs`.

@@ -24,7 +24,8 @@ NUM_BYTE_TOKENS = 256
 _TEMPLATE_MARKED = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{- '\\n' }}"
     "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -48,7 +49,8 @@ class TinySpec:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    initializer_range: float = 0.1  # wider than HF's 0.02: greedy text mixes structure and variety, not one repeated token
+    # wider than HF's 0.02: greedy text mixes structure and variety, not one repeated token
+    initializer_range: float = 0.1
     generation_markers: bool = True
     seed: int = 0
 

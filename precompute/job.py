@@ -365,7 +365,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  skipped records: {skips}; truncated {summary['truncated']:,}",
         f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])}), "
         f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
-        f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s on {run['world_size']} rank(s)",
+        f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s "
+        f"on {run['world_size']} rank(s)",
         f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
         f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
         f"{run['disk_wait_s_max_rank']:.1f} s",

@@ -67,7 +67,8 @@ class SlotSlab:
         if pin:
             started = time.perf_counter()
             slab._register()
-            log.info("shard cache: pinned %s in %.1f s", human_bytes(n_slots * slot_bytes), time.perf_counter() - started)
+            log.info("shard cache: pinned %s in %.1f s", human_bytes(n_slots * slot_bytes),
+                     time.perf_counter() - started)
         else:
             why = "no CUDA: nothing to copy to" if not torch.cuda.is_available() else "pinning turned off"
             log.info("shard cache: %s of ordinary memory, not pinned (%s)", human_bytes(n_slots * slot_bytes), why)

@@ -1,11 +1,14 @@
 """dflash-precompute on a full disk: one sentence (exit 2, no traceback) saying what filled up and that
 rerunning resumes, no partial shard visible, and once space is freed the same command finishes the
-store of an uninterrupted run. Once on a real small filesystem (a tmpfs, where mounting one is
-allowed), once with the errors injected (everywhere): in the shard writer, then in the summary."""
+store of an uninterrupted run. On a real small filesystem (a tmpfs, where mounting one is allowed),
+with one process and with two ranks under torchrun; and with the errors injected (everywhere): in
+the shard writer, then in the summary."""
 
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +18,7 @@ from precompute import job
 from precompute.cli import main
 
 from precompute_helpers import (
-    cli_args, demo_inputs, job_overrides, make_config, published, shard_sums, store_files,
+    ROOT, cli_args, demo_inputs, job_overrides, make_config, published, shard_sums, store_files, subprocess_env,
 )
 
 UNITS = 12  # of demo_inputs with job_overrides' 4 samples per unit
@@ -43,12 +46,13 @@ def _fails_with_one_sentence(args, capsys) -> str:
     return last
 
 
-def _nothing_partial_visible(store, reference) -> list[str]:
-    """Every visible shard is whole (the reference's bytes); no staging dir is left; -> their names."""
+def _nothing_partial_visible(store, reference, staging_left: bool = False) -> list[str]:
+    """Every visible shard is whole (the reference's bytes); no staging dir is left (`staging_left`:
+    unless a process was terminated from outside mid-write); -> their names."""
     seen = published(store)
     assert set(seen) < set(published(reference))
     assert shard_sums(store, seen) == shard_sums(reference, seen)
-    assert not any((store / ".staging").iterdir())
+    assert staging_left or not any((store / ".staging").iterdir())
     return seen
 
 
@@ -70,6 +74,29 @@ def test_a_real_full_disk(small_disk, tiny_target, inputs, reference, capsys):
     seen = _nothing_partial_visible(store, reference)
     disk.resize("16m")
     _finishes_as_the_reference(args, store, reference, len(seen))
+
+
+def test_a_real_full_disk_under_two_ranks(small_disk, tiny_target, inputs, reference):
+    disk = small_disk("2m")
+    store = disk.path / "store"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "precompute.cli", *cli_args(tiny_target, inputs, store, "bf16", "--run.force=true")]
+    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stderr
+    # each rank that hit the full disk says so in one sentence (torchrun then adds its own report)
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert 1 <= len(ours) <= 2 and all("filesystem is full" in e and "rerunning the same command resumes" in e
+                                       for e in ours), done.stderr
+    tracebacks = done.stderr.split("Traceback (most recent call last)")[1:]
+    assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0], done.stderr  # torchrun's, none of ours
+    # torchrun terminates the other rank when one fails, perhaps mid-write: its staging dir may stay
+    seen = _nothing_partial_visible(store, reference, staging_left=True)
+    disk.resize("16m")
+    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert store_files(store) == store_files(reference)
+    assert not any((store / ".staging").iterdir())  # a dead process's staging is cleaned by the rerun
+    assert Store.open(store).summary["runs"][-1]["units_written"] == UNITS - len(seen)
 
 
 def test_an_injected_full_disk_in_the_writer_then_in_the_summary(tiny_target, inputs, reference, tmp_path, capsys,
