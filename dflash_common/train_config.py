@@ -125,7 +125,8 @@ class OptimConfig:
     min_lr_ratio: float = option(0.0, "The cosine schedule ends at lr * min_lr_ratio.")
     epochs: int = option(6, "Passes over the training data.")
     max_steps: int | None = option(None, "Stop after this many optimiser steps (the schedule spans them).")
-    grad_accum: int = option(1, "Micro-batches per optimiser step on each rank.")
+    grad_accum: int = option(1, "Micro-batches per optimiser step on each rank; the step's loss is their "
+                                "token-weighted whole, as one batch holding them all.")
 
     def __post_init__(self):
         check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}.")

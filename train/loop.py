@@ -162,26 +162,8 @@ class StepInfo:
 
 def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg: TrainConfig,
                sums: torch.Tensor, counts: torch.Tensor) -> StepInfo:
-    """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and `counts`.
-    Each micro-batch's loss is its weighted mean, and the step's loss their mean."""
-    accum = cfg.optim.grad_accum
-    for micro in range(accum):
-        batch = next(feeder)
-        if batch.anchors.numel() == 0:
-            raise RuntimeError(f"batch {batch.index} of epoch {batch.epoch} has no anchors")
-        last = micro == accum - 1
-        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
-        with sync:
-            loss_sum, weight, c = batch_objective(drafter, model, batch, block_size=drafter.cfg.block_size,
-                                                  gamma=cfg.objective.gamma, autocast=cfg.precision.autocast)
-            (loss_sum / weight.clamp(min=1e-9) / accum).backward()
-        sums[_LOSS] += loss_sum.detach().double()
-        sums[_WEIGHT] += weight.double()
-        sums[_TOKENS] += batch.tokens
-        sums[_WAIT] += batch.data_wait_s
-        counts += c
-        info = StepInfo(batch.epoch, batch.position)
-        del batch  # free its features before the next batch is decoded: one batch on the GPU
+    """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and `counts`."""
+    info = accumulate_gradients(model, drafter, feeder, cfg, sums, counts)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
     sums[_GNORM] += grad_norm.double()
@@ -191,6 +173,43 @@ def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg:
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return dataclasses.replace(info, lr=lr)
+
+
+def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: torch.Tensor,
+                         counts: torch.Tensor) -> StepInfo:
+    """Gradients of the step's objective: the weighted CE summed over every micro-batch of every rank,
+    divided by their summed weight; the same gradient as one batch holding them all, whatever
+    `grad_accum` and the number of ranks (not a mean of per-batch means, which would weigh a token
+    of a batch with few anchors more). Each micro-batch backpropagates its plain sum; the weights are
+    summed over ranks (one small all_reduce, no host sync) and the gradients scaled once at the end."""
+    accum = cfg.optim.grad_accum
+    weight_sum = None
+    for micro in range(accum):
+        batch = next(feeder)
+        if batch.anchors.numel() == 0:
+            raise RuntimeError(f"batch {batch.index} of epoch {batch.epoch} has no anchors")
+        last = micro == accum - 1
+        sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        with sync:
+            loss_sum, weight, c = batch_objective(drafter, model, batch, block_size=drafter.cfg.block_size,
+                                                  gamma=cfg.objective.gamma, autocast=cfg.precision.autocast)
+            loss_sum.backward()
+        weight_sum = weight.detach().double() if weight_sum is None else weight_sum + weight.detach().double()
+        sums[_LOSS] += loss_sum.detach().double()
+        sums[_WEIGHT] += weight.double()
+        sums[_TOKENS] += batch.tokens
+        sums[_WAIT] += batch.data_wait_s
+        counts += c
+        info = StepInfo(batch.epoch, batch.position)
+        del batch  # free its features before the next batch is decoded: one batch on the GPU
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(weight_sum)
+        world = dist.get_world_size()  # DDP has averaged the gradients over the ranks: undo the 1/world
+    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, (world / weight_sum.clamp(min=1e-9)).to(grads[0].dtype))
+    return info
 
 
 class Window:
