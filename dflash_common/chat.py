@@ -19,8 +19,7 @@ Two ways to find the assistant tokens, which give the same mask where both apply
    span, exactly as transformers does for marked templates. If the generation prompt of turn i is
    not a prefix of F, the template rewrites history (e.g. a template that strips earlier turns
    differently than at generation time); the position of the turn is then unknown and the
-   conversation is refused with reason
-   `template_rewrites_history` instead of getting a guessed mask.
+   conversation is refused with reason `template_rewrites_history` instead of getting a guessed mask.
 
 Template options (`enable_thinking` and the like) pass through as `template_kwargs`.
 """

@@ -7,12 +7,12 @@ on an existing shard, so the first writer of a unit wins and a rerun of the unit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import socket
 import time
-import dataclasses
 import uuid
 from collections.abc import Mapping
 from pathlib import Path

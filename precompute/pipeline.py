@@ -331,8 +331,8 @@ class Pipeline:
         nbytes = _tree_bytes(self.writer.path / SHARDS_DIR / name) if published else 0
         with self._lock:
             self.stats.write_s += time.perf_counter() - started
-            self.stats.units_written += published
-            self.stats.units_published_elsewhere += not published
+            self.stats.units_written += 1 if published else 0
+            self.stats.units_published_elsewhere += 0 if published else 1
             self.stats.bytes_written += nbytes
 
     def _fail(self, error: BaseException, shard: str | None = None) -> None:

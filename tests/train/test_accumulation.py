@@ -32,8 +32,7 @@ def _close(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def two_batches(tiny_store, tiny_target):
-    torch.set_num_threads(1)
+def two_batches(tiny_store, tiny_target, one_thread):
     return setup(tiny_store, tiny_target, grad_accum=2)
 
 
