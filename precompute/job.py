@@ -351,7 +351,7 @@ def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, floa
 
 
 def _elsewhere(run: dict[str, Any]) -> str:
-    n = run.get("units_published_elsewhere", 0)  # absent from the runs of older versions
+    n = run["units_published_elsewhere"]
     return f", {n:,} published meanwhile by another job (its copy kept)" if n else ""
 
 

@@ -183,7 +183,7 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
     of a batch with few anchors more). Each micro-batch backpropagates its plain sum; the weights are
     summed over ranks (one small all_reduce, no host sync) and the gradients scaled once at the end."""
     accum = cfg.optim.grad_accum
-    weight_sum = None
+    weight_sum = torch.zeros((), dtype=torch.float64, device=sums.device)  # this step's, on this rank
     for micro in range(accum):
         batch = next(feeder)
         if batch.anchors.numel() == 0:
@@ -194,7 +194,7 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
             loss_sum, weight, c = batch_objective(drafter, model, batch, block_size=drafter.cfg.block_size,
                                                   gamma=cfg.objective.gamma, autocast=cfg.precision.autocast)
             loss_sum.backward()
-        weight_sum = weight.detach().double() if weight_sum is None else weight_sum + weight.detach().double()
+        weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
         sums[_WEIGHT] += weight.double()
         sums[_TOKENS] += batch.tokens
