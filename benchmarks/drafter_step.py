@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_common.drafter import BlockLayout, DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash_common.layer_ids import default_layer_ids  # noqa: E402
-from dflash_common.loss import fused_lm_head_loss  # noqa: E402
-from dflash_common.objective import block_labels, sample_anchors  # noqa: E402
+from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
+from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
+from dflash_common.drafter.model import BlockLayout, DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_common.drafter.objective import block_labels, sample_anchors  # noqa: E402
 
 H200_BF16_TFLOPS = 989.0  # dense, no sparsity
 

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_common.loss import fused_lm_head_loss  # noqa: E402
-from dflash_common.objective import default_gamma  # noqa: E402
+from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
+from dflash_common.drafter.objective import default_gamma  # noqa: E402
 
 GOAL_SIZES = [(16384, 4096, 151936), (65536, 5120, 248320)]  # (N, H, V)
 QUICK_SIZES = [(256, 64, 1000), (512, 96, 2003)]

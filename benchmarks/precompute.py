@@ -44,10 +44,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_common.config import load_config  # noqa: E402
-from dflash_common.layer_ids import default_layer_ids  # noqa: E402
-from dflash_common.precompute_config import PrecomputeConfig  # noqa: E402
+from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
 from dflash_common.store import Store  # noqa: E402
 from precompute.batching import pad_right  # noqa: E402
+from precompute.config import PrecomputeConfig  # noqa: E402
 from precompute.inputs import SkipLog  # noqa: E402
 from precompute.pipeline import window_batches  # noqa: E402
 from precompute.plan import TokenizedUnit  # noqa: E402

@@ -28,11 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_common.quant import encode_states  # noqa: E402
 from dflash_common.store import (  # noqa: E402
     ShardPayload, Store, StoreManifest, StoreWriter, buffers_nbytes, carve_buffers,
 )
-from dflash_common.store_chunks import CODECS  # noqa: E402
+from dflash_common.store.chunks import CODECS  # noqa: E402
+from dflash_common.store.quant import encode_states  # noqa: E402
+from dflash_common.store.verify import store_info  # noqa: E402
 
 DTYPES = ("bf16", "fp8_e4m3")
 
@@ -159,7 +160,7 @@ def bench_config(args, root: Path, dtype: str, codec: str) -> dict:
     write_s = write_store(args, path, dtype, codec)
     with Store.open(path, read_threads=args.read_threads) as store:
         best, total = measure_reads(args, store, root, f"{dtype} {codec}")
-        info = store.info()
+        info = store_info(store)
     shutil.rmtree(path)
     return {"dtype": dtype, "codec": codec, "write": total / write_s / 1e6, **best,
             "bytes_per_token": info["bytes_on_disk"] / info["tokens"], "ratio": info["compression_ratio"]}

@@ -38,10 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_common.config import load_config  # noqa: E402
-from dflash_common.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_common.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_common.store import ShardPayload, Store, StoreManifest, StoreWriter, encode_states, shard_name  # noqa: E402
-from dflash_common.train_config import TrainConfig  # noqa: E402
 from train.cache import human_bytes  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
 from train.data import TrainData  # noqa: E402
 from train.loop import _N, _TOKENS, _WAIT, build_optimizer, train_step  # noqa: E402
 

@@ -53,14 +53,14 @@ def main(argv: list[str] | None = None) -> None:
     times = {
         "precompute": stage("precompute", "precompute.cli", "--config", "configs/tiny.toml",
                             f"--out={store}"),
-        "verify": stage("verify", "dflash_common.store_cli", "verify", str(store)),
+        "verify": stage("verify", "dflash_common.store.cli", "verify", str(store)),
         "train": stage("train", "train.cli", "--config", "configs/tiny.toml", f"--store={store}",
                        f"--out={run}"),
-        "export": stage("export", "dflash_common.export", str(run), str(drafter), "--overwrite"),
+        "export": stage("export", "dflash_common.drafter.export", str(run), str(drafter), "--overwrite"),
         "eval": stage("eval", "train.evaluate", "--config", "configs/tiny.toml", f"--drafter={drafter}",
                       f"--report={report_path}"),
     }
-    info = json.loads(subprocess.run([sys.executable, "-m", "dflash_common.store_cli", "info", str(store), "--json"],
+    info = json.loads(subprocess.run([sys.executable, "-m", "dflash_common.store.cli", "info", str(store), "--json"],
                                      cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     train, val = last_records(run)
     report = json.loads(report_path.read_text())

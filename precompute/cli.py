@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from dflash_common.cli import parse_args, setup_logging, user_errors_exit
-from dflash_common.precompute_config import PrecomputeConfig
+from precompute.config import PrecomputeConfig
 
 # Flags without a value, mapped onto config fields (parse_args takes `--section.field=value` only).
 _FLAGS = {"--dry-run": "--run.dry_run=true", "--force": "--run.force=true"}

@@ -37,13 +37,13 @@ import torch.distributed as dist
 from dflash_common.cli import UserError, write_run_record
 from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
 from dflash_common.fsutil import is_disk_full, os_reason
-from dflash_common.precompute_config import PrecomputeConfig
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names
+from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import (
-    TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, human_bytes, make_plan, tokenize_units,
-    tokenizer_identity, unit_shard_name, state_key,
+    TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, human_bytes, make_plan, state_key, tokenize_units,
+    tokenizer_identity, unit_shard_name,
 )
 from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
 

@@ -53,8 +53,8 @@ from dflash_common.chat import ChatMaskError, ChatTemplate
 from dflash_common.cli import UserError
 from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
 from dflash_common.fsutil import atomic_write_bytes
-from dflash_common.precompute_config import DataConfig, PrecomputeConfig
 from dflash_common.store import shard_name
+from precompute.config import DataConfig, PrecomputeConfig
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
 
 log = logging.getLogger("dflash")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dflash_common.cli import UserError
-from dflash_common.layer_ids import check_layer_ids, default_layer_ids
+from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
 
 log = logging.getLogger("dflash")
 

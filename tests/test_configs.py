@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_common.config import STAGES as FILE_STAGES, load_config, read_toml
+from dflash_common.config import STAGES as FILE_STAGES
+from dflash_common.config import load_config, read_toml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGES = {
-    "precompute": "dflash_common.precompute_config:PrecomputeConfig",
-    "train": "dflash_common.train_config:TrainConfig",
-    "eval": "dflash_common.eval_config:EvalConfig",
+    "precompute": "precompute.config:PrecomputeConfig",
+    "train": "train.config:TrainConfig",
+    "eval": "train.eval_config:EvalConfig",
 }
 
 
@@ -50,7 +51,7 @@ def test_shipped_config_loads(path):
 
 def test_a_file_of_stage_tables_without_this_stage_is_one_sentence(tmp_path):
     from dflash_common.config import ConfigError
-    from dflash_common.train_config import TrainConfig
+    from train.config import TrainConfig
 
     path = tmp_path / "exp.toml"
     path.write_text("[precompute.store]\npath = 's'\n")

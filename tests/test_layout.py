@@ -41,3 +41,76 @@ def test_the_checker_sees_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import train.loop\nfrom precompute.cli import main\n")
     assert _imported_top_levels(probe) == {"train", "precompute"}
+
+
+PACKAGES = ("dflash_common", "precompute", "train")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (at the top or inside a function: a lazy import that
+    closes a cycle is still a cycle). `from a.b import c` names module a.b.c when it exists, else a.b;
+    importing a submodule does not count as importing its package's __init__."""
+    files = {_module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in files:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                edges.update(subs or {node.module})
+                if len(subs) < len(node.names):
+                    edges.add(node.module)
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_no_import_cycles():
+    cycle = _cycle(_import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_checker_finds_a_lazy_cycle(tmp_path):
+    pkg = tmp_path / "train"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from train.b import thing\n")
+    (pkg / "b.py").write_text("def f():\n    from train import a\n")
+    assert _cycle(_import_graph(tmp_path)) == ["train.a", "train.b", "train.a"]
+
+
+def test_the_store_and_the_drafter_have_their_rooms():
+    for room in ("format", "chunks", "quant", "writer", "reader", "verify", "cli"):
+        assert (ROOT / "dflash_common" / "store" / f"{room}.py").is_file(), room
+    for room in ("model", "layer_ids", "objective", "loss", "loss_triton", "target_head", "export"):
+        assert (ROOT / "dflash_common" / "drafter" / f"{room}.py").is_file(), room
+    for stage in ("precompute", "train"):
+        assert (ROOT / stage / "config.py").is_file(), f"{stage}'s config lives beside its stage"

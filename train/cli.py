@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dflash_common.cli import parse_args, setup_logging, user_errors_exit
-from dflash_common.train_config import TrainConfig
+from train.config import TrainConfig
 
 
 def parse(argv: Sequence[str] | None = None) -> TrainConfig:

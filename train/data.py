@@ -34,9 +34,9 @@ import torch
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from dflash_common.cli import UserError
-from dflash_common.objective import sample_anchors
+from dflash_common.drafter.objective import sample_anchors
 from dflash_common.store import Store, StoreCorruptError, carve_buffers
-
+from train.batch import HostBatch, ShardSlot, raw_dtype
 from train.cache import Handle, ShardCache, SlotSlab
 from train.plan import DataPlan, EpochPlan, ShardMeta, holdout_split, rng
 
@@ -112,22 +112,6 @@ def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int,
     return found
 
 
-@dataclasses.dataclass
-class ShardSlot:
-    """A shard in its cache slot, the chosen layers in the drafter's order (views of the slot)."""
-
-    input_ids: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # uint8 [T]
-    offsets: np.ndarray  # int64 [N+1]
-    states: list[torch.Tensor]  # K x [T, H] raw bits (int16 for bf16, uint8 for fp8)
-    scales: list[torch.Tensor] | None  # K x float32 [T] (fp8)
-
-
-def raw_dtype(storage: str) -> torch.dtype:
-    """The dtype the bits travel in: int16 (copy_ supports it everywhere) for bf16, uint8 for fp8."""
-    return torch.int16 if storage == "bf16" else torch.uint8
-
-
 def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int]):
     """The cache's read_fn: read shard `key` (an index into `shards`) straight into its slot."""
 
@@ -150,41 +134,6 @@ def slot_size(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: S
     sizes = [stores[m.store].shard_nbytes(m.name, layer_ids) for m in shards]
     biggest = max(sizes)
     return biggest, float(np.mean(sizes)) / biggest
-
-
-@dataclasses.dataclass
-class HostBatch:
-    """A packed batch on the host: small arrays assembled, states still in the cache slots."""
-
-    epoch: int
-    index: int
-    input_ids: torch.Tensor  # int64 [T]
-    loss_mask: torch.Tensor  # int64 [T] (0/1)
-    cu_seqlens: torch.Tensor  # int64 [N+1]
-    anchors: torch.Tensor  # int64 [A]
-    segments: list[tuple[int, int, int, int]]  # (shard slot index, source row, dest row, rows)
-    shards: list[ShardSlot]
-    handles: list[Handle]
-
-    @property
-    def tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    def take_handles(self) -> list[Handle]:
-        """Hand over the cache handles (to whoever waits for the copies out of the slots)."""
-        handles, self.handles = self.handles, []
-        return handles
-
-    def small_tensor(self) -> torch.Tensor:
-        """ids, mask, anchors, cu_seqlens in one int64 vector: one copy to the device, not four."""
-        return torch.cat([self.input_ids, self.loss_mask, self.anchors, self.cu_seqlens])
-
-    def small_numel(self) -> int:
-        return 2 * self.tokens + self.anchors.numel() + self.cu_seqlens.numel()
-
-    def split_small(self, small: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        t, a = self.tokens, self.anchors.numel()
-        return small[:t], small[t:2 * t], small[2 * t:2 * t + a], small[2 * t + a:2 * t + a + self.cu_seqlens.numel()]
 
 
 def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int], generator: torch.Generator,
@@ -396,8 +345,7 @@ def feature_dtype(autocast: str) -> torch.dtype:
 
 def make_feeder(source, position, stores: Sequence[Store], layer_ids: Sequence[int], *, device: torch.device,
                 batch_tokens: int, autocast: str, prefetch: int):
-    from dflash_common.quant import decode_states
-
+    from dflash_common.store.quant import decode_states
     from train.transfer import DeviceFeeder
 
     storage = stores[0].manifest.dtype

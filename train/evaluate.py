@@ -26,9 +26,9 @@ import torch
 from dflash_common.cli import (
     UserError, exit_with_error, parse_args, run_record, setup_logging, user_errors_exit, write_run_record,
 )
-from dflash_common.eval_config import EvalConfig, GenerationSection
+from dflash_common.drafter.layer_ids import check_layer_ids
 from dflash_common.fsutil import atomic_write_text
-from dflash_common.layer_ids import check_layer_ids
+from train.eval_config import EvalConfig, GenerationSection
 from train.spec_decode import (
     Decoded, DFlashProposer, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
 )
@@ -368,7 +368,7 @@ def _check_model_dir(path: str) -> None:
 
 def load_dflash(path: str, target_config, device: torch.device, dtype: torch.dtype):
     """The exported drafter at `path`, refused in one sentence unless it was made for this target."""
-    from dflash_common.export import load_drafter
+    from dflash_common.drafter.export import load_drafter
 
     if not path:
         raise UserError("no drafter: pass --drafter DIR (an exported drafter, a step-N checkpoint or a run directory).")
@@ -490,7 +490,7 @@ def run_offline(cfg: EvalConfig) -> dict:
     embedding and lm_head are read from target.path."""
     from transformers import AutoConfig
 
-    from dflash_common.target_weights import load_target_head
+    from dflash_common.drafter.target_head import load_target_head
     from train.validate import evaluate_offline
 
     if not cfg.offline.store:

@@ -31,18 +31,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import UserError, write_run_record
 from dflash_common.config import to_dict
-from dflash_common.drafter import DFlashDrafter, DrafterConfig
-from dflash_common.export import load_weights_into, save_drafter
+from dflash_common.drafter.export import load_weights_into, save_drafter
+from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.target_head import load_target_head
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import Store, check_compatible
 from dflash_common.store import open_stores as open_store_paths
-from dflash_common.target_weights import load_target_head
-from dflash_common.train_config import TrainConfig
-
+from train.cache import CacheStats, human_bytes
 from train.checkpoint import (
     StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
 )
-from train.cache import CacheStats, human_bytes
+from train.config import TrainConfig
 from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.report import write_report

@@ -36,7 +36,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from dflash_common.layer_ids import hf_hidden_states_index
+from dflash_common.drafter.layer_ids import hf_hidden_states_index
 
 
 class Drafter(Protocol):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 if TYPE_CHECKING:
-    from train.data import HostBatch
+    from train.batch import HostBatch
 
 
 @dataclasses.dataclass

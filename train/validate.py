@@ -19,8 +19,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from dflash_common.loss import fused_lm_head_loss
-from dflash_common.objective import IGNORE_INDEX, AcceptanceCounts, block_labels
+from dflash_common.drafter.loss import fused_lm_head_loss
+from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels
 
 
 def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

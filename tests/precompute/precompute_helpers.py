@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from dflash_common.config import load_config
-from dflash_common.precompute_config import PrecomputeConfig
+from precompute.config import PrecomputeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DATA = ROOT / "data" / "tiny-train.jsonl"

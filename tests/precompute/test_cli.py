@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dflash_common.store import Store
+from dflash_common.store.verify import verify_store
 from precompute import plan as P
 from precompute.cli import main, parse
 
@@ -24,8 +25,8 @@ def _tiny_args(tiny_target, out, *extra):
 
 
 def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_path, capsys):
-    from dflash_common.train_config import TrainConfig
     from train.cli import parse as parse_train
+    from train.config import TrainConfig
     from train.loop import run as train
 
     store = tmp_path / "store"
@@ -33,7 +34,7 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
     out = capsys.readouterr().out
     assert "plan: 384 input records -> 24 work units" in out and "done: 383 samples" in out
     s = Store.open(store)
-    assert len(s.shards) == 24 and s.manifest.layer_ids == (1, 2, 3, 4, 5) and s.verify().bad == {}
+    assert len(s.shards) == 24 and s.manifest.layer_ids == (1, 2, 3, 4, 5) and verify_store(s).bad == {}
     assert s.summary["skips"]["counts"] == {"too_few_response_tokens": 1}
     cfg: TrainConfig = parse_train(["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store),
                                     "--out", str(tmp_path / "train"), f"--run.target={tiny_target}",

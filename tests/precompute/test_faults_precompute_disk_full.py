@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-import dflash_common.store_chunks as store_chunks
+import dflash_common.store.chunks as store_chunks
 from dflash_common.store import Store, StoreWriter
 from precompute import job
 from precompute.cli import main

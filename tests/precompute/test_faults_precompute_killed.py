@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from dflash_common.store import Store
+from dflash_common.store.verify import verify_store
 from precompute import job
 
 from precompute_helpers import (
-    ROOT, cli_args, demo_inputs, job_overrides, kill_process_tree, make_config, published, shard_sums,
-    store_files, subprocess_env,
+    ROOT, cli_args, demo_inputs, job_overrides, kill_process_tree, make_config, published, shard_sums, store_files,
+    subprocess_env,
 )
 
 SEED = 20240611  # the kill points are random, but the same in every run of the test
@@ -107,7 +108,7 @@ def test_five_random_sigkills_of_two_ranks_and_one_then_one_rank_finishes_the_sa
 
     assert store_files(store) == expected, schedule
     finished = Store.open(store)
-    assert finished.verify().bad == {}  # every chunk's crc32c, every file's size
+    assert verify_store(finished).bad == {}  # every chunk's crc32c, every file's size
     assert finished.summary["runs"][-1]["units_written"] == left and finished.summary["samples"] == 48
     assert not any((store / ".staging").iterdir())  # the killed writers' leftovers are gone
     assert not list(Path(f"{store}.tokens").rglob(".*")), "a cut token cache save was left behind"

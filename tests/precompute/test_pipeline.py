@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from dflash_common.quant import FP8_ABS_ERROR, FP8_REL_ERROR
 from dflash_common.store import NonFiniteStatesError, Store, StoreWriter
+from dflash_common.store.quant import FP8_ABS_ERROR, FP8_REL_ERROR
+from dflash_common.store.verify import verify_store
 from precompute import job
 from precompute.inputs import resolve_inputs
 from precompute.pipeline import STAGING_BUFFERS, window_batches
@@ -111,7 +112,7 @@ def test_nonfinite_states_stop_the_run_naming_the_sample_and_the_shard(tiny_targ
     assert caught.value.sample_id == f"{inputs[0]}:6" and f"sample {inputs[0]}:6" in message
     assert "u00000002-" in message and "rerunning the same command resumes" in message
     assert not any(n.startswith("u00000002") for n in bad_unit)  # nothing published for that unit
-    assert Store.open(tmp_path / "store").verify().bad == {}
+    assert verify_store(Store.open(tmp_path / "store")).bad == {}
 
 
 def test_a_unit_whose_records_were_all_skipped_is_done_without_a_shard(tiny_target, tmp_path):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_helpers import write_tiny_store
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_common.drafter import DFlashDrafter, DrafterConfig
-from dflash_common.export import save_drafter
+from dflash_common.drafter.export import save_drafter
+from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
 from dflash_common.tiny import MASK_TOKEN
+
+from train_helpers import write_tiny_store
 
 EVAL_BLOCK = 4  # block size of the untrained drafter the eval tests export
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_common.train_config import TrainConfig
 from train.checkpoint import (
-    COMPLETE, StopRequest, complete_checkpoints, latest_checkpoint, load_checkpoint, remove_stale_saves,
-    rng_state, save_checkpoint, set_rng_state,
+    COMPLETE, StopRequest, complete_checkpoints, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state,
+    save_checkpoint, set_rng_state,
 )
+from train.config import TrainConfig
 
 
 def _save(run_dir, step, keep_last=3, fail=False):

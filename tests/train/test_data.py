@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from train_helpers import write_tiny_store
-
 from dflash_common.config import load_config
-from dflash_common.objective import AcceptanceCounts, sample_anchors
+from dflash_common.drafter.objective import AcceptanceCounts, sample_anchors
 from dflash_common.store import Store
-from dflash_common.train_config import TrainConfig
+from train.config import TrainConfig
 from train.data import TrainData, allocate_cache, scan_stores, seeded_generator
 from train.validate import block_counts
+
+from train_helpers import write_tiny_store
 
 
 def _cfg(store, *overrides):

@@ -17,14 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.cli import UserError
 from dflash_common.config import load_config
-from dflash_common.eval_config import EvalConfig
+from train.eval_config import EvalConfig
 from train.evaluate import (
-    Prompt, PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, format_report,
-    load_prompts, lossless_message, summarize, write_report,
+    Prompt, PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, format_report, load_prompts,
+    lossless_message, summarize, write_report,
 )
 from train.spec_decode import (
-    GREEDY, Decoded, Sampling, TargetRunner, accept_sampled, sampling_probs, speculative_generate,
-    target_generate,
+    GREEDY, Decoded, Sampling, TargetRunner, accept_sampled, sampling_probs, speculative_generate, target_generate,
 )
 
 LAYER_IDS = [1, 2, 3, 4, 5]  # the DFlash default for the 8-layer tiny target

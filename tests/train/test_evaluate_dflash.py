@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
+from conftest import EVAL_BLOCK
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.cli import UserError
-from dflash_common.drafter import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
 from dflash_common.tiny import MASK_TOKEN
-from conftest import EVAL_BLOCK
 from train.evaluate import load_proposer, main
 from train.spec_decode import TargetRunner, speculative_generate, target_generate
 
@@ -127,7 +127,7 @@ def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
 def _briefly_trained_drafter(model, tok, root, steps=60):
     """A depth-1 drafter trained for a few dozen steps on the target's own responses (data/tiny-train.jsonl)
     with the training forward and the DFlash labels: good enough to get some drafts accepted."""
-    from dflash_common.objective import IGNORE_INDEX, block_labels
+    from dflash_common.drafter.objective import IGNORE_INDEX, block_labels
 
     records = [json.loads(line) for line in (root / "data" / "tiny-train.jsonl").read_text().splitlines()[:48]]
     cfg = DrafterConfig.from_target(model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=1,

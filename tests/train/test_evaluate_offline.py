@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import EVAL_BLOCK
+
 from train.evaluate import main
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
@@ -24,8 +24,8 @@ def test_offline_estimate_reads_the_held_out_split_of_the_training_run(tiny_targ
     trainer's validation directly with the target's head."""
     import shutil
 
-    from dflash_common.export import load_drafter
-    from dflash_common.target_weights import load_target_head
+    from dflash_common.drafter.export import load_drafter
+    from dflash_common.drafter.target_head import load_target_head
     from train.validate import evaluate_offline
 
     run_drafter = tmp_path / "run"

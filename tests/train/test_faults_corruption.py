@@ -13,20 +13,19 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from fault_helpers import (
-    CORRUPTIONS, ROOT, copy_store, corrupt, shard_names, subprocess_env, train_args, train_cmd,
-)
-from train_helpers import write_tiny_store
 
 import train.loop as loop
 from dflash_common.config import load_config
 from dflash_common.store import Store
-from dflash_common.store_cli import main as store_main
-from dflash_common.train_config import TrainConfig
+from dflash_common.store.cli import main as store_main
 from train.cli import main as train_main
 from train.cli import parse
+from train.config import TrainConfig
 from train.data import TrainData
 from train.metrics import read_metrics
+
+from fault_helpers import CORRUPTIONS, ROOT, copy_store, corrupt, shard_names, subprocess_env, train_args, train_cmd
+from train_helpers import write_tiny_store
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +157,8 @@ def test_offline_evaluation_of_a_damaged_store_is_one_sentence(store8, tiny_targ
     """dflash-eval --offline reads the held-out shards through the same reader: same sentence, exit 2."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash_common.drafter import DFlashDrafter, DrafterConfig
-    from dflash_common.export import save_drafter
+    from dflash_common.drafter.export import save_drafter
+    from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
     from dflash_common.tiny import MASK_TOKEN
     from train.evaluate import main as eval_main
 

@@ -10,17 +10,18 @@ import shutil
 
 import pytest
 import torch
-from fault_helpers import copy_store, train_args
-from train_helpers import write_tiny_store
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_common.drafter import DFlashDrafter, DrafterConfig
-from dflash_common.export import save_drafter
+from dflash_common.drafter.export import save_drafter
+from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
 from dflash_common.store import StoreWriter
-from dflash_common.store_cli import main as store_main
+from dflash_common.store.cli import main as store_main
 from dflash_common.tiny import MASK_TOKEN, TinySpec, build_tiny_target
 from train.checkpoint import complete_checkpoints
 from train.cli import main as train_main
+
+from fault_helpers import copy_store, train_args
+from train_helpers import write_tiny_store
 
 
 @pytest.fixture(scope="module")

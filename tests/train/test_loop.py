@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 import train.loop as loop
-from dflash_common.export import load_drafter
-from dflash_common.target_weights import load_target_head
-from dflash_common.train_config import TrainConfig
+from dflash_common.drafter.export import load_drafter
+from dflash_common.drafter.target_head import load_target_head
 from train.checkpoint import complete_checkpoints
 from train.cli import main, parse
+from train.config import TrainConfig
 from train.metrics import read_metrics
 from train.validate import evaluate_offline
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflash_common.config import ConfigError, iter_fields, load_config
-from dflash_common.train_config import TrainConfig
+from train.config import TrainConfig
 
 _DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIGS = sorted([*_DIR.glob("train-*.toml"), _DIR / "tiny.toml"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_common.quant import (
+from dflash_common.store.quant import (
     FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR, decode_states, encode_states, nonfinite_rows,
 )
 

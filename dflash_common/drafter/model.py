@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 from dflash_common.config import ConfigError, check
-from dflash_common.layer_ids import check_layer_ids, default_layer_ids
+from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -33,7 +33,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from dflash_common.objective import IGNORE_INDEX
+from dflash_common.drafter.objective import IGNORE_INDEX
 
 Backend = Literal["auto", "triton", "torch"]
 # Rows per chunk are a multiple of this. Measured on an H200 (benchmarks/loss.py --sweep): heights
@@ -140,7 +140,7 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
 
 def _weighted_ce(backend, logits, labels, weights, compute_grad):
     if backend == "triton":
-        from dflash_common.loss_triton import weighted_ce_rows
+        from dflash_common.drafter.loss_triton import weighted_ce_rows
 
         return weighted_ce_rows(logits, labels, weights, compute_grad)
     return weighted_ce_rows_torch(logits, labels, weights, compute_grad)

@@ -1,21 +1,5 @@
-"""The hidden-state store: one zarr v3 group on disk, one shard per work unit (docs/store-format.md).
-
-    store/
-      zarr.json                      root group; attributes = the manifest (+ a `summary`, written last)
-      shards/zarr.json               group holding the published shards
-      shards/<name>/zarr.json        shard group; attributes: token/sequence counts, sample ids
-      shards/<name>/input_ids        int32 [T]
-      shards/<name>/loss_mask        uint8 [T]
-      shards/<name>/offsets          int64 [N+1]
-      shards/<name>/layer_<id>       uint16 [T, H] (bf16 bits) or uint8 [T, H] (fp8 e4m3 bits)
-      shards/<name>/layer_<id>_scale float32 [T] (fp8 only)
-      .staging/                      shards being written (hidden: readers never look here)
-
-Writers (many processes at once, no locks) build a shard under `.staging/`, fsync it and publish it
-with one rename to `shards/<name>`; the name comes from the work unit's content, so the first writer
-wins and a rerun skips it. Readers list `shards/`, skip hidden names, and read chosen layers straight
-into caller-provided buffers (dflash_common/store_chunks.py); every chunk is checked against its crc32c.
-"""
+"""Reading a store: `Store.open`, the published shards, and chosen layers read straight into
+caller-provided buffers (the package docstring and docs/store-format.md give the layout)."""
 
 from __future__ import annotations
 
@@ -25,23 +9,18 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from dflash_common.quant import decode_states, encode_states, storage_numpy_dtype  # noqa: F401  (re-export)
-from dflash_common.store_chunks import ArrayFile, ChunkError
-from dflash_common.store_format import (  # noqa: F401  (re-exported: the store's public API)
-    BUFFER_ALIGN, FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, BufferSpec, NonFiniteStatesError, ShardInfo,
-    ShardPayload, StoreCorruptError, StoreError, StoreManifest, StoreMismatchError, check_compatible,
-    check_offsets,
-    layer_array, read_json, read_root_attributes, scale_array, shard_name, short_json,
+from dflash_common.store.chunks import ArrayFile, ChunkError
+from dflash_common.store.format import (
+    BUFFER_ALIGN, SHARDS_DIR, BufferSpec, ShardInfo, StoreCorruptError, StoreError, StoreManifest,
+    StoreMismatchError, check_compatible, check_offsets, layer_array, read_json, read_root_attributes, scale_array,
+    short_json,
 )
-from dflash_common.store_writer import StoreWriter  # noqa: F401  (re-export)
-
-if TYPE_CHECKING:  # verify() imports it lazily: store_verify imports this module
-    from dflash_common.store_verify import VerifyReport
+from dflash_common.store.quant import decode_states, storage_numpy_dtype
 
 
 @dataclasses.dataclass
@@ -245,17 +224,6 @@ class Store:
         check_compatible(self.manifest, layer_ids=layer_ids, hidden_size=hidden_size,
                          tokenizer_sha256=tokenizer_sha256, where=f"store {self.path}")
 
-    def verify(self, *, progress: bool = False) -> VerifyReport:
-        """Check every checksum and every shard's internal consistency (dflash_common/store_verify.py)."""
-        from dflash_common.store_verify import verify_store
-
-        return verify_store(self, progress=progress)
-
-    def info(self) -> dict[str, Any]:
-        """Totals for `dflash-store info`: shards, sequences, tokens, bytes on disk and per token."""
-        from dflash_common.store_verify import store_info
-
-        return store_info(self)
 
 
 def _aligned(nbytes: int) -> int:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash_common.objective import IGNORE_INDEX, AcceptanceCounts, block_labels, default_gamma, sample_anchors
+from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels, default_gamma, sample_anchors
 
 # two sequences: [0, 10) with response 2..7, [10, 30) with response 11..29
 CU = torch.tensor([0, 10, 30])

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_common.config import ConfigError, iter_fields, load_config
-from dflash_common.precompute_config import PrecomputeConfig
+from precompute.config import PrecomputeConfig
 
 
 def test_defaults_follow_the_dflash_recipe():

@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from dflash_common.config import ConfigError
-from dflash_common.drafter import BlockLayout, DrafterConfig
+from dflash_common.drafter.model import BlockLayout, DrafterConfig
 
 from drafter_testlib import TINY_MASK_ID, packed_batch, tiny_config, tiny_drafter
 
@@ -79,7 +79,7 @@ def test_bad_drafter_options_name_the_field(tiny_target, change, message):
 def test_rope_is_the_targets_own_including_scaling():
     from transformers import Qwen3Config
 
-    from dflash_common.drafter import Rotary
+    from dflash_common.drafter.model import Rotary
 
     target = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=320,
@@ -301,7 +301,7 @@ def test_compiled_flex_matches_eager_and_stops_recompiling(tiny_target, monkeypa
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import dflash_common.drafter as drafter_module
+    import dflash_common.drafter.model as drafter_module
 
     cfg = tiny_config(tiny_target)
     drafter = tiny_drafter(cfg)
@@ -323,8 +323,8 @@ def test_compiled_flex_matches_eager_and_stops_recompiling(tiny_target, monkeypa
 
 def test_a_few_steps_on_one_batch_fit_it(tiny_target):
     """Drafter, objective and fused loss together: the training signal reaches every part."""
-    from dflash_common.loss import fused_lm_head_loss
-    from dflash_common.objective import AcceptanceCounts, block_labels, sample_anchors
+    from dflash_common.drafter.loss import fused_lm_head_loss
+    from dflash_common.drafter.objective import AcceptanceCounts, block_labels, sample_anchors
 
     cfg = tiny_config(tiny_target)
     drafter = tiny_drafter(cfg)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 
 from dflash_common.config import check, option, section
 
+
 @dataclass(frozen=True)
 class TargetConfig:
     path: str = option(

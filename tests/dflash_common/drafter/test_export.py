@@ -14,11 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash_common.cli import UserError
-from dflash_common.export import export, load_drafter, load_weights_into, main, resolve_drafter_dir, save_drafter
+from dflash_common.drafter.export import (
+    export, load_drafter, load_weights_into, main, resolve_drafter_dir, save_drafter,
+)
 
 from drafter_testlib import TINY_MASK_ID, packed_batch, tiny_config, tiny_drafter
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _expected_layout(h=64, i=128, heads=4, kv_heads=2, d=16, k=5, depth=2):
@@ -157,7 +159,7 @@ def test_cli_exports_and_refuses_an_existing_directory(drafter, tmp_path):
 
 
 def test_cli_user_error_is_one_line_without_traceback(tmp_path):
-    command = [sys.executable, "-m", "dflash_common.export", str(tmp_path / "missing"), str(tmp_path / "o")]
+    command = [sys.executable, "-m", "dflash_common.drafter.export", str(tmp_path / "missing"), str(tmp_path / "o")]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr

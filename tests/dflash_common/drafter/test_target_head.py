@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_common.cli import UserError
-from dflash_common.target_weights import load_target_head
+from dflash_common.drafter.target_head import load_target_head
 
 
 def _hf(path):

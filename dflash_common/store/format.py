@@ -1,6 +1,6 @@
 """The store's format: names, version, manifest, and what writers and readers exchange.
 
-docs/store-format.md is the written spec; dflash_common/store.py is the public entry point.
+docs/store-format.md is the written spec; dflash_common/store/reader.py is the public entry point.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from dflash_common.cli import UserError
-from dflash_common.quant import EncodedStates, check_storage_dtype
-from dflash_common.store_chunks import check_codec
+from dflash_common.store.chunks import check_codec
+from dflash_common.store.quant import EncodedStates, check_storage_dtype
 
 FORMAT_NAME = "dflash-hidden-states"
 FORMAT_VERSION = 1  # bump on any change a version-1 reader would misread; readers refuse others
@@ -63,8 +63,8 @@ class StoreManifest:
     chat_template_sha256: str | None  # fingerprint.chat_template_sha256(...)
     layer_ids: tuple[int, ...]  # outputs of these decoder layers (HF hidden_states[i + 1])
     hidden_size: int
-    dtype: str = "bf16"  # storage dtype: bf16 | fp8_e4m3 (dflash_common/quant.py)
-    codec: str = "none"  # none | zstd | blosc-lz4-bitshuffle (dflash_common/store_chunks.py)
+    dtype: str = "bf16"  # storage dtype: bf16 | fp8_e4m3 (dflash_common/store/quant.py)
+    codec: str = "none"  # none | zstd | blosc-lz4-bitshuffle (dflash_common/store/chunks.py)
     chunk_tokens: int = 1024  # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
     dataset: dict[str, Any] = dataclasses.field(default_factory=dict)  # fingerprint.dataset_fingerprint
     precompute: dict[str, Any] = dataclasses.field(default_factory=dict)  # the precompute config

@@ -11,7 +11,7 @@ import time
 from test_store_support import manifest
 
 from dflash_common.store import StoreWriter
-from dflash_common.store_writer import _host
+from dflash_common.store.writer import _host
 
 
 def test_the_staging_of_a_killed_but_unreaped_writer_is_cleaned(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_common.drafter import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
 
 TINY_MASK_ID = 259  # <|mask|> of the tiny tokenizer (256 bytes + 3 chat tokens before it)
 

@@ -24,13 +24,13 @@ import zarr
 from zarr.storage import LocalStore
 
 from dflash_common.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, publish_dir
-from dflash_common.quant import LOGICAL_DTYPE_NAMES, EncodedStates, nonfinite_rows, storage_numpy_dtype
-from dflash_common.store_chunks import balanced_chunk_rows, create_array, write_data
-from dflash_common.store_format import (
-    FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError,
-    ShardInfo, ShardPayload, StoreError, StoreManifest, StoreMismatchError, check_shard_name,
-    group_metadata, layer_array, read_json, read_root_attributes, scale_array, short_json,
+from dflash_common.store.chunks import balanced_chunk_rows, create_array, write_data
+from dflash_common.store.format import (
+    FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError, ShardInfo,
+    ShardPayload, StoreError, StoreManifest, StoreMismatchError, check_shard_name, group_metadata, layer_array,
+    read_json, read_root_attributes, scale_array, short_json,
 )
+from dflash_common.store.quant import LOGICAL_DTYPE_NAMES, EncodedStates, nonfinite_rows, storage_numpy_dtype
 
 
 def _publish_new_file(path: Path, data: bytes) -> bool:

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_common.loss import chunk_rows, fused_lm_head_loss, weighted_ce_rows_torch
-from dflash_common.objective import IGNORE_INDEX
+from dflash_common.drafter.loss import chunk_rows, fused_lm_head_loss, weighted_ce_rows_torch
+from dflash_common.drafter.objective import IGNORE_INDEX
 
 BACKENDS = ["torch", "triton"]
 
@@ -79,7 +79,7 @@ def test_bf16_inputs_stay_close_to_the_float32_reference(backend):
 
 
 def test_triton_kernel_tiles_the_vocabulary_like_the_torch_rows():
-    from dflash_common.loss_triton import weighted_ce_rows
+    from dflash_common.drafter.loss_triton import weighted_ce_rows
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 200, generator=g) * 4

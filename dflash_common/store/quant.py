@@ -11,7 +11,7 @@ Encoding and decoding are plain torch, so they run on the GPU: precompute encode
 device-to-host copy (fp8 halves the bytes moved), and the trainer decodes after the host-to-device
 copy. The functions accept CPU numpy arrays as well (zero-copy through ``torch.from_numpy``).
 
-fp8 round-trip bound (asserted by tests/dflash_common/test_quant.py): with s = amax_t / 448, every
+fp8 round-trip bound (asserted by tests/dflash_common/store/test_quant.py): with s = amax_t / 448, every
 element obeys ``|decoded - x| <= 2**-4 * |x| + 2**-10 * s``. The first term is half an e4m3 ulp for
 normal values (3 mantissa bits: the gap in [2^e, 2^(e+1)) is 2^(e-3)); the second is half the
 subnormal step (2^-9 in scaled units) for values below 2^-6 * s.

@@ -10,12 +10,12 @@ from pathlib import Path
 
 from test_store_support import manifest, unit_name, write_units
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "dflash_common.store_cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "dflash_common.store.cli", *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=120)
 
 

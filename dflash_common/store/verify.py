@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from dflash_common.store_chunks import ArrayFile, ChunkError
-from dflash_common.store_format import (
+from dflash_common.store.chunks import ArrayFile, ChunkError
+from dflash_common.store.format import (
     FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, check_offsets, layer_array, scale_array,
 )
 
 if TYPE_CHECKING:
-    from dflash_common.store import Store
+    from dflash_common.store.reader import Store
 
 
 @dataclasses.dataclass

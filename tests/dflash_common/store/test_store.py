@@ -12,12 +12,13 @@ import torch
 import zarr
 from test_store_support import LAYER_IDS, manifest, payload, unit_name, write_units
 
-from dflash_common.quant import FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR
 from dflash_common.store import (
-    NonFiniteStatesError, ShardPayload, Store, StoreCorruptError, StoreError, StoreMismatchError,
-    StoreWriter, carve_buffers, check_compatible, open_stores, shard_name,
+    NonFiniteStatesError, ShardPayload, Store, StoreCorruptError, StoreError, StoreMismatchError, StoreWriter,
+    carve_buffers, check_compatible, open_stores, shard_name,
 )
-from dflash_common.store_chunks import CODECS
+from dflash_common.store.chunks import CODECS
+from dflash_common.store.quant import FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR
+from dflash_common.store.verify import verify_store
 
 T = 203  # not a multiple of chunk_tokens=64: four chunks of 51 rows, the last one padded
 
@@ -112,7 +113,7 @@ def test_listing_counts_and_skips_hidden_names(tmp_path):
     with Store.open(tmp_path / "s") as store:
         assert [s.name for s in store.shards] == [unit_name(u) for u in range(3)]
         assert all(s.num_tokens == 100 and s.num_sequences == 3 for s in store.shards)
-        assert store.verify().ok
+        assert verify_store(store).ok
     assert w.has_shard(unit_name(1)) and not w.has_shard(unit_name(5))
 
 
@@ -159,7 +160,7 @@ def test_nonfinite_states_are_refused_naming_the_sample(tmp_path, dtype, bad):
     x = states[3].clone()
     row = int(p.offsets[1]) + 4  # token 4 of the second sample
     x[row, 10] = bad
-    from dflash_common.quant import encode_states
+    from dflash_common.store.quant import encode_states
 
     broken = ShardPayload(p.input_ids, p.loss_mask, p.offsets, p.sample_ids, {**p.layers, 3: encode_states(x, dtype)})
     with pytest.raises(NonFiniteStatesError, match=r"sample data\.jsonl:19 \(layer 3, token 4\)") as e:
@@ -183,7 +184,7 @@ def test_a_flipped_byte_is_found_by_verify_and_by_reads(tmp_path, codec, where):
     victim = tmp_path / "s/shards" / unit_name(1) / "layer_5/c/0/0"
     _flip_byte(victim, where)
     with Store.open(tmp_path / "s") as store:
-        report = store.verify()
+        report = verify_store(store)
         assert list(report.bad) == [unit_name(1)] and report.shards_checked == 3
         assert "crc32c" in report.bad[unit_name(1)] and "layer_5" in report.bad[unit_name(1)]
         with pytest.raises(StoreCorruptError, match=unit_name(1)) as e:
@@ -201,7 +202,7 @@ def test_verify_finds_broken_structure(tmp_path):
     (shards / unit_name(1) / "zarr.json").unlink()
     os.truncate(shards / unit_name(2) / "layer_3_scale/c/0", 50)
     with Store.open(tmp_path / "s") as store:
-        bad = store.verify().bad
+        bad = verify_store(store).bad
     assert sorted(bad) == [unit_name(i) for i in range(3)]
     assert "offsets" in bad[unit_name(0)] and "zarr.json" in bad[unit_name(1)]
 
@@ -226,7 +227,7 @@ def test_summary_is_separate_from_the_manifest(tmp_path):
 
 
 def test_a_dead_writers_staging_is_cleaned_a_live_one_kept(tmp_path):
-    from dflash_common.store_writer import _host
+    from dflash_common.store.writer import _host
 
     StoreWriter.create_or_open(tmp_path / "s", manifest())
     staging = tmp_path / "s/.staging"

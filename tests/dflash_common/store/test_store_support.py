@@ -1,6 +1,6 @@
 """Helpers for the store tests (no tests here), and a writer process the multi-process tests start:
 
-    python tests/dflash_common/test_store_support.py STORE DTYPE CODEC FIRST_UNIT NUM_UNITS TOKENS HIDDEN [--forever]
+    python tests/dflash_common/store/test_store_support.py STORE DTYPE CODEC FIRST_UNIT NUM_UNITS TOKENS HIDDEN [--forever]
 
 writes units FIRST_UNIT.. of the standard test manifest into STORE, one shard each; `--forever` keeps
 writing fresh units (for a test that kills the process mid-shard); `--go FILE` prints `ready` once the
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script from anywhere
 
-from dflash_common.quant import encode_states  # noqa: E402
 from dflash_common.store import ShardPayload, StoreManifest, StoreWriter, shard_name  # noqa: E402
+from dflash_common.store.quant import encode_states  # noqa: E402
 
 LAYER_IDS = (1, 3, 5)
 HIDDEN = 64

@@ -17,6 +17,7 @@ from typing import Any
 
 from dflash_common.cli import setup_logging, user_errors_exit
 from dflash_common.store import Store
+from dflash_common.store.verify import store_info, verify_store
 
 EXIT_BAD_SHARDS = 1
 
@@ -53,14 +54,14 @@ def format_info(info: dict[str, Any]) -> str:
 
 def cmd_info(args: argparse.Namespace) -> int:
     with Store.open(args.store) as store:
-        info = store.info()
+        info = store_info(store)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     with Store.open(args.store) as store:
-        report = store.verify(progress=sys.stderr.isatty())
+        report = verify_store(store, progress=sys.stderr.isatty())
     for name, why in sorted(report.bad.items()):
         print(name)
         print(f"  {why}", file=sys.stderr)
