@@ -32,8 +32,8 @@ def _load_script():
 def _run(out: Path) -> subprocess.CompletedProcess:
     # one thread: two processes' OpenMP pools fighting over 2 shared cores make steps 10x slower
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *TINY], capture_output=True, text=True,
-                          timeout=240, env=env)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *TINY], check=False,
+                          capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -44,6 +44,7 @@ def built(tmp_path_factory):
     return out, _run(out)
 
 
+@pytest.mark.slow  # the module's tiny build: ~30-40 s on 2 cores
 def test_saved_target_loads_and_answers(built):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,6 +64,7 @@ def test_saved_target_loads_and_answers(built):
     assert answer.shape[1] > prompt["input_ids"].shape[1]
 
 
+@pytest.mark.slow  # the module's tiny build: ~30-40 s on 2 cores
 def test_chat_template_matches_the_training_render(built):
     from transformers import AutoTokenizer
 
@@ -79,6 +81,7 @@ def test_chat_template_matches_the_training_render(built):
     assert tok.decode(marked) == "    return x + 1<|im_end|>"
 
 
+@pytest.mark.slow  # the module's tiny build: ~30-40 s on 2 cores
 def test_mask_token_unused_and_outputs_written(built):
     out, _ = built
     manifest = json.loads((out / "manifest.json").read_text())
@@ -96,6 +99,7 @@ def test_mask_token_unused_and_outputs_written(built):
     assert not out.with_name(out.name + ".partial").exists()
 
 
+@pytest.mark.slow  # the module's tiny build: ~30-40 s on 2 cores
 def test_second_run_is_cached(built):
     out, _ = built
     before = (out / "manifest.json").stat().st_mtime_ns
@@ -104,10 +108,11 @@ def test_second_run_is_cached(built):
     assert (out / "manifest.json").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow  # the module's tiny build: ~30-40 s on 2 cores
 def test_other_settings_are_refused_without_force(built):
     out, _ = built
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *TINY, "--seed", "1"],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--force" in done.stderr
 
 
