@@ -70,11 +70,19 @@ class ChatTemplate:
 
         return cls(AutoTokenizer.from_pretrained(path), template_kwargs)
 
-    def tokenize(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-        """-> input_ids int32 [T], loss_mask uint8 [T] (1 on assistant tokens)."""
+    def tokenize(self, messages: list[dict[str, Any]], last_turn_cut: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """-> input_ids int32 [T], loss_mask uint8 [T] (1 on assistant tokens).
+
+        `last_turn_cut`: the last assistant turn was cut by a length limit (dflash-generate's
+        finish_reason "length"), so the end-of-turn token(s) the template appends to it were never
+        generated; they get no loss, or the drafter would learn to end turns where the target did not."""
         if self.use_markers:
-            return self._tokenize_marked(messages)
-        return self._tokenize_by_rendering(messages)
+            ids, mask = self._tokenize_marked(messages)
+        else:
+            ids, mask = self._tokenize_by_rendering(messages)
+        if last_turn_cut:
+            unmask_end_of_turn(ids, mask, set(getattr(self.tokenizer, "all_special_ids", [])))
+        return ids, mask
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of a prompt that asks for the next assistant turn (for generation and evaluation)."""
@@ -127,6 +135,14 @@ class ChatTemplate:
         if at >= 0 and not full[at + len(eot): end].strip():
             return at + len(eot)
         return end
+
+
+def unmask_end_of_turn(ids: np.ndarray, mask: np.ndarray, special_ids: set[int]) -> None:
+    """Zero, in place, the mask of the special tokens (the end of turn) closing the last assistant span."""
+    at = int(np.flatnonzero(mask)[-1]) if mask.any() else -1
+    while at >= 0 and mask[at] and int(ids[at]) in special_ids:
+        mask[at] = 0
+        at -= 1
 
 
 def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

@@ -209,7 +209,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 # The stages a config file may hold side by side ([precompute.target], [train.optim], ...): one file
 # can then describe a whole experiment (configs/tiny.toml), each CLI reading its own table.
-STAGES = ("precompute", "train", "eval")
+STAGES = ("generate", "precompute", "train", "eval")
 
 
 def stage_table(cls: type, data: dict[str, Any], path: str | Path) -> dict[str, Any]:

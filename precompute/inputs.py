@@ -98,6 +98,9 @@ class _DatasetRow:
 class Conversation:
     source_id: str
     messages: list[dict[str, Any]]  # role/content (+ reasoning_content, tool_calls where given)
+    # the record's finish_reason is "length" (dflash-generate): its last assistant turn was cut by
+    # max_new_tokens, so the end-of-turn token the template appends to it was never generated
+    last_turn_cut: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +251,23 @@ def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
 # ---------------------------------------------------------------------------------------- parsing
 
 
-def parse_record(raw: RawRecord, fmt: str = "auto") -> Conversation | PreTokenized:
-    """One raw record -> a conversation or a pre-tokenized sequence; BadRecord if it is unusable."""
+def parse_record(raw: RawRecord, fmt: str = "auto", require_assistant: bool = True) -> Conversation | PreTokenized:
+    """One raw record -> a conversation or a pre-tokenized sequence; BadRecord if it is unusable.
+    `require_assistant=False` accepts conversations without an assistant turn (prompts to answer)."""
+    obj = record_object(raw)
+    fmt = _detect_format(obj) if fmt == "auto" else fmt
+    cut = obj.get("finish_reason") == "length"
+    if fmt == "messages":
+        turns = _messages(_field(obj, "messages"), "role", "content", None, require_assistant)
+        return Conversation(raw.source_id, turns, cut)
+    if fmt == "sharegpt":
+        turns = _messages(_field(obj, "conversations"), "from", "value", SHAREGPT_ROLES, require_assistant)
+        return Conversation(raw.source_id, turns, cut)
+    return _pre_tokenized(raw.source_id, obj)
+
+
+def record_object(raw: RawRecord) -> dict:
+    """The JSON object of a raw record (a JSONL line or a dataset row); BadRecord if it is none."""
     payload = raw.payload
     if isinstance(payload, TooLarge):
         raise BadRecord("record_too_large", f"a line of {payload.nbytes:,} bytes (more than {MAX_RECORD_BYTES:,})")
@@ -257,12 +275,7 @@ def parse_record(raw: RawRecord, fmt: str = "auto") -> Conversation | PreTokeniz
         payload.load() if isinstance(payload, _DatasetRow) else payload)
     if not isinstance(obj, dict):
         raise BadRecord("not_an_object", f"a record must be a JSON object, got {type(obj).__name__}")
-    fmt = _detect_format(obj) if fmt == "auto" else fmt
-    if fmt == "messages":
-        return Conversation(raw.source_id, _messages(_field(obj, "messages"), "role", "content", None))
-    if fmt == "sharegpt":
-        return Conversation(raw.source_id, _messages(_field(obj, "conversations"), "from", "value", SHAREGPT_ROLES))
-    return _pre_tokenized(raw.source_id, obj)
+    return obj
 
 
 def _load_json_line(line: bytes) -> Any:
@@ -293,13 +306,14 @@ def _field(obj: dict, key: str) -> Any:
     return obj[key]
 
 
-def _messages(turns: Any, role_key: str, text_key: str, role_map: dict[str, str] | None) -> list[dict]:
+def _messages(turns: Any, role_key: str, text_key: str, role_map: dict[str, str] | None,
+              require_assistant: bool = True) -> list[dict]:
     if not isinstance(turns, list):
         raise BadRecord("wrong_field_type", f"the conversation must be a list, got {type(turns).__name__}")
     if not turns:
         raise BadRecord("empty_conversation", "the conversation has no turns")
     messages = [_message(i, turn, role_key, text_key, role_map) for i, turn in enumerate(turns)]
-    if not any(m["role"] == "assistant" for m in messages):
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_assistant_turn", "no assistant turn to learn from")
     return messages
 

@@ -60,7 +60,7 @@ from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw
 log = logging.getLogger("dflash")
 
 # Bumped when the tokenization rules change, so caches made by older code are not reused.
-TOKENIZE_VERSION = 1
+TOKENIZE_VERSION = 2  # 2: no loss on the end of turn of a record cut by length (finish_reason)
 # Extra room the disk must have beyond the projection: zarr metadata, checksums, filesystem blocks.
 DISK_MARGIN = 1.05
 _ID_MASK_BYTES = 5  # int32 token id + uint8 loss mask per token
@@ -229,7 +229,7 @@ class UnitTokenizer:
 
     def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray]:
         if isinstance(parsed, Conversation):
-            return self.chat.tokenize(parsed.messages)
+            return self.chat.tokenize(parsed.messages, parsed.last_turn_cut)
         ids = np.asarray(parsed.input_ids, np.int64)
         if ids.max() >= self.vocab_size:
             raise ChatMaskError("token_id_out_of_range",

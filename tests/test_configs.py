@@ -15,6 +15,7 @@ from dflash_common.config import load_config, read_toml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGES = {
+    "generate": "precompute.generate_config:GenerateConfig",
     "precompute": "precompute.config:PrecomputeConfig",
     "train": "train.config:TrainConfig",
     "eval": "train.eval_config:EvalConfig",
@@ -39,7 +40,7 @@ def test_configs_are_shipped():
 
 
 def test_the_embedded_default_holds_every_stage():
-    assert [cls.STAGE for cls in stage_classes(CONFIGS / "tiny.toml")] == ["eval", "precompute", "train"]
+    assert [cls.STAGE for cls in stage_classes(CONFIGS / "tiny.toml")] == ["eval", "generate", "precompute", "train"]
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])

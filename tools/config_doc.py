@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dflash_common.config_doc import Stage, main
 from precompute.config import PrecomputeConfig
+from precompute.generate_config import GenerateConfig
 from train.config import TrainConfig
 from train.eval_config import EvalConfig
 
 # in the order of the data path
 STAGES: list[Stage] = [
+    ("generate", "dflash-generate", GenerateConfig),
     ("precompute", "dflash-precompute", PrecomputeConfig),
     ("train", "dflash-train", TrainConfig),
     ("eval", "dflash-eval", EvalConfig),

@@ -1,0 +1,195 @@
+"""The decoders of `dflash-generate`: prompt token ids in, generated token ids and a finish reason out.
+
+`TransformersDecoder` (the embedded one): requests are sorted by prompt length and cut into batches of
+at most `token_budget` tokens counted as batch size x (longest prompt + max_new_tokens). A batch is
+LEFT-padded; its attention mask zeroes the padding and each row's position ids count its own tokens
+only (row i's first real token is at position 0), so a row decodes the same tokens as it would alone
+(in float32; a test checks it). The KV cache is a transformers `StaticCache` of the batch's full length,
+allocated once per batch; a row stops at any end-of-turn id (the tokenizer's eos and the ids of
+generation_config.json's eos_token_id) or at max_new_tokens, and the batch ends when every row has.
+Sampled rows draw from their own `torch.Generator`, seeded per request, so what a request draws does
+not depend on its batch.
+
+`VllmDecoder`: `vllm.LLM` offline on token-id prompts, one `SamplingParams(seed=...)` per request
+(temperature 0 is greedy); untested here (no vLLM in the test environment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger("dflash")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Resolved sampling settings (none unset)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    seed: int  # of this request's generator (sampling only)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    tokens: list[int]  # the answer, without the end-of-turn token that stopped it
+    finish_reason: str  # "stop" | "length"
+
+
+OnTokens = Callable[[int], None]  # called with the number of tokens a decode step generated
+
+
+def plan_batches(lengths: Sequence[int], max_new_tokens: int, token_budget: int, max_batch: int) -> list[list[int]]:
+    """Indices of requests grouped into batches, longest prompts first (sorted: little padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            batch = batches[-1]
+            width = lengths[batch[0]] + max_new_tokens  # the first is the longest
+            if len(batch) < max_batch and (len(batch) + 1) * width <= token_budget:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def sample_next(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """[B, V] logits -> [B] next token ids: argmax, or a draw per row from its own generator."""
+    if s.greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / s.temperature
+    if 0 < s.top_k < logits.shape[-1]:
+        kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if s.top_p < 1:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > s.top_p  # keep the smallest prefix holding top_p
+        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+    probs = probs.cpu()  # per-row CPU generators: a draw is the same on any device and in any batch
+    assert generators is not None
+    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+
+
+class TransformersDecoder:
+    """Batched decoding over a transformers causal LM with a static KV cache."""
+
+    def __init__(self, model: Any, stop_ids: set[int], pad_id: int, sampling: Sampling, token_budget: int,
+                 max_batch: int, compile: bool = False):
+        self.model = model
+        self.stop_ids = sorted(stop_ids)
+        self.pad_id = pad_id
+        self.sampling = sampling
+        self.token_budget = token_budget
+        self.max_batch = max_batch
+        self.device = next(model.parameters()).device
+        self.forward = model.forward
+        # transformers 5 renamed `past_key_values` to `cache` (the old name warns, then goes)
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        if compile and self.device.type == "cuda":
+            self.forward = torch.compile(model.forward, dynamic=True)
+
+    def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
+        out: list[Generated | None] = [None] * len(requests)
+        lengths = [len(r.prompt) for r in requests]
+        for batch in plan_batches(lengths, self.sampling.max_new_tokens, self.token_budget, self.max_batch):
+            for i, g in zip(batch, self.decode_batch([requests[i] for i in batch], on_tokens)):
+                out[i] = g
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def decode_batch(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
+        """One left-padded batch, decoded to the end of its longest answer."""
+        from transformers import StaticCache
+
+        n_new = self.sampling.max_new_tokens
+        bsz, width = len(requests), max(len(r.prompt) for r in requests)
+        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((bsz, width + n_new), dtype=torch.long)  # 1 on real tokens, 0 on left padding
+        for i, r in enumerate(requests):
+            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt): width] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # [B, P]: each row counts from 0
+        cache = StaticCache(config=self.model.config, max_cache_len=width + n_new)
+        gens = None if self.sampling.greedy else [torch.Generator().manual_seed(r.seed) for r in requests]
+        stop = torch.tensor(self.stop_ids, device=self.device)
+        logits = self.forward(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
+                              **{self.cache_kw: cache}, cache_position=torch.arange(width, device=self.device),
+                              use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens, done = [], torch.zeros(bsz, dtype=torch.bool, device=self.device)
+        last = positions[:, -1]
+        for t in range(n_new):
+            nxt = sample_next(logits, self.sampling, gens).to(self.device)
+            nxt = torch.where(done, self.pad_id, nxt)  # [B]; finished rows only pad
+            tokens.append(nxt)
+            if on_tokens is not None:
+                on_tokens(int((~done).sum()))
+            done = done | torch.isin(nxt, stop)
+            if t == n_new - 1 or bool(done.all()):
+                break
+            mask[:, width + t] = 1
+            last = last + 1
+            logits = self.forward(input_ids=nxt[:, None], attention_mask=mask[:, : width + t + 1],
+                                  position_ids=last[:, None], **{self.cache_kw: cache},
+                                  cache_position=torch.tensor([width + t], device=self.device),
+                                  use_cache=True).logits[:, -1]
+        return [self._finish(row) for row in torch.stack(tokens, 1).tolist()]
+
+    def _finish(self, row: list[int]) -> Generated:
+        for k, tok in enumerate(row):
+            if tok in self.stop_ids:
+                return Generated(row[:k], "stop")
+        return Generated(row[: self.sampling.max_new_tokens], "length")
+
+
+class VllmDecoder:
+    """`vllm.LLM` offline: the whole request list at once (vLLM batches and schedules itself)."""
+
+    def __init__(self, target_path: str, dtype: str, sampling: Sampling, stop_ids: set[int],
+                 tensor_parallel: int = 1):
+        import vllm
+
+        self.vllm = vllm
+        self.sampling = sampling
+        self.stop_ids = sorted(stop_ids)
+        dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        self.llm = vllm.LLM(model=target_path, dtype=dtypes[dtype], tensor_parallel_size=tensor_parallel,
+                            seed=sampling.seed, enable_prefix_caching=True)
+
+    def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
+        s = self.sampling
+        params = [self.vllm.SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=s.max_new_tokens, seed=None if s.greedy else r.seed, stop_token_ids=self.stop_ids,
+            skip_special_tokens=False, detokenize=False) for r in requests]
+        prompts = [{"prompt_token_ids": r.prompt} for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        result = []
+        for o in outputs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            if toks and toks[-1] in self.stop_ids:
+                toks = toks[:-1]
+            result.append(Generated(toks, "length" if c.finish_reason == "length" else "stop"))
+            if on_tokens is not None:
+                on_tokens(len(c.token_ids))
+        return result

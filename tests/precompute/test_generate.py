@@ -1,0 +1,228 @@
+"""dflash-generate on the tiny target: batched decoding equals one-at-a-time decoding (and plain
+`model.generate`), inputs of every kind become regenerated conversations, reruns resume, two gloo ranks
+write the files one rank writes, cut answers are kept or dropped, and dflash-precompute reads the output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_common.cli import UserError
+from dflash_common.config import load_config
+from precompute import generate
+from precompute.generate_chats import assistant_message, split_turns
+from precompute.generate_config import GenerateConfig
+from precompute.generate_decode import Request, Sampling, TransformersDecoder, plan_batches
+from precompute.inputs import resolve_inputs
+
+from precompute_helpers import ROOT, subprocess_env, write_jsonl
+
+PROMPTS = ["hi", "tell me about owls and their long history", "x" * 30, "why?", "bees " * 9]
+
+
+def _model(target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+           for p in PROMPTS]
+    return model, tok, [tok(t, add_special_tokens=False)["input_ids"] for t in ids]
+
+
+def _decoder(model, stop, sampling, budget=10_000):
+    return TransformersDecoder(model, stop, 256, sampling, token_budget=budget, max_batch=8)
+
+
+def test_batched_greedy_is_one_at_a_time_greedy_and_model_generate(tiny_target):
+    model, _, prompts = _model(tiny_target)
+    s = Sampling(0.0, 1.0, 0, 24, 0)
+    alone = [_decoder(model, {258}, s).decode_batch([Request(p, 0)])[0] for p in prompts]
+    for p, a in zip(prompts, alone):  # the reference computed another way: transformers' own loop
+        ref = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=258,
+                             pad_token_id=256)[0, len(p):].tolist()
+        assert a.tokens == [t for t in ref if t != 258][: len(a.tokens)] and len(ref) >= len(a.tokens)
+    stop = {alone[1].tokens[5]}  # a token the second answer emits: rows stop at different steps
+    alone = [_decoder(model, stop, s).decode_batch([Request(p, 0)])[0] for p in prompts]
+    batched = _decoder(model, stop, s).decode_batch([Request(p, 0) for p in prompts])
+    assert batched == alone
+    assert alone[1].finish_reason == "stop" and len(alone[1].tokens) <= 5
+    assert {a.finish_reason for a in alone} == {"stop", "length"}
+    split = _decoder(model, stop, s, budget=2 * (len(prompts[1]) + 24)).generate([Request(p, 0) for p in prompts])
+    assert split == alone  # several batches, sorted by length, answers back in request order
+
+
+def test_sampled_answers_do_not_depend_on_the_batch(tiny_target):
+    model, _, prompts = _model(tiny_target)
+    s = Sampling(1.0, 0.9, 50, 16, 0)
+    requests = [Request(p, 1000 + i) for i, p in enumerate(prompts)]
+    batched = _decoder(model, {258}, s).decode_batch(requests)
+    assert batched == [_decoder(model, {258}, s).decode_batch([r])[0] for r in requests]
+    other = _decoder(model, {258}, s).decode_batch([Request(p, 7) for p in prompts])
+    assert other != batched  # the seed matters
+
+
+def test_batches_are_length_sorted_and_within_budget():
+    lengths = [5, 50, 7, 49, 6]
+    batches = plan_batches(lengths, 10, token_budget=120, max_batch=8)
+    assert batches == [[1, 3], [2, 4, 0]]
+    assert all(len(b) * (lengths[b[0]] + 10) <= 120 for b in batches)
+
+
+def test_turns_and_thinking_are_split_as_documented():
+    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "A"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "B"}, {"role": "user", "content": "c"}]
+    assert split_turns(conv, "all") == ([], [conv[:2], [conv[3]], [conv[5]]])
+    assert split_turns(conv, "last") == (conv, [[]])
+    assert split_turns(conv[:5], "last") == (conv[:4], [[]])
+    assert assistant_message("<think>\nhmm\n</think>\n\nyes") == {"role": "assistant", "content": "yes",
+                                                                 "reasoning_content": "hmm"}
+
+
+# ------------------------------------------------------------------------------------ the job
+
+
+@pytest.fixture(scope="module")
+def chatty_target(tiny_target, tmp_path_factory):
+    """The tiny target whose generation_config also stops on every even byte: answers end early with
+    'stop', so multi-turn conversations get every turn answered."""
+    path = tmp_path_factory.mktemp("chatty") / "target"
+    shutil.copytree(tiny_target, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [258] + list(range(0, 256, 2))
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path
+
+
+def _conv(i, turns=2):
+    msgs = [{"role": "system", "content": "be brief"}]
+    for k in range(turns):
+        msgs += [{"role": "user", "content": f"question {i}.{k}?"}, {"role": "assistant", "content": f"old {i}.{k}"}]
+    return {"id": f"c{i}", "messages": msgs}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen-inputs")
+    a = [_conv(0), {"prompt": "owls?"}, "{broken", _conv(1, 1), {"input_ids": [1, 2], "loss_mask": [0, 1]},
+         {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "old"}]}]
+    write_jsonl(d / "a.jsonl", a)
+    (d / "b.txt").write_text("first prompt\nsecond prompt\n\nfourth prompt\n")
+    return [str(d / "a.jsonl"), str(d / "b.txt")]
+
+
+def _cfg(target, inputs, out, *overrides):
+    args = [f"--target.path={json.dumps(str(target))}", f"--data.inputs={json.dumps(inputs)}",
+            f"--output.dir={json.dumps(str(out))}", "--target.dtype=fp32", "--run.device=cpu",
+            "--run.samples_per_unit=2", "--generate.sort_window_units=1", "--sampling.max_new_tokens=12",
+            "--run.progress=false"]
+    return load_config(GenerateConfig, None, args + [f"--{o}" for o in overrides])
+
+
+def _files(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("u*.jsonl"))}
+
+
+def _records(out: Path) -> dict[str, dict]:
+    return {r["id"]: r for p in sorted(out.glob("u*.jsonl")) for r in map(json.loads, p.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def one_rank(chatty_target, inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "gen"
+    generate.run(_cfg(chatty_target, inputs, out))
+    return out
+
+
+def test_every_input_kind_is_answered_and_bad_records_are_counted(one_rank):
+    manifest = json.loads((one_rank / "manifest.json").read_text())
+    assert manifest["units"] == 5 and len(_files(one_rank)) == 5  # 10 records, 2 per unit
+    assert manifest["skips"]["counts"] == {"blank_line": 1, "malformed_json": 1, "pre_tokenized": 1}
+    records = _records(one_rank)
+    assert len(records) == 7 and manifest["counts"]["conversations"] == 7
+    two = records["c0"]
+    assert [m["role"] for m in two["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert two["generated_turns"] == 2 and all(not m["content"].startswith("old")
+                                              for m in two["messages"] if m["role"] == "assistant")
+    fourth = [r for k, r in records.items() if k.endswith("b.txt:4")][0]
+    assert fourth["messages"] == [{"role": "user", "content": "fourth prompt"}, fourth["messages"][1]]
+    assert sum(manifest["finish_reasons"].values()) == manifest["counts"]["turns"] == 8
+    assert manifest["settings"]["sampling"]["temperature"] == 0.0  # from generation_config.json: greedy
+
+
+def test_turns_last_keeps_the_history_and_answers_the_final_turn(chatty_target, inputs, one_rank, tmp_path):
+    out = tmp_path / "last"
+    generate.run(_cfg(chatty_target, inputs, out, "generate.turns=last"))
+    last, every = _records(out)["c0"], _records(one_rank)["c0"]
+    assert last["generated_turns"] == 1 and last["messages"][2] == {"role": "assistant", "content": "old 0.0"}
+    assert last["messages"][-1]["content"] != "old 0.1"
+    assert _files(out).keys().isdisjoint(_files(one_rank).keys())  # the settings are in the names
+    assert every["messages"][2]["content"] != "old 0.0"
+
+
+def test_a_rerun_resumes_and_gives_the_same_files(chatty_target, inputs, one_rank, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(one_rank, out)
+    first = sorted(out.glob("u*.jsonl"))[1]
+    first.unlink()
+    generate.run(_cfg(chatty_target, inputs, out))
+    assert _files(out) == _files(one_rank)
+    runs = json.loads((out / "manifest.json").read_text())["runs"]
+    assert runs[-1]["units_written"] == 1 and runs[-1]["units_already_written"] == 4
+    with pytest.raises(UserError, match="other settings"):
+        generate.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13"))
+
+
+def test_two_gloo_ranks_write_the_files_of_one(chatty_target, inputs, one_rank, tmp_path):
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "precompute.generate_cli", "--out", str(out), f"--target.path={chatty_target}",
+           f"--data.inputs={json.dumps(inputs)}", "--target.dtype=fp32", "--run.device=cpu",
+           "--run.samples_per_unit=2", "--generate.sort_window_units=1", "--sampling.max_new_tokens=12"]
+    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("plan:") == 1 and done.stdout.count("done:") == 1
+    assert _files(out) == _files(one_rank)
+    assert json.loads((out / "manifest.json").read_text())["runs"][0]["world_size"] == 2
+
+
+def test_cut_answers_are_kept_with_their_reason_or_dropped(tiny_target, inputs, tmp_path):
+    keep = tmp_path / "keep"
+    generate.run(_cfg(tiny_target, inputs, keep, "sampling.max_new_tokens=4"))
+    records = _records(keep)
+    cut = {k for k, r in records.items() if r["finish_reason"] == "length"}
+    assert len(cut) >= 5 and records["c0"]["finish_reason"] == "length"
+    assert records["c0"]["generated_turns"] == 1 and len(records["c0"]["messages"]) == 3  # ends at the cut
+    drop = tmp_path / "drop"
+    generate.run(_cfg(tiny_target, inputs, drop, "sampling.max_new_tokens=4", "generate.on_length=drop"))
+    manifest = json.loads((drop / "manifest.json").read_text())
+    assert manifest["skips"]["counts"]["cut_by_length"] == len(cut)
+    assert _records(drop) == {k: r for k, r in records.items() if k not in cut}
+
+
+def test_the_cli_prints_the_plan_and_the_summary_and_precompute_reads_the_output(chatty_target, inputs, tmp_path):
+    out = tmp_path / "cli"
+    base = ["--out", str(out), f"--target.path={chatty_target}", f"--data.inputs={json.dumps(inputs)}",
+            "--target.dtype=fp32", "--run.device=cpu", "--run.samples_per_unit=2", "--sampling.max_new_tokens=12"]
+    dry = subprocess.run([sys.executable, "-m", "precompute.generate_cli", *base, "--dry-run"], cwd=ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "plan: 10 input records -> 5 work units (0 already in" in dry.stdout and "done:" not in dry.stdout
+    assert "prompts to answer: 7; skipped 3 (blank_line 1, malformed_json 1, pre_tokenized 1)" in dry.stdout
+    assert "max tokens out: 96 (12 per turn, greedy" in dry.stdout and not list(out.glob("u*.jsonl"))
+    done = subprocess.run([sys.executable, "-m", "precompute.generate_cli", *base], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "done: 7 conversations (8 turns" in done.stdout and "5 shards written, 0 already there" in done.stdout
+    assert [s.path for s in resolve_inputs([str(out)])] == [str(p) for p in sorted(out.glob("u*.jsonl"))]
+    bad = subprocess.run([sys.executable, "-m", "precompute.generate_cli", "--out", str(tmp_path / "x"),
+                          "--target.path=/nonexistent", "--data.inputs=[\"a\"]"], cwd=ROOT, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "has no config.json" in bad.stderr

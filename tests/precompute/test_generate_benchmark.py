@@ -1,0 +1,18 @@
+"""benchmarks/generate.py --quick runs end to end and prints its table (a smoke test; figures are
+measured on an H200, not judged here)."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generate_benchmark_quick(capsys):
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "generate.py"), run_name="benchmark")
+    bench["main"](["--quick"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("tiny ")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 6
+    assert "(b)/roofline" in out and "roofline at 4.8 TB/s" in out
