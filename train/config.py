@@ -35,7 +35,9 @@ class DataConfig:
         "truncated to it.",
     )
     window_shards: int = option(
-        4, "Shards whose sequences are shuffled and packed together (the shuffle window, per rank)."
+        4, "Shards whose sequences are shuffled and packed together (the shuffle window, per rank); consecutive "
+        "steps see sequences of these shards only. A window of at least a rank's shards shuffles the whole "
+        "epoch, if data.cache_gb holds them all."
     )
     gpu_prefetch: int = option(
         1, "Batches copied to the GPU on a side stream while one trains: 1 overlaps copy and compute, 0 not."

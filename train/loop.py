@@ -364,15 +364,25 @@ def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
     load_weights_into(drafter, path / "drafter")
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
-    if ema is not None and "ema" in trainer_state:
-        ema.load_state_dict(trainer_state["ema"])
-    elif ema is not None:
-        log.warning("%s holds no weight average (regularise.ema was 0); the average starts from its weights", path)
-        ema.shadow = [p.detach().float().clone() for p in ema.params]
+    _resume_average(path, trainer_state.get("trained_weights"), drafter, ema)
     set_rng_state(ranks[d.rank]["rng"])
     if d.main:
         log.info("resuming from %s (step %d)", path, trainer_state["step"])
     return int(trainer_state["step"]), ranks[d.rank]["data"]
+
+
+def _resume_average(path: Path, trained: dict[str, torch.Tensor] | None, drafter, ema: WeightAverage | None) -> None:
+    """A checkpoint written with an EMA holds the average in drafter/ (just loaded) and the trained
+    weights in trainer.pt: the average becomes the EMA's shadow, the trained weights the drafter's."""
+    if ema is not None:
+        if trained is None:
+            log.warning("%s holds no weight average (regularise.ema was 0); the average starts from its weights", path)
+        ema.shadow = [p.detach().float().clone() for p in ema.params]
+    if trained is not None:
+        if ema is None:
+            log.warning("%s was written with regularise.ema; training goes on from its trained weights, "
+                        "without the average", path)
+        drafter.load_state_dict(trained)  # parameters only: the frozen head is a plain attribute
 
 
 def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
@@ -386,11 +396,13 @@ def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
     if r.dist.main:
         trainer_state = {"step": step, "optimizer": r.optimizer.state_dict(),
                          "scheduler": r.scheduler.state_dict(), "total_steps": r.total}
-        if r.ema is not None:
-            trainer_state["ema"] = r.ema.state_dict()  # the drafter/ directory keeps the trained weights
-        path = save_checkpoint(r.out, step, save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
-                               trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
-                               keep_last=r.cfg.checkpoint.keep_last)
+        if r.ema is not None:  # drafter/ holds the average (what validation measured and export takes)
+            trainer_state["trained_weights"] = {n: p.detach().cpu().clone() for n, p in r.drafter.named_parameters()}
+        with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():
+            path = save_checkpoint(r.out, step,
+                                   save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
+                                   trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
+                                   keep_last=r.cfg.checkpoint.keep_last)
         write_report(r.out)
     if r.dist.world > 1:
         dist.barrier()

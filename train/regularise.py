@@ -8,7 +8,8 @@ features while training, and an exponential moving average (EMA) of the weights.
 - EMA: shadow = decay * shadow + (1 - decay) * weights after every optimiser step, starting from the
   initial weights (no bias correction: with decay 0.999 the first ~1000 steps lean on the random
   start, which is what a cosine warmup is spent on anyway). Validation and the final drafter use the
-  shadow (`swapped_in`); a checkpoint keeps the shadow beside the trained weights.
+  shadow (`swapped_in`); a checkpoint's drafter/ holds the shadow (what validation measured, what
+  dflash-export and dflash-eval read) and its trainer.pt the trained weights, to resume from.
 """
 
 from __future__ import annotations
@@ -69,9 +70,3 @@ class WeightAverage:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: s.cpu() for n, s in zip(self.names, self.shadow)}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if sorted(state) != sorted(self.names):
-            raise ValueError("EMA state does not hold this drafter's parameters")
-        for i, n in enumerate(self.names):
-            self.shadow[i].copy_(state[n])
