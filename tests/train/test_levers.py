@@ -136,3 +136,17 @@ def test_ema_equals_the_running_average_written_out(two_batches):
     with torch.no_grad():  # leave the module fixture as it was
         for n, p in drafter.named_parameters():
             p.copy_(start[n])
+
+
+def test_resuming_with_or_without_an_average_the_checkpoint_lacks_or_holds(two_batches, tmp_path):
+    cfg, drafter, _ = two_batches
+    start = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    trained = {n: t + 1.0 for n, t in start.items()}  # as a checkpoint's trainer.pt holds them
+    ema = WeightAverage(drafter, 0.9)
+    loop._resume_average(tmp_path, trained, drafter, ema)  # drafter/ (the average) was just loaded
+    assert all(torch.equal(s, start[n]) for n, s in ema.state_dict().items())
+    assert all(torch.equal(p, trained[n]) for n, p in drafter.named_parameters())
+    loop._resume_average(tmp_path, None, drafter, ema)  # written without an EMA: it starts from the weights
+    assert all(torch.equal(s, trained[n]) for n, s in ema.state_dict().items())
+    loop._resume_average(tmp_path, start, drafter, None)  # the EMA turned off: train on the trained weights
+    assert all(torch.equal(p, start[n]) for n, p in drafter.named_parameters())
