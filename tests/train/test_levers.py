@@ -53,7 +53,7 @@ def _close(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("normalise", ["weight", "anchors"])
 def test_dpace_loss_and_gradient_equal_the_explicit_objective(two_batches, normalise):
-    cfg, drafter, (batch, _) = two_batches
+    _, drafter, (batch, _) = two_batches
     loss, norm, _ = batch_objective(drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=None,
                                     autocast="none", weights="dpace", dpace_alpha=0.3, normalise=normalise)
     got = _grads(drafter, loss / norm)
@@ -139,7 +139,7 @@ def test_ema_equals_the_running_average_written_out(two_batches):
 
 
 def test_resuming_with_or_without_an_average_the_checkpoint_lacks_or_holds(two_batches, tmp_path):
-    cfg, drafter, _ = two_batches
+    _, drafter, _ = two_batches
     start = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     trained = {n: t + 1.0 for n, t in start.items()}  # as a checkpoint's trainer.pt holds them
     ema = WeightAverage(drafter, 0.9)
