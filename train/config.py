@@ -35,7 +35,9 @@ class DataConfig:
         "truncated to it.",
     )
     window_shards: int = option(
-        4, "Shards whose sequences are shuffled and packed together (the shuffle window, per rank)."
+        4, "Shards whose sequences are shuffled and packed together (the shuffle window, per rank); consecutive "
+        "steps see sequences of these shards only. A window of at least a rank's shards shuffles the whole "
+        "epoch, if data.cache_gb holds them all."
     )
     gpu_prefetch: int = option(
         1, "Batches copied to the GPU on a side stream while one trains: 1 overlaps copy and compute, 0 not."
@@ -104,13 +106,53 @@ class DrafterSection:
 @dataclass(frozen=True)
 class ObjectiveSection:
     max_anchors: int = option(512, "Anchors sampled per sequence per epoch, at most (among loss-mask positions).")
+    anchors: Literal["block", "label"] = option(
+        "block", "Which response positions may be anchors: 'block' = p <= S-B, the whole block inside the "
+        "sequence (the paper's bound); 'label' = p <= S-2 with p+1 a response token, i.e. at least one valid "
+        "label, labels past the end weighing zero (SpecForge's rule: the last tokens of a response, end of turn "
+        "included, are learnt at block position 1). Validation always uses 'block', so runs compare."
+    )
     gamma: float | None = option(
-        None, "Loss weight decay exp(-(k-1)/gamma) over block positions; none = by block size (7 for 16)."
+        None, "Loss weight decay exp(-(k-1)/gamma) over block positions (weights = gamma); none = by block "
+        "size (7 for 16)."
+    )
+    weights: Literal["gamma", "dpace"] = option(
+        "gamma", "Per-position loss weights: 'gamma' = exp(-(k-1)/gamma); 'dpace' = D-PACE (arXiv 2605.18810), "
+        "detached from the drafter's own confidence exp(-CE) at each block position, with dpace_alpha; "
+        "validation always reports the gamma-weighted loss, so runs compare."
+    )
+    dpace_alpha: float = option(
+        0.5, "D-PACE's floor on each position's acceptance factor: alpha + (1-alpha)*exp(-CE) (weights = dpace)."
+    )
+    normalise: Literal["weight", "anchors"] = option(
+        "weight", "What the step's summed weighted CE is divided by, over all micro-batches and ranks: "
+        "'weight' = the summed weights; 'anchors' = the number of blocks with at least one valid label."
     )
 
     def __post_init__(self):
         check(self.max_anchors >= 1, f"objective.max_anchors must be >= 1, got {self.max_anchors}.")
         check(self.gamma is None or self.gamma > 0, f"objective.gamma must be > 0, got {self.gamma}.")
+        check(self.anchors in ("block", "label"), f"objective.anchors must be block or label, got {self.anchors!r}.")
+        check(self.weights in ("gamma", "dpace"), f"objective.weights must be gamma or dpace, got {self.weights!r}.")
+        check(0 < self.dpace_alpha <= 1, f"objective.dpace_alpha must be in (0, 1], got {self.dpace_alpha}.")
+        check(self.normalise in ("weight", "anchors"),
+              f"objective.normalise must be weight or anchors, got {self.normalise!r}.")
+
+
+@dataclass(frozen=True)
+class RegulariseConfig:
+    noise: float = option(
+        0.0, "Gaussian noise added to the context features while training (never in validation), with a "
+        "standard deviation of this times each token's per-layer feature RMS; 0 = none."
+    )
+    ema: float = option(
+        0.0, "Decay of an exponential moving average of the weights, updated after every optimiser step "
+        "(e.g. 0.999); validation and the final drafter use the averaged weights, checkpoints keep both; 0 = none."
+    )
+
+    def __post_init__(self):
+        check(0 <= self.noise, f"regularise.noise must be >= 0, got {self.noise}.")
+        check(0 <= self.ema < 1, f"regularise.ema must be in [0, 1), got {self.ema}.")
 
 
 @dataclass(frozen=True)
@@ -197,6 +239,7 @@ class TrainConfig:
     data: DataConfig = section(DataConfig, "Stores, shard cache, batching and held-out data.")
     drafter: DrafterSection = section(DrafterSection, "Shape of the drafter being trained.")
     objective: ObjectiveSection = section(ObjectiveSection, "The DFlash objective: anchors and loss weights.")
+    regularise: RegulariseConfig = section(RegulariseConfig, "Regularisers for small data: feature noise, EMA.")
     optim: OptimConfig = section(OptimConfig, "AdamW and the learning-rate schedule.")
     precision: PrecisionConfig = section(PrecisionConfig, "Mixed precision.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")

@@ -137,8 +137,10 @@ def slot_size(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: S
 
 
 def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int], generator: torch.Generator,
-             block_size: int, max_anchors: int, epoch: int, index: int, handles: list[Handle]) -> HostBatch:
-    """Planned rows [n, 3] (shard, sequence, tokens) -> a HostBatch, anchors drawn from `generator`."""
+             block_size: int, max_anchors: int, epoch: int, index: int, handles: list[Handle],
+             anchor_rule: str = "block") -> HostBatch:
+    """Planned rows [n, 3] (shard, sequence, tokens) -> a HostBatch, anchors drawn from `generator` by
+    `anchor_rule` (objective.sample_anchors)."""
     ids, mask, segments, lengths, dst = [], [], [], [], 0
     for shard, seq, n in rows.tolist():
         slot = shards[slot_of[shard]]
@@ -151,7 +153,7 @@ def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int],
     input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
     loss_mask = torch.from_numpy(np.concatenate(mask).astype(np.int64))
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    anchors = sample_anchors(loss_mask, cu, block_size, max_anchors, generator).long()
+    anchors = sample_anchors(loss_mask, cu, block_size, max_anchors, generator, anchor_rule).long()
     return HostBatch(epoch, index, input_ids, loss_mask, cu, anchors, segments, shards, handles)
 
 
@@ -218,7 +220,7 @@ class BatchNode(BaseNode[HostBatch]):
     """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next batch."""
 
     def __init__(self, plan: DataPlan, cache: ShardCache, *, rank: int, seed: int, block_size: int,
-                 max_anchors: int, bad: BadShards | None = None):
+                 max_anchors: int, bad: BadShards | None = None, anchor_rule: str = "block"):
         super().__init__()
         self.plan = plan
         self.cache = cache
@@ -226,6 +228,7 @@ class BatchNode(BaseNode[HostBatch]):
         self.seed = seed
         self.block_size = block_size
         self.max_anchors = max_anchors
+        self.anchor_rule = anchor_rule  # training only: validation keeps 'block', so runs compare
         self.bad = bad if bad is not None else BadShards()
         self.epoch = 0
         self.index = 0
@@ -272,7 +275,7 @@ class BatchNode(BaseNode[HostBatch]):
         rows, keys, handles, slots = got
         gen = seeded_generator(self.seed, _ANCHORS, self.epoch, self.rank, self.index)
         batch = assemble(rows, slots, {k: i for i, k in enumerate(keys)}, gen, self.block_size,
-                         self.max_anchors, self.epoch, self.index, handles)
+                         self.max_anchors, self.epoch, self.index, handles, self.anchor_rule)
         self.index += 1
         return batch
 
@@ -412,7 +415,7 @@ class TrainData:
             val_cache = ShardCache(SlotSlab.allocate(n, cache.slab.slot_bytes), 1,
                                    shard_reader(stores, shards, layer_ids), threads=1)
         node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=cfg.drafter.block_size,
-                         max_anchors=cfg.objective.max_anchors, bad=bad)
+                         max_anchors=cfg.objective.max_anchors, bad=bad, anchor_rule=cfg.objective.anchors)
         loader = build_loader(node, d.host_prefetch)
         feeder_args = dict(stores=stores, layer_ids=list(layer_ids), device=device, batch_tokens=d.batch_tokens,
                            autocast=cfg.precision.autocast)

@@ -44,6 +44,7 @@ from train.checkpoint import (
 from train.config import TrainConfig
 from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
+from train.regularise import WeightAverage, add_feature_noise, noise_generator
 from train.report import write_report
 from train.target import mask_token_id, target_config, tokenizer_sha256
 from train.validate import batch_objective, evaluate_batches, summarize
@@ -160,8 +161,9 @@ class StepInfo:
 
 
 def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg: TrainConfig,
-               sums: torch.Tensor, counts: torch.Tensor) -> StepInfo:
-    """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and `counts`."""
+               sums: torch.Tensor, counts: torch.Tensor, ema: WeightAverage | None = None) -> StepInfo:
+    """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and `counts`;
+    then the weights' moving average, if kept, takes the new weights in."""
     info = accumulate_gradients(model, drafter, feeder, cfg, sums, counts)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
@@ -171,27 +173,35 @@ def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg:
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    if ema is not None:
+        ema.update()
     return dataclasses.replace(info, lr=lr)
 
 
 def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: torch.Tensor,
                          counts: torch.Tensor) -> StepInfo:
     """Gradients of the step's objective: the weighted CE summed over every micro-batch of every rank,
-    divided by their summed weight; the same gradient as one batch holding them all, whatever
-    `grad_accum` and the number of ranks (not a mean of per-batch means, which would weigh a token
-    of a batch with few anchors more). Each micro-batch backpropagates its plain sum; the weights are
-    summed over ranks (one small all_reduce, no host sync) and the gradients scaled once at the end."""
-    accum = cfg.optim.grad_accum
+    divided by their summed normaliser (the weights, or the blocks under objective.normalise =
+    anchors); the same gradient as one batch holding them all, whatever `grad_accum` and the number
+    of ranks (not a mean of per-batch means, which would weigh a token of a batch with few anchors
+    more). Each micro-batch backpropagates its plain sum; the normalisers are summed over ranks (one
+    small all_reduce, no host sync) and the gradients scaled once at the end."""
+    accum, o = cfg.optim.grad_accum, cfg.objective
+    rank = dist.get_rank() if dist.is_initialized() else 0
     weight_sum = torch.zeros((), dtype=torch.float64, device=sums.device)  # this step's, on this rank
     for micro in range(accum):
         batch = next(feeder)
         if batch.anchors.numel() == 0:
             raise RuntimeError(f"batch {batch.index} of epoch {batch.epoch} has no anchors")
+        if cfg.regularise.noise > 0:
+            gen = noise_generator(batch.features.device, cfg.run.seed, batch.epoch, rank, batch.index)
+            add_feature_noise(batch.features, drafter.cfg.hidden_size, cfg.regularise.noise, gen)
         last = micro == accum - 1
         sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
         with sync:
-            loss_sum, weight, c = batch_objective(drafter, model, batch, block_size=drafter.cfg.block_size,
-                                                  gamma=cfg.objective.gamma, autocast=cfg.precision.autocast)
+            loss_sum, weight, c = batch_objective(
+                drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
+                autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
@@ -271,6 +281,7 @@ class Run:
     total: int
     start: int  # optimiser steps already done (resume)
     position: dict[str, Any] | None  # data position to resume from
+    ema: WeightAverage | None = None  # the weights' moving average (regularise.ema > 0)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -289,12 +300,13 @@ def setup(cfg: TrainConfig) -> Run:
     data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
-    start, position = resume(from_path, d, drafter, optimizer, scheduler)
+    ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
+    start, position = resume(from_path, d, drafter, optimizer, scheduler, ema)
     model = drafter
     if d.world > 1:
         model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
                     broadcast_buffers=False)  # no buffers; the frozen head is a plain attribute
-    return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position)
+    return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position, ema)
 
 
 def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Path | None:
@@ -339,8 +351,10 @@ def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
                     ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:8]))
 
 
-def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler) -> tuple[int, dict | None]:
-    """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position)."""
+def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
+           ema: WeightAverage | None = None) -> tuple[int, dict | None]:
+    """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An EMA
+    missing from the checkpoint (it was written without regularise.ema) restarts from its weights."""
     if path is None:
         return 0, None
     trainer_state, ranks = load_checkpoint(path)
@@ -350,10 +364,25 @@ def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler) -> tuple[i
     load_weights_into(drafter, path / "drafter")
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
+    _resume_average(path, trainer_state.get("trained_weights"), drafter, ema)
     set_rng_state(ranks[d.rank]["rng"])
     if d.main:
         log.info("resuming from %s (step %d)", path, trainer_state["step"])
     return int(trainer_state["step"]), ranks[d.rank]["data"]
+
+
+def _resume_average(path: Path, trained: dict[str, torch.Tensor] | None, drafter, ema: WeightAverage | None) -> None:
+    """A checkpoint written with an EMA holds the average in drafter/ (just loaded) and the trained
+    weights in trainer.pt: the average becomes the EMA's shadow, the trained weights the drafter's."""
+    if ema is not None:
+        if trained is None:
+            log.warning("%s holds no weight average (regularise.ema was 0); the average starts from its weights", path)
+        ema.shadow = [p.detach().float().clone() for p in ema.params]
+    if trained is not None:
+        if ema is None:
+            log.warning("%s was written with regularise.ema; training goes on from its trained weights, "
+                        "without the average", path)
+        drafter.load_state_dict(trained)  # parameters only: the frozen head is a plain attribute
 
 
 def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
@@ -367,9 +396,13 @@ def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
     if r.dist.main:
         trainer_state = {"step": step, "optimizer": r.optimizer.state_dict(),
                          "scheduler": r.scheduler.state_dict(), "total_steps": r.total}
-        path = save_checkpoint(r.out, step, save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
-                               trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
-                               keep_last=r.cfg.checkpoint.keep_last)
+        if r.ema is not None:  # drafter/ holds the average (what validation measured and export takes)
+            trainer_state["trained_weights"] = {n: p.detach().cpu().clone() for n, p in r.drafter.named_parameters()}
+        with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():
+            path = save_checkpoint(r.out, step,
+                                   save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
+                                   trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
+                                   keep_last=r.cfg.checkpoint.keep_last)
         write_report(r.out)
     if r.dist.world > 1:
         dist.barrier()
@@ -379,8 +412,9 @@ def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
 def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any] | None:
     if r.data.val_cache is None:
         return None
-    result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
-                              gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True)
+    with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # validate what is exported
+        result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
+                                  gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True)
     record = {"kind": "val", "step": step, **result}
     if metrics is not None:
         metrics.write(record)
@@ -434,7 +468,8 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     bar = tqdm(total=r.total, initial=r.start, disable=not (main and c.log.progress), unit="step", dynamic_ncols=True)
     with StopRequest() as stop, logging_redirect_tqdm():
         for step in range(r.start + 1, r.total + 1):
-            info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, c, window.sums, window.counts)
+            info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, c, window.sums, window.counts,
+                              r.ema)
             bar.update(1)
             last = step == r.total
             if step % c.log.every_steps == 0 or last:
@@ -474,7 +509,8 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
             log.info("stopped by %s after step %d; checkpoint saved in %s; run the same command again "
                      "to resume", signal.Signals(stopped).name, saved, ckpt)
         else:
-            save_drafter(r.drafter, r.out / "drafter", dtype=torch.bfloat16, overwrite=True)  # as served
+            with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # the average, if kept
+                save_drafter(r.drafter, r.out / "drafter", dtype=torch.bfloat16, overwrite=True)  # as served
             write_report(r.out)
             log.info("done: %d steps; drafter in %s, checkpoint in %s, report %s", saved, r.out / "drafter", ckpt,
                      r.out / "report.png")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_common.drafter.loss import fused_lm_head_loss
-from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels
+from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels, dpace_weights
 
 
 def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -35,21 +35,32 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
-                    gamma: float | None, autocast: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    gamma: float | None, autocast: str, weights: str = "gamma", dpace_alpha: float = 0.5,
+                    normalise: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
-    Returns (weighted CE sum: float32 scalar with grad, weight sum: float32 scalar, counts [2B+2]).
+    `weights` 'gamma' or 'dpace' and `normalise` 'weight' or 'anchors' as in train/config.py's
+    [objective]; D-PACE weights come from the same forward's per-row CE (no second pass).
+    Returns (weighted CE sum: float32 scalar with grad, its normaliser: the weight sum or the number
+    of blocks with a valid label, float32 scalar, counts [2B+2]).
     """
     device = batch.features.device
-    labels, weights = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors,
-                                   block_size, gamma)  # [A, B] each
+    labels, w = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors,
+                             block_size, gamma)  # [A, B] each
+    valid = labels != IGNORE_INDEX
     enabled = autocast == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = model(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
-        out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(),
-                                 weights.flatten())
+        row_w = valid.float() if weights == "dpace" else w  # D-PACE: unit weights, reweighted below
+        out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten())
+    if weights == "dpace":
+        w = dpace_weights(out.rows.detach().view_as(labels), valid, dpace_alpha)
+        loss = (w.flatten() * out.rows).sum()
+    else:
+        loss = out.loss
+    norm = valid[:, 1:].any(1).sum().float() if normalise == "anchors" else w.sum()
     correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
-    return out.loss, weights.sum(), block_counts(correct, labels != IGNORE_INDEX)
+    return loss, norm, block_counts(correct, valid)
 
 
 def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:

@@ -2,7 +2,14 @@
 
     fused_lm_head_loss(hidden [N, H], lm_head_weight [V, H], labels [N], weights [N])
         -> LossOutput(loss = sum_i w_i * CE(hidden_i @ W^T, label_i)  (float32 scalar, grad wrt hidden),
-                      correct = argmax == label  [N] bool)
+                      correct = argmax == label  [N] bool,
+                      rows = w_i * CE_i  [N] float32, with grad wrt hidden)
+
+Weights computed from the same forward's cross-entropy (D-PACE) need no second pass: run with unit
+weights on the valid rows, form w from `rows.detach()`, and backpropagate (w * rows).sum(). Row i
+of the loss depends on row i of hidden only, so the backward scales row i of the stored gradient by
+the gradient arriving at rows[i]: exactly sum_i w_i dCE_i/dhidden, at the cost of one [N, H]
+row-scaling (the same as the scalar scaling it replaces).
 
 Design (FLOPs first). The lm_head is frozen, so the only gradient is d loss / d hidden. Two designs:
 
@@ -44,6 +51,7 @@ _ROW_QUANTUM = 512
 class LossOutput(NamedTuple):
     loss: torch.Tensor  # float32 scalar: weighted sum of per-row cross-entropy
     correct: torch.Tensor  # [N] bool: argmax of the logits == label (False for skipped rows)
+    rows: torch.Tensor  # [N] float32: weighted cross-entropy of each row (0 for skipped rows)
 
 
 def fused_lm_head_loss(
@@ -62,10 +70,10 @@ def fused_lm_head_loss(
     backend = resolve_backend(backend, hidden.device)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if not need_grad:
-        loss, correct, _ = _chunked_loss(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes, False)
-        return LossOutput(loss, correct)
-    loss, correct = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes)
-    return LossOutput(loss, correct)
+        rows, correct, _ = _chunked_loss(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes, False)
+        return LossOutput(rows.sum(), correct, rows)
+    rows, correct = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes)
+    return LossOutput(rows.sum(), correct, rows)
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton", "torch"]:
@@ -87,17 +95,17 @@ def _triton_available() -> bool:
 class _FusedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, backend, chunk_bytes):
-        loss, correct, grad = _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, True)
-        ctx.grad_hidden = grad  # [N, H], d loss / d hidden for grad_output = 1
+        rows, correct, grad = _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, True)
+        ctx.grad_hidden = grad  # [N, H]: row i is d rows[i] / d hidden[i] (no other row depends on it)
         ctx.mark_non_differentiable(correct)
-        return loss, correct
+        return rows, correct
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_rows, grad_correct):
         grad, ctx.grad_hidden = ctx.grad_hidden, None
         if grad is None:
             raise RuntimeError("fused_lm_head_loss supports one backward pass per forward")
-        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None, None
+        return grad.mul_(grad_rows[:, None]), None, None, None, None, None  # in float32, rounded once
 
 
 def chunk_rows(n_rows: int, hidden_size: int, vocab: int, logits_bytes_per_value: int,
@@ -119,7 +127,7 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
     dense = m == n  # no row dropped: slices instead of gathers
     correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     grad = torch.zeros_like(hidden) if need_grad else None
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    rows_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     # the torch path also holds a float32 copy of the chunk
     per_value = weight.element_size() + (4 if backend == "torch" else 0)
     step = chunk_rows(n, hidden.shape[1], v, per_value, hidden.element_size(), chunk_bytes)
@@ -128,14 +136,14 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
         h = hidden[rows].to(weight.dtype)  # [c, H]
         logits = h @ weight.T  # [c, V]; becomes d loss / d logits in place
         row_loss, row_correct = _weighted_ce(backend, logits, labels[rows].long(), weights[rows].float(), need_grad)
-        loss += row_loss.sum()
+        rows_loss[rows] = row_loss
         correct[rows] = row_correct
         if need_grad and dense and grad.dtype == logits.dtype:
             torch.mm(logits, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
         elif need_grad:
             grad[rows] = (logits @ weight).to(grad.dtype)
         del logits  # else the next chunk's matmul allocates while this one is alive: two chunks at peak
-    return loss, correct, grad
+    return rows_loss, correct, grad
 
 
 def _weighted_ce(backend, logits, labels, weights, compute_grad):

@@ -1,13 +1,17 @@
 """The DFlash training objective on a packed batch: where blocks start, what they predict, how much
 each prediction weighs, and the acceptance-length (tau) estimate from per-position correctness.
 
-- Anchors: drawn without replacement among loss-mask (response) positions p <= S - B of each
-  sequence (so the whole block lies inside it), at most `max_anchors` per sequence, from a seeded
-  generator; the caller draws again every epoch.
+- Anchors: drawn without replacement among loss-mask (response) positions of each sequence, at
+  most `max_anchors` per sequence, from a seeded generator; the caller draws again every epoch.
+  Rule 'block' (the paper's bound): p <= S - B, so the whole block lies inside the sequence.
+  Rule 'label' (SpecForge's): p <= S - 2 and p + 1 is a response token, i.e. at least one valid
+  label; labels past the end weigh zero, so the last tokens of a response (end of turn included)
+  are also learnt at block position 1, and an end of turn followed by a user turn is no anchor.
 - Labels: block position k predicts the token at anchor + k: *same position, no shift*. Position 0
   (the anchor, which the block is given) is not a prediction.
 - Weights: exp(-(k - 1) / gamma) for k >= 1; zero at k = 0, past the sequence end and outside the
-  loss mask. Labels with zero weight are IGNORE_INDEX.
+  loss mask. Labels with zero weight are IGNORE_INDEX. Or D-PACE (arXiv 2605.18810), from the
+  drafter's own detached per-position cross-entropy: `dpace_weights`.
 - Tau estimate: per block, accepted = leading correct predictions from k = 1 (a position that is not
   a valid prediction ends the run, as the served draft would stop there); tau = 1 + mean accepted.
   The trainer's validation and the eval's offline estimate both use `AcceptanceCounts`.
@@ -17,8 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+AnchorRule = Literal["block", "label"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore label
 
@@ -45,15 +52,24 @@ def sample_anchors(
     block_size: int,
     max_anchors: int,
     generator: torch.Generator,
+    rule: AnchorRule = "block",
 ) -> torch.Tensor:
     """Packed anchor positions [A] (sorted): per sequence, up to `max_anchors` distinct loss-mask
-    positions p with p <= S - B, uniformly at random from `generator` (deterministic for a seed)."""
+    positions eligible by `rule` (see the module docstring), uniformly at random from `generator`
+    (deterministic for a seed)."""
     device = loss_mask.device
     cu = cu_seqlens.to(device, torch.long)
     total = loss_mask.shape[0]
     tokens = torch.arange(total, device=device)
     seq = _sequence_ids(cu, tokens)  # [T]
-    eligible = loss_mask.bool() & (tokens <= cu[seq + 1] - block_size)  # p <= S - B, local
+    mask = loss_mask.bool()
+    if rule == "block":
+        eligible = mask & (tokens <= cu[seq + 1] - block_size)  # p <= S - B, local
+    elif rule == "label":
+        next_in_mask = torch.cat([mask[1:], mask.new_zeros(1)])  # loss_mask[p + 1]
+        eligible = mask & next_in_mask & (tokens <= cu[seq + 1] - 2)  # p + 1 inside the sequence
+    else:
+        raise ValueError(f"anchor rule {rule!r} unknown; use 'block' or 'label'")
     keys = torch.rand(total, generator=generator, device=generator.device, dtype=torch.float64).to(device)
     keys = torch.where(eligible, keys, 2.0)  # ineligible positions sort last in their sequence
     order = torch.argsort(seq.double() * 4.0 + keys)  # grouped by sequence, random within
@@ -84,6 +100,23 @@ def block_labels(
     decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)  # [B]
     weights = torch.where(valid, decay, 0.0)
     return labels, weights
+
+
+def dpace_weights(row_ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [A, B] (float32, no gradient) from the drafter's own per-position
+    cross-entropy row_ce [A, B] and the prediction mask valid [A, B] (False at k = 0):
+
+        q_k = exp(-CE_k)                       the draft's probability of the label at k
+        q~_k = alpha + (1 - alpha) q_k         where valid, else 1
+        C_k = prod_{j <= k} q~_j               a soft chance that drafts 1..k are all accepted
+        w_k = valid_k * sum_{j >= k} valid_j C_j
+
+    so a position weighs what its acceptance buys downstream, and the fixed gamma decay is dropped."""
+    q = torch.exp(-row_ce.detach().float())
+    q_soft = torch.where(valid, alpha + (1.0 - alpha) * q, torch.ones_like(q))
+    reach = torch.cumprod(q_soft, dim=1) * valid  # [A, B]: valid_j C_j
+    tail = reach.flip(1).cumsum(1).flip(1)  # [A, B]: sum over j >= k
+    return tail * valid
 
 
 @dataclass

@@ -77,3 +77,15 @@ def test_holdout_is_fixed_by_names_not_the_seed_and_never_trained():
     val = _plan(shards, holdout=13, seed=5).val_batches(0)
     assert sorted(tuple(r) for b in val for r in b[:, :2].tolist()) == sorted(
         (s, q) for s, v in enumerate(split.val) for q in v.tolist())
+
+
+def test_a_window_as_large_as_the_store_shuffles_every_sequence_with_every_other():
+    # the full-shuffle setting (issue 17): data.window_shards >= a rank's shards, the cache holding them all
+    shards = _shards(per_store=6, seqs=40)
+    full = _plan(shards, window_shards=1000, batch_tokens=400).epoch(0, 0)
+    assert len(full.windows) == 1 and sorted(full.windows[0].tolist()) == list(range(6))
+    first = _plan(shards, window_shards=1000, batch_tokens=400).epoch(0, 0).batches[:3]
+    assert len({s for b in first for s in b[:, 0].tolist()}) > 2  # early batches draw on many shards
+    narrow = _plan(shards, window_shards=1, batch_tokens=400).epoch(0, 0)
+    assert all(len(set(b[:, 0].tolist())) == 1 for b in narrow.batches)  # one shard per batch
+    assert sorted(_seqs(full)) == sorted(_seqs(narrow))  # the same sequences, once each, either way

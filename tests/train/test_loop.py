@@ -45,9 +45,16 @@ def _curve(run_dir):
     return [tuple(json.dumps(r.get(k)) for k in keys) for r in read_metrics(run_dir)]
 
 
-def test_stop_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tiny_store, tiny_target, tmp_path, monkeypatch):
+# every lever of issue 17 that is not the recipe's default, so that resume is proven with them too
+LEVERS = ["--objective.anchors=label", "--objective.weights=dpace", "--objective.normalise=anchors",
+          "--regularise.noise=0.1", "--regularise.ema=0.9"]
+
+
+@pytest.mark.parametrize("levers", [[], LEVERS], ids=["recipe", "levers"])
+def test_stop_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tiny_store, tiny_target, tmp_path, monkeypatch,
+                                                                      levers):
     extra = ["--optim.max_steps=8", "--optim.grad_accum=2", "--validation.every_steps=4",
-             "--checkpoint.every_steps=100"]
+             "--checkpoint.every_steps=100", *levers]
     loop.run(_cfg(*_args(tiny_store, tiny_target, tmp_path / "straight", *extra)))
 
     real_step, calls = loop.train_step, []
@@ -74,6 +81,8 @@ def test_stop_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tiny_store
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     first = load_file(stopped / "step-3" / "drafter" / "model.safetensors")
     assert not all(torch.equal(first[k], b[k]) for k in b)
+    if levers:
+        _check_the_average_is_resumed_and_exported(tmp_path / "straight", stopped, b)
 
     # the offline estimate reads the same held-out sequences with the same anchors as validation did
     drafter, _ = load_drafter(stopped / "step-8")
@@ -84,6 +93,17 @@ def test_stop_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(tiny_store
     val = [r for r in read_metrics(stopped) if r["kind"] == "val"][-1]
     for key in ("loss", "acc", "tau", "acc_by_pos", "sequences"):
         assert offline[key] == pytest.approx(val[key], rel=1e-6), key
+
+
+def _check_the_average_is_resumed_and_exported(straight: Path, stopped: Path, average: dict) -> None:
+    """With an EMA, a checkpoint's drafter/ is the average and trainer.pt the trained weights, which
+    resume as an uninterrupted run has them; the final drafter is the average (as bf16)."""
+    trained = [torch.load(run / "step-8" / "trainer.pt", weights_only=True)["trained_weights"]
+               for run in (straight, stopped)]
+    assert trained[0].keys() == average.keys() and all(torch.equal(trained[0][k], trained[1][k]) for k in average)
+    assert not all(torch.equal(trained[1][k], average[k]) for k in average)
+    final = load_file(stopped / "drafter" / "model.safetensors")
+    assert all(torch.equal(final[k], average[k].to(torch.bfloat16)) for k in average)
 
 
 def _store_fingerprint(path: Path) -> dict[str, tuple[str, int]]:

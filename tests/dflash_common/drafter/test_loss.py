@@ -126,3 +126,21 @@ def test_triton_on_the_gpu_matches_the_torch_backend_in_bf16():
         hidden.grad = None
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-2)
     torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_bytes", [None, 300 * 8 * 5], ids=["one-chunk", "chunks-of-5-rows"])
+def test_rows_reweighted_after_the_forward_give_the_gradient_of_the_reweighted_objective(backend, chunk_bytes):
+    # D-PACE's path: unit weights in the fused forward, per-row weights from its own CE applied after
+    hidden, weight, labels, weights = _case(seed=2)
+    unit = ((weights != 0) & (labels != IGNORE_INDEX)).float()
+    out = fused_lm_head_loss(hidden, weight, labels, unit, backend=backend, chunk_bytes=chunk_bytes)
+    logits = hidden.detach().float() @ weight.float().T
+    ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
+    torch.testing.assert_close(out.rows, ce * unit, rtol=1e-5, atol=1e-5)  # per-row CE, 0 where skipped
+    w = torch.exp(-out.rows.detach()) + torch.arange(len(unit)) / 10  # depends on this forward's CE
+    (w * out.rows).sum().backward()
+    got_grad, hidden.grad = hidden.grad, None
+    ref = F.cross_entropy(hidden.float() @ weight.float().T, labels, reduction="none", ignore_index=IGNORE_INDEX)
+    (w * unit * ref).sum().backward()
+    torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels, default_gamma, sample_anchors
+from dflash_common.drafter.objective import (
+    IGNORE_INDEX, AcceptanceCounts, block_labels, default_gamma, dpace_weights, sample_anchors,
+)
 
 # two sequences: [0, 10) with response 2..7, [10, 30) with response 11..29
 CU = torch.tensor([0, 10, 30])
@@ -100,3 +102,65 @@ def test_tau_counts_leading_correct_predictions_from_k1():
     assert both.tau == counts.tau and both.blocks == 8
     back = AcceptanceCounts.from_tensor(counts.to_tensor())
     assert back.tau == counts.tau and torch.equal(back.valid, counts.valid)
+
+
+def test_rule_label_makes_the_last_response_tokens_anchors_and_rule_block_never():
+    for seed in range(10):
+        block = sample_anchors(LOSS_MASK, CU, 4, 50, torch.Generator().manual_seed(seed), "block")
+        label = sample_anchors(LOSS_MASK, CU, 4, 50, torch.Generator().manual_seed(seed), "label")
+        assert label.tolist() == [2, 3, 4, 5, 6] + list(range(11, 29))  # 29 is last: no label to predict
+        assert block.tolist() == [2, 3, 4, 5, 6] + list(range(11, 27))  # 27, 28 never: no whole block
+    labels, weights = block_labels(torch.arange(30), LOSS_MASK, CU, torch.tensor([28]), block_size=4)
+    assert labels[0].tolist() == [IGNORE_INDEX, 29, IGNORE_INDEX, IGNORE_INDEX]  # past the end: weight 0
+    assert weights[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_a_sequence_of_exactly_one_block_and_an_end_of_turn_before_a_user_turn():
+    cu, mask = torch.tensor([0, 4]), torch.ones(4, dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    assert sample_anchors(mask, cu, 4, 9, g, "block").tolist() == [0]  # S = B: only p = 0
+    assert sample_anchors(mask, cu, 4, 9, g, "label").tolist() == [0, 1, 2]
+    # two turns: response 2..4 (4 = <|im_end|>), user 5..6, response 7..19
+    cu, mask = torch.tensor([0, 20]), torch.zeros(20, dtype=torch.bool)
+    mask[2:5] = mask[7:20] = True
+    block = sample_anchors(mask, cu, 4, 99, g, "block").tolist()
+    label = sample_anchors(mask, cu, 4, 99, g, "label").tolist()
+    assert 4 in block and 4 not in label  # its k = 1 label is a user token: nothing to learn there
+    assert label == [2, 3] + list(range(7, 19))
+
+
+def test_an_unknown_anchor_rule_is_refused():
+    with pytest.raises(ValueError, match="anchor rule"):
+        sample_anchors(LOSS_MASK, CU, 4, 3, torch.Generator().manual_seed(0), "everywhere")
+
+
+def _dpace_loop(ce: list[list[float]], valid: list[list[bool]], alpha: float) -> list[list[float]]:
+    """The D-PACE formula written out position by position."""
+    out = []
+    for ce_row, m in zip(ce, valid):
+        b = len(ce_row)
+        q_soft = [alpha + (1 - alpha) * math.exp(-ce_row[k]) if m[k] else 1.0 for k in range(b)]
+        c = [math.prod(q_soft[:k + 1]) for k in range(b)]
+        out.append([float(m[k]) * sum(float(m[j]) * c[j] for j in range(k, b)) for k in range(b)])
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.2, 1.0])
+def test_dpace_weights_equal_the_formula_written_out(alpha):
+    g = torch.Generator().manual_seed(1)
+    ce = torch.rand(6, 5, generator=g) * 4
+    valid = torch.rand(6, 5, generator=g) > 0.3
+    valid[:, 0] = False  # the anchor
+    valid[5] = False  # a block with nothing to predict
+    got = dpace_weights(ce, valid, alpha)
+    want = torch.tensor(_dpace_loop(ce.tolist(), valid.tolist(), alpha))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got[~valid].eq(0).all() and got.dtype == torch.float32
+    if alpha == 1.0:  # every factor 1: w_k = valid positions from k on (a linear, not exponential, decay)
+        torch.testing.assert_close(got[valid], valid.flip(1).cumsum(1).flip(1).float()[valid])
+
+
+def test_dpace_weights_carry_no_gradient():
+    ce = torch.rand(2, 4, requires_grad=True)
+    valid = torch.tensor([[False, True, True, True]] * 2)
+    assert not dpace_weights(ce, valid, 0.5).requires_grad
