@@ -82,6 +82,7 @@ def greedy_setup(tiny_target, tmp_path_factory):
     return model, records, store, run, stop
 
 
+@pytest.mark.slow  # the module's fixture runs precompute and a short training run (~2.5 min on 2 cores)
 def test_trainer_logs_path_tau_beside_the_estimate(greedy_setup):
     from train.metrics import read_metrics
 
@@ -92,6 +93,7 @@ def test_trainer_logs_path_tau_beside_the_estimate(greedy_setup):
     assert (run / "report.png").is_file()
 
 
+@pytest.mark.slow
 def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny_target):
     from transformers import AutoTokenizer
 
