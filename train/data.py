@@ -459,12 +459,15 @@ class TrainData:
 
 @contextlib.contextmanager
 def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchors: int, holdout_sequences: int,
-                    holdout_fraction: float, batch_tokens: int, reader_threads: int, autocast: str):
-    """Device batches of a store's held-out sequences, split as the trainer splits them."""
+                    holdout_fraction: float, batch_tokens: int, reader_threads: int, autocast: str,
+                    min_response: int | None = None):
+    """Device batches of a store's held-out sequences, split as the trainer splits them (it drops
+    sequences with fewer than `min_response` response tokens, 2B by default, as training does)."""
     store = Store.open(store_path, read_threads=reader_threads)
     layer_ids = list(drafter_cfg.target_layer_ids)
     shards = scan_stores([store], reader_threads, batch_tokens)
-    split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, 2 * drafter_cfg.block_size)
+    min_response = 2 * drafter_cfg.block_size if min_response is None else min_response
+    split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
     plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
                     window_shards=1, world=1, grad_accum=1)
     nbytes, _ = slot_size([store], shards, layer_ids)

@@ -486,12 +486,14 @@ def _training_run_settings(drafter_path: str) -> dict:
 
 def run_offline(cfg: EvalConfig) -> dict:
     """The offline estimate: per-position accuracy and the tau it implies on a store's held-out
-    sequences, by the trainer's own validation (train/validate.py). The target never runs; only its
-    embedding and lm_head are read from target.path."""
+    sequences, by the trainer's own validation (train/validate.py), and the path tau: greedy decoding
+    replayed from the stored responses with generation.block_size and generation.max_new_tokens
+    (train/path_tau.py; what dflash-eval measures when the responses are the target's greedy output).
+    The target never runs; only its embedding and lm_head are read from target.path."""
     from transformers import AutoConfig
 
     from dflash_common.drafter.target_head import load_target_head
-    from train.validate import evaluate_offline
+    from train.validate import evaluate_offline, path_tau_offline
 
     if not cfg.offline.store:
         raise UserError("--offline needs a store: pass --store PATH (a store written by dflash-precompute).")
@@ -505,9 +507,16 @@ def run_offline(cfg: EvalConfig) -> dict:
     for key in ("holdout_sequences", "holdout_fraction"):
         if getattr(cfg.offline, key) is not None:
             settings[key] = getattr(cfg.offline, key)
-    metrics = evaluate_offline(drafter, cfg.offline.store, autocast="bf16" if bf16 else "none", **settings)
+    autocast = "bf16" if bf16 else "none"
+    metrics = evaluate_offline(drafter, cfg.offline.store, autocast=autocast, path=False, **settings)
+    split = {k: settings[k] for k in ("holdout_sequences", "holdout_fraction", "batch_tokens") if k in settings}
+    path = path_tau_offline(drafter, cfg.offline.store, block_size=cfg.generation.block_size,
+                            max_new_tokens=cfg.generation.max_new_tokens, autocast=autocast, **split)
+    path.pop("path_prompt_tails")
     report = {"mode": "offline", "store": cfg.offline.store, "drafter": cfg.drafter.path,
-              "block_size": drafter.cfg.block_size, **settings, **metrics}
+              "block_size": drafter.cfg.block_size, **settings, **metrics, **path,
+              "path_max_new_tokens": cfg.generation.max_new_tokens,
+              "path_block_size": cfg.generation.block_size or drafter.cfg.block_size}
     if cfg.report.path:
         write_report(report, cfg.report.path, cfg)
     print(format_offline(report))
@@ -519,6 +528,9 @@ def format_offline(report: dict) -> str:
         f"dflash-eval --offline: {report['sequences']} held-out sequences, {report['blocks']} blocks, "
         f"block size {report['block_size']}",
         f"  {'tau (estimated)':<28}{_fmt(report['tau'], '.3f')}",
+        f"  {'path tau (replayed)':<28}{_fmt(report.get('path_tau'), '.3f')}   pooled "
+        f"{_fmt(report.get('path_tau_pooled'), '.3f')}, {report.get('path_cycles', 0)} cycles of "
+        f"{report.get('path_sequences', 0)} responses (greedy decoding replayed; exact on target-greedy data)",
         f"  {'accuracy':<28}{_fmt(report['acc'], '.4f')}",
         f"  {'loss':<28}{_fmt(report['loss'], '.4f')}",
         "  accuracy by block position (k = 1 predicts the token after the anchor)",

@@ -40,7 +40,9 @@ def format_train_line(r: dict[str, Any], total_steps: int) -> str:
 
 def format_val_line(r: dict[str, Any]) -> str:
     return (f"val  step {r['step']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
-            f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | {r['sequences']} sequences")
+            f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f}"
+            + (f" | path tau {r['path_tau']:.2f}" if r.get("path_tau") is not None else "")
+            + f" | {r['sequences']} sequences")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

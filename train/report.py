@@ -1,5 +1,6 @@
 """A one-page PNG of a run, `report.png` in the run directory: loss and accuracy over steps (train and
-validation), accuracy by block position (latest), and the estimated acceptance length tau over steps.
+validation), accuracy by block position (latest), and the estimated acceptance length tau over steps
+(with validation's path tau, greedy decoding replayed from the held-out responses).
 Written at every checkpoint and at the end of the run, from `metrics.jsonl` alone.
 
     python -m train.report RUN_DIR
@@ -44,7 +45,11 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path | None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    axes[1, 1].set_title("estimated acceptance length")
+    path = [r for r in val if r.get("path_tau") is not None]
+    if path:  # greedy decoding replayed from the held-out responses (train/path_tau.py)
+        axes[1, 1].plot(*_series(path, "path_tau"), "s--", label="validation, path tau", markersize=4)
+        axes[1, 1].legend()
+    axes[1, 1].set_title("acceptance length (estimated; path tau: decoding replayed)")
     _by_position(axes[1, 0], train, val)
     fig.suptitle(title or run_dir.name)
     fig.tight_layout()

@@ -525,13 +525,26 @@ class DFlashDrafter(nn.Module):
         if context.shape[0] != t:
             raise ValueError(f"context has {context.shape[0]} rows but input_ids has {t}")
         layout = BlockLayout.build(cu_seqlens, anchors, t, b)
+        return self.blocks(self.context_kv(context, layout.positions), input_ids, layout)
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every draft layer's keys/values of the fused context: context [T, K*H] at `positions` [T]
+        (within each sequence) -> per layer 2 x [T, nkv, D]. They do not depend on the anchors, so a
+        caller drafting many rounds of blocks over one batch (train/path_tau.py) computes them once."""
         ctx = self.fuse_context(context)  # [T, K*H] -> [T, H]
-        x = self.embed(self._block_ids(input_ids[anchors], b)).flatten(0, 1)  # [A, B] -> [A*B, H]
-        rope_ctx, rope_blk = self.rotary(layout.positions), self.rotary(layout.block_positions().flatten())
+        rope_ctx = self.rotary(positions)
+        return [layer.self_attn.context_kv(ctx, rope_ctx) for layer in self.layers]
+
+    def blocks(self, context_kv: list[tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor,
+               layout: "BlockLayout") -> torch.Tensor:
+        """The blocks of `layout` (its block size may differ from the config's) over the context
+        keys/values of `context_kv` -> block hidden states [A, B, H]."""
+        b, a = layout.block_size, layout.anchors.shape[0]
+        x = self.embed(self._block_ids(input_ids[layout.anchors], b)).flatten(0, 1)  # [A, B] -> [A*B, H]
+        rope_blk = self.rotary(layout.block_positions().flatten())
         windows = [self.cfg.window(i) for i in range(len(self.layers))]
         attend = _flex_attend({w: layout.block_mask(w) for w in set(windows)}, self.cfg.head_dim)
-        for layer, window in zip(self.layers, windows):
-            ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)  # [T, H] -> 2 x [T, nkv, D]
+        for layer, window, (ctx_k, ctx_v) in zip(self.layers, windows, context_kv):
             x = layer(x, ctx_k, ctx_v, rope_blk, attend, window)
         return self.norm(x).unflatten(0, (a, b))  # [A*B, H] -> [A, B, H]
 

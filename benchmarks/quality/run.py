@@ -1,0 +1,359 @@
+"""Quality benchmark runner: a small real target, its own greedy data, drafters over seeds, tau.
+
+    python benchmarks/quality/run.py --work runs/quality --stage all      # or one stage at a time:
+    python benchmarks/quality/run.py --work runs/quality --stage target   # target.py, ~4 min on an H200
+    python benchmarks/quality/run.py --work runs/quality --stage data     # greedy answers + two stores
+    python benchmarks/quality/run.py --work runs/quality --stage drafters --variants baseline --seeds 0,1,2
+    python benchmarks/quality/run.py --work runs/quality --stage eval     # dflash-eval + offline, per run
+    python benchmarks/quality/run.py --work runs/quality --stage table    # results.md / results.json
+    python benchmarks/quality/run.py --work /tmp/q --tiny --stage all     # the whole chain on a CPU
+
+Stages and what they leave in --work (a stage whose output has a matching manifest is skipped):
+1. target/: benchmarks/quality/target.py (HF model dir, prompts/train.jsonl, prompts/heldout.jsonl).
+2. data/: greedy answers of the target, as token records (`input_ids` + `loss_mask`: the target's own
+   tokens, never re-tokenised text): train.jsonl from the training prompts (batched generate), heldout.jsonl
+   from the first --eval-prompts held-out prompts with dflash-eval's own baseline loop (`target_generate`,
+   float32), so path tau replays exactly what dflash-eval's target emits; heldout_prompts.jsonl holds the
+   same prompts as messages for dflash-eval. Then dflash-precompute writes stores/train and stores/heldout
+   (float32 target, bf16 states).
+3. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
+   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below).
+4. per run: eval.json (dflash-eval, float32, lossless required), offline_heldout.json and
+   offline_train.json (dflash-eval --offline: the estimate and path tau on the held-out store and on the
+   training store's held-out split), all runs side by side.
+5. results.md / results.json: per variant, mean +- sd over seeds.
+
+CLIs run as `python -m ...` from the repository root with PYTHONPATH=. (no console scripts needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# One line per variant: name -> dflash-train overrides on top of RECIPE.
+VARIANTS: dict[str, list[str]] = {
+    "baseline": [],
+}
+
+# The DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's), 3 draft
+# layers, 6 epochs, AdamW 6e-4 cosine with 4% warmup (train/config.py defaults).
+RECIPE = ["--drafter.block_size=16", "--drafter.depth=3", "--optim.epochs=6", "--optim.lr=6e-4",
+          "--data.batch_tokens=65536", "--data.cache_gb=8", "--data.holdout_sequences=256",
+          "--validation.every_steps=500", "--checkpoint.every_steps=1000", "--log.every_steps=50",
+          "--log.progress=false"]
+TINY_RECIPE = ["--drafter.block_size=8", "--drafter.depth=1", "--optim.epochs=2", "--optim.lr=3e-3",
+               "--data.batch_tokens=2048", "--data.cache_gb=0.05", "--data.holdout_sequences=8",
+               "--data.window_shards=2", "--data.reader_threads=2", "--objective.max_anchors=32",
+               "--precision.autocast=none", "--validation.every_steps=0", "--checkpoint.every_steps=1000",
+               "--log.every_steps=5", "--log.progress=false", "--log.tensorboard=false"]
+
+# target.py's tiny mode (its docstring): < 1 min on 2 CPUs.
+TINY_TARGET = ["--device", "cpu", "--corpus-mb", "2", "--bpe-train-mb", "2", "--vocab-size", "1024", "--hidden", "64",
+               "--heads", "1", "--kv-heads", "1", "--intermediate", "128", "--seq-len", "128", "--batch", "8",
+               "--steps", "20", "--warmup-steps", "2", "--eval-rows", "16", "--heldout-frac", "0.1",
+               "--train-prompts", "50", "--heldout-prompts", "20", "--report-prompts", "8", "--max-new-tokens", "32",
+               "--loop-window", "16"]
+
+
+def settings(args) -> dict:
+    """What the cached artefacts depend on (not the variants or seeds, which have their own run dirs)."""
+    return {"tiny": args.tiny, "seed": args.target_seed, "max_new_tokens": args.max_new_tokens,
+            "eval_prompts": args.eval_prompts, "train_prompts": args.train_prompts, "device": args.device}
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+    return e
+
+
+def launch(cmd: list[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print("$", " ".join(cmd), f"> {log}", flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_all(procs: list[tuple[subprocess.Popen, Path]]) -> None:
+    """Wait for side-by-side processes; one that fails ends the benchmark naming its log."""
+    bad = [log for p, log in procs if p.wait() != 0]
+    if bad:
+        raise SystemExit(f"{len(bad)} process(es) failed; see {', '.join(map(str, bad))}")
+
+
+def run_one(cmd: list[str], log: Path) -> None:
+    wait_all([(launch(cmd, log), log)])
+
+
+def matches(manifest: Path, want: dict) -> bool:
+    return manifest.is_file() and json.loads(manifest.read_text()).get("settings") == want
+
+
+def write_manifest(path: Path, want: dict, **extra) -> None:
+    path.write_text(json.dumps({"settings": want, **extra}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- 1. target
+
+
+def stage_target(args) -> None:
+    cmd = [sys.executable, "benchmarks/quality/target.py", "--out", str(args.work / "target"),
+           "--seed", str(args.target_seed)]
+    cmd += TINY_TARGET if args.tiny else ["--minutes", str(args.target_minutes), "--device", args.device]
+    run_one(cmd, args.work / "logs" / "target.log")
+
+
+# ---------------------------------------------------------------- 2. data
+
+
+def read_prompts(path: Path, limit: int) -> list[list[dict]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["messages"] for r in lines[:limit or None]]
+
+
+def greedy_batched(model, prompts: list[list[int]], max_new: int, stops: frozenset[int], pad: int,
+                   batch: int) -> list[list[int]]:
+    """Greedy answers, left-padded batches through HF generate (training data: speed over bit-equality)."""
+    import torch
+
+    out, device = [], next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad little
+    answers: dict[int, list[int]] = {}
+    for s in range(0, len(order), batch):
+        idx = order[s:s + batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx], device=device)
+        mask = (torch.arange(width, device=device)[None] >= torch.tensor(
+            [width - len(prompts[i]) for i in idx], device=device)[:, None]).long()
+        with torch.inference_mode():
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=sorted(stops), pad_token_id=pad)[:, width:].tolist()
+        for i, row in zip(idx, gen):
+            cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
+            answers[i] = row[:cut]
+    out = [answers[i] for i in range(len(prompts))]
+    return out
+
+
+def write_records(path: Path, prompts: list[list[int]], answers: list[list[int]]) -> None:
+    with open(path, "w") as f:
+        for i, (p, a) in enumerate(zip(prompts, answers)):
+            f.write(json.dumps({"id": f"{path.stem}-{i}", "input_ids": p + a,
+                                "loss_mask": [0] * len(p) + [1] * len(a)}) + "\n")
+
+
+def generate(args, data: Path) -> None:
+    """train.jsonl, heldout.jsonl (token records) and heldout_prompts.jsonl (messages) in `data`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_common.chat import ChatTemplate
+    from train.evaluate import stop_token_ids
+    from train.spec_decode import TargetRunner, target_generate
+
+    target = args.work / "target"
+    tok = AutoTokenizer.from_pretrained(target)
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    stops, template = stop_token_ids(model, tok), ChatTemplate(tok, {})
+    train = [template.prompt_ids(m) for m in read_prompts(target / "prompts" / "train.jsonl", args.train_prompts)]
+    answers = greedy_batched(model, train, args.max_new_tokens, stops, tok.pad_token_id, batch=256)
+    write_records(data / "train.jsonl", train, answers)
+    held_messages = read_prompts(target / "prompts" / "heldout.jsonl", args.eval_prompts)
+    held = [template.prompt_ids(m) for m in held_messages]
+    runner = TargetRunner(model, [])  # dflash-eval's own baseline loop: the replay sees what eval's target says
+    held_answers = [target_generate(runner, p, max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens
+                    for p in held]
+    write_records(data / "heldout.jsonl", held, held_answers)
+    with open(data / "heldout_prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"messages": m}) + "\n" for m in held_messages)
+
+
+def precompute(args, records: Path, store: Path) -> None:
+    cmd = [sys.executable, "-m", "precompute.cli", "--out", str(store), f"--target.path={args.work / 'target'}",
+           f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32", "--store.dtype=bf16",
+           "--data.block_size=2", "--data.max_length=4096", "--run.progress=false",
+           f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]
+    if args.tiny:
+        cmd += ["--run.samples_per_unit=16", "--batching.token_budget=4096", "--run.writer_threads=1"]
+    run_one(cmd, args.work / "logs" / f"precompute-{store.name}.log")
+
+
+def stage_data(args) -> None:
+    data, want = args.work / "data", settings(args)
+    target_manifest = (args.work / "target" / "manifest.json").read_bytes()
+    want = {**want, "target": hashlib.sha256(target_manifest).hexdigest()}
+    if matches(data / "manifest.json", want):
+        print(f"{data}: data with these settings is there; skipping")
+    else:
+        data.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        generate(args, data)
+        write_manifest(data / "manifest.json", want, generate_s=round(time.perf_counter() - t0, 1))
+    for name in ("train", "heldout"):
+        store = args.work / "stores" / name
+        if matches(store / "bench_manifest.json", want):
+            continue
+        precompute(args, data / f"{name}.jsonl", store)
+        write_manifest(store / "bench_manifest.json", want)
+
+
+# ---------------------------------------------------------------- 3. drafters
+
+
+def run_dir(args, variant: str, seed: int) -> Path:
+    return args.work / "runs" / variant / f"seed-{seed}"
+
+
+def train_command(args, variant: str, seed: int) -> list[str]:
+    out = run_dir(args, variant, seed)
+    return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(args.work / 'stores' / 'train')])}",
+            f"--run.target={args.work / 'target'}", f"--run.out_dir={out}", f"--run.seed={seed}",
+            f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}",
+            *(TINY_RECIPE if args.tiny else RECIPE), *VARIANTS[variant]]
+
+
+def stage_drafters(args) -> None:
+    procs = []
+    for variant in args.variants:
+        for seed in args.seeds:
+            out = run_dir(args, variant, seed)
+            cmd = train_command(args, variant, seed)
+            if matches(out / "bench_manifest.json", {"command": cmd[1:]}):
+                continue
+            procs.append((launch(cmd, out.parent / f"train-seed-{seed}.log"), out, cmd))
+    wait_all([(p, out.parent / f"train-seed-{out.name[5:]}.log") for p, out, _ in procs])
+    for _, out, cmd in procs:
+        write_manifest(out / "bench_manifest.json", {"command": cmd[1:]})
+
+
+# ---------------------------------------------------------------- 4. eval
+
+
+def eval_commands(args, out: Path) -> dict[str, list[str]]:
+    target, data = args.work / "target", args.work / "data"
+    common = [sys.executable, "-m", "train.evaluate", "--drafter", str(out / "drafter"),
+              f"--target.path={target}", f"--generation.max_new_tokens={args.max_new_tokens}",
+              f"--target.device={'cpu' if args.device == 'cpu' else 'auto'}"]
+    return {
+        "eval": common + [f"--prompts.files={json.dumps([str(data / 'heldout_prompts.jsonl')])}",
+                          "--target.dtype=float32", "--check.lossless=error", "--report", str(out / "eval.json")],
+        "offline_heldout": common + ["--offline", "--store", str(args.work / "stores" / "heldout"),
+                                     "--offline.holdout_sequences=100000000", "--report",
+                                     str(out / "offline_heldout.json")],
+        "offline_train": common + ["--offline", "--store", str(args.work / "stores" / "train"), "--report",
+                                   str(out / "offline_train.json")],
+    }
+
+
+def stage_eval(args) -> None:
+    procs = []
+    for variant in args.variants:
+        for seed in args.seeds:
+            out = run_dir(args, variant, seed)
+            for name, cmd in eval_commands(args, out).items():
+                if not (out / f"{name}.json").is_file():
+                    log = out.parent / f"{name}-seed-{seed}.log"
+                    procs.append((launch(cmd, log), log))
+    wait_all(procs)
+
+
+# ---------------------------------------------------------------- 5. table
+
+
+def one_run(out: Path) -> dict:
+    """The figures of one training run, from its reports and metrics."""
+    ev = json.loads((out / "eval.json").read_text())
+    held = json.loads((out / "offline_heldout.json").read_text())
+    train = json.loads((out / "offline_train.json").read_text())
+    counts = {int(k): v for k, v in ev["histogram_counts"].items()}
+    tok_s = [json.loads(line)["tok_s"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if line.strip() and json.loads(line).get("kind") == "train"]
+    return {"tau": ev["tau"], "tau_pooled": sum(n * c for n, c in counts.items()) / max(1, sum(counts.values())),
+            "lossless": ev["lossless"]["ok"], "prompts": ev["num_prompts"],
+            "offline_train": train["tau"], "offline_heldout": held["tau"],
+            "path_tau_heldout": held["path_tau"], "path_tau_pooled_heldout": held["path_tau_pooled"],
+            "path_tau_train": train["path_tau"], "tok_s": statistics.fmean(tok_s[1:] or tok_s) if tok_s else None}
+
+
+def _ms(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.fmean(xs):.3f} ± {sd:.3f}"
+
+
+COLUMNS = [("tau", "tau (dflash-eval)"), ("tau_pooled", "pooled tau"), ("path_tau_heldout", "path tau (held-out)"),
+           ("path_tau_pooled_heldout", "pooled path tau"), ("offline_heldout", "offline est. (held-out)"),
+           ("offline_train", "offline est. (train)"), ("path_tau_train", "path tau (train split)"),
+           ("tok_s", "trainer tok/s")]
+
+
+def stage_table(args) -> None:
+    results = {v: {s: one_run(run_dir(args, v, s)) for s in args.seeds} for v in args.variants}
+    lines = ["| variant | seeds | lossless | " + " | ".join(label for _, label in COLUMNS) + " |",
+             "|---|---|---|" + "---|" * len(COLUMNS)]
+    for v, runs in results.items():
+        ok = all(r["lossless"] for r in runs.values())
+        cells = [_ms([r[k] for r in runs.values()]) for k, _ in COLUMNS]
+        lines.append(f"| {v} | {len(runs)} | {'yes' if ok else 'NO'} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    (args.work / "results.md").write_text(table + "\n\nmean ± sd over seeds; tau per prompt then over prompts "
+                                          "(the DFlash authors' way), pooled = tokens per cycle over all cycles.\n")
+    (args.work / "results.json").write_text(json.dumps({"settings": settings(args), "runs": results}, indent=2))
+
+
+# ---------------------------------------------------------------- main
+
+STAGES = {"target": stage_target, "data": stage_data, "drafters": stage_drafters, "eval": stage_eval,
+          "table": stage_table}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, required=True, help="directory of every artefact (cached per stage)")
+    p.add_argument("--stage", default="all", choices=["all", *STAGES])
+    p.add_argument("--variants", default="baseline", help=f"comma-separated, of {sorted(VARIANTS)}")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: the whole chain in minutes")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--target-seed", type=int, default=0)
+    p.add_argument("--target-minutes", type=float, default=4.0)
+    p.add_argument("--train-prompts", type=int, default=0, help="training prompts answered (0: all)")
+    p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts (dflash-eval and path tau)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit, generation and eval")
+    args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; define them in VARIANTS in {__file__}")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    if args.tiny:
+        args.device, args.eval_prompts, args.max_new_tokens = "cpu", min(args.eval_prompts, 8), 32
+    args.work = args.work.resolve()
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    for name, stage in STAGES.items():
+        if args.stage in ("all", name):
+            t0 = time.perf_counter()
+            stage(args)
+            print(f"stage {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,169 @@
+"""Path tau: greedy speculative decoding replayed from a store, without the target.
+
+When a stored response is the target's own greedy output (as dflash-generate writes it), the target's
+verdict on any draft is known in advance: at every response position its greedy token *is* the stored
+token. So `train/spec_decode.py`'s greedy decoding can be replayed exactly from the stored tokens and
+features alone:
+
+    prefill  -> the first response token r0 at position p (not a cycle)
+    a = p; while a < end - 1:                       # a: the anchor, the last committed token
+        drafts = drafter(block [token at a, MASK x (B-1)], context = stored features at positions < a)
+        accepted = leading drafts equal to the stored tokens at a+1, a+2, ...
+        emitted = cycle_length(accepted, a, end)     # accepted + 1, cut at the end (the one end rule)
+        a += emitted                                # the next anchor: the target's correction, stored
+
+Each cycle counts `emitted` (accepted drafts + the target's own token), as dflash-eval counts it. A
+response is one contiguous run of loss-mask positions: each assistant turn of a conversation is replayed
+as a prompt of its own, with everything stored before it as its prompt (as dflash-eval decodes each
+turn). `max_new_tokens` (dflash-eval's generation.max_new_tokens, the prefill's token included) ends a
+response at p + max_new_tokens and, like the real loop, shortens the blocks that would pass that limit
+(a shorter block changes the drafts: the block attends to itself both ways).
+
+Where the replay equals real decoding (the test in tests/train/test_path_tau.py shows it):
+- the response is the target's greedy continuation of the stored prompt, token for token (token ids,
+  not re-tokenised text), and it ends with a stop token or at p + max_new_tokens;
+- the stored sequence up to p is the prompt dflash-eval renders (same chat template);
+- the drafter sees the same features: the store holds them in bf16 (or fp8), dflash-eval hands over
+  float32 ones, so the two agree exactly only when the real path's features are rounded the same way;
+  otherwise near-tied draft argmaxes may differ.
+
+One forward per round drafts one block for every sequence of a packed batch that is still decoding
+(the training forward's sparse mask, one anchor per sequence); the context keys/values of the batch
+are computed once and reused by every round. Blocks shortened by max_new_tokens are drafted one by one
+through the drafter's KV-cached `draft`, over the same cached keys/values.
+
+    lengths = replay_batch(drafter, batch)          # per response: its cycles' emitted tokens
+    counts = path_counts(lengths)                   # sums that add over batches and ranks
+    summarize_path(counts)["path_tau"]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dflash_common.drafter.model import BlockLayout, DraftCache
+
+# Blocks whose logits [n, B-1, V] are materialised at once (bounds memory at large vocabularies).
+_LOGIT_ELEMENTS = 1 << 26
+_NO_LIMIT = 1 << 62
+
+
+def cycle_length(accepted: torch.Tensor, anchor: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Tokens a cycle emits, as train/spec_decode.py counts them: the accepted drafts plus the target's
+    own token, cut where the response ends (its stop token at end - 1, or the length limit), so the last
+    cycle counts only what it emits. The one place of the end rule: follow spec_decode if it changes."""
+    return torch.minimum(accepted + 1, end - 1 - anchor)
+
+
+def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_new_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The responses of a packed batch: maximal runs of loss-mask positions inside one sequence.
+
+    Returns packed (first, end, limit, seq_start) [R] each: first response token, end of the response
+    (exclusive, cut at first + max_new_tokens), the length limit of its blocks (first + max_new_tokens,
+    or none) and the start of its sequence."""
+    device = loss_mask.device
+    mask = loss_mask.bool()
+    t = mask.shape[0]
+    cu = cu_seqlens.to(device, torch.long)
+    is_start = torch.zeros(t, dtype=torch.bool, device=device)
+    is_start[cu[:-1][cu[:-1] < t]] = True  # a run never crosses a sequence boundary
+    prev = torch.cat([mask.new_zeros(1), mask[:-1]])
+    begins = mask & (~prev | is_start)
+    nxt = torch.cat([mask[1:], mask.new_zeros(1)])
+    next_starts = torch.cat([is_start[1:], is_start.new_ones(1)])
+    finishes = mask & (~nxt | next_starts)
+    first = torch.nonzero(begins)[:, 0]
+    end = torch.nonzero(finishes)[:, 0] + 1
+    seq_start = cu[torch.searchsorted(cu, first, right=True) - 1]
+    limit = first + max_new_tokens if max_new_tokens else torch.full_like(first, _NO_LIMIT)
+    return first, torch.minimum(end, limit), limit, seq_start
+
+
+def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
+    """Block hidden states [n, b, H] -> greedy drafts [n, b-1] (position 0 is the anchor)."""
+    n, b, _ = hidden.shape
+    rows = max(1, _LOGIT_ELEMENTS // max(1, (b - 1) * drafter.cfg.vocab_size))
+    return torch.cat([drafter.logits(hidden[i:i + rows, 1:]).argmax(-1) for i in range(0, n, rows)]) if n else \
+        hidden.new_zeros((0, b - 1), dtype=torch.long)
+
+
+def _short_block_drafts(drafter, kv, input_ids, anchor: int, seq_start: int, length: int) -> torch.Tensor:
+    """Drafts [length - 1] of one block shortened by the length limit, through the KV-cached draft over
+    the batch's context keys/values of its sequence before the anchor."""
+    cache = DraftCache([k[seq_start:anchor] for k, _ in kv], [v[seq_start:anchor] for _, v in kv])
+    no_context = drafter.fc.weight.new_zeros((0, drafter.fc.in_features))
+    ids = torch.full((length,), drafter.cfg.mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[0] = input_ids[anchor]
+    hidden = drafter.draft(cache, no_context, ids)  # [length, H]
+    return drafter.logits(hidden[1:]).argmax(-1)
+
+
+def _round_drafts(drafter, kv, batch, anchors, limit, seq_start, b: int) -> torch.Tensor:
+    """Greedy drafts [n, b-1] of one block per anchor [n]; entries past a shortened block are -1."""
+    room = limit - anchors  # block length the limit allows
+    full = room >= b
+    drafts = torch.full((anchors.shape[0], b - 1), -1, dtype=torch.long, device=anchors.device)
+    if bool(full.any()):
+        layout = BlockLayout.build(batch.cu_seqlens, anchors[full], batch.input_ids.shape[0], b)
+        drafts[full] = _greedy_drafts(drafter, drafter.blocks(kv, batch.input_ids, layout))
+    for i in torch.nonzero(~full)[:, 0].tolist():
+        length = int(room[i])
+        drafts[i, :length - 1] = _short_block_drafts(drafter, kv, batch.input_ids, int(anchors[i]),
+                                                     int(seq_start[i]), length)
+    return drafts
+
+
+@torch.no_grad()
+def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_tokens: int | None = None,
+                 autocast: str = "none") -> list[list[int]]:
+    """Greedy speculative decoding of every response of a device batch (features, input_ids, loss_mask,
+    cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
+    emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""
+    b = block_size or drafter.cfg.block_size
+    first, end, limit, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, max_new_tokens)
+    ids, t = batch.input_ids, batch.input_ids.shape[0]
+    device = ids.device
+    steps = torch.arange(1, b, device=device)
+    rounds: list[torch.Tensor] = []
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast == "bf16"):
+        positions = BlockLayout.build(batch.cu_seqlens, first[:0], t, b).positions  # [T] within sequences
+        kv = drafter.context_kv(batch.features, positions)
+        anchor = first.clone()
+        while True:
+            live = torch.nonzero(anchor < end - 1)[:, 0]
+            if live.numel() == 0:
+                break
+            a = anchor[live]
+            drafts = _round_drafts(drafter, kv, batch, a, limit[live], seq_start[live], b)  # [n, b-1]
+            pos = a[:, None] + steps  # [n, b-1] positions the drafts are for
+            hit = (drafts == ids[pos.clamp(max=t - 1)]) & (pos < end[live][:, None])
+            accepted = hit.long().cumprod(1).sum(1)
+            emitted = torch.zeros_like(anchor)
+            emitted[live] = cycle_length(accepted, a, end[live])
+            anchor += emitted
+            rounds.append(emitted)
+    table = torch.stack(rounds).T.tolist() if rounds else [[] for _ in range(first.shape[0])]  # [R, rounds]
+    return [[n for n in row if n > 0] for row in table]
+
+
+def path_counts(lengths: list[list[int]]) -> torch.Tensor:
+    """Per-response cycle lengths -> float64 [5] sums that add over batches and ranks: sum of the
+    responses' mean cycle lengths, responses with cycles, tokens emitted by cycles, cycles, responses
+    without a cycle (a one-token response: the prefill's token only)."""
+    with_cycles = [row for row in lengths if row]
+    return torch.tensor([sum(sum(r) / len(r) for r in with_cycles), len(with_cycles),
+                         sum(map(sum, with_cycles)), sum(map(len, with_cycles)), len(lengths) - len(with_cycles)],
+                        dtype=torch.float64)
+
+
+def summarize_path(counts: torch.Tensor) -> dict[str, Any]:
+    """Sums of `path_counts` -> path_tau (the mean over responses of each one's mean over cycles, the
+    DFlash authors' figure), path_tau_pooled (tokens per cycle over all cycles, the engines' figure),
+    and how many responses and cycles they rest on."""
+    c = counts.double().cpu().tolist()
+    return {"path_tau": c[0] / c[1] if c[1] else math.nan, "path_tau_pooled": c[2] / c[3] if c[3] else math.nan,
+            "path_sequences": int(c[1]), "path_cycles": int(c[3]), "path_sequences_without_cycles": int(c[4])}
