@@ -191,7 +191,8 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
         sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
         with sync:
             loss_sum, weight, c = batch_objective(drafter, model, batch, block_size=drafter.cfg.block_size,
-                                                  gamma=cfg.objective.gamma, autocast=cfg.precision.autocast)
+                                                  gamma=cfg.objective.gamma, autocast=cfg.precision.autocast,
+                                                  targets=cfg.targets)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
@@ -380,7 +381,8 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     if r.data.val_cache is None:
         return None
     result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
-                              gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True)
+                              gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True,
+                              targets=dataclasses.replace(r.cfg.targets, prompt_anchors=False))  # response anchors
     record = {"kind": "val", "step": step, **result}
     if metrics is not None:
         metrics.write(record)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dflash_common.drafter.loss import fused_lm_head_loss
 from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels
+from dflash_common.drafter.soft_loss import greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows
 
 
 def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -35,19 +36,30 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
-                    gamma: float | None, autocast: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
+                    gamma: float | None, autocast: str, targets: Any = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss;
+    `targets` (train config's TargetsSection) switches on soft targets and prompt-anchor labels.
 
-    Returns (weighted CE sum: float32 scalar with grad, weight sum: float32 scalar, counts [2B+2]).
+    Returns (weighted loss sum: float32 scalar with grad, weight sum: float32 scalar, counts [2B+2]).
     """
     device = batch.features.device
-    labels, weights = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors,
+    prompt = targets is not None and targets.prompt_anchors
+    mask = torch.ones_like(batch.loss_mask) if prompt else batch.loss_mask  # prompt labels count too
+    labels, weights = block_labels(batch.input_ids, mask, batch.cu_seqlens, batch.anchors,
                                    block_size, gamma)  # [A, B] each
+    if prompt:
+        labels = greedy_prompt_labels(labels, batch.loss_mask, batch.anchors)
     enabled = autocast == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = model(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
-        out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(),
-                                 weights.flatten())
+        if targets is not None and targets.needs_final_state:
+            out = soft_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten(),
+                                    batch.final, teacher_rows(batch.anchors, block_size).flatten(),
+                                    soft_kind(targets.soft), targets.temperature)
+        else:
+            out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(),
+                                     weights.flatten())
     correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
     return out.loss, weights.sum(), block_counts(correct, labels != IGNORE_INDEX)
 
@@ -66,7 +78,8 @@ def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[
 
 @torch.no_grad()
 def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_size: int,
-                     gamma: float | None = None, autocast: str = "bf16", reduce: bool = False) -> dict[str, Any]:
+                     gamma: float | None = None, autocast: str = "bf16", reduce: bool = False,
+                     targets: Any = None) -> dict[str, Any]:
     """Loss, accuracy by position and tau over device batches (objects with features, input_ids,
     loss_mask, cu_seqlens, anchors). With `reduce`, sums are all-reduced over the process group."""
     was_training = drafter.training
@@ -78,7 +91,7 @@ def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
         if batch.anchors.numel() == 0:
             continue
         loss, weight, c = batch_objective(drafter, drafter, batch, block_size=block_size, gamma=gamma,
-                                          autocast=autocast)
+                                          autocast=autocast, targets=targets)
         sums += torch.stack([loss.double(), weight.double(), torch.tensor(batch.cu_seqlens.numel() - 1.0,
                                                                           dtype=torch.float64, device=device)])
         counts += c

@@ -44,6 +44,27 @@ MIX: dict[str, tuple[float, float, float]] = {
 }
 
 
+def soft_kind(soft: str) -> SoftKind:
+    """The kernel's kind for the trainer's `targets.soft`: 'none' (with prompt anchors) is CE."""
+    return "ce" if soft == "none" else soft  # type: ignore[return-value]
+
+
+def teacher_rows(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[A, B] packed positions of the final states that give the target's distribution of each block
+    row: a + k - 1 for the token at a + k (k = 0 is never a prediction; clamped to stay in range)."""
+    k = torch.arange(block_size, device=anchors.device)
+    return (anchors.long()[:, None] + k - 1).clamp(min=0)
+
+
+def greedy_prompt_labels(labels: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """labels [A, B] (from block_labels with every position valid) -> the same, with every label
+    outside the loss mask (prompt tokens) replaced by TARGET_ARGMAX: the target's own greedy token."""
+    k = torch.arange(labels.shape[1], device=labels.device)
+    pos = (anchors.long()[:, None] + k).clamp(max=loss_mask.shape[0] - 1)  # [A, B]
+    prompt = (labels != IGNORE_INDEX) & ~loss_mask.bool()[pos]
+    return torch.where(prompt, TARGET_ARGMAX, labels)
+
+
 def soft_lm_head_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,

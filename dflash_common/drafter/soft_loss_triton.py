@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_common.drafter.soft_loss import TARGET_ARGMAX
-
 MAX_BLOCK = 2048  # two rows per step (drafter and target): half the hard kernel's tile
 
 
@@ -80,7 +78,7 @@ def _soft_rows_kernel(
     best = tl.min(tl.where(m1 == tl.max(m1, axis=0), i1, n_cols), axis=0)
     best_q = tl.min(tl.where(mq == tl.max(mq, axis=0), iq, n_cols), axis=0)
     label = tl.load(labels_ptr + row)
-    label = tl.where(label == -1, best_q, label)  # TARGET_ARGMAX: the target's greedy token
+    label = tl.where(label == -1, best_q, label)  # -1 = soft_loss.TARGET_ARGMAX: the target's greedy token
     loss = a_ce * (lse1 - tl.load(x_ptr + label).to(tl.float32))
     tl.store(correct_ptr + row, (best == label).to(tl.int8))
 
@@ -122,7 +120,6 @@ def soft_rows(logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, 
     """logits, target [C, V] (rows contiguous), labels [C] (0..V-1 or TARGET_ARGMAX), weights [C] ->
     (weighted loss per row [C] float32, argmax == label [C] bool); with compute_grad, logits is
     overwritten by the gradient of the summed weighted loss with respect to it."""
-    assert TARGET_ARGMAX == -1  # the kernel spells it as a literal
     c, v = logits.shape
     if logits.stride(1) != 1 or target.stride(1) != 1 or target.shape != logits.shape:
         raise ValueError("logits and target must be [C, V] alike, rows contiguous")
