@@ -132,18 +132,24 @@ def _reference(hidden, lm_head, batch, soft, prompt):
     return (per * torch.tensor(weights)).sum()
 
 
-def test_a_short_run_with_soft_targets_and_prompt_anchors(tiny_store_final, tiny_store, tiny_target, tmp_path):
-    args = [f"--data.stores=[\"{tiny_store_final}\"]", f"--run.target=\"{tiny_target}\"", f"--run.out_dir=\"{tmp_path / 'run'}\"",
+def _run_args(store, target, out, *extra):
+    return [f"--data.stores=[\"{store}\"]", f"--run.target=\"{target}\"", f"--run.out_dir=\"{out}\"",
             "--data.batch_tokens=1024", "--data.holdout_sequences=4", f"--drafter.block_size={BLOCK}", "--drafter.depth=1",
             "--objective.max_anchors=8", "--optim.max_steps=3", "--validation.every_steps=2", "--log.every_steps=1",
-            "--log.progress=false", "--log.tensorboard=false", "--targets.soft=dspark", "--targets.prompt_anchors=true"]
-    cfg = load_config(TrainConfig, "configs/tiny.toml", args)
-    loop.run(cfg)
+            "--log.progress=false", "--log.tensorboard=false", *extra]
+
+
+def test_a_short_run_with_soft_targets_and_prompt_anchors(tiny_store_final, tiny_target, tmp_path):
+    loop.run(load_config(TrainConfig, "configs/tiny.toml", _run_args(
+        tiny_store_final, tiny_target, tmp_path / "run", "--targets.soft=dspark", "--targets.prompt_anchors=true")))
     records = read_metrics(tmp_path / "run")
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 3 and all(np.isfinite(r["loss"]) for r in train)
     assert any(r["kind"] == "val" and np.isfinite(r["tau"]) for r in records)
-    plain = load_config(TrainConfig, "configs/tiny.toml", [*args[:-2], "--targets.soft=kl",
-                                                           f"--data.stores=[\"{tiny_store}\"]"])
-    with pytest.raises(UserError, match="holds no final states.*--store.final_state=true"):
-        loop.run(plain)
+
+
+def test_soft_targets_from_a_store_without_final_states_is_one_sentence(tiny_store, tiny_target, tmp_path):
+    for option in ("--targets.soft=kl", "--targets.prompt_anchors=true"):
+        cfg = load_config(TrainConfig, "configs/tiny.toml", _run_args(tiny_store, tiny_target, tmp_path / "r", option))
+        with pytest.raises(UserError, match="holds no final states.*--store.final_state=true"):
+            loop.run(cfg)
