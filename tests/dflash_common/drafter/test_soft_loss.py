@@ -107,3 +107,21 @@ def test_no_grad_path_and_bad_arguments():
         soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, "js")
     with pytest.raises(ValueError, match="temperature"):
         soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, "kl", temperature=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_triton_on_the_gpu_matches_the_torch_backend_in_bf16(kind):
+    hidden, weight, labels, weights, teacher, index = _case(n=1000, h=256, v=5003, m=1200, seed=4)
+    hidden = hidden.detach().to("cuda", torch.bfloat16).requires_grad_(True)
+    weight, teacher = weight.to("cuda", torch.bfloat16) * 0.1, teacher.to("cuda", torch.bfloat16)
+    labels, weights, index = labels.cuda(), weights.cuda(), index.cuda()
+    grads, losses = [], []
+    for backend in BACKENDS:
+        out = soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, kind, 1.5, backend=backend)
+        out.loss.backward()
+        grads.append(hidden.grad.float())
+        losses.append(out.loss)
+        hidden.grad = None
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-2)
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
