@@ -92,6 +92,12 @@ class StoreConfig:
     codec: Literal["none", "zstd", "blosc-lz4-bitshuffle"] = option(
         "none", "Compression of the state arrays; hidden states compress little, so 'none' is fastest."
     )
+    final_state: bool = option(
+        False,
+        "Also store the target's final normed hidden state per token (the lm_head's input; one more [T, H] "
+        "array in store.dtype), which the trainer's soft targets and prompt anchors (targets.*) need. Runs "
+        "every layer of the target instead of stopping after the deepest layer id.",
+    )
 
 
 @dataclass(frozen=True)

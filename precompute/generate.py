@@ -43,7 +43,7 @@ from precompute.generate_config import GenerateConfig
 from precompute.generate_decode import Request, Sampling, TransformersDecoder, VllmDecoder
 from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.job import Ranks, start_ranks
-from precompute.plan import iter_unit_records, num_units, owner
+from precompute.plan import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
 

@@ -182,7 +182,7 @@ def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list
         target=target_fingerprint(cfg.target.path), tokenizer=tokenizer["tokenizer"],
         chat_template_sha256=tokenizer["chat_template_sha256"], layer_ids=tuple(layer_ids),
         hidden_size=hidden_size, dtype=cfg.store.dtype, codec=cfg.store.codec,
-        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg))
+        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg), final_state=cfg.store.final_state)
 
 
 def content_settings(cfg: PrecomputeConfig) -> dict[str, Any]:
@@ -229,7 +229,8 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
                      samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
                      layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
                      committed=set().union(*(c for _, c, _ in gathered)), report_first=cfg.data.report_first,
-                     reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first))  # read by every rank
+                     reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first),  # read by every rank
+                     final_state=manifest.final_state)
     return plan, RankUnits(summaries, names, committed, cache)
 
 
@@ -264,7 +265,8 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: 
         return PipelineStats(), 0.0  # nothing left here: the target is not even loaded
     started = time.perf_counter()
     target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
-                         attn_implementation=cfg.target.attn_implementation, device=ranks.device)
+                         attn_implementation=cfg.target.attn_implementation, device=ranks.device,
+                         final_state=cfg.store.final_state)
     load_s = time.perf_counter() - started
     with _cpu_core_for_writers(ranks.device), \
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,

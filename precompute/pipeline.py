@@ -48,6 +48,7 @@ from dflash_common.store import SHARDS_DIR, NonFiniteStatesError, ShardPayload, 
 from dflash_common.store.quant import EncodedStates, encode_states, storage_numpy_dtype
 from precompute.batching import pad_right, plan_batches
 from precompute.plan import TokenizedUnit
+from precompute.target import FINAL
 
 log = logging.getLogger("dflash")
 
@@ -118,7 +119,7 @@ class _Assembly:
     def __init__(self, work: UnitWork, layers: dict[int, np.ndarray], scales: dict[int, np.ndarray] | None,
                  dtype: str):
         self.work = work
-        self.layers = layers  # layer id -> [T, H] stored bits
+        self.layers = layers  # layer id (or FINAL: the final normed state) -> [T, H] stored bits
         self.scales = scales  # layer id -> float32 [T] (fp8 only)
         self.dtype = dtype
         self.missing = work.unit.num_samples
@@ -138,8 +139,9 @@ class _Assembly:
         u = self.work.unit
         layers = {i: EncodedStates(self.dtype, data, None if self.scales is None else self.scales[i])
                   for i, data in self.layers.items()}
+        final = layers.pop(FINAL, None)
         return ShardPayload(input_ids=u.input_ids, loss_mask=u.loss_mask, offsets=u.offsets,
-                            sample_ids=u.sample_ids, layers=layers)
+                            sample_ids=u.sample_ids, layers=layers, final=final)
 
 
 def window_batches(units: Sequence[TokenizedUnit], token_budget: int) -> list[list[tuple[int, int]]]:
@@ -162,7 +164,7 @@ class Pipeline:
     def __init__(self, writer: StoreWriter, layer_ids: list[int], device: torch.device, staging: list[_Staging],
                  writer_threads: int, queue_depth: int):
         self.writer = writer
-        self.layer_ids = layer_ids  # the manifest's order (ascending)
+        self.layer_ids = layer_ids  # the manifest's order (ascending), then FINAL when the store keeps it
         self.dtype = writer.manifest.dtype
         self.hidden = writer.manifest.hidden_size
         self.device = device
@@ -186,10 +188,11 @@ class Pipeline:
         """Allocate (and on a GPU pin) the staging buffers once, start the threads."""
         started, m = time.perf_counter(), writer.manifest
         pin = device.type == "cuda"
+        keys = [*m.layer_ids, *([FINAL] if m.final_state else [])]  # what a batch's states hold
         with ThreadPoolExecutor(STAGING_BUFFERS) as pool:  # pinning faults every page in: in parallel
-            staging = list(pool.map(lambda _: _allocate_staging(len(m.layer_ids), m.hidden_size, m.dtype,
+            staging = list(pool.map(lambda _: _allocate_staging(len(keys), m.hidden_size, m.dtype,
                                                                 capacity_tokens, pin, device), range(STAGING_BUFFERS)))
-        pipe = cls(writer, list(m.layer_ids), device, staging, writer_threads, queue_depth)
+        pipe = cls(writer, keys, device, staging, writer_threads, queue_depth)
         for s in staging:
             pipe.free.put(s)
         pipe._threads = [threading.Thread(target=pipe._collect, name="dflash-collect", daemon=True)]
@@ -219,7 +222,7 @@ class Pipeline:
         return _Assembly(work, layers, scales, self.dtype)
 
     def submit(self, states: dict[int, torch.Tensor], pieces: list[_Piece]) -> None:
-        """Hand over one batch: states {layer id: [B, S, H]} and the sequences to keep. Returns once
+        """Hand over one batch: states {layer id (and FINAL): [B, S, H]} and the sequences to keep. Returns once
         the copies are queued (on a GPU, before they finish); blocks only when no staging buffer is
         free, i.e. when the collector or the disk is behind."""
         self.raise_if_failed()
@@ -454,9 +457,9 @@ def run_windows(target, windows: Iterable[list[UnitWork]], pipe: Pipeline, token
                 on_batch(len(seqs), sum(len(s) for s in seqs))
 
 
-def _forward(target, ids: torch.Tensor, token_budget: int) -> dict[int, torch.Tensor]:
+def _forward(target, ids: torch.Tensor, token_budget: int) -> dict[int | str, torch.Tensor]:
     try:
-        return dict(zip(target.layer_ids, target.forward(ids)))
+        return dict(zip(target.state_keys, target.forward(ids)))
     except torch.OutOfMemoryError as e:
         raise UserError(f"the target's forward ran out of GPU memory on a batch of {ids.shape[0]} x {ids.shape[1]} "
                         f"tokens; lower batching.token_budget (now {token_budget}).") from e

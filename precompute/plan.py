@@ -382,6 +382,8 @@ def state_key(target: Any, layer_ids: list[int], cfg: PrecomputeConfig) -> str:
     the target's fingerprint (the manifest's `target`)."""
     key = {"target": target, "layer_ids": sorted(layer_ids), "dtype": cfg.target.dtype,
            "attn_implementation": cfg.target.attn_implementation, "store_dtype": cfg.store.dtype}
+    if cfg.store.final_state:  # only when set: the names of stores without final states stay as they were
+        key["final_state"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -419,6 +421,11 @@ class Plan:
     bytes_to_write: int
     bytes_total: int
     free_bytes: int
+    final_state: bool = False  # one more [T, H] array per shard: the final normed state
+
+    @property
+    def state_arrays(self) -> int:
+        return len(self.layer_ids) + (1 if self.final_state else 0)
 
     @property
     def fits(self) -> bool:
@@ -426,16 +433,17 @@ class Plan:
 
     def format(self) -> str:
         skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(self.skips.counts.items())) or "none"
-        per = bytes_per_token(self.hidden_size, len(self.layer_ids), self.store_dtype)
-        formula = (f"{len(self.layer_ids)} x 2 x {self.hidden_size}" if self.store_dtype == "bf16"
-                   else f"{len(self.layer_ids)} x ({self.hidden_size} + 4)")
+        per = bytes_per_token(self.hidden_size, self.state_arrays, self.store_dtype)
+        formula = (f"{self.state_arrays} x 2 x {self.hidden_size}" if self.store_dtype == "bf16"
+                   else f"{self.state_arrays} x ({self.hidden_size} + 4)")
         lines = [
             f"plan: {self.records:,} input records -> {self.units:,} work units "
             f"({self.committed_units:,} already in the store, {len(self.empty_units):,} without a sequence)",
             f"  samples kept: {self.samples:,}; skipped {self.skips.total:,} ({skipped}); "
             f"truncated {self.truncated:,}",
             f"  tokens after templating: {self.tokens:,} (response tokens {self.response_tokens:,})",
-            f"  layers {self.layer_ids} x hidden {self.hidden_size} as {self.store_dtype}: "
+            f"  layers {self.layer_ids}{' + the final state' if self.final_state else ''} x hidden "
+            f"{self.hidden_size} as {self.store_dtype}: "
             f"{per:,} bytes/token ({formula} + 5 for id and mask)",
             f"  store size: {human_bytes(self.bytes_total)}, still to write {human_bytes(self.bytes_to_write)} "
             f"(uncompressed)",
@@ -454,10 +462,11 @@ class Plan:
 
 def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: int, hidden_size: int,
               layer_ids: list[int], store_dtype: str, store_path: str, committed: Collection[int] = (),
-              report_first: int = 5, reader_skips: SkipLog | None = None) -> Plan:
+              report_first: int = 5, reader_skips: SkipLog | None = None, final_state: bool = False) -> Plan:
     """The plan from the unit summaries of all ranks; `committed` holds units the store already has,
     `reader_skips` the files that could not be read to their end (tokenize_units)."""
-    skips, per = SkipLog(report_first), bytes_per_token(hidden_size, len(layer_ids), store_dtype)
+    arrays = len(layer_ids) + (1 if final_state else 0)  # state arrays per token
+    skips, per = SkipLog(report_first), bytes_per_token(hidden_size, arrays, store_dtype)
     for s in sorted(summaries, key=lambda s: s.index):
         skips.merge(SkipLog.from_dict(s.skips, report_first))
     if reader_skips is not None:
@@ -472,7 +481,7 @@ def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: i
         committed_units=len(committed), empty_units=sorted(s.index for s in summaries if s.samples == 0),
         bytes_total=sum(size.values()),
         bytes_to_write=sum(v for u, v in size.items() if u not in committed),
-        free_bytes=free_space(store_path),
+        free_bytes=free_space(store_path), final_state=final_state,
     )
 
 

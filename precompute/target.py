@@ -7,6 +7,11 @@ norm is replaced by an identity. transformers' loader only reads checkpoint tens
 parameter of the model it builds, so the weights of later layers, of the final norm's successors and
 of `lm_head` are never read from disk (they show up as "unexpected" keys and are dropped unread).
 
+With `store.final_state` the target also yields its final normed hidden state (the lm_head's
+input, HF `hidden_states[-1]`), which the drafter's soft targets and greedy prompt labels need: then
+every layer and the final norm are loaded and run (never the lm_head), and the norm's output is
+captured by a hook like the layers'.
+
 Composite checkpoints (a vision-language model whose text tower is the target, e.g. Qwen3.5/3.6)
 load their text model only: `config.get_text_config()` picks it and transformers maps the weight names.
 """
@@ -31,6 +36,7 @@ log = logging.getLogger("dflash")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 _LAYER_LIST_NAMES = ("layers", "h")
+FINAL = "final"  # key of the final normed state beside the layer ids (CapturedTarget.state_keys)
 
 
 def read_text_config(path: str | Path) -> Any:
@@ -84,11 +90,17 @@ def resolve_device(name: str) -> torch.device:
 class CapturedTarget:
     """A truncated target whose forward returns the hidden states of `layer_ids`, in that order."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int):
+    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int, final_state: bool = False):
         self.model = model
         self.layer_ids = layer_ids
         self.num_target_layers = num_target_layers  # depth of the full target, before truncation
-        self._captured: dict[int, torch.Tensor] = {}
+        self.final_state = final_state  # also the final norm's output, after the layer ids' states
+        self._captured: dict[int | str, torch.Tensor] = {}
+
+    @property
+    def state_keys(self) -> list[int | str]:
+        """What `forward` returns, in order: the layer ids, then FINAL when final states are kept."""
+        return [*self.layer_ids, *([FINAL] if self.final_state else [])]
 
     @property
     def hidden_size(self) -> int:
@@ -100,26 +112,29 @@ class CapturedTarget:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """input_ids [B, S] (right-padded, see precompute/batching.py) -> K tensors [B, S, H].
+        """input_ids [B, S] (right-padded, see precompute/batching.py) -> K tensors [B, S, H] (K + 1
+        with the final state last, as `state_keys` says).
 
         No attention mask is passed: with right padding and causal attention a real token never sees a
         pad, and sdpa/flash keep their fastest causal kernels."""
         self._captured.clear()
         with self._hooks():
             self.model(input_ids=input_ids, use_cache=False)
-        return [self._captured.pop(i) for i in self.layer_ids]
+        return [self._captured.pop(i) for i in self.state_keys]
 
     @contextlib.contextmanager
     def _hooks(self) -> Iterator[None]:
         layers = decoder_layers(self.model)
         handles = [layers[i].register_forward_hook(self._capture(i)) for i in self.layer_ids]
+        if self.final_state:
+            handles.append(final_norm(self.model).register_forward_hook(self._capture(FINAL)))
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _capture(self, layer_id: int):
+    def _capture(self, layer_id: int | str):
         def hook(module, args, output):
             self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
         return hook
@@ -134,15 +149,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                     f"{' or '.join(_LAYER_LIST_NAMES)}; this architecture is not supported.")
 
 
+def final_norm(model: nn.Module) -> nn.Module:
+    for name in _FINAL_NORM_NAMES:
+        if isinstance(getattr(model, name, None), nn.Module):
+            return getattr(model, name)
+    raise UserError(f"target model {type(model).__name__} has no final norm named {' or '.join(_FINAL_NORM_NAMES)}; "
+                    f"store.final_state is not supported for this architecture.")
+
+
 def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "bf16",
-                attn_implementation: str = "sdpa", device: torch.device | str = "cpu") -> CapturedTarget:
-    """Load the target truncated after its deepest captured layer, without lm_head or final norm."""
+                attn_implementation: str = "sdpa", device: torch.device | str = "cpu",
+                final_state: bool = False) -> CapturedTarget:
+    """Load the target truncated after its deepest captured layer, without lm_head or final norm;
+    with `final_state`, whole (every layer and the final norm, still no lm_head)."""
     from transformers import AutoModel
 
     text_config = read_text_config(path)
     num_layers = text_config.num_hidden_layers
     ids = resolve_layer_ids(layer_ids, num_layers)
-    config = truncated_config(text_config, max(ids) + 1)
+    config = truncated_config(text_config, num_layers if final_state else max(ids) + 1)
     with _quiet_transformers():
         try:
             model, info = AutoModel.from_pretrained(
@@ -153,11 +178,14 @@ def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "
     if info["missing_keys"]:
         raise UserError(f"target checkpoint {path} lacks weights {sorted(info['missing_keys'])[:4]}; "
                         "is it complete and of the architecture its config.json names?")
-    _drop_final_norm(model)
+    if final_state:
+        final_norm(model)  # the architecture must have one, before any work
+    else:
+        _drop_final_norm(model)
     model.eval().requires_grad_(False)
-    log.info("target %s: %d of %d decoder layers loaded, capturing layer ids %s", path, config.num_hidden_layers,
-             num_layers, ids)
-    return CapturedTarget(model, ids, num_layers)
+    log.info("target %s: %d of %d decoder layers loaded, capturing layer ids %s%s", path, config.num_hidden_layers,
+             num_layers, ids, " and the final normed state" if final_state else "")
+    return CapturedTarget(model, ids, num_layers, final_state)
 
 
 def _drop_final_norm(model: nn.Module) -> None:

@@ -19,7 +19,7 @@ class ShardSlot:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
     offsets: np.ndarray  # int64 [N+1]
-    states: list[torch.Tensor]  # K x [T, H] raw bits (int16 for bf16, uint8 for fp8)
+    states: list[torch.Tensor]  # K (+1: the final state, last) x [T, H] raw bits (int16 for bf16, uint8 for fp8)
     scales: list[torch.Tensor] | None  # K x float32 [T] (fp8)
 
 

@@ -156,6 +156,32 @@ class RegulariseConfig:
 
 
 @dataclass(frozen=True)
+class TargetsSection:
+    soft: Literal["none", "kl", "tv", "dspark"] = option(
+        "none",
+        "Match the target's distribution softmax(lm_head(final state)) instead of only its token: 'kl' = "
+        "KL(target || drafter), 'tv' = total variation 1/2 sum|p - q|, 'dspark' = 0.1 CE + 0.9 sum|p - q| "
+        "(DSpark); 'none' = cross-entropy on the token. Needs a store precomputed with --store.final_state=true.",
+    )
+    temperature: float = option(
+        1.0, "Both distributions of the soft term are softmax(logits / temperature); CE terms stay at 1."
+    )
+    prompt_anchors: bool = option(
+        False,
+        "Anchors may also sit on prompt tokens, whose labels are the target's own greedy prediction "
+        "(argmax of its logits there); response labels stay the stored tokens. Needs final states too. "
+        "Validation keeps response anchors, so its tau stays comparable.",
+    )
+
+    def __post_init__(self):
+        check(self.temperature > 0, f"targets.temperature must be > 0, got {self.temperature}.")
+
+    @property
+    def needs_final_state(self) -> bool:
+        return self.soft != "none" or self.prompt_anchors
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = option(6e-4, "Peak learning rate of AdamW.")
     weight_decay: float = option(0.0, "AdamW weight decay (the recipe uses none).")
@@ -240,9 +266,17 @@ class TrainConfig:
     drafter: DrafterSection = section(DrafterSection, "Shape of the drafter being trained.")
     objective: ObjectiveSection = section(ObjectiveSection, "The DFlash objective: anchors and loss weights.")
     regularise: RegulariseConfig = section(RegulariseConfig, "Regularisers for small data: feature noise, EMA.")
+    targets: TargetsSection = section(
+        TargetsSection, "What the drafter is taught from the target's final state: soft targets, prompt anchors."
+    )
     optim: OptimConfig = section(OptimConfig, "AdamW and the learning-rate schedule.")
     precision: PrecisionConfig = section(PrecisionConfig, "Mixed precision.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     log: LogConfig = section(LogConfig, "Console, JSONL and TensorBoard metrics.")
     validation: ValidationConfig = section(ValidationConfig, "Validation on held-out sequences.")
     run: RunConfig = section(RunConfig, "Run directory, seed and target.")
+
+    def __post_init__(self):
+        check(self.objective.weights != "dpace" or self.targets.soft == "none",
+              "objective.weights = 'dpace' works with hard labels only (targets.soft = 'none'); choose one of "
+              "the two levers")

@@ -112,35 +112,41 @@ def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int,
     return found
 
 
-def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int]):
-    """The cache's read_fn: read shard `key` (an index into `shards`) straight into its slot."""
+def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int],
+                 final: bool = False):
+    """The cache's read_fn: read shard `key` (an index into `shards`) straight into its slot; with
+    `final`, the target's final normed state travels as one more state after the layers."""
 
     def read(key: int, views: list[torch.Tensor]) -> tuple[ShardSlot, int]:
         meta = shards[key]
         store = stores[meta.store]
-        specs = store.buffer_specs(meta.name, layer_ids)
-        data = store.read_shard(meta.name, layer_ids, out=carve_buffers(specs, views[0]))
+        specs = store.buffer_specs(meta.name, layer_ids, final)
+        data = store.read_shard(meta.name, layer_ids, out=carve_buffers(specs, views[0]), final=final)
         raw = raw_dtype(store.manifest.dtype)
-        states = [torch.from_numpy(data.layers[i]).view(raw) for i in layer_ids]
-        scales = [torch.from_numpy(data.scales[i]) for i in layer_ids] if data.scales else None
+        bits = [data.layers[i] for i in layer_ids] + ([data.final] if final else [])
+        states = [torch.from_numpy(b).view(raw) for b in bits]
+        scale_arrays = [data.scales.get(i) for i in layer_ids] + ([data.final_scale] if final else [])
+        scales = [torch.from_numpy(x) for x in scale_arrays] if store.manifest.dtype == "fp8_e4m3" else None
         slot = ShardSlot(data.input_ids, data.loss_mask, data.offsets, states, scales)
         return slot, sum(s.nbytes for s in specs.values())
 
     return read
 
 
-def slot_size(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int]) -> tuple[int, float]:
+def slot_size(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int],
+              final: bool = False) -> tuple[int, float]:
     """Bytes of a slot (the largest shard's read, chosen layers only) and the mean fill of a slot."""
-    sizes = [stores[m.store].shard_nbytes(m.name, layer_ids) for m in shards]
+    sizes = [stores[m.store].shard_nbytes(m.name, layer_ids, final) for m in shards]
     biggest = max(sizes)
     return biggest, float(np.mean(sizes)) / biggest
 
 
 def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int], generator: torch.Generator,
              block_size: int, max_anchors: int, epoch: int, index: int, handles: list[Handle],
-             anchor_rule: str = "block") -> HostBatch:
+             anchor_rule: str = "block", prompt_anchors: bool = False) -> HostBatch:
     """Planned rows [n, 3] (shard, sequence, tokens) -> a HostBatch, anchors drawn from `generator` by
-    `anchor_rule` (objective.sample_anchors)."""
+    `anchor_rule` (objective.sample_anchors) among response positions (any position with
+    `prompt_anchors`: targets.prompt_anchors)."""
     ids, mask, segments, lengths, dst = [], [], [], [], 0
     for shard, seq, n in rows.tolist():
         slot = shards[slot_of[shard]]
@@ -153,7 +159,8 @@ def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int],
     input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
     loss_mask = torch.from_numpy(np.concatenate(mask).astype(np.int64))
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    anchors = sample_anchors(loss_mask, cu, block_size, max_anchors, generator, anchor_rule).long()
+    anchor_mask = torch.ones_like(loss_mask) if prompt_anchors else loss_mask
+    anchors = sample_anchors(anchor_mask, cu, block_size, max_anchors, generator, anchor_rule).long()
     return HostBatch(epoch, index, input_ids, loss_mask, cu, anchors, segments, shards, handles)
 
 
@@ -220,8 +227,10 @@ class BatchNode(BaseNode[HostBatch]):
     """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next batch."""
 
     def __init__(self, plan: DataPlan, cache: ShardCache, *, rank: int, seed: int, block_size: int,
-                 max_anchors: int, bad: BadShards | None = None, anchor_rule: str = "block"):
+                 max_anchors: int, bad: BadShards | None = None, anchor_rule: str = "block",
+                 prompt_anchors: bool = False):
         super().__init__()
+        self.prompt_anchors = prompt_anchors
         self.plan = plan
         self.cache = cache
         self.rank = rank
@@ -275,7 +284,7 @@ class BatchNode(BaseNode[HostBatch]):
         rows, keys, handles, slots = got
         gen = seeded_generator(self.seed, _ANCHORS, self.epoch, self.rank, self.index)
         batch = assemble(rows, slots, {k: i for i, k in enumerate(keys)}, gen, self.block_size,
-                         self.max_anchors, self.epoch, self.index, handles, self.anchor_rule)
+                         self.max_anchors, self.epoch, self.index, handles, self.anchor_rule, self.prompt_anchors)
         self.index += 1
         return batch
 
@@ -325,9 +334,9 @@ def build_loader(node: BatchNode, host_prefetch: int) -> Loader:
 
 
 def allocate_cache(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int], *,
-                   cache_gb: float, min_shards: int, threads: int, what: str) -> ShardCache:
+                   cache_gb: float, min_shards: int, threads: int, what: str, final: bool = False) -> ShardCache:
     """A cache of as many whole-shard slots as `cache_gb` holds (at least `min_shards`)."""
-    nbytes, fill = slot_size(stores, shards, layer_ids)
+    nbytes, fill = slot_size(stores, shards, layer_ids, final)
     n = min(int(cache_gb * 1e9) // nbytes, len(shards))  # more slots than shards would never be used
     min_shards = min(min_shards, len(shards))  # a store smaller than two windows just fits whole
     if n < min_shards:
@@ -338,7 +347,7 @@ def allocate_cache(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_i
                         f"{min_shards * nbytes / 1e9:.3f} or lower data.window_shards.")
     log.info("%s shard cache: %d slots of %.1f MiB, one shard each (slots fit the largest shard of layers "
              "%s; shards fill %.0f%% of a slot on average)", what, n, nbytes / 2**20, list(layer_ids), 100 * fill)
-    return ShardCache(SlotSlab.allocate(n, nbytes), 1, shard_reader(stores, shards, layer_ids), threads)
+    return ShardCache(SlotSlab.allocate(n, nbytes), 1, shard_reader(stores, shards, layer_ids, final), threads)
 
 
 def feature_dtype(autocast: str) -> torch.dtype:
@@ -347,7 +356,7 @@ def feature_dtype(autocast: str) -> torch.dtype:
 
 
 def make_feeder(source, position, stores: Sequence[Store], layer_ids: Sequence[int], *, device: torch.device,
-                batch_tokens: int, autocast: str, prefetch: int):
+                batch_tokens: int, autocast: str, prefetch: int, final: bool = False):
     from dflash_common.store.quant import decode_states
     from train.transfer import DeviceFeeder
 
@@ -357,10 +366,21 @@ def make_feeder(source, position, stores: Sequence[Store], layer_ids: Sequence[i
         bits = raw.view(torch.uint16) if storage == "bf16" else raw
         return decode_states(bits, scale, storage, out_dtype=dtype)
 
-    return DeviceFeeder(source, position, device=device, layers=len(layer_ids),
+    return DeviceFeeder(source, position, device=device, layers=len(layer_ids) + (1 if final else 0), final=final,
                         hidden=stores[0].manifest.hidden_size, raw_dtype=raw_dtype(storage),
                         scaled=storage == "fp8_e4m3", batch_tokens=batch_tokens,
                         feature_dtype=feature_dtype(autocast), decode=decode, prefetch=prefetch)
+
+
+def check_final_states(stores: Sequence[Store]) -> None:
+    """Soft targets and prompt anchors read the target's final states: every store must hold them."""
+    from dflash_common.cli import UserError
+
+    for store in stores:
+        if not store.manifest.final_state:
+            raise UserError(f"store {store.path} holds no final states, which targets.soft and "
+                            f"targets.prompt_anchors need; precompute it with --store.final_state=true, or train "
+                            f"with --targets.soft=none --targets.prompt_anchors=false.")
 
 
 def check_stores_agree(stores: Sequence[Store]) -> None:
@@ -398,6 +418,9 @@ class TrainData:
         """`cfg` is the TrainConfig; `layer_ids` the drafter's target_layer_ids (their order is kept)."""
         d = cfg.data
         check_stores_agree(stores)
+        final = cfg.targets.needs_final_state
+        if final:
+            check_final_states(stores)
         bad = BadShards(d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it')
         shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
         split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,
@@ -406,19 +429,20 @@ class TrainData:
                         batch_tokens=d.batch_tokens, window_shards=d.window_shards, world=world,
                         grad_accum=cfg.optim.grad_accum)
         cache = allocate_cache(stores, shards, layer_ids, cache_gb=d.cache_gb, min_shards=2 * d.window_shards,
-                               threads=d.reader_threads, what="training")
+                               threads=d.reader_threads, what="training", final=final)
         val_shards = sum(1 for v in split.val if len(v))
         val_cache = None
         if val_shards:  # held-out shards get their own slots, so validation never waits on training's
             n = min(val_shards, 2)
             log.info("validation shard cache: %d slot(s) for the %d shard(s) holding held-out sequences", n, val_shards)
             val_cache = ShardCache(SlotSlab.allocate(n, cache.slab.slot_bytes), 1,
-                                   shard_reader(stores, shards, layer_ids), threads=1)
+                                   shard_reader(stores, shards, layer_ids, final), threads=1)
         node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=cfg.drafter.block_size,
-                         max_anchors=cfg.objective.max_anchors, bad=bad, anchor_rule=cfg.objective.anchors)
+                         max_anchors=cfg.objective.max_anchors, bad=bad, anchor_rule=cfg.objective.anchors,
+                         prompt_anchors=cfg.targets.prompt_anchors)
         loader = build_loader(node, d.host_prefetch)
         feeder_args = dict(stores=stores, layer_ids=list(layer_ids), device=device, batch_tokens=d.batch_tokens,
-                           autocast=cfg.precision.autocast)
+                           autocast=cfg.precision.autocast, final=final)
         return cls(plan, cache, val_cache, node, loader, feeder_args, d.gpu_prefetch, bad)
 
     def start(self, position: dict[str, Any] | None = None):

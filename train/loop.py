@@ -201,7 +201,8 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
         with sync:
             loss_sum, weight, c = batch_objective(
                 drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
-                autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise)
+                autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
+                targets=cfg.targets)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
@@ -414,7 +415,8 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
         return None
     with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # validate what is exported
         result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
-                                  gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True)
+                                  gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True,
+                                  targets=dataclasses.replace(r.cfg.targets, prompt_anchors=False))  # response anchors
     record = {"kind": "val", "step": step, **result}
     if metrics is not None:
         metrics.write(record)

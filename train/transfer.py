@@ -40,6 +40,7 @@ class DeviceBatch:
     index: int  # position of this batch in its epoch's plan
     position: dict[str, Any]  # the data-pipeline state that resumes right after this batch
     data_wait_s: float  # time the host waited for the batch to be assembled
+    final: torch.Tensor | None = None  # [T, H] the target's final normed states (soft targets), else None
 
 
 @dataclasses.dataclass
@@ -62,12 +63,13 @@ class DeviceFeeder:
 
     def __init__(self, source: Iterator[HostBatch], position: Callable[[], dict[str, Any]], *,
                  device: torch.device, layers: int, hidden: int, raw_dtype: torch.dtype, scaled: bool,
-                 batch_tokens: int, feature_dtype: torch.dtype, decode: Decode, prefetch: int):
+                 batch_tokens: int, feature_dtype: torch.dtype, decode: Decode, prefetch: int, final: bool = False):
         self.source = source
         self.position = position
         self.device = device
         self.feature_dtype = feature_dtype
         self.decode = decode
+        self.final = final  # the last of the `layers` raw states is the final state, not a feature
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda and prefetch else None
         self.buffers = [self._buffers(layers, hidden, raw_dtype, scaled, batch_tokens) for _ in range(1 + prefetch)]
@@ -131,6 +133,7 @@ class DeviceFeeder:
         t = host.tokens
         feats = [self.decode(buf.states[k][:t], None if buf.scales is None else buf.scales[k][:t], self.feature_dtype)
                  for k in range(len(buf.states))]
+        final = feats.pop() if self.final else None  # [T, H]
         features = torch.cat(feats, dim=-1)  # K x [T, H] -> [T, K*H]
         small = buf.small_dev[:host.small_numel()].clone()  # the batch's own copy: buf takes the next batch
         if self.cuda:
@@ -139,7 +142,7 @@ class DeviceFeeder:
         ids, mask, anchors, cu = host.split_small(small)
         self._release_finished()
         return DeviceBatch(features, ids, mask.bool(), cu.to(torch.int32), anchors, t, host.epoch, host.index,
-                           position, waited)
+                           position, waited, final)
 
     def _release_finished(self) -> None:
         """Give back the cache slots of every batch whose copies have completed."""

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dflash_common.drafter.loss import fused_lm_head_loss
 from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels, dpace_weights
+from dflash_common.drafter.soft_loss import greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows
 from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
 
 
@@ -37,23 +38,33 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
                     gamma: float | None, autocast: str, weights: str = "gamma", dpace_alpha: float = 0.5,
-                    normalise: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    normalise: str = "weight", targets: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
     `weights` 'gamma' or 'dpace' and `normalise` 'weight' or 'anchors' as in train/config.py's
-    [objective]; D-PACE weights come from the same forward's per-row CE (no second pass).
-    Returns (weighted CE sum: float32 scalar with grad, its normaliser: the weight sum or the number
+    [objective]; D-PACE weights come from the same forward's per-row CE (no second pass). `targets`
+    (train config's TargetsSection) switches on soft targets and prompt-anchor labels.
+    Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
     of blocks with a valid label, float32 scalar, counts [2B+2]).
     """
     device = batch.features.device
-    labels, w = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors,
+    prompt = targets is not None and targets.prompt_anchors
+    mask = torch.ones_like(batch.loss_mask) if prompt else batch.loss_mask  # prompt labels count too
+    labels, w = block_labels(batch.input_ids, mask, batch.cu_seqlens, batch.anchors,
                              block_size, gamma)  # [A, B] each
+    if prompt:
+        labels = greedy_prompt_labels(labels, batch.loss_mask, batch.anchors)
     valid = labels != IGNORE_INDEX
     enabled = autocast == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = model(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
         row_w = valid.float() if weights == "dpace" else w  # D-PACE: unit weights, reweighted below
-        out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten())
+        if targets is not None and targets.needs_final_state:  # train config refuses dpace with soft targets
+            out = soft_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
+                                    batch.final, teacher_rows(batch.anchors, block_size).flatten(),
+                                    soft_kind(targets.soft), targets.temperature)
+        else:
+            out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten())
     if weights == "dpace":
         w = dpace_weights(out.rows.detach().view_as(labels), valid, dpace_alpha)
         loss = (w.flatten() * out.rows).sum()
@@ -79,7 +90,7 @@ def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[
 @torch.no_grad()
 def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_size: int,
                      gamma: float | None = None, autocast: str = "bf16", reduce: bool = False,
-                     path: bool = True) -> dict[str, Any]:
+                     path: bool = True, targets: Any = None) -> dict[str, Any]:
     """Loss, accuracy by position and tau over device batches (objects with features, input_ids,
     loss_mask, cu_seqlens, anchors); with `path`, also the path tau of greedy decoding replayed from
     the batches (train/path_tau.py: exact when the responses are the target's greedy output). With
@@ -94,7 +105,7 @@ def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
         if batch.anchors.numel() == 0:
             continue
         loss, weight, c = batch_objective(drafter, drafter, batch, block_size=block_size, gamma=gamma,
-                                          autocast=autocast)
+                                          autocast=autocast, targets=targets)
         sums += torch.stack([loss.double(), weight.double(), torch.tensor(batch.cu_seqlens.numel() - 1.0,
                                                                           dtype=torch.float64, device=device)])
         counts += c

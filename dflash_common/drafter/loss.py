@@ -51,7 +51,7 @@ _ROW_QUANTUM = 512
 class LossOutput(NamedTuple):
     loss: torch.Tensor  # float32 scalar: weighted sum of per-row cross-entropy
     correct: torch.Tensor  # [N] bool: argmax of the logits == label (False for skipped rows)
-    rows: torch.Tensor  # [N] float32: weighted cross-entropy of each row (0 for skipped rows)
+    rows: torch.Tensor | None = None  # [N] float32: weighted CE of each row, 0 for skipped rows (hard loss only)
 
 
 def fused_lm_head_loss(

@@ -38,6 +38,7 @@ def format_info(info: dict[str, Any]) -> str:
         ("format version", info["format_version"]),
         ("target", info["target"]),
         ("layer ids", ", ".join(str(i) for i in info["layer_ids"])),
+        ("final state", "yes" if info["final_state"] else "no"),
         ("hidden size", info["hidden_size"]),
         ("dtype", info["dtype"]),
         ("codec", info["codec"]),

@@ -69,6 +69,9 @@ class StoreManifest:
     dataset: dict[str, Any] = dataclasses.field(default_factory=dict)  # fingerprint.dataset_fingerprint
     precompute: dict[str, Any] = dataclasses.field(default_factory=dict)  # the precompute config
     format_version: int = FORMAT_VERSION
+    # shards also hold the target's final normed hidden state (the lm_head's input), array "final";
+    # written only when true, so stores without it keep the exact manifest they were made with
+    final_state: bool = False
 
     def __post_init__(self) -> None:
         ids = tuple(int(i) for i in self.layer_ids)
@@ -83,6 +86,8 @@ class StoreManifest:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_ids"] = list(self.layer_ids)
+        if not self.final_state:
+            del d["final_state"]  # absent means false: older stores compare equal, byte for byte
         return json.loads(json.dumps({"format": FORMAT_NAME, **d}))  # plain JSON types, as stored
 
     @classmethod
@@ -107,13 +112,15 @@ class ShardPayload:
 
     input_ids int32 [T], loss_mask bool/uint8 [T], offsets int64 [N+1] (sequence i is tokens
     offsets[i]:offsets[i+1]), sample_ids N strings such as 'data.jsonl:17', and one EncodedStates
-    [T, H] per captured layer id (from quant.encode_states)."""
+    [T, H] per captured layer id (from quant.encode_states), plus the final state when the store
+    holds final states."""
 
     input_ids: Any
     loss_mask: Any
     offsets: Any
     sample_ids: Sequence[str]
     layers: Mapping[int, EncodedStates]
+    final: EncodedStates | None = None  # the final normed state [T, H]; exactly when the manifest says so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +162,10 @@ def layer_array(layer_id: int) -> str:
 
 def scale_array(layer_id: int) -> str:
     return f"layer_{layer_id}_scale"
+
+
+FINAL_ARRAY = "final"  # the target's final normed hidden state (manifest final_state)
+FINAL_SCALE_ARRAY = "final_scale"
 
 
 def group_metadata(attributes: Mapping[str, Any]) -> bytes:

@@ -16,7 +16,7 @@ import torch
 
 from dflash_common.store.chunks import ArrayFile, ChunkError
 from dflash_common.store.format import (
-    BUFFER_ALIGN, SHARDS_DIR, BufferSpec, ShardInfo, StoreCorruptError, StoreError, StoreManifest,
+    BUFFER_ALIGN, FINAL_ARRAY, FINAL_SCALE_ARRAY, SHARDS_DIR, BufferSpec, ShardInfo, StoreCorruptError, StoreError, StoreManifest,
     StoreMismatchError, check_compatible, check_offsets, layer_array, read_json, read_root_attributes, scale_array,
     short_json,
 )
@@ -35,12 +35,17 @@ class ShardData:
     sample_ids: list[str]
     layers: dict[int, np.ndarray]  # layer id -> uint16 | uint8 [T, H]
     scales: dict[int, np.ndarray]  # layer id -> float32 [T] (fp8 only)
+    final: np.ndarray | None = None  # the final normed state's bits [T, H], when read
+    final_scale: np.ndarray | None = None  # float32 [T] (fp8 only)
 
-    def states(self, layer_id: int, *, device: torch.device | str | None = None,
+    def states(self, layer_id: int | None, *, device: torch.device | str | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Decoded states [T, H] of one layer, on `device` (moved before decoding: fewer bytes)."""
-        data = torch.from_numpy(self.layers[layer_id])
-        scale = self.scales.get(layer_id)
+        """Decoded states [T, H] of one layer (None: the final normed state), on `device` (moved
+        before decoding: fewer bytes)."""
+        if layer_id is None:
+            data, scale = torch.from_numpy(self.final), self.final_scale
+        else:
+            data, scale = torch.from_numpy(self.layers[layer_id]), self.scales.get(layer_id)
         scale_t = None if scale is None else torch.from_numpy(scale)
         if device is not None:
             data = data.to(device, non_blocking=True)
@@ -140,9 +145,10 @@ class Store:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def buffer_specs(self, name_or_info: str | ShardInfo, layer_ids: Sequence[int] | None = None
-                     ) -> dict[str, BufferSpec]:
-        """The arrays `read_shard` fills, by array name, for the chosen layers (no array is read)."""
+    def buffer_specs(self, name_or_info: str | ShardInfo, layer_ids: Sequence[int] | None = None,
+                     final: bool | None = None) -> dict[str, BufferSpec]:
+        """The arrays `read_shard` fills, by array name, for the chosen layers and, with `final`, the
+        final normed state (None: with layer_ids None, whatever the store holds) (no array is read)."""
         info = name_or_info if isinstance(name_or_info, ShardInfo) else self.shard(name_or_info)
         t, n, m = info.num_tokens, info.num_sequences, self.manifest
         specs = {"input_ids": BufferSpec((t,), np.dtype(np.int32)),
@@ -152,11 +158,24 @@ class Store:
             specs[layer_array(layer_id)] = BufferSpec((t, m.hidden_size), storage_numpy_dtype(m.dtype))
             if m.dtype == "fp8_e4m3":
                 specs[scale_array(layer_id)] = BufferSpec((t,), np.dtype(np.float32))
+        if self._wants_final(layer_ids, final):
+            specs[FINAL_ARRAY] = BufferSpec((t, m.hidden_size), storage_numpy_dtype(m.dtype))
+            if m.dtype == "fp8_e4m3":
+                specs[FINAL_SCALE_ARRAY] = BufferSpec((t,), np.dtype(np.float32))
         return specs
 
-    def shard_nbytes(self, name_or_info: str | ShardInfo, layer_ids: Sequence[int] | None = None) -> int:
+    def _wants_final(self, layer_ids: Sequence[int] | None, final: bool | None) -> bool:
+        if final is None:
+            return layer_ids is None and self.manifest.final_state
+        if final and not self.manifest.final_state:
+            raise StoreMismatchError(f"store {self.path} holds no final states; precompute it with "
+                                     f"--store.final_state=true.")
+        return final
+
+    def shard_nbytes(self, name_or_info: str | ShardInfo, layer_ids: Sequence[int] | None = None,
+                     final: bool | None = None) -> int:
         """Bytes of one buffer that `carve_buffers` splits into the arrays of a shard read."""
-        return buffers_nbytes(self.buffer_specs(name_or_info, layer_ids))
+        return buffers_nbytes(self.buffer_specs(name_or_info, layer_ids, final))
 
     def _layer_ids(self, layer_ids: Sequence[int] | None) -> list[int]:
         if layer_ids is None:
@@ -168,12 +187,13 @@ class Store:
         return list(layer_ids)
 
     def read_shard(self, name: str, layer_ids: Sequence[int] | None = None,
-                   out: Mapping[str, np.ndarray] | None = None) -> ShardData:
-        """Read one shard's token arrays and the chosen layers (default: all) into `out` (arrays
+                   out: Mapping[str, np.ndarray] | None = None, final: bool | None = None) -> ShardData:
+        """Read one shard's token arrays, the chosen layers (default: all) and, with `final`, the
+        final normed state (default: when all layers are read and the store has it) into `out` (arrays
         shaped as `buffer_specs` says, e.g. from `carve_buffers` over pinned memory) or new arrays.
         Each chunk lands in its buffer directly; a checksum mismatch raises StoreCorruptError."""
         attrs = self._shard_attrs(name)
-        specs = self.buffer_specs(self._info(name, attrs), layer_ids)
+        specs = self.buffer_specs(self._info(name, attrs), layer_ids, final)
         if out is None:
             bufs = {k: np.empty(s.shape, s.dtype) for k, s in specs.items()}
         else:
@@ -188,7 +208,8 @@ class Store:
             name=name, dtype=self.manifest.dtype, input_ids=bufs["input_ids"], loss_mask=bufs["loss_mask"],
             offsets=bufs["offsets"], sample_ids=list(attrs["sample_ids"]),
             layers={i: bufs[layer_array(i)] for i in ids},
-            scales={i: bufs[scale_array(i)] for i in ids if scale_array(i) in bufs})
+            scales={i: bufs[scale_array(i)] for i in ids if scale_array(i) in bufs},
+            final=bufs.get(FINAL_ARRAY), final_scale=bufs.get(FINAL_SCALE_ARRAY))
 
     def _read_arrays(self, shard_dir: Path, specs: Mapping[str, BufferSpec],
                      bufs: Mapping[str, np.ndarray]) -> None:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dflash_common.store.chunks import ArrayFile, ChunkError
 from dflash_common.store.format import (
-    FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, check_offsets, layer_array, scale_array,
+    FINAL_SCALE_ARRAY, FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, check_offsets, layer_array, scale_array,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ def _verify_shard(store: Store, name: str) -> None:
     if list(attrs.get("layer_ids", [])) != list(m.layer_ids) or attrs.get("dtype") != m.dtype:
         raise ValueError(f"it holds layers {attrs.get('layer_ids')} as {attrs.get('dtype')}, the manifest "
                          f"says {list(m.layer_ids)} as {m.dtype}")
+    if bool(attrs.get("final_state", False)) != m.final_state:
+        raise ValueError(f"its final_state is {bool(attrs.get('final_state', False))}, the manifest says "
+                         f"{m.final_state}")
     if len(attrs["sample_ids"]) != attrs["num_sequences"]:
         raise ValueError(f"it lists {len(attrs['sample_ids'])} sample ids for {attrs['num_sequences']} "
                          f"sequences")
@@ -97,6 +100,9 @@ def _check_small_arrays(small: dict[str, np.ndarray], num_tokens: int, layer_ids
         scale = small.get(scale_array(layer_id))
         if scale is not None and not (np.isfinite(scale).all() and (scale >= 0).all()):
             raise ValueError(f"the scales of {layer_array(layer_id)} are not all finite and >= 0")
+    scale = small.get(FINAL_SCALE_ARRAY)
+    if scale is not None and not (np.isfinite(scale).all() and (scale >= 0).all()):
+        raise ValueError("the scales of the final state are not all finite and >= 0")
 
 
 def _disk_bytes(root: Path) -> int:
@@ -118,7 +124,7 @@ def store_info(store: Store) -> dict[str, Any]:
     disk = _disk_bytes(store.path)
     return {
         "path": str(store.path), "format_version": m.format_version, "target": m.target.get("name"),
-        "layer_ids": list(m.layer_ids), "hidden_size": m.hidden_size, "dtype": m.dtype, "codec": m.codec,
+        "layer_ids": list(m.layer_ids), "final_state": m.final_state, "hidden_size": m.hidden_size, "dtype": m.dtype, "codec": m.codec,
         "chunk_tokens": m.chunk_tokens, "shards": len(shards), "sequences": sequences, "tokens": tokens,
         "bytes_on_disk": disk, "bytes_per_token": disk / tokens if tokens else None,
         "decoded_bytes": decoded, "compression_ratio": decoded / disk if disk else None,

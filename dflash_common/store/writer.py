@@ -26,7 +26,7 @@ from zarr.storage import LocalStore
 from dflash_common.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, publish_dir
 from dflash_common.store.chunks import balanced_chunk_rows, create_array, write_data
 from dflash_common.store.format import (
-    FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError, ShardInfo,
+    FINAL_ARRAY, FINAL_SCALE_ARRAY, FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError, ShardInfo,
     ShardPayload, StoreError, StoreManifest, StoreMismatchError, check_shard_name, group_metadata, layer_array,
     read_json, read_root_attributes, scale_array, short_json,
 )
@@ -202,38 +202,54 @@ class StoreWriter:
                   "offsets": (offsets, {}, ("sequence_boundary",), len(offsets))}
         rows = balanced_chunk_rows(t, m.chunk_tokens)
         for layer_id in m.layer_ids:
-            data, scale = self._layer(name, layer_id, payload.layers[layer_id], t, offsets, sample_ids)
+            data, scale = self._states(name, f"layer {layer_id}", payload.layers[layer_id], t, offsets, sample_ids)
             attrs = {"layer_id": layer_id, "logical_dtype": LOGICAL_DTYPE_NAMES[m.dtype]}
             if scale is not None:
                 attrs["scale_array"] = scale_array(layer_id)
                 arrays[scale_array(layer_id)] = (scale, {"layer_id": layer_id}, ("token",), t)
             arrays[layer_array(layer_id)] = (data, attrs, ("token", "hidden"), rows)
+        if (payload.final is not None) != m.final_state:
+            raise ValueError(f"shard {name} {'lacks' if m.final_state else 'has'} the final state, the store "
+                             f"{'holds' if m.final_state else 'does not hold'} final states")
+        if m.final_state:
+            arrays.update(self._final_arrays(name, payload.final, t, offsets, sample_ids, rows))
         attrs = {"format": FORMAT_NAME + "/shard", "format_version": FORMAT_VERSION, "num_tokens": t,
                  "num_sequences": len(sample_ids), "layer_ids": list(m.layer_ids), "dtype": m.dtype,
                  "sample_ids": sample_ids}
+        if m.final_state:
+            attrs["final_state"] = True
         return dict(sorted(arrays.items())), attrs
 
-    def _layer(self, name, layer_id, enc: EncodedStates, t, offsets, sample_ids):
+    def _final_arrays(self, name, enc: EncodedStates, t, offsets, sample_ids, rows):
+        """The final state's array (+ fp8 scale), encoded and checked like a layer's."""
+        data, scale = self._states(name, "the final state", enc, t, offsets, sample_ids)
+        attrs = {"final_state": True, "logical_dtype": LOGICAL_DTYPE_NAMES[self.manifest.dtype]}
+        arrays = {FINAL_ARRAY: (data, attrs, ("token", "hidden"), rows)}
+        if scale is not None:
+            attrs["scale_array"] = FINAL_SCALE_ARRAY
+            arrays[FINAL_SCALE_ARRAY] = (scale, {"final_state": True}, ("token",), t)
+        return arrays
+
+    def _states(self, name, what, enc: EncodedStates, t, offsets, sample_ids):
+        """Check one [T, H] state array of a payload (`what`: 'layer 9', 'the final state')."""
         m = self.manifest
         if enc.dtype != m.dtype:
-            raise ValueError(f"shard {name} layer {layer_id} is encoded as {enc.dtype}, the store "
-                             f"as {m.dtype}")
-        data = _numpy(enc.data, f"layer {layer_id}", storage_numpy_dtype(m.dtype), 2, exact=True)
+            raise ValueError(f"shard {name} {what} is encoded as {enc.dtype}, the store as {m.dtype}")
+        data = _numpy(enc.data, what, storage_numpy_dtype(m.dtype), 2, exact=True)
         if data.shape != (t, m.hidden_size):
-            raise ValueError(f"shard {name} layer {layer_id} has shape {data.shape}, expected "
-                             f"{(t, m.hidden_size)}")
+            raise ValueError(f"shard {name} {what} has shape {data.shape}, expected {(t, m.hidden_size)}")
         scale = None
         if m.dtype == "fp8_e4m3":
             if enc.scale is None:
-                raise ValueError(f"shard {name} layer {layer_id}: fp8 states need their scale")
-            scale = _numpy(enc.scale, f"layer {layer_id} scale", np.float32, 1, exact=True)
+                raise ValueError(f"shard {name} {what}: fp8 states need their scale")
+            scale = _numpy(enc.scale, f"{what} scale", np.float32, 1, exact=True)
             if len(scale) != t:
-                raise ValueError(f"shard {name} layer {layer_id} has {len(scale)} scales for {t} tokens")
+                raise ValueError(f"shard {name} {what} has {len(scale)} scales for {t} tokens")
         bad = nonfinite_rows(data, scale, m.dtype)
         if len(bad):
             seq = int(np.searchsorted(offsets, bad[0], side="right")) - 1
             raise NonFiniteStatesError(
-                f"Hidden states of sample {sample_ids[seq]} (layer {layer_id}, token "
+                f"Hidden states of sample {sample_ids[seq]} ({what}, token "
                 f"{bad[0] - offsets[seq]}) hold NaN or Inf; nothing of shard {name} was written; check that "
                 f"sample and the target's dtype.", sample_id=sample_ids[seq])
         return data, scale

@@ -28,6 +28,13 @@ def tiny_store_fp8(tiny_target, tmp_path_factory):
                             dtype="fp8_e4m3", first_record=48)
 
 
+@pytest.fixture(scope="session")
+def tiny_store_final(tiny_target, tmp_path_factory):
+    """4 shards x 8 conversations, bf16 states of layers 1-5 and the final normed state."""
+    return write_tiny_store(tmp_path_factory.mktemp("stores") / "tiny-final", tiny_target, n_shards=4,
+                            final_state=True)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matrices gain nothing from a second thread and lose much when the two cores are shared."""
