@@ -43,12 +43,17 @@ ROOT = Path(__file__).resolve().parents[2]
 # One line per variant: name -> dflash-train overrides on top of RECIPE.
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
+    "label": ["--objective.anchors=label"],  # every anchor with one valid label (SpecForge HEAD's rule)
+    "dpace": ["--objective.weights=dpace"],  # D-PACE position weights instead of exp(-(k-1)/gamma)
+    "label+dpace": ["--objective.anchors=label", "--objective.weights=dpace"],
+    "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
+    "label+dspark+prompt": ["--objective.anchors=label", "--targets.soft=dspark", "--targets.prompt_anchors=true"],
 }
 
 # The DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's), 3 draft
 # layers, 6 epochs, AdamW 6e-4 cosine with 4% warmup (train/config.py defaults).
 RECIPE = ["--drafter.block_size=16", "--drafter.depth=3", "--optim.epochs=6", "--optim.lr=6e-4",
-          "--data.batch_tokens=65536", "--data.cache_gb=8", "--data.holdout_sequences=256",
+          "--data.batch_tokens=16384", "--data.cache_gb=8", "--data.holdout_sequences=256",
           "--validation.every_steps=500", "--checkpoint.every_steps=1000", "--log.every_steps=50",
           "--log.progress=false"]
 TINY_RECIPE = ["--drafter.block_size=8", "--drafter.depth=1", "--optim.epochs=2", "--optim.lr=3e-3",
@@ -83,11 +88,25 @@ def launch(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def wait_all(procs: list[tuple[subprocess.Popen, Path]]) -> None:
-    """Wait for side-by-side processes; one that fails ends the benchmark naming its log."""
-    bad = [log for p, log in procs if p.wait() != 0]
+DEADLINE: float | None = None  # time.time() after which running processes are stopped (--deadline-s)
+
+
+def wait_all(procs: list[tuple[subprocess.Popen, Path]], *, strict: bool = True) -> list[Path]:
+    """Wait for side-by-side processes (stopping them at the deadline); the logs of those that failed.
+    strict: one failure ends the benchmark naming its log (stages whose output every later one needs)."""
+    for p, _ in procs:
+        try:
+            p.wait(timeout=None if DEADLINE is None else max(1.0, DEADLINE - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    bad = [log for p, log in procs if p.returncode != 0]
     if bad:
-        raise SystemExit(f"{len(bad)} process(es) failed; see {', '.join(map(str, bad))}")
+        msg = f"{len(bad)} process(es) failed or ran past the deadline; see {', '.join(map(str, bad))}"
+        if strict:
+            raise SystemExit(msg)
+        print(msg, flush=True)
+    return bad
 
 
 def run_one(cmd: list[str], log: Path) -> None:
@@ -109,6 +128,7 @@ def stage_target(args) -> None:
     cmd = [sys.executable, "benchmarks/quality/target.py", "--out", str(args.work / "target"),
            "--seed", str(args.target_seed)]
     cmd += TINY_TARGET if args.tiny else ["--minutes", str(args.target_minutes), "--device", args.device]
+    cmd += args.target_args.split()
     run_one(cmd, args.work / "logs" / "target.log")
 
 
@@ -151,8 +171,25 @@ def write_records(path: Path, prompts: list[list[int]], answers: list[list[int]]
                                 "loss_mask": [0] * len(p) + [1] * len(a)}) + "\n")
 
 
-def generate(args, data: Path) -> None:
-    """train.jsonl, heldout.jsonl (token records) and heldout_prompts.jsonl (messages) in `data`."""
+def start_generate(args, data: Path) -> subprocess.Popen:
+    """dflash-generate answers the training prompts (greedy, float32) into data/generated/."""
+    target = args.work / "target"
+    prompts = data / "train_prompts.jsonl"
+    lines = [line for line in (target / "prompts" / "train.jsonl").read_text().splitlines() if line.strip()]
+    prompts.write_text("\n".join(lines[:args.train_prompts or None]) + "\n")
+    cmd = [sys.executable, "-m", "precompute.generate_cli", f"--target.path={target}", "--target.dtype=fp32",
+           f"--data.inputs={json.dumps([str(prompts)])}", "--sampling.temperature=0",
+           f"--sampling.max_new_tokens={args.max_new_tokens}", f"--output.dir={data / 'generated'}",
+           "--run.progress=false", f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]
+    if args.tiny:
+        cmd += ["--run.samples_per_unit=16", "--generate.token_budget=4096"]
+    return launch(cmd, args.work / "logs" / "generate.log")
+
+
+def generate(args, data: Path) -> str:
+    """heldout.jsonl (token records) and heldout_prompts.jsonl (messages) in `data`, and the training
+    answers: data/generated/ by dflash-generate (returned: "generated"), or train.jsonl token records by
+    batched HF generate ("train.jsonl") when asked or when dflash-generate failed."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -160,14 +197,12 @@ def generate(args, data: Path) -> None:
     from train.evaluate import stop_token_ids
     from train.spec_decode import TargetRunner, target_generate
 
-    target = args.work / "target"
+    target, t0 = args.work / "target", time.perf_counter()
+    job = start_generate(args, data) if args.train_data == "generate" else None
     tok = AutoTokenizer.from_pretrained(target)
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
     stops, template = stop_token_ids(model, tok), ChatTemplate(tok, {})
-    train = [template.prompt_ids(m) for m in read_prompts(target / "prompts" / "train.jsonl", args.train_prompts)]
-    answers = greedy_batched(model, train, args.max_new_tokens, stops, tok.pad_token_id, batch=256)
-    write_records(data / "train.jsonl", train, answers)
     held_messages = read_prompts(target / "prompts" / "heldout.jsonl", args.eval_prompts)
     held = [template.prompt_ids(m) for m in held_messages]
     runner = TargetRunner(model, [])  # dflash-eval's own baseline loop: the replay sees what eval's target says
@@ -176,16 +211,30 @@ def generate(args, data: Path) -> None:
     write_records(data / "heldout.jsonl", held, held_answers)
     with open(data / "heldout_prompts.jsonl", "w") as f:
         f.writelines(json.dumps({"messages": m}) + "\n" for m in held_messages)
+    if job is not None:
+        try:
+            if job.wait(timeout=max(1.0, args.generate_timeout_s - (time.perf_counter() - t0))) == 0:
+                return "generated"
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait()
+        print(f"dflash-generate failed or took over {args.generate_timeout_s:.0f} s (see logs/generate.log); "
+              "training answers by batched HF generate instead", flush=True)
+    train = [template.prompt_ids(m) for m in read_prompts(target / "prompts" / "train.jsonl", args.train_prompts)]
+    answers = greedy_batched(model, train, args.max_new_tokens, stops, tok.pad_token_id, batch=256)
+    write_records(data / "train.jsonl", train, answers)
+    return "train.jsonl"
 
 
-def precompute(args, records: Path, store: Path) -> None:
+def precompute(args, records: Path, store: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "precompute.cli", "--out", str(store), f"--target.path={args.work / 'target'}",
+           f"--store.final_state={'true' if store.name == 'train' else 'false'}",  # soft-target variants
            f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32", "--store.dtype=bf16",
            "--data.block_size=2", "--data.max_length=4096", "--run.progress=false",
            f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]
     if args.tiny:
         cmd += ["--run.samples_per_unit=16", "--batching.token_budget=4096", "--run.writer_threads=1"]
-    run_one(cmd, args.work / "logs" / f"precompute-{store.name}.log")
+    return launch(cmd, args.work / "logs" / f"precompute-{store.name}.log")
 
 
 def stage_data(args) -> None:
@@ -197,13 +246,17 @@ def stage_data(args) -> None:
     else:
         data.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        generate(args, data)
-        write_manifest(data / "manifest.json", want, generate_s=round(time.perf_counter() - t0, 1))
-    for name in ("train", "heldout"):
+        train_input = generate(args, data)
+        write_manifest(data / "manifest.json", want, generate_s=round(time.perf_counter() - t0, 1),
+                       train_input=train_input)
+    train_input = json.loads((data / "manifest.json").read_text())["train_input"]
+    jobs = []
+    for name, records in (("train", data / train_input), ("heldout", data / "heldout.jsonl")):
         store = args.work / "stores" / name
-        if matches(store / "bench_manifest.json", want):
-            continue
-        precompute(args, data / f"{name}.jsonl", store)
+        if not matches(store / "bench_manifest.json", want):
+            jobs.append((store, precompute(args, records, store)))
+    wait_all([(p, args.work / "logs" / f"precompute-{store.name}.log") for store, p in jobs])
+    for store, _ in jobs:
         write_manifest(store / "bench_manifest.json", want)
 
 
@@ -231,9 +284,12 @@ def stage_drafters(args) -> None:
             if matches(out / "bench_manifest.json", {"command": cmd[1:]}):
                 continue
             procs.append((launch(cmd, out.parent / f"train-seed-{seed}.log"), out, cmd))
-    wait_all([(p, out.parent / f"train-seed-{out.name[5:]}.log") for p, out, _ in procs])
-    for _, out, cmd in procs:
-        write_manifest(out / "bench_manifest.json", {"command": cmd[1:]})
+    bad = wait_all([(p, out.parent / f"train-seed-{out.name[5:]}.log") for p, out, _ in procs], strict=False)
+    for p, out, cmd in procs:
+        if p.returncode == 0:
+            write_manifest(out / "bench_manifest.json", {"command": cmd[1:]})
+    if len(bad) == len(procs) and procs:
+        raise SystemExit("every training run failed")
 
 
 # ---------------------------------------------------------------- 4. eval
@@ -256,33 +312,54 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
 
 
 def stage_eval(args) -> None:
-    procs = []
-    for variant in args.variants:
-        for seed in args.seeds:
-            out = run_dir(args, variant, seed)
-            for name, cmd in eval_commands(args, out).items():
-                if not (out / f"{name}.json").is_file():
-                    log = out.parent / f"{name}-seed-{seed}.log"
-                    procs.append((launch(cmd, log), log))
-    wait_all(procs)
+    """Every run's reports, at most --parallel processes at a time, the quick offline figures first."""
+    todo = []
+    for name in ("offline_heldout", "eval", "offline_train"):
+        for variant in args.variants:
+            for seed in args.seeds:
+                out = run_dir(args, variant, seed)
+                if (out / "drafter").is_dir() and not (out / f"{name}.json").is_file():
+                    todo.append((eval_commands(args, out)[name], out.parent / f"{name}-seed-{seed}.log"))
+    running: list[tuple[subprocess.Popen, Path]] = []
+    done: list[tuple[subprocess.Popen, Path]] = []
+    while todo or running:
+        while todo and len(running) < args.parallel and (DEADLINE is None or time.time() < DEADLINE):
+            cmd, log = todo.pop(0)
+            running.append((launch(cmd, log), log))
+        if not running:
+            break  # the deadline passed before the rest could start
+        time.sleep(0.5)
+        finished = [(p, log) for p, log in running if p.poll() is not None]
+        running = [(p, log) for p, log in running if p.poll() is None]
+        done += finished
+        if DEADLINE is not None and time.time() >= DEADLINE:
+            break
+    wait_all(running + done, strict=False)  # stops what still runs at the deadline, names the failures
 
 
 # ---------------------------------------------------------------- 5. table
 
 
+def _report(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def one_run(out: Path) -> dict:
-    """The figures of one training run, from its reports and metrics."""
-    ev = json.loads((out / "eval.json").read_text())
-    held = json.loads((out / "offline_heldout.json").read_text())
-    train = json.loads((out / "offline_train.json").read_text())
-    counts = {int(k): v for k, v in ev["histogram_counts"].items()}
-    tok_s = [json.loads(line)["tok_s"] for line in (out / "metrics.jsonl").read_text().splitlines()
-             if line.strip() and json.loads(line).get("kind") == "train"]
-    return {"tau": ev["tau"], "tau_pooled": sum(n * c for n, c in counts.items()) / max(1, sum(counts.values())),
-            "lossless": ev["lossless"]["ok"], "prompts": ev["num_prompts"],
-            "offline_train": train["tau"], "offline_heldout": held["tau"],
-            "path_tau_heldout": held["path_tau"], "path_tau_pooled_heldout": held["path_tau_pooled"],
-            "path_tau_train": train["path_tau"], "tok_s": statistics.fmean(tok_s[1:] or tok_s) if tok_s else None}
+    """The figures of one training run, from its reports and metrics (None for a report not written)."""
+    ev, held, train = (_report(out / f"{n}.json") for n in ("eval", "offline_heldout", "offline_train"))
+    counts = {int(k): v for k, v in ev.get("histogram_counts", {}).items()}
+    metrics = out / "metrics.jsonl"
+    records = [json.loads(line) for line in (metrics.read_text().splitlines() if metrics.is_file() else [])
+               if line.strip()]
+    tok_s = [r["tok_s"] for r in records if r.get("kind") == "train"]
+    val = [r for r in records if r.get("kind") == "val"]
+    return {"tau": ev.get("tau"),
+            "tau_pooled": sum(n * c for n, c in counts.items()) / sum(counts.values()) if counts else None,
+            "lossless": ev.get("lossless", {}).get("ok"), "prompts": ev.get("num_prompts"),
+            "offline_train": train.get("tau"), "offline_heldout": held.get("tau"),
+            "path_tau_heldout": held.get("path_tau"), "path_tau_pooled_heldout": held.get("path_tau_pooled"),
+            "path_tau_train": train.get("path_tau"), "val_path_tau": val[-1].get("path_tau") if val else None,
+            "tok_s": statistics.fmean(tok_s[1:] or tok_s) if tok_s else None}
 
 
 def _ms(xs: list[float]) -> str:
@@ -296,6 +373,7 @@ def _ms(xs: list[float]) -> str:
 COLUMNS = [("tau", "tau (dflash-eval)"), ("tau_pooled", "pooled tau"), ("path_tau_heldout", "path tau (held-out)"),
            ("path_tau_pooled_heldout", "pooled path tau"), ("offline_heldout", "offline est. (held-out)"),
            ("offline_train", "offline est. (train)"), ("path_tau_train", "path tau (train split)"),
+           ("val_path_tau", "trainer's last val path tau"),
            ("tok_s", "trainer tok/s")]
 
 
@@ -304,13 +382,22 @@ def stage_table(args) -> None:
     lines = ["| variant | seeds | lossless | " + " | ".join(label for _, label in COLUMNS) + " |",
              "|---|---|---|" + "---|" * len(COLUMNS)]
     for v, runs in results.items():
-        ok = all(r["lossless"] for r in runs.values())
+        evaluated = [r["lossless"] for r in runs.values() if r["lossless"] is not None]
+        ok = "n/a" if not evaluated else "yes" if all(evaluated) else "NO"
         cells = [_ms([r[k] for r in runs.values()]) for k, _ in COLUMNS]
-        lines.append(f"| {v} | {len(runs)} | {'yes' if ok else 'NO'} | " + " | ".join(cells) + " |")
+        lines.append(f"| {v} | {len(runs)} | {ok} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
+    per_seed = ["", "| variant | seed | tau | pooled tau | path tau (held-out) | offline est. (held-out) | tok/s |",
+                "|---|---|---|---|---|---|---|"]
+    for v, runs in results.items():
+        for seed, r in runs.items():
+            per_seed.append(f"| {v} | {seed} | " + " | ".join(
+                "n/a" if r[k] is None else f"{r[k]:.3f}" if k != "tok_s" else f"{r[k]:,.0f}"
+                for k in ("tau", "tau_pooled", "path_tau_heldout", "offline_heldout", "tok_s")) + " |")
     (args.work / "results.md").write_text(table + "\n\nmean ± sd over seeds; tau per prompt then over prompts "
-                                          "(the DFlash authors' way), pooled = tokens per cycle over all cycles.\n")
+                                          "(the DFlash authors' way), pooled = tokens per cycle over all cycles.\n"
+                                          + "\n".join(per_seed) + "\n")
     (args.work / "results.json").write_text(json.dumps({"settings": settings(args), "runs": results}, indent=2))
 
 
@@ -333,15 +420,28 @@ def parse(argv=None):
     p.add_argument("--train-prompts", type=int, default=0, help="training prompts answered (0: all)")
     p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts (dflash-eval and path tau)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit, generation and eval")
+    p.add_argument("--target-args", default="", help="more target.py arguments, e.g. '--compile --steps 2000'")
+    p.add_argument("--train-data", default="generate", choices=["generate", "hf"],
+                   help="training answers by dflash-generate (text conversations, re-tokenised by precompute) "
+                        "or by batched HF generate (token records); generate falls back to hf if it fails")
+    p.add_argument("--parallel", type=int, default=16, help="evaluation processes at a time")
+    p.add_argument("--generate-timeout-s", type=float, default=1e9,
+                   help="fall back to batched HF generate if dflash-generate takes longer than this")
+    p.add_argument("--deadline-s", type=float, default=0,
+                   help="stop the processes still running this many seconds after the start (0: never); the "
+                        "table then reports what finished")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; define them in VARIANTS in {__file__}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    if args.tiny:
+    if args.tiny:  # the tiny target's whitespace answers re-tokenise shorter than a block: keep its tokens
         args.device, args.eval_prompts, args.max_new_tokens = "cpu", min(args.eval_prompts, 8), 32
+        args.train_data = "hf"
     args.work = args.work.resolve()
+    global DEADLINE
+    DEADLINE = time.time() + args.deadline_s if args.deadline_s else None
     return args
 
 
