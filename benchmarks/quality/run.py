@@ -127,7 +127,9 @@ def write_manifest(path: Path, want: dict, **extra) -> None:
 def stage_target(args) -> None:
     cmd = [sys.executable, "benchmarks/quality/target.py", "--out", str(args.work / "target"),
            "--seed", str(args.target_seed)]
-    cmd += TINY_TARGET if args.tiny else ["--minutes", str(args.target_minutes), "--device", args.device]
+    cmd += TINY_TARGET if args.tiny else ["--device", args.device]
+    if args.target_minutes and not args.tiny:  # else target.py's own step count (or --target-args')
+        cmd += ["--minutes", str(args.target_minutes)]
     cmd += args.target_args.split()
     run_one(cmd, args.work / "logs" / "target.log")
 
@@ -416,7 +418,7 @@ def parse(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU: the whole chain in minutes")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--target-seed", type=int, default=0)
-    p.add_argument("--target-minutes", type=float, default=4.0)
+    p.add_argument("--target-minutes", type=float, default=0, help="target training time (0: its --steps)")
     p.add_argument("--train-prompts", type=int, default=0, help="training prompts answered (0: all)")
     p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts (dflash-eval and path tau)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit, generation and eval")
