@@ -5,9 +5,10 @@
 # travel as wheels in .whl/ (docs/benchmarks.md). Results, logs and the run table land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-DEADLINE=${1:-540}
-VARIANTS=${2:-baseline,label,dpace,kl,label+dspark+prompt}
-SEEDS=${3:-0,1,2}
+DEADLINE=${1:-570}
+VARIANTS=${2:-baseline,dpace,label}
+SEEDS=${3:-0,1}
+EXTRA=${4:---no-heldout-store}
 OUT=${OUT:-/tmp/quality-out}
 W=/tmp/quality
 mkdir -p "$OUT" "$W"
@@ -30,9 +31,9 @@ snapshot() {
 SNAP=$!
 python3 benchmarks/quality/run.py --work "$W" --stage all --variants "$VARIANTS" --seeds "$SEEDS" \
   --deadline-s "$DEADLINE" --target-args "--compile --steps 1500 --corpus-mb 100" --generate-timeout-s 120 \
-  --train-prompts 4000 --eval-prompts 200 --max-new-tokens 128 2>&1 | tee "$OUT/run.log"
+  --train-prompts 4000 --eval-prompts 200 --max-new-tokens 128 $EXTRA 2>&1 | tee "$OUT/run.log"
 python3 benchmarks/quality/run.py --work "$W" --stage table --variants "$VARIANTS" --seeds "$SEEDS" \
-  --train-prompts 4000 --eval-prompts 200 --max-new-tokens 128 >> "$OUT/run.log" 2>&1
+  --train-prompts 4000 --eval-prompts 200 --max-new-tokens 128 $EXTRA >> "$OUT/run.log" 2>&1
 kill $SNAP 2>/dev/null
 snapshot
 ls -la "$OUT"

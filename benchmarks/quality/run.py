@@ -206,11 +206,12 @@ def generate(args, data: Path) -> str:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
     stops, template = stop_token_ids(model, tok), ChatTemplate(tok, {})
     held_messages = read_prompts(target / "prompts" / "heldout.jsonl", args.eval_prompts)
-    held = [template.prompt_ids(m) for m in held_messages]
-    runner = TargetRunner(model, [])  # dflash-eval's own baseline loop: the replay sees what eval's target says
-    held_answers = [target_generate(runner, p, max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens
-                    for p in held]
-    write_records(data / "heldout.jsonl", held, held_answers)
+    if args.heldout_store:
+        held = [template.prompt_ids(m) for m in held_messages]
+        runner = TargetRunner(model, [])  # dflash-eval's own baseline loop: the replay sees what eval's target says
+        held_answers = [target_generate(runner, p, max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens
+                        for p in held]
+        write_records(data / "heldout.jsonl", held, held_answers)
     with open(data / "heldout_prompts.jsonl", "w") as f:
         f.writelines(json.dumps({"messages": m}) + "\n" for m in held_messages)
     if job is not None:
@@ -253,7 +254,8 @@ def stage_data(args) -> None:
                        train_input=train_input)
     train_input = json.loads((data / "manifest.json").read_text())["train_input"]
     jobs = []
-    for name, records in (("train", data / train_input), ("heldout", data / "heldout.jsonl")):
+    inputs = [("train", data / train_input)] + ([("heldout", data / "heldout.jsonl")] if args.heldout_store else [])
+    for name, records in inputs:
         store = args.work / "stores" / name
         if not matches(store / "bench_manifest.json", want):
             jobs.append((store, precompute(args, records, store)))
@@ -320,6 +322,8 @@ def stage_eval(args) -> None:
         for variant in args.variants:
             for seed in args.seeds:
                 out = run_dir(args, variant, seed)
+                if name == "offline_heldout" and not args.heldout_store:
+                    continue
                 if (out / "drafter").is_dir() and not (out / f"{name}.json").is_file():
                     todo.append((eval_commands(args, out)[name], out.parent / f"{name}-seed-{seed}.log"))
     running: list[tuple[subprocess.Popen, Path]] = []
@@ -426,6 +430,9 @@ def parse(argv=None):
     p.add_argument("--train-data", default="generate", choices=["generate", "hf"],
                    help="training answers by dflash-generate (text conversations, re-tokenised by precompute) "
                         "or by batched HF generate (token records); generate falls back to hf if it fails")
+    p.add_argument("--heldout-store", action=argparse.BooleanOptionalAction, default=True,
+                   help="also answer the held-out prompts with dflash-eval's own loop and store them, for path tau on "
+                        "exactly the prompts dflash-eval decodes (--no-heldout-store saves that time)")
     p.add_argument("--parallel", type=int, default=16, help="evaluation processes at a time")
     p.add_argument("--generate-timeout-s", type=float, default=1e9,
                    help="fall back to batched HF generate if dflash-generate takes longer than this")
