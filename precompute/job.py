@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_common.cli import UserError, write_run_record
+from dflash_common.dirlock import hold_directory
 from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names
@@ -113,7 +114,9 @@ def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
     ranks = start_ranks(cfg.run.device)
     try:
-        return _run(cfg, ranks)
+        with contextlib.ExitStack() as held:
+            ranks.from_main(lambda: _own_store(cfg, held))
+            return _run(cfg, ranks)
     except UserError:
         raise
     except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
@@ -123,6 +126,16 @@ def run(cfg: PrecomputeConfig) -> Path:
                         "same command: published shards are kept and the job resumes.") from e
     finally:
         ranks.close()
+
+
+def _own_store(cfg: PrecomputeConfig, held: contextlib.ExitStack) -> None:
+    """Rank 0 holds the store for the whole job (its other ranks share the hold): a second job into
+    it is refused before it writes anything. A dry run writes nothing, so it takes nothing."""
+    path = _store_path(cfg)
+    if cfg.run.dry_run or (path.exists() and not path.is_dir()):  # a file: create_or_open says so
+        return
+    held.enter_context(hold_directory(path, "store", "wait for that dflash-precompute to end (or stop it), "
+                                      "then rerun this command: it resumes"))
 
 
 def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:

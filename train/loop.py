@@ -33,6 +33,7 @@ from dflash_common.cli import UserError, write_run_record
 from dflash_common.config import to_dict
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import Store, check_compatible
@@ -399,7 +400,8 @@ def stop_agreed(stop: StopRequest, d: Dist) -> bool:
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
     try:
-        return _run(cfg)
+        with _own_run_directory(cfg):
+            return _run(cfg)
     except Exception as e:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
         if not is_disk_full(e):
             raise
@@ -407,6 +409,15 @@ def run(cfg: TrainConfig) -> Path:
         raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({os_reason(e)}); free "
                         f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
                         f"{latest or 'the start'}.") from e
+
+
+def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """Rank 0 holds the run directory for the whole run: a second dflash-train into it is refused
+    before it reads a checkpoint (the other ranks of this job share rank 0's hold)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return hold_directory(cfg.run.out_dir, "run directory",
+                          "wait for that run to end (or stop it), or train into another directory (--out)")
 
 
 def _run(cfg: TrainConfig) -> Path:
