@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from dflash_common.cli import UserError, write_run_record
 from dflash_common.dirlock import hold_directory
-from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
+from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names
+from dflash_common.store.format import read_root_attributes
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
@@ -144,7 +145,8 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
     text_config = read_text_config(_target_path(cfg))
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
     sources = resolve_inputs(cfg.data.inputs)
-    manifest = ranks.from_main(lambda: build_manifest(cfg, sources, layer_ids, text_config.hidden_size))
+    manifest = ranks.from_main(lambda: adopt_stored_identity(
+        store_path, build_manifest(cfg, sources, layer_ids, text_config.hidden_size)))
     if (store_path / "zarr.json").is_file():
         StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
     plan, mine = make_job_plan(cfg, ranks, sources, manifest)
@@ -195,7 +197,27 @@ def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list
         target=target_fingerprint(cfg.target.path), tokenizer=tokenizer["tokenizer"],
         chat_template_sha256=tokenizer["chat_template_sha256"], layer_ids=tuple(layer_ids),
         hidden_size=hidden_size, dtype=cfg.store.dtype, codec=cfg.store.codec,
-        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg))
+        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg),
+        target_head=head_fingerprint(cfg.target.path))
+
+
+def adopt_stored_identity(store_path: Path, manifest: StoreManifest) -> StoreManifest:
+    """Identity is content: a target whose fingerprint equals the store's in everything but its
+    name (the directory's basename) is the store's target, so the store's own record is used (its
+    shard names derive from it). A store written before `target_head` was recorded keeps none."""
+    try:
+        stored = read_root_attributes(store_path) if (store_path / "zarr.json").is_file() else None
+    except UserError:
+        return manifest  # unreadable: create_or_open says so in its sentence
+    if not stored:
+        return manifest
+    target = stored.get("target")
+    unnamed = lambda fp: {k: v for k, v in fp.items() if k != "name"}  # noqa: E731
+    if isinstance(target, dict) and unnamed(target) == unnamed(manifest.target):
+        manifest = dataclasses.replace(manifest, target=target)
+    if "target_head" not in stored:
+        manifest = dataclasses.replace(manifest, target_head={})
+    return manifest
 
 
 def content_settings(cfg: PrecomputeConfig) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from train.config import TrainConfig
 from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.report import write_report
-from train.target import mask_token_id, target_config, tokenizer_sha256
+from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
 from train.validate import batch_objective, evaluate_batches, summarize
 
 log = logging.getLogger("dflash")
@@ -100,9 +100,11 @@ def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
     for store in stores:
         check_compatible(store.manifest, layer_ids=dcfg.target_layer_ids, hidden_size=dcfg.hidden_size,
                          tokenizer_sha256=sha, where=f"store {store.path}")
+        check_same_target(store.manifest, store.path, target)
     held = "; ".join(f"{s.path} holds layers {list(s.manifest.layer_ids)}" for s in stores)
     return (f"Compatible: {held}; the drafter reads layers {list(dcfg.target_layer_ids)} at hidden size "
-            f"{dcfg.hidden_size}, the target's, and the tokenizer of {target} (sha256 {sha[:12]}) is the store's.")
+            f"{dcfg.hidden_size}, the target's, and the embedding, lm_head, config and tokenizer of {target} "
+            f"(sha256 {sha[:12]}) are the store's.")
 
 
 def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -> DFlashDrafter:

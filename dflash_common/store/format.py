@@ -68,6 +68,9 @@ class StoreManifest:
     chunk_tokens: int = 1024  # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
     dataset: dict[str, Any] = dataclasses.field(default_factory=dict)  # fingerprint.dataset_fingerprint
     precompute: dict[str, Any] = dataclasses.field(default_factory=dict)  # the precompute config
+    # fingerprint.head_fingerprint: the target's embedding/lm_head and drafter-copied config fields;
+    # {} in stores written before it was recorded (the trainer then compares `target` as a whole)
+    target_head: dict[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -83,6 +86,8 @@ class StoreManifest:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_ids"] = list(self.layer_ids)
+        if not d["target_head"]:  # a store of a dflash before it was recorded: its manifest as it was
+            del d["target_head"]
         return json.loads(json.dumps({"format": FORMAT_NAME, **d}))  # plain JSON types, as stored
 
     @classmethod
