@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -18,7 +19,7 @@ import sys
 import textwrap
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import tomli_w
 
@@ -124,6 +125,21 @@ def user_errors_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
             exit_with_error(str(e))
 
     return wrapper
+
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+@contextlib.contextmanager
+def interrupt_says(sentence: Callable[[], str]) -> Iterator[None]:
+    """Ctrl-C (KeyboardInterrupt) inside the block ends the process with `interrupted: <sentence>`
+    (what was kept, how to resume) and exit code 130, not a traceback. Whatever the block holds is
+    released by its own `finally`s first, so what is on disk is what a kill would leave, or less."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"interrupted: {sentence()}", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT)
 
 
 def setup_logging(level: int = logging.INFO) -> None:
