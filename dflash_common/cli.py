@@ -115,14 +115,20 @@ def exit_with_error(message: str, code: int = 2) -> None:
 
 
 def user_errors_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for CLI mains: ConfigError/UserError become one line on stderr and exit code 2."""
+    """Decorator for CLI mains: ConfigError/UserError become one line on stderr and exit code 2; a
+    closed stdout pipe (`| head`) ends quietly with 141."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # inside the try: a closed pipe is met here, not at interpreter exit
+            return result
         except (ConfigError, UserError) as e:
             exit_with_error(str(e))
+        except BrokenPipeError:  # `| head` closed stdout: stop quietly, as cat does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush has nowhere to fail
+            sys.exit(141)  # 128 + SIGPIPE, what a shell reports for a reader that went away
 
     return wrapper
 
