@@ -115,9 +115,10 @@ def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
     ranks = start_ranks(cfg.run.device)
     try:
-        with contextlib.ExitStack() as held:
-            ranks.from_main(lambda: _own_store(cfg, held))
-            return _run(cfg, ranks)
+        with contextlib.ExitStack() as stack:
+            hold = StoreHold(stack)
+            ranks.from_main(lambda: hold.take(cfg, existing_only=True))
+            return _run(cfg, ranks, hold)
     except UserError:
         raise
     except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
@@ -129,17 +130,26 @@ def run(cfg: PrecomputeConfig) -> Path:
         ranks.close()
 
 
-def _own_store(cfg: PrecomputeConfig, held: contextlib.ExitStack) -> None:
-    """Rank 0 holds the store for the whole job (its other ranks share the hold): a second job into
-    it is refused before it writes anything. A dry run writes nothing, so it takes nothing."""
-    path = _store_path(cfg)
-    if cfg.run.dry_run or (path.exists() and not path.is_dir()):  # a file: create_or_open says so
-        return
-    held.enter_context(hold_directory(path, "store", "wait for that dflash-precompute to end (or stop it), "
-                                      "then rerun this command: it resumes"))
+@dataclasses.dataclass
+class StoreHold:
+    """Rank 0's hold on the store for the rest of the job (its other ranks share it): a second job
+    into the store is refused before it writes anything. An existing store is held from the start,
+    a new one from just before it is created (a refused or dry run leaves no directory behind)."""
+
+    stack: contextlib.ExitStack
+    held: bool = False
+
+    def take(self, cfg: PrecomputeConfig, existing_only: bool = False) -> None:
+        path = _store_path(cfg)
+        if self.held or cfg.run.dry_run or (path.exists() and not path.is_dir()) or \
+                (existing_only and not path.is_dir()):
+            return  # a dry run writes nothing; a file: create_or_open says so
+        self.stack.enter_context(hold_directory(path, "store", "wait for that dflash-precompute to end (or stop "
+                                                "it), then rerun this command: it resumes"))
+        self.held = True
 
 
-def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
+def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     started = time.perf_counter()
     store_path = _store_path(cfg)
     text_config = read_text_config(_target_path(cfg))
@@ -155,6 +165,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
     ranks.from_main(lambda: check_disk(plan, cfg.run.force))
     if cfg.run.dry_run:
         return store_path
+    ranks.from_main(lambda: hold.take(cfg))  # a new store: from here on
     writer = StoreWriter.create_or_open(store_path, manifest)
     if ranks.main:
         write_run_record(store_path.parent, cfg, name=f"{store_path.name}.precompute")
