@@ -79,7 +79,7 @@ def summary(paths: dict[str, Path], info: dict, train: dict, val: dict, report: 
     print("\n=== dflash demo: done in %.0f s (%s)" % (total, ", ".join(f"{k} {v:.0f} s" for k, v in times.items())))
     print(f"  target        {rel(TARGET)}  (tiny Qwen3, 8 layers, hidden 64, built from seed 0)")
     print(f"  store         {rel(store)}  {info['tokens']:,} tokens in {info['shards']} shards, "
-          f"{info['bytes_per_token']:,.0f} bytes/token, layers {info['layer_ids']}, {info['dtype']}")
+          f"{info['bytes_per_token']:,.1f} bytes/token on disk, layers {info['layer_ids']}, {info['dtype']}")
     nan = float("nan")
     print(f"  training run  {rel(run)}  final loss {train.get('loss', nan):.3f}, accuracy {train.get('acc', nan):.3f};"
           f" held out: loss {val.get('loss', nan):.3f}, estimated tau {val.get('tau', nan):.2f}")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_common.cli import UserError, write_run_record
+from dflash_common.cli import UserError, progress_bar, write_run_record
 from dflash_common.config import to_dict
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
@@ -244,17 +244,17 @@ class Window:
                   "grad_norm": float(sums[_GNORM]) / steps,
                   "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
                   "data_wait_ms": 1e3 * float(sums[_WAIT]) / steps,
-                  "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_read_gb": read / 1e9,
-                  "gpu_mem_gb": self._peak_memory_gb(), "steps": steps / world,
+                  "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_read_gib": read / 2**30,
+                  "gpu_mem_gib": self._peak_memory_gib(), "steps": steps / world,
                   "bad_shards": bad.at_scan + int(bad_read), "time": time.time()}
         self.sums.zero_(), self.counts.zero_()
         self.cache_seen, self.started = now, time.perf_counter()
         return record
 
-    def _peak_memory_gb(self) -> float | None:
+    def _peak_memory_gib(self) -> float | None:
         if self.device.type != "cuda":
             return None
-        peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
         torch.cuda.reset_peak_memory_stats(self.device)
         return peak
 
@@ -437,14 +437,13 @@ def _run(cfg: TrainConfig) -> Path:
 
 def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     """The loop: -> (last step saved, the signal that stopped it early or None)."""
-    from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     c, main = r.cfg, r.dist.main
     window = Window(r.dist.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
-    bar = tqdm(total=r.total, initial=r.start, disable=not (main and c.log.progress), unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=r.total, initial=r.start, enabled=main and c.log.progress, unit="step", dynamic_ncols=True)
     with StopRequest() as stop, logging_redirect_tqdm():
         for step in range(r.start + 1, r.total + 1):
             info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, c, window.sums, window.counts)
