@@ -26,7 +26,7 @@ EXIT_BAD_SHARDS = 1
 def format_info(info: dict[str, Any]) -> str:
     """Two sizes, each named: the arrays a read returns (what `dflash-precompute`'s plan projects, in
     the plan's figures) and the files on disk (incl. shard indexes, checksums and metadata)."""
-    ratio = info["compression_ratio"]
+    ratio = info["compression_ratio"] if info["codec"] != "none" else None
     per_token = info["bytes_per_token"]
     rows = [
         ("store", info["path"]),
@@ -45,7 +45,7 @@ def format_info(info: dict[str, Any]) -> str:
                     + ("" if per_token is None else f", {per_token:,.1f} bytes/token") + "), incl. shard indexes, "
                     "checksums and metadata"),
     ]
-    if ratio is not None:  # codec none compresses nothing: its decoded/disk is only the metadata
+    if ratio is not None:  # codec none compresses nothing: its decoded/disk measures only the metadata
         rows.append(("compression ratio", f"{ratio:.3f} (decoded bytes / bytes on disk, codec {info['codec']})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -125,6 +125,6 @@ def store_info(store: Store) -> dict[str, Any]:
         # decoded: the arrays a read returns (= the plan's projection); on disk: every published file
         "decoded_bytes": decoded, "array_bytes_per_token": array_per_token,
         "bytes_on_disk": disk, "bytes_per_token": disk / tokens if tokens else None,
-        "compression_ratio": decoded / disk if disk and m.codec != "none" else None,
+        "compression_ratio": decoded / disk if disk else None,  # the text output shows it only for a codec
         "summary": store.summary,
     }

@@ -38,6 +38,9 @@ def test_info_verify_and_exit_codes(tmp_path):
     assert text.returncode == 0
     for line in ("format version     1", "layer ids          1, 3, 5", "tokens             300"):
         assert line in text.stdout
+    assert "array bytes/token" in text.stdout and "incl. shard indexes" in text.stdout
+    assert "compression ratio  " in text.stdout and "codec zstd" in text.stdout  # shown for a real codec only
+    assert data["array_bytes_per_token"] == 3 * 68 + 5
 
     ok = _cli("verify", store)
     assert ok.returncode == 0 and ok.stdout == "" and "3 shard(s)" in ok.stderr and "OK" in ok.stderr
