@@ -39,8 +39,8 @@ def format_info(info: dict[str, Any]) -> str:
         ("shards", f"{info['shards']:,}"),
         ("sequences", f"{info['sequences']:,}"),
         ("tokens", f"{info['tokens']:,}"),
-        ("arrays (decoded)", (f"{human_bytes(info['decoded_bytes'])}: {info['array_bytes_per_token']:,} array "
-                              "bytes/token + 8 per sequence (offsets)")),
+        ("arrays (decoded)", (f"{human_bytes(info['decoded_bytes'])}: {info['array_bytes_per_token'] or 0:,} "
+                              "array bytes/token + 8 per sequence (offsets)")),
         ("on disk", f"{human_bytes(info['bytes_on_disk'])} ({info['bytes_on_disk']:,} B"
                     + ("" if per_token is None else f", {per_token:,.1f} bytes/token") + "), incl. shard indexes, "
                     "checksums and metadata"),

@@ -116,14 +116,15 @@ def store_info(store: Store) -> dict[str, Any]:
     sequences = sum(s.num_sequences for s in shards)
     decoded = sum(spec.nbytes for s in shards for spec in store.buffer_specs(s).values())
     disk = _disk_bytes(store.path)
-    per_layer = 2 * m.hidden_size if m.dtype == "bf16" else m.hidden_size + 4  # fp8: + a float32 scale
-    array_per_token = len(m.layer_ids) * per_layer + 5  # + int32 token id and uint8 loss mask
+    # every array but the offsets holds one row per token: states (and fp8 scales), token ids, loss mask
+    per_token = [sum(v.nbytes for k, v in store.buffer_specs(s).items() if k != "offsets") // s.num_tokens
+                 for s in shards[:1] if s.num_tokens]
     return {
         "path": str(store.path), "format_version": m.format_version, "target": m.target.get("name"),
         "layer_ids": list(m.layer_ids), "hidden_size": m.hidden_size, "dtype": m.dtype, "codec": m.codec,
         "chunk_tokens": m.chunk_tokens, "shards": len(shards), "sequences": sequences, "tokens": tokens,
         # decoded: the arrays a read returns (= the plan's projection); on disk: every published file
-        "decoded_bytes": decoded, "array_bytes_per_token": array_per_token,
+        "decoded_bytes": decoded, "array_bytes_per_token": per_token[0] if per_token else None,
         "bytes_on_disk": disk, "bytes_per_token": disk / tokens if tokens else None,
         "compression_ratio": decoded / disk if disk else None,  # the text output shows it only for a codec
         "summary": store.summary,
