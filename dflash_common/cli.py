@@ -9,6 +9,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -18,7 +19,7 @@ import sys
 import textwrap
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import tomli_w
 
@@ -49,12 +50,15 @@ def parse_args(
     description: str,
     shortcuts: dict[str, str] | None = None,
     repeatable: Sequence[str] = (),
+    switches: dict[str, tuple[str | None, str]] | None = None,
 ) -> tuple[T, argparse.Namespace]:
-    """Parse `--config FILE`, shortcut flags and `--section.field=value` overrides into `cls`.
+    """Parse `--config FILE`, shortcut flags, switches and `--section.field=value` overrides into `cls`.
 
     `shortcuts` maps a plain flag to the dotted field it sets (`{"out": "store.path"}` makes `--out X`
     mean `--store.path=X`); names in `repeatable` may be given several times and set a list field.
-    Returns the config and the parsed namespace (for flags that are not config fields, e.g. --dry-run).
+    `switches` are flags without a value, shown in the usage line: name -> (the bool field it sets to
+    true, or None for one that is no config field, read from the namespace; its help).
+    Returns the config and the parsed namespace (for switches that are not config fields, e.g. --offline).
     """
     shortcuts = shortcuts or {}
     parser = argparse.ArgumentParser(
@@ -69,10 +73,12 @@ def parse_args(
             parser.add_argument(f"--{flag}", action="append", metavar="VALUE", help=f"sets {key} (repeatable)")
         else:
             parser.add_argument(f"--{flag}", metavar="VALUE", help=f"sets {key}")
-    return _parse(parser, cls, argv, shortcuts, repeatable)
+    for flag, (key, help) in (switches or {}).items():
+        parser.add_argument(f"--{flag}", action="store_true", help=help + (f" (sets {key} = true)" if key else ""))
+    return _parse(parser, cls, argv, shortcuts, repeatable, switches or {})
 
 
-def _parse(parser, cls, argv, shortcuts, repeatable):
+def _parse(parser, cls, argv, shortcuts, repeatable, switches):
     args, rest = parser.parse_known_args(argv)
     overrides, i = [], 0
     while i < len(rest):  # accept both `--a.b=v` and `--a.b v`
@@ -91,6 +97,9 @@ def _parse(parser, cls, argv, shortcuts, repeatable):
             overrides.append(f"--{key}={json.dumps(list(value))}")
         else:
             overrides.append(f"--{key}={json.dumps(value) if not _is_toml_literal(value) else value}")
+    for flag, (key, _) in switches.items():
+        if key and getattr(args, flag.replace("-", "_")):
+            overrides.append(f"--{key}=true")
     try:
         cfg = load_config(cls, args.config, overrides)
     except ConfigError as e:
@@ -114,19 +123,67 @@ def exit_with_error(message: str, code: int = 2) -> None:
 
 
 def user_errors_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator for CLI mains: ConfigError/UserError become one line on stderr and exit code 2."""
+    """Decorator for CLI mains: ConfigError/UserError become one line on stderr and exit code 2; a
+    closed stdout pipe (`| head`) ends quietly with 141."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # inside the try: a closed pipe is met here, not at interpreter exit
+            return result
         except (ConfigError, UserError) as e:
             exit_with_error(str(e))
+        except BrokenPipeError:  # `| head` closed stdout: stop quietly, as cat does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush has nowhere to fail
+            sys.exit(141)  # 128 + SIGPIPE, what a shell reports for a reader that went away
 
     return wrapper
 
 
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+@contextlib.contextmanager
+def interrupt_says(sentence: Callable[[], str]) -> Iterator[None]:
+    """Ctrl-C (KeyboardInterrupt) inside the block ends the process with `interrupted: <sentence>`
+    (what was kept, how to resume) and exit code 130, not a traceback. Whatever the block holds is
+    released by its own `finally`s first, so what is on disk is what a kill would leave, or less."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"interrupted: {sentence()}", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT)
+
+
+def progress_bar(iterable: Any = None, *, enabled: bool = True, **kwargs: Any) -> Any:
+    """A tqdm bar that draws only on a terminal: tqdm's `disable=None` switches it off when its stream
+    (stderr) is not a tty (CI, `| tee`, nohup), where every frame would be one more line of noise; the
+    log lines and the final summary say what the bar would have."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, disable=None if enabled else True, **kwargs)
+
+
+def library_bars_follow_the_terminal() -> None:
+    """The bars of transformers and huggingface_hub (e.g. 'Loading weights') follow `progress_bar`'s
+    rule: none when stderr is not a terminal. The environment variable covers libraries imported later."""
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def setup_logging(level: int = logging.INFO) -> None:
+    """Log lines on stderr (with the rank under torchrun); library progress bars only on a terminal."""
+    library_bars_follow_the_terminal()
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
     logging.basicConfig(

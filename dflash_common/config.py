@@ -18,6 +18,7 @@ sentence that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -29,6 +30,15 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value or key a user wrote is wrong; the message names it."""
+
+
+class UnknownKeyError(ConfigError):
+    """A key the config tree does not have: `key` is its dotted path, `known` the keys of its section."""
+
+    def __init__(self, message: str, key: str, known: list[str]):
+        super().__init__(message)
+        self.key = key
+        self.known = known
 
 
 def option(default: Any, help: str, **kwargs: Any) -> Any:
@@ -144,9 +154,9 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key in data:
         if key not in names:
             where = f"section [{prefix.rstrip('.')}]" if prefix else "the top level"
-            raise ConfigError(
-                f"Unknown config key '{prefix}{key}' in {where}; known keys: {', '.join(sorted(names))}."
-            )
+            raise UnknownKeyError(
+                f"Unknown config key '{prefix}{key}' in {where}; known keys: {', '.join(sorted(names))}.",
+                prefix + key, sorted(names))
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -226,10 +236,71 @@ def stage_table(cls: type, data: dict[str, Any], path: str | Path) -> dict[str, 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> T:
     """Defaults <- TOML file (its `[<stage>]` table when it holds several stages) <- `--section.field=value`
     overrides, validated into a frozen tree."""
-    data = stage_table(cls, read_toml(path), path) if path is not None else {}
+    whole = read_toml(path) if path is not None else {}
+    data = stage_table(cls, whole, path) if path is not None else {}
+    set_by_overrides = []
     for text in overrides:
-        merge_override(data, *parse_override(text))
-    return from_dict(cls, data)
+        keys, value = parse_override(text)
+        _refuse_stage_prefix(cls, keys, text.split("=", 1)[1])
+        merge_override(data, keys, value)
+        set_by_overrides.append(".".join(keys))
+    try:
+        return from_dict(cls, data)
+    except UnknownKeyError as e:
+        if path is None or any(k == e.key or k.startswith(e.key + ".") for k in set_by_overrides):
+            raise
+        in_file = (f"{cls.STAGE}.{e.key}" if data is not whole else e.key)  # type: ignore[attr-defined]
+        line = toml_key_line(Path(path).read_text(), in_file)
+        where = f"{path}" + (f", line {line}" if line else "")
+        table = in_file.rsplit(".", 1)[0] if "." in in_file else None
+        raise ConfigError(f"Unknown config key '{in_file.rsplit('.', 1)[-1]}' "
+                          + (f"in table [{table}] " if table else "at the top level ")
+                          + f"of {where}; known keys there: {', '.join(e.known)}.") from e
+
+
+def _refuse_stage_prefix(cls: type, keys: list[str], raw_value: str) -> None:
+    """`--train.optim.lr=...` names the TOML table of the stage; on its own command line the stage's
+    fields are set without it."""
+    stage = getattr(cls, "STAGE", None)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if stage and len(keys) > 1 and keys[0] == stage and stage not in names:
+        rest = ".".join(keys[1:])
+        raise ConfigError(f"Override '--{'.'.join(keys)}' names the [{stage}] table of a config file, but the "
+                          f"command line sets the fields of that table directly; drop '{stage}.': --{rest}={raw_value}")
+
+
+_TOML_KEY_PART = r'(?:[A-Za-z0-9_-]+|"[^"]*"|\'[^\']*\')'
+_TOML_TABLE = re.compile(r"^\[\[?\s*(" + _TOML_KEY_PART + r"(?:\s*\.\s*" + _TOML_KEY_PART + r")*)\s*\]\]?")
+_TOML_ASSIGN = re.compile(r"^(" + _TOML_KEY_PART + r"(?:\s*\.\s*" + _TOML_KEY_PART + r")*)\s*=")
+
+
+def _toml_key_parts(text: str) -> list[str]:
+    return [a or b or c for a, b, c in re.findall(r'"([^"]*)"|\'([^\']*)\'|([A-Za-z0-9_-]+)', text)]
+
+
+def toml_key_line(text: str, dotted: str) -> int | None:
+    """The line (1-based) of a TOML text that sets the key `dotted` (`train.optim.lrr`): a table header
+    `[train.optim]` followed by `lrr = ...`, a dotted key, or a header of that table. tomllib keeps no
+    positions, so the text is scanned; a line that sets only a table around the key (an inline table)
+    is the answer when nothing sets the key itself; None when no line does."""
+    target = dotted.split(".")
+    table: list[str] = []
+    around = None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        header, assign = _TOML_TABLE.match(line), _TOML_ASSIGN.match(line)
+        if header:
+            table = _toml_key_parts(header.group(1))
+            full = table
+        elif assign:
+            full = table + _toml_key_parts(assign.group(1))
+        else:
+            continue
+        if full[: len(target)] == target:
+            return number
+        if assign and around is None and full == target[: len(full)]:
+            around = number
+    return around
 
 
 def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, str, Any, str]]:

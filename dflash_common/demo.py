@@ -92,7 +92,7 @@ def summary(paths: dict[str, Path], gen: dict, info: dict, train: dict, val: dic
     print(f"  generated     {rel(generated)}  {gen['counts']['conversations']} answers of the target, "
           f"{gen['counts']['generated_tokens']:,} tokens ({reasons})")
     print(f"  store         {rel(store)}  {info['tokens']:,} tokens in {info['shards']} shards, "
-          f"{info['bytes_per_token']:,.0f} bytes/token, layers {info['layer_ids']}, {info['dtype']}")
+          f"{info['bytes_per_token']:,.1f} bytes/token on disk, layers {info['layer_ids']}, {info['dtype']}")
     nan = float("nan")
     print(f"  training run  {rel(run)}  final loss {train.get('loss', nan):.3f}, accuracy {train.get('acc', nan):.3f};"
           f" held out: loss {val.get('loss', nan):.3f}, estimated tau {val.get('tau', nan):.2f}")

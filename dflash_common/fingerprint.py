@@ -8,6 +8,9 @@ so every rank of a run, and a rerun on another machine, computes the same values
   (safetensors) and 16 evenly spaced 64 KiB blocks of its bytes. Headers alone would not tell a
   fine-tune from its base (same names, shapes, offsets); sampled blocks do, at ~1 MiB of reads per
   file instead of hashing hundreds of GB.
+- target head: what a drafter takes from its target, exactly: sha256 of the embedding and lm_head
+  tensors the trainer loads (dtype, shape, every byte) and the config fields the drafter copies
+  (sizes, vocabulary, RoPE, norm epsilon). The trainer compares them with its `run.target`.
 - tokenizer: sha256 of the vocabulary (token -> id, added tokens included) and the special tokens.
 - chat template: sha256 of the template text.
 - dataset: sha256 of each input file's bytes (whole files: datasets are GBs, hashing runs at ~1 GB/s).
@@ -84,6 +87,30 @@ def target_fingerprint(model_dir: str | Path, name: str | None = None) -> dict[s
         "hidden_size": text.get("hidden_size"),
         "vocab_size": text.get("vocab_size"),
     }
+
+
+# The target's config fields a DFlash drafter copies (DrafterConfig.from_target) or depends on.
+DRAFTER_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_scaling",
+                       "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+
+
+def head_fingerprint(model_dir: str | Path) -> dict[str, Any]:
+    """{"head_sha256", "config"}: the embedding and lm_head a drafter is trained and served with,
+    hashed as stored, and the config fields it copies. Content only: any directory name, any file
+    split (sharded or not) of the same tensors gives the same value."""
+    import torch
+
+    from dflash_common.drafter.target_head import load_target_head
+
+    model_dir = Path(model_dir)
+    text = _text_config(json.loads((model_dir / "config.json").read_text()))
+    head = load_target_head(model_dir)  # as stored: no cast
+    h = hashlib.sha256()
+    for name, tensor in [("embed", head.embed)] + ([] if head.tied else [("lm_head", head.lm_head)]):
+        h.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        h.update(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))  # no copy
+    return {"head_sha256": h.hexdigest(), "config": {k: text.get(k) for k in DRAFTER_CONFIG_KEYS}}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:

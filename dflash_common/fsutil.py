@@ -92,3 +92,13 @@ def os_reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units (KiB = 1024 B), the one unit system of every size dflash prints."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

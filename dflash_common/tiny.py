@@ -113,7 +113,15 @@ def build_tiny_target(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config).eval()
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard save: its bar would be two frames of noise
+    try:
+        model.save_pretrained(path)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
     stamp.write_text(json.dumps({"fingerprint": spec.fingerprint(), "spec": dataclasses.asdict(spec)}))
     return path

@@ -1,10 +1,11 @@
 """`dflash-precompute`: run the target over conversations and write its hidden states into a store.
 
     dflash-precompute --config configs/precompute-qwen3-8b.toml --out /nvme/stores/qwen3-8b
-    dflash-precompute --config configs/precompute-qwen3-8b.toml --dry-run     # the plan, nothing else
+    dflash-precompute --config configs/precompute-qwen3-8b.toml --dry-run     # the plan; writes nothing
     torchrun --nproc_per_node=8 -m precompute.cli --config ...                # one process per GPU
 
-`--dry-run` prints the plan (samples, tokens after templating, bytes on disk, free space) and stops.
+`--dry-run` prints the plan (samples, tokens after templating, bytes, free space) and stops; it writes
+nothing (no store, no token cache, no run record).
 Rerunning the same command resumes: published shards are kept, the rest is computed.
 """
 
@@ -13,19 +14,18 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from dflash_common.cli import parse_args, setup_logging, user_errors_exit
+from dflash_common.cli import interrupt_says, parse_args, setup_logging, user_errors_exit
 from precompute.config import PrecomputeConfig
 
-# Flags without a value, mapped onto config fields (parse_args takes `--section.field=value` only).
-_FLAGS = {"--dry-run": "--run.dry_run=true", "--force": "--run.force=true"}
+# Flags without a value, mapped onto config fields.
+_SWITCHES = {"dry-run": ("run.dry_run", "print the plan and stop; writes nothing"),
+             "force": ("run.force", "start on a disk the plan says is too small")}
 
 
 def parse(argv: Sequence[str] | None = None) -> PrecomputeConfig:
     """`--config FILE`, `--out STORE`, `--dry-run`, `--force` and `--section.field=value` -> the config."""
-    args = [_FLAGS.get(a, a) for a in (sys.argv[1:] if argv is None else argv)]
-    cfg, _ = parse_args(PrecomputeConfig, args, prog="dflash-precompute", description=__doc__.split("\n\n")[0]
-                        + " Flags: --dry-run (print the plan and stop), --force (start on a disk the plan "
-                        "says is too small).", shortcuts={"out": "store.path"})
+    cfg, _ = parse_args(PrecomputeConfig, sys.argv[1:] if argv is None else argv, prog="dflash-precompute",
+                        description=__doc__.split("\n\n")[0], shortcuts={"out": "store.path"}, switches=_SWITCHES)
     return cfg
 
 
@@ -34,9 +34,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Returns None: console scripts pass main()'s result to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
-    from precompute.job import run  # after argument parsing: --help stays fast
+    with interrupt_says(lambda: f"the shards already published in {cfg.store.path} are kept (a shard being "
+                        f"written is not visible); rerun the same command to resume."):
+        from precompute.job import run  # after argument parsing: --help stays fast
 
-    run(cfg)
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ class RunConfig:
     samples_per_unit: int = option(
         32,
         "Input records per work unit (= per shard), counted before filtering so units never depend on "
-        "the number of ranks. Aim for shards of 1-4 GB: records x tokens x bytes/token.",
+        "the number of ranks. Aim for shards of 1-4 GiB: records x tokens x bytes/token.",
     )
     device: str = option("auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'.")
     tokenize_workers: int = option(
@@ -138,7 +138,7 @@ class RunConfig:
         4, "Finished units waiting for a writer before the GPU waits (bounds host memory)."
     )
     force: bool = option(False, "Start even when the plan says the disk is too small.")
-    progress: bool = option(True, "Show a progress bar (rank 0): samples, tokens/s, GB written, ETA.")
+    progress: bool = option(True, "Show a progress bar (rank 0, on a terminal): samples, tokens/s, bytes written, ETA.")
     dry_run: bool = option(False, "Print the plan (samples, tokens, bytes on disk, free space) and stop.")
 
     def __post_init__(self) -> None:

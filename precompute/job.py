@@ -34,16 +34,18 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from dflash_common.cli import UserError, write_run_record
-from dflash_common.fingerprint import dataset_fingerprint, target_fingerprint
-from dflash_common.fsutil import is_disk_full, os_reason
+from dflash_common.cli import UserError, progress_bar, write_run_record
+from dflash_common.dirlock import hold_directory
+from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
+from dflash_common.fsutil import human_bytes, is_disk_full, os_reason
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names
+from dflash_common.store.format import read_root_attributes
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import (
-    TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, human_bytes, make_plan, state_key, tokenize_units,
-    tokenizer_identity, unit_shard_name,
+    TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, check_samples, make_plan, state_key,
+    tokenize_units, tokenizer_identity, unit_shard_name,
 )
 from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
 
@@ -113,7 +115,10 @@ def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
     ranks = start_ranks(cfg.run.device)
     try:
-        return _run(cfg, ranks)
+        with contextlib.ExitStack() as stack:
+            hold = StoreHold(stack)
+            ranks.from_main(lambda: hold.take(cfg, existing_only=True))
+            return _run(cfg, ranks, hold)
     except UserError:
         raise
     except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
@@ -125,21 +130,43 @@ def run(cfg: PrecomputeConfig) -> Path:
         ranks.close()
 
 
-def _run(cfg: PrecomputeConfig, ranks: Ranks) -> Path:
+@dataclasses.dataclass
+class StoreHold:
+    """Rank 0's hold on the store for the rest of the job (its other ranks share it): a second job
+    into the store is refused before it writes anything. An existing store is held from the start,
+    a new one from just before it is created (a refused or dry run leaves no directory behind)."""
+
+    stack: contextlib.ExitStack
+    held: bool = False
+
+    def take(self, cfg: PrecomputeConfig, existing_only: bool = False) -> None:
+        path = _store_path(cfg)
+        if self.held or cfg.run.dry_run or (path.exists() and not path.is_dir()) or \
+                (existing_only and not path.is_dir()):
+            return  # a dry run writes nothing; a file: create_or_open says so
+        self.stack.enter_context(hold_directory(path, "store", "wait for that dflash-precompute to end (or stop "
+                                                "it), then rerun this command: it resumes"))
+        self.held = True
+
+
+def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     started = time.perf_counter()
     store_path = _store_path(cfg)
     text_config = read_text_config(_target_path(cfg))
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
     sources = resolve_inputs(cfg.data.inputs)
-    manifest = ranks.from_main(lambda: build_manifest(cfg, sources, layer_ids, text_config.hidden_size))
+    manifest = ranks.from_main(lambda: adopt_stored_identity(
+        store_path, build_manifest(cfg, sources, layer_ids, text_config.hidden_size)))
     if (store_path / "zarr.json").is_file():
         StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
     plan, mine = make_job_plan(cfg, ranks, sources, manifest)
     if ranks.main:
         print(plan.format(), flush=True)
+    ranks.from_main(lambda: check_samples(plan, ", ".join(cfg.data.inputs)))
     ranks.from_main(lambda: check_disk(plan, cfg.run.force))
     if cfg.run.dry_run:
         return store_path
+    ranks.from_main(lambda: hold.take(cfg))  # a new store: from here on
     writer = StoreWriter.create_or_open(store_path, manifest)
     if ranks.main:
         write_run_record(store_path.parent, cfg, name=f"{store_path.name}.precompute")
@@ -182,7 +209,27 @@ def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list
         target=target_fingerprint(cfg.target.path), tokenizer=tokenizer["tokenizer"],
         chat_template_sha256=tokenizer["chat_template_sha256"], layer_ids=tuple(layer_ids),
         hidden_size=hidden_size, dtype=cfg.store.dtype, codec=cfg.store.codec,
-        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg), final_state=cfg.store.final_state)
+        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg), final_state=cfg.store.final_state,
+        target_head=head_fingerprint(cfg.target.path))
+
+
+def adopt_stored_identity(store_path: Path, manifest: StoreManifest) -> StoreManifest:
+    """Identity is content: a target whose fingerprint equals the store's in everything but its
+    name (the directory's basename) is the store's target, so the store's own record is used (its
+    shard names derive from it). A store written before `target_head` was recorded keeps none."""
+    try:
+        stored = read_root_attributes(store_path) if (store_path / "zarr.json").is_file() else None
+    except UserError:
+        return manifest  # unreadable: create_or_open says so in its sentence
+    if not stored:
+        return manifest
+    target = stored.get("target")
+    unnamed = lambda fp: {k: v for k, v in fp.items() if k != "name"}  # noqa: E731
+    if isinstance(target, dict) and unnamed(target) == unnamed(manifest.target):
+        manifest = dataclasses.replace(manifest, target=target)
+    if "target_head" not in stored:
+        manifest = dataclasses.replace(manifest, target_head={})
+    return manifest
 
 
 def content_settings(cfg: PrecomputeConfig) -> dict[str, Any]:
@@ -217,7 +264,8 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
                                                  "chat_template_sha256": manifest.chat_template_sha256})
     reader_skips = SkipLog(cfg.data.report_first)
-    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips)
+    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips,
+                                        write_cache=not cfg.run.dry_run)  # a dry run writes nothing
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
     # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
@@ -273,7 +321,7 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: 
                            writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
             ProgressBar(total, pipe, ranks, cfg.run.progress) as on_batch:
         run_windows(target, _load_windows(units, windows), pipe, cfg.batching.token_budget, on_batch)
-    log.info("%d shards written (%s) from %s tokens in %d batches; waited %.1f s for the disk",
+    log.info("%d shards written (%s on disk) from %s tokens in %d batches; waited %.1f s for the disk",
              pipe.stats.units_written, human_bytes(pipe.stats.bytes_written), f"{pipe.stats.tokens:,}",
              pipe.stats.batches, pipe.stats.wait_s)
     return pipe.stats, load_s
@@ -295,7 +343,7 @@ def _cpu_core_for_writers(device: torch.device) -> Iterator[None]:
 
 
 class ProgressBar:
-    """tqdm on rank 0: samples, tokens/s and bytes written by this rank, ETA."""
+    """tqdm on rank 0, on a terminal only: samples, tokens/s and bytes written by this rank, ETA."""
 
     def __init__(self, total: int, pipe: Pipeline, ranks: Ranks, enabled: bool):
         self.total = total
@@ -308,17 +356,15 @@ class ProgressBar:
 
     def __enter__(self) -> Callable[[int, int], None]:
         if self.enabled:
-            from tqdm import tqdm
-
             desc = "precompute" if self.ranks.world == 1 else f"precompute, rank 0 of {self.ranks.world}"
-            self.bar = tqdm(total=self.total, unit="sample", desc=desc, dynamic_ncols=True)
+            self.bar = progress_bar(total=self.total, unit="sample", desc=desc, dynamic_ncols=True)
         return self.update
 
     def update(self, sequences: int, tokens: int) -> None:
         self.tokens += tokens
         if self.bar is not None:
             rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {self.pipe.stats.bytes_written / 1e9:.2f} GB written",
+            self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {human_bytes(self.pipe.stats.bytes_written)} written",
                                      refresh=False)
             self.bar.update(sequences)
 
@@ -365,7 +411,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in {summary['units']:,} work units "
         f"({len(summary['empty_units']):,} without a sequence)",
         f"  skipped records: {skips}; truncated {summary['truncated']:,}",
-        f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])}), "
+        f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])} on disk), "
         f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
         f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s "
         f"on {run['world_size']} rank(s)",

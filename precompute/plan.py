@@ -14,8 +14,9 @@ names and skips the shards the store already has.
 Tokenize once. Applying the chat template is the slow part of reading (a Jinja render per turn).
 The plan needs the token counts, so the plan pass tokenizes each rank's units and keeps the result in
 a token cache (`run.cache_dir`, default `<store.path>.tokens/<key>/unit-XXXXXXXX.npz`, 5 bytes per
-token); the forward pass then reads the cache instead of tokenizing again, and a restarted run (or a
-`--dry-run` before the real one) finds the units already tokenized. The cache key hashes the
+token); the forward pass then reads the cache instead of tokenizing again, and a restarted run finds
+the units already tokenized. A `--dry-run` reads the cache where it exists but writes nothing: units
+it does not find are tokenized for the plan's counts and dropped. The cache key hashes the
 tokenizer files, the data options and the input files' sizes and modification times, so changed
 inputs or options never reuse stale tokens. Units can be tokenized by a pool of processes
 (`run.tokenize_workers`).
@@ -52,7 +53,7 @@ import numpy as np
 from dflash_common.chat import ChatMaskError, ChatTemplate
 from dflash_common.cli import UserError
 from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
-from dflash_common.fsutil import atomic_write_bytes
+from dflash_common.fsutil import atomic_write_bytes, human_bytes
 from dflash_common.store import shard_name
 from precompute.config import DataConfig, PrecomputeConfig
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
@@ -304,24 +305,36 @@ def _source_stamp(source: Source) -> list[Any]:
 
 
 def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCache, rank: int = 0,
-                   world_size: int = 1, reader_skips: SkipLog | None = None) -> tuple[list[UnitSummary], int]:
+                   world_size: int = 1, reader_skips: SkipLog | None = None,
+                   write_cache: bool = True) -> tuple[list[UnitSummary], int]:
     """Tokenize (or find in the cache) every unit this rank owns. Files that break mid-way are counted
     in `reader_skips` (`unreadable_file`; every rank reads every file, so one rank's count is the job's).
+    With `write_cache` false (a dry run) units missing from the cache are tokenized for their summary
+    only: nothing is written.
 
     -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
     counter = _RecordCounter(iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips))
     window = cfg.batching.sort_window_units
     units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, window)
     todo = ((u, recs) for u, recs in units if not cache.has(u) or _stale(cache, u, recs))
+    root = str(cache.root) if write_cache else None
     if cfg.run.tokenize_workers > 0:
-        _tokenize_in_pool(cfg, todo, cache)
+        fresh = _tokenize_in_pool(cfg, todo, root)
     else:
         tokenizer = UnitTokenizer.from_target(cfg.target.path, cfg.data)
-        for u, recs in todo:
-            cache.save(tokenizer(u, recs))
+        fresh = {u: _tokenize_one(tokenizer, u, recs, root) for u, recs in todo}
     total_units = num_units(counter.count, cfg.run.samples_per_unit)
     mine = [u for u in range(total_units) if owner(u, world_size, window) == rank]
-    return [cache.load(u).summary() for u in mine], counter.count
+    return [fresh[u] if u in fresh else cache.load(u).summary() for u in mine], counter.count
+
+
+def _tokenize_one(tokenizer: UnitTokenizer, unit: int, records: list[RawRecord],
+                  cache_root: str | None) -> UnitSummary:
+    """Tokenize one unit, save it in the cache at `cache_root` (None: save nothing) -> its summary."""
+    tokenized = tokenizer(unit, records)
+    if cache_root is not None:
+        TokenCache(Path(cache_root)).save(tokenized)
+    return tokenized.summary()
 
 
 def _stale(cache: TokenCache, unit: int, records: list[RawRecord]) -> bool:
@@ -351,27 +364,30 @@ def _worker_init(target_path: str, data: DataConfig) -> None:
     _WORKER = UnitTokenizer.from_target(target_path, data)
 
 
-def _worker_run(unit: int, records: list[RawRecord], cache_root: str) -> None:
+def _worker_run(unit: int, records: list[RawRecord], cache_root: str | None) -> UnitSummary:
     assert _WORKER is not None
-    TokenCache(Path(cache_root)).save(_WORKER(unit, records))
+    return _tokenize_one(_WORKER, unit, records, cache_root)
 
 
-def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache: TokenCache) -> None:
+def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache_root: str | None) -> dict[int, UnitSummary]:
     """Units go to a pool of processes (spawned: forking a process that holds tokenizer threads can
-    deadlock); at most 2 per worker are in flight, so reading never runs far ahead of tokenizing."""
+    deadlock); at most 2 per worker are in flight, so reading never runs far ahead of tokenizing.
+    -> the summaries of the units tokenized, by unit."""
     workers = cfg.run.tokenize_workers
     ctx = multiprocessing.get_context("spawn")
+    out: dict[int, UnitSummary] = {}
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                 initargs=(cfg.target.path, cfg.data)) as pool:
         pending: set[cf.Future] = set()
         for u, recs in todo:
-            pending.add(pool.submit(_worker_run, u, [r.portable() for r in recs], str(cache.root)))
+            pending.add(pool.submit(_worker_run, u, [r.portable() for r in recs], cache_root))
             if len(pending) >= 2 * workers:
                 done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                 for f in done:
-                    f.result()
+                    out[f.result().index] = f.result()
         for f in cf.as_completed(pending):
-            f.result()
+            out[f.result().index] = f.result()
+    return out
 
 
 # ------------------------------------------------------------------------------------ shard names
@@ -444,9 +460,9 @@ class Plan:
             f"  tokens after templating: {self.tokens:,} (response tokens {self.response_tokens:,})",
             f"  layers {self.layer_ids}{' + the final state' if self.final_state else ''} x hidden "
             f"{self.hidden_size} as {self.store_dtype}: "
-            f"{per:,} bytes/token ({formula} + 5 for id and mask)",
-            f"  store size: {human_bytes(self.bytes_total)}, still to write {human_bytes(self.bytes_to_write)} "
-            f"(uncompressed)",
+            f"{per:,} array bytes/token ({formula} + 5 for id and mask) + 8 per sequence (offsets)",
+            f"  arrays before compression: {human_bytes(self.bytes_total)}, still to write "
+            f"{human_bytes(self.bytes_to_write)} (on disk add shard indexes, checksums and metadata)",
             f"  free space at {self.store_path}: {human_bytes(self.free_bytes)} -> "
             + ("enough" if self.fits else f"NOT enough (need {human_bytes(int(self.bytes_to_write * DISK_MARGIN))})"),
         ]
@@ -507,10 +523,17 @@ def check_disk(plan: Plan, force: bool) -> None:
         "or pass --run.force=true.")
 
 
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1000
-    return f"{n} B"
+def check_samples(plan: Plan, input_names: str) -> None:
+    """Refuse a job whose input yields no sequence at all (every record skipped, or none): its store
+    would hold nothing to train from. The sentence counts the skips by reason and names the first few."""
+    if plan.samples:
+        return
+    if not plan.records and not plan.skips.total:
+        raise UserError(f"data.inputs ({input_names}) hold no record; give files with one JSON record per line "
+                        "(or a saved dataset); no store was created.")
+    counts = ", ".join(f"{reason} {n:,}" for reason, n in sorted(plan.skips.counts.items()))
+    first = "; ".join(f"{source_id}: {reason}" for source_id, reason, _ in plan.skips.examples)
+    raise UserError(
+        f"every one of the {plan.records:,} input records of {input_names} was skipped ({counts}), e.g. {first}; "
+        "fix the inputs (or data.format, data.max_length, data.block_size, which decide the skips) and rerun; "
+        "no store was created.")

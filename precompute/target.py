@@ -199,11 +199,12 @@ def _quiet_transformers() -> Iterator[None]:
     """transformers prints a load report listing every unread (= deliberately skipped) weight."""
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
-        hf_logging.enable_progress_bar()
+        if bars:  # off stays off (setup_logging: no bars when stderr is not a terminal)
+            hf_logging.enable_progress_bar()

@@ -27,3 +27,6 @@ def test_demo_runs_every_stage_and_summarises_them(tmp_path):
                  "drafter/model.safetensors", "eval.json"):
         assert (out / made).is_file(), made
     assert str(out / "train" / "report.png") in text
+    # not a terminal (as in CI): no progress-bar frames, and a handful of lines per stage (issue 13: ~900)
+    lines = done.stdout.count("\n") + done.stderr.count("\n")
+    assert "\r" not in done.stdout + done.stderr and lines <= 100, (lines, done.stdout, done.stderr)

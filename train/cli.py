@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dflash_common.cli import parse_args, setup_logging, user_errors_exit
+from dflash_common.cli import interrupt_says, parse_args, setup_logging, user_errors_exit
 from train.config import TrainConfig
 
 
@@ -29,9 +29,11 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse(argv)
     setup_logging()
-    from train.loop import run  # after argument parsing: --help stays fast
+    with interrupt_says(lambda: f"the checkpoints already saved in {cfg.run.out_dir} are kept (a save "
+                        f"being written is not visible); rerun the same command to resume from the newest."):
+        from train.loop import run  # after argument parsing: --help stays fast
 
-    run(cfg)
+        run(cfg)  # once the loop runs, Ctrl-C saves a checkpoint at the end of the step and exits 0
 
 
 if __name__ == "__main__":

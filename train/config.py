@@ -25,7 +25,7 @@ class DataConfig:
         "tokens, over- or under-sampling its shards; none = every shard of every store once per epoch.",
     )
     cache_gb: float = option(
-        16.0, "Host RAM for the shard cache in GB, per rank (each process has its own), pinned once at "
+        16.0, "Host RAM for the shard cache in GiB, per rank (each process has its own), pinned once at "
         "start-up; must hold two shuffle windows of shards."
     )
     reader_threads: int = option(4, "Threads reading shards from disk into the cache ahead of need, per rank.")

@@ -337,14 +337,14 @@ def allocate_cache(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_i
                    cache_gb: float, min_shards: int, threads: int, what: str, final: bool = False) -> ShardCache:
     """A cache of as many whole-shard slots as `cache_gb` holds (at least `min_shards`)."""
     nbytes, fill = slot_size(stores, shards, layer_ids, final)
-    n = min(int(cache_gb * 1e9) // nbytes, len(shards))  # more slots than shards would never be used
+    n = min(int(cache_gb * 2**30) // nbytes, len(shards))  # more slots than shards would never be used
     min_shards = min(min_shards, len(shards))  # a store smaller than two windows just fits whole
     if n < min_shards:
         from dflash_common.cli import UserError
 
-        raise UserError(f"data.cache_gb = {cache_gb} holds {n} shard(s) of {nbytes / 1e9:.3f} GB, but the "
-                        f"{what} needs {min_shards}; raise data.cache_gb to at least "
-                        f"{min_shards * nbytes / 1e9:.3f} or lower data.window_shards.")
+        raise UserError(f"data.cache_gb = {cache_gb} (GiB) holds {n} shard(s) of {nbytes / 2**30:.3f} GiB, but "
+                        f"the {what} needs {min_shards}; raise data.cache_gb to at least "
+                        f"{min_shards * nbytes / 2**30:.3f} or lower data.window_shards.")
     log.info("%s shard cache: %d slots of %.1f MiB, one shard each (slots fit the largest shard of layers "
              "%s; shards fill %.0f%% of a slot on average)", what, n, nbytes / 2**20, list(layer_ids), 100 * fill)
     return ShardCache(SlotSlab.allocate(n, nbytes), 1, shard_reader(stores, shards, layer_ids, final), threads)

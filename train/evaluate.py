@@ -24,7 +24,8 @@ from typing import Any, Sequence
 import torch
 
 from dflash_common.cli import (
-    UserError, exit_with_error, parse_args, run_record, setup_logging, user_errors_exit, write_run_record,
+    UserError, exit_with_error, parse_args, progress_bar, run_record, setup_logging, user_errors_exit,
+    write_run_record,
 )
 from dflash_common.drafter.layer_ids import check_layer_ids
 from dflash_common.fsutil import atomic_write_text
@@ -217,10 +218,8 @@ def _warm_up(target: TargetRunner, drafter: Drafter, ids: list[int], s: Settings
 def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt], s: Settings, *,
                    tokenizer=None, template_kwargs: dict | None = None, warmup: bool = True) -> list[PromptResult]:
     """Decode every prompt (each turn of a multi-turn prompt is a prompt of its own)."""
-    from tqdm import tqdm
-
     results: list[PromptResult] = []
-    for prompt in tqdm(prompts, desc="dflash-eval", unit="prompt", disable=len(prompts) < 2):
+    for prompt in progress_bar(prompts, enabled=len(prompts) > 1, desc="dflash-eval", unit="prompt"):
         if prompt.ids is not None:
             if warmup and not results:
                 _warm_up(target, drafter, prompt.ids, s)
@@ -320,7 +319,9 @@ def format_report(report: dict) -> str:
         f"  {'new tokens':<28}{report['new_tokens']}",
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",
         f"  {'tokens/s, target alone':<28}{_fmt(report['target_tokens_per_s'], '.1f')}",
-        f"  {'speedup':<28}{_fmt(report['speedup'], '.2f')}",
+        f"  {'speedup':<28}{_fmt(report['speedup'], '.2f')}"
+        + ("" if report["speedup"] is None else "x (tokens/s speculative / target alone: same engine, batch 1, "
+           "decode after the prefill)"),
         f"  {'lossless':<28}{verdict}",
     ]
     if report["num_prompts_without_cycles"]:
@@ -550,13 +551,13 @@ the lossless check, tokens/s with and without the drafter and the speedup.
 def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    offline = "--offline" in argv  # a plain switch; the config parser takes --key=value only
-    argv = [a for a in argv if a != "--offline"]
-    cfg, _ = parse_args(EvalConfig, argv, prog="dflash-eval", description=DESCRIPTION,
-                        shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store"})
+    cfg, args = parse_args(EvalConfig, sys.argv[1:] if argv is None else argv, prog="dflash-eval",
+                           description=DESCRIPTION,
+                           shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store"},
+                           switches={"offline": (None, ("estimate tau from a store's held-out sequences (--store); "
+                                                        "the target does not run"))})
     setup_logging()
-    if offline:
+    if args.offline:
         run_offline(cfg)
         return
     try:

@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_common.cli import UserError, write_run_record
+from dflash_common.cli import UserError, progress_bar, write_run_record
 from dflash_common.config import to_dict
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import Store, check_compatible
@@ -46,7 +47,7 @@ from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
 from train.report import write_report
-from train.target import mask_token_id, target_config, tokenizer_sha256
+from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
 from train.validate import batch_objective, evaluate_batches, summarize
 
 log = logging.getLogger("dflash")
@@ -100,9 +101,11 @@ def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
     for store in stores:
         check_compatible(store.manifest, layer_ids=dcfg.target_layer_ids, hidden_size=dcfg.hidden_size,
                          tokenizer_sha256=sha, where=f"store {store.path}")
+        check_same_target(store.manifest, store.path, target)
     held = "; ".join(f"{s.path} holds layers {list(s.manifest.layer_ids)}" for s in stores)
     return (f"Compatible: {held}; the drafter reads layers {list(dcfg.target_layer_ids)} at hidden size "
-            f"{dcfg.hidden_size}, the target's, and the tokenizer of {target} (sha256 {sha[:12]}) is the store's.")
+            f"{dcfg.hidden_size}, the target's, and the embedding, lm_head, config and tokenizer of {target} "
+            f"(sha256 {sha[:12]}) are the store's.")
 
 
 def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -> DFlashDrafter:
@@ -252,17 +255,17 @@ class Window:
                   "grad_norm": float(sums[_GNORM]) / steps,
                   "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
                   "data_wait_ms": 1e3 * float(sums[_WAIT]) / steps,
-                  "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_read_gb": read / 1e9,
-                  "gpu_mem_gb": self._peak_memory_gb(), "steps": steps / world,
+                  "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_read_gib": read / 2**30,
+                  "gpu_mem_gib": self._peak_memory_gib(), "steps": steps / world,
                   "bad_shards": bad.at_scan + int(bad_read), "time": time.time()}
         self.sums.zero_(), self.counts.zero_()
         self.cache_seen, self.started = now, time.perf_counter()
         return record
 
-    def _peak_memory_gb(self) -> float | None:
+    def _peak_memory_gib(self) -> float | None:
         if self.device.type != "cuda":
             return None
-        peak = torch.cuda.max_memory_allocated(self.device) / 1e9
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
         torch.cuda.reset_peak_memory_stats(self.device)
         return peak
 
@@ -435,7 +438,8 @@ def stop_agreed(stop: StopRequest, d: Dist) -> bool:
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
     try:
-        return _run(cfg)
+        with _own_run_directory(cfg):
+            return _run(cfg)
     except Exception as e:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
         if not is_disk_full(e):
             raise
@@ -443,6 +447,15 @@ def run(cfg: TrainConfig) -> Path:
         raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({os_reason(e)}); free "
                         f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
                         f"{latest or 'the start'}.") from e
+
+
+def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """Rank 0 holds the run directory for the whole run: a second dflash-train into it is refused
+    before it reads a checkpoint (the other ranks of this job share rank 0's hold)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return hold_directory(cfg.run.out_dir, "run directory",
+                          "wait for that run to end (or stop it), or train into another directory (--out)")
 
 
 def _run(cfg: TrainConfig) -> Path:
@@ -460,14 +473,13 @@ def _run(cfg: TrainConfig) -> Path:
 
 def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     """The loop: -> (last step saved, the signal that stopped it early or None)."""
-    from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     c, main = r.cfg, r.dist.main
     window = Window(r.dist.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
-    bar = tqdm(total=r.total, initial=r.start, disable=not (main and c.log.progress), unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=r.total, initial=r.start, enabled=main and c.log.progress, unit="step", dynamic_ncols=True)
     with StopRequest() as stop, logging_redirect_tqdm():
         for step in range(r.start + 1, r.total + 1):
             info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, c, window.sums, window.counts,

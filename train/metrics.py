@@ -2,7 +2,7 @@
 TensorBoard scalars, all in the run directory.
 
     step 120/3000 | ep 0 | loss 2.3456 | acc 0.412 | acc@k .81 .62 .50 .41 .33 .27 .22 | tau 3.21 |
-    lr 5.9e-04 | gnorm 0.83 | 182.3k tok/s | wait 1.2 ms | cache 97% | mem 12.3 GB
+    lr 5.9e-04 | gnorm 0.83 | 182.3k tok/s | wait 1.2 ms | cache 97% | mem 12.3 GiB
 
 Training records have "kind": "train", validation records "kind": "val". A resumed run first drops the
 records written after its checkpoint, so the curves have no doubled steps.
@@ -28,7 +28,7 @@ def _positions(values: list[float]) -> str:
 
 
 def format_train_line(r: dict[str, Any], total_steps: int) -> str:
-    mem = f"{r['gpu_mem_gb']:.1f} GB" if r.get("gpu_mem_gb") is not None else "-"
+    mem = f"{r['gpu_mem_gib']:.1f} GiB" if r.get("gpu_mem_gib") is not None else "-"
     return (
         f"step {r['step']}/{total_steps} | ep {r['epoch']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
         f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | lr {r['lr']:.1e} | "

@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dflash_common.cli import UserError, setup_logging, user_errors_exit
@@ -58,6 +58,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise UserError(f"{out_dir} already exists; choose a new directory or pass --overwrite.")
+    if out_dir.exists():
+        check_replaceable(out_dir)
     state = {name: p.detach().to(dtype or p.dtype).cpu().contiguous() for name, p in drafter.state_dict().items()}
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) != 1:
@@ -74,6 +76,30 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """--overwrite replaces only a directory that is itself an exported drafter: config.json and
+    model.safetensors and nothing else (not a run, a step-N/, a parent of drafters, another file)."""
+    if not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is not a directory; --overwrite replaces only an exported "
+                        f"drafter directory: choose a new OUT_DIR.")
+    held = sorted(p.name for p in out_dir.iterdir())
+    if held != sorted([CONFIG_FILE, WEIGHTS_FILE]):
+        others = [name for name in held if name not in (CONFIG_FILE, WEIGHTS_FILE)] or [f"no {WEIGHTS_FILE}"]
+        raise UserError(f"{out_dir} is not an exported drafter (it holds {', '.join(others[:3])}), so --overwrite "
+                        f"leaves it alone; choose a new OUT_DIR, or one holding only {CONFIG_FILE} and {WEIGHTS_FILE}.")
+
+
+def check_not_source(source: Path, out_dir: Path) -> None:
+    """OUT_DIR may be neither the source, nor inside it, nor one of its parents."""
+    out = out_dir.resolve()
+    for src in dict.fromkeys([source.resolve(), resolve_drafter_dir(source).resolve()]):
+        where = ("the source" if out == src else "a parent of the source" if out in src.parents
+                 else "inside the source" if src in out.parents else None)
+        if where:
+            raise UserError(f"OUT_DIR {out_dir} is {where} {source}; export to a directory outside it, "
+                            f"e.g. {source.resolve().parent / 'export'}.")
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -121,12 +147,21 @@ def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.T
         cfg = DrafterConfig.from_config_json(json.loads((directory / CONFIG_FILE).read_text()))
     except (ConfigError, KeyError, ValueError, TypeError) as e:
         raise UserError(f"{directory / CONFIG_FILE} is not a valid DFlash drafter config: {e}") from e
-    weights_path = directory / WEIGHTS_FILE
-    if not weights_path.is_file():
-        raise UserError(f"{directory} has no {WEIGHTS_FILE}.")
-    with safe_open(weights_path, framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    return cfg, tensors
+    return cfg, _read_weights(directory)
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `directory/model.safetensors`; a missing or cut file is one sentence with the fix."""
+    path = directory / WEIGHTS_FILE
+    fix = ("export the drafter again from its run (dflash-export RUN_DIR OUT_DIR), or pass another "
+           "step-N checkpoint")
+    if not path.is_file():
+        raise UserError(f"{directory} has no {WEIGHTS_FILE}; {fix}.")
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:  # a cut file: header or data shorter than it says
+        raise UserError(f"{path} is damaged or cut short ({e}); {fix}.") from e
 
 
 def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: str | Path) -> None:
@@ -179,6 +214,7 @@ def _fields(cfg: DrafterConfig) -> list[str]:
 def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
            overwrite: bool = False) -> Path:
     """Write the drafter behind `source` to `out_dir` in the released layout."""
+    check_not_source(Path(source), Path(out_dir))
     drafter, cfg = load_drafter(source)
     save_drafter(drafter, out_dir, dtype, overwrite=overwrite)
     n_params = sum(p.numel() for p in drafter.parameters())

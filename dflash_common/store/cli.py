@@ -16,22 +16,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash_common.cli import setup_logging, user_errors_exit
+from dflash_common.fsutil import human_bytes
 from dflash_common.store import Store
 from dflash_common.store.verify import store_info, verify_store
 
 EXIT_BAD_SHARDS = 1
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def format_info(info: dict[str, Any]) -> str:
-    ratio = info["compression_ratio"]
+    """Two sizes, each named: the arrays a read returns (what `dflash-precompute`'s plan projects, in
+    the plan's figures) and the files on disk (incl. shard indexes, checksums and metadata)."""
+    ratio = info["compression_ratio"] if info["codec"] != "none" else None
     per_token = info["bytes_per_token"]
     rows = [
         ("store", info["path"]),
@@ -45,10 +40,14 @@ def format_info(info: dict[str, Any]) -> str:
         ("shards", f"{info['shards']:,}"),
         ("sequences", f"{info['sequences']:,}"),
         ("tokens", f"{info['tokens']:,}"),
-        ("bytes on disk", f"{_size(info['bytes_on_disk'])} ({info['bytes_on_disk']:,} B)"),
-        ("bytes per token", "-" if per_token is None else f"{per_token:,.1f}"),
-        ("compression ratio", "-" if ratio is None else f"{ratio:.3f} (decoded bytes / bytes on disk)"),
+        ("arrays (decoded)", (f"{human_bytes(info['decoded_bytes'])}: {info['array_bytes_per_token'] or 0:,} "
+                              "array bytes/token + 8 per sequence (offsets)")),
+        ("on disk", f"{human_bytes(info['bytes_on_disk'])} ({info['bytes_on_disk']:,} B"
+                    + ("" if per_token is None else f", {per_token:,.1f} bytes/token") + "), incl. shard indexes, "
+                    "checksums and metadata"),
     ]
+    if ratio is not None:  # codec none compresses nothing: its decoded/disk measures only the metadata
+        rows.append(("compression ratio", f"{ratio:.3f} (decoded bytes / bytes on disk, codec {info['codec']})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -62,7 +61,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     with Store.open(args.store) as store:
-        report = verify_store(store, progress=sys.stderr.isatty())
+        report = verify_store(store)
     for name, why in sorted(report.bad.items()):
         print(name)
         print(f"  {why}", file=sys.stderr)

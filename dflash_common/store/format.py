@@ -68,6 +68,9 @@ class StoreManifest:
     chunk_tokens: int = 1024  # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
     dataset: dict[str, Any] = dataclasses.field(default_factory=dict)  # fingerprint.dataset_fingerprint
     precompute: dict[str, Any] = dataclasses.field(default_factory=dict)  # the precompute config
+    # fingerprint.head_fingerprint: the target's embedding/lm_head and drafter-copied config fields;
+    # {} in stores written before it was recorded (the trainer then compares `target` as a whole)
+    target_head: dict[str, Any] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     # shards also hold the target's final normed hidden state (the lm_head's input), array "final";
     # written only when true, so stores without it keep the exact manifest they were made with
@@ -88,6 +91,8 @@ class StoreManifest:
         d["layer_ids"] = list(self.layer_ids)
         if not self.final_state:
             del d["final_state"]  # absent means false: older stores compare equal, byte for byte
+        if not d["target_head"]:  # a store of a dflash before it was recorded: its manifest as it was
+            del d["target_head"]
         return json.loads(json.dumps({"format": FORMAT_NAME, **d}))  # plain JSON types, as stored
 
     @classmethod

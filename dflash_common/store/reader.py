@@ -81,6 +81,8 @@ class Store:
         """Open a store; refuses anything but a dflash store of a format version this code reads.
         `read_threads` decode chunks in parallel (reads and crc32c overlap; see docs/benchmarks.md)."""
         path = Path(path)
+        if not path.exists():
+            raise StoreError(f"store {path} does not exist; check the path, or run dflash-precompute to write it.")
         if not (path / "zarr.json").is_file():
             raise StoreError(f"{path} is not a dflash store (no zarr.json); pass the directory "
                              f"dflash-precompute wrote.")

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm import tqdm
 
+from dflash_common.cli import progress_bar
 from dflash_common.store.chunks import ArrayFile, ChunkError
 from dflash_common.store.format import (
     FINAL_SCALE_ARRAY, FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, check_offsets, layer_array, scale_array,
@@ -38,15 +38,15 @@ class VerifyReport:
         return not self.bad
 
 
-def verify_store(store: Store, *, progress: bool = False) -> VerifyReport:
+def verify_store(store: Store, *, progress: bool = True) -> VerifyReport:
     """Check every shard of `store`, `store.read_threads` shards at a time; a bad shard is reported,
     never raised, so all are checked."""
     names = store.shard_names()
     bad = {}
     with ThreadPoolExecutor(store.read_threads, thread_name_prefix="dflash-store-verify") as pool:
         results = pool.map(lambda name: _shard_problem(store, name), names)
-        for name, problem in tqdm(zip(names, results), total=len(names), desc="verify", unit="shard",
-                                  disable=not progress):
+        for name, problem in progress_bar(zip(names, results), enabled=progress, total=len(names), desc="verify",
+                                          unit="shard"):
             if problem:
                 bad[name] = problem
     staging = sorted(os.listdir(store.path / STAGING_DIR)) if (store.path / STAGING_DIR).is_dir() else []
@@ -122,11 +122,16 @@ def store_info(store: Store) -> dict[str, Any]:
     sequences = sum(s.num_sequences for s in shards)
     decoded = sum(spec.nbytes for s in shards for spec in store.buffer_specs(s).values())
     disk = _disk_bytes(store.path)
+    # every array but the offsets holds one row per token: states (and fp8 scales), token ids, loss mask
+    per_token = [sum(v.nbytes for k, v in store.buffer_specs(s).items() if k != "offsets") // s.num_tokens
+                 for s in shards[:1] if s.num_tokens]
     return {
         "path": str(store.path), "format_version": m.format_version, "target": m.target.get("name"),
         "layer_ids": list(m.layer_ids), "final_state": m.final_state, "hidden_size": m.hidden_size, "dtype": m.dtype, "codec": m.codec,
         "chunk_tokens": m.chunk_tokens, "shards": len(shards), "sequences": sequences, "tokens": tokens,
+        # decoded: the arrays a read returns (= the plan's projection); on disk: every published file
+        "decoded_bytes": decoded, "array_bytes_per_token": per_token[0] if per_token else None,
         "bytes_on_disk": disk, "bytes_per_token": disk / tokens if tokens else None,
-        "decoded_bytes": decoded, "compression_ratio": decoded / disk if disk else None,
+        "compression_ratio": decoded / disk if disk else None,  # the text output shows it only for a codec
         "summary": store.summary,
     }

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -85,3 +85,42 @@ def test_every_field_has_help():
     keys = {k: h for k, _, _, h in iter_fields(Outer)}
     assert set(keys) == {"name", "steps", "flag", "inner.lr", "inner.layer_ids", "inner.dtype"}
     assert all(keys.values())
+
+
+@dataclass(frozen=True)
+class Staged(Outer):
+    STAGE: ClassVar[str] = "train"
+
+
+def test_an_override_prefixed_with_the_stage_table_gets_the_hint_to_drop_it():
+    with pytest.raises(ConfigError) as caught:
+        load_config(Staged, None, ["--train.inner.lr=3e-4"])
+    message = str(caught.value)
+    assert "names the [train] table" in message and "drop 'train.': --inner.lr=3e-4" in message
+    assert load_config(Staged, None, ["--inner.lr=3e-4"]).inner.lr == 3e-4
+
+
+def test_an_unknown_key_in_a_toml_file_names_the_file_and_the_line(tmp_path):
+    staged = tmp_path / "stages.toml"
+    staged.write_text('# a file of stage tables\n[train]\nname = "x"\n\n[train.inner]\nlr = 1e-3\nlrr = 2\n'
+                      '[eval.inner]\nlrr = 3\n')
+    plain = tmp_path / "plain.toml"
+    plain.write_text('steps = 3\n# a dotted key\n  inner.dtyp = "bf16"\n')
+    inline = tmp_path / "inline.toml"
+    inline.write_text('steps = 3\ninner = { lr = 1e-3, lrr = 2 }\n')
+    section_typo = tmp_path / "typo.toml"
+    section_typo.write_text('steps = 3\n\n[innr]\nlr = 1e-3\n')
+    cases = [(Staged, staged, f"Unknown config key 'lrr' in table [train.inner] of {staged}, line 7;"),
+             (Outer, plain, f"Unknown config key 'dtyp' in table [inner] of {plain}, line 3;"),
+             (Outer, inline, f"Unknown config key 'lrr' in table [inner] of {inline}, line 2;"),
+             (Outer, section_typo, f"Unknown config key 'innr' at the top level of {section_typo}, line 3;")]
+    for cls, path, start in cases:
+        with pytest.raises(ConfigError) as caught:
+            load_config(cls, path)
+        assert str(caught.value).startswith(start), str(caught.value)
+        assert "known keys there:" in str(caught.value)
+    ok = tmp_path / "ok.toml"  # a key from the command line is not blamed on the file
+    ok.write_text("steps = 3\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(Outer, ok, ["--inner.lrx=1"])
+    assert str(ok) not in str(caught.value) and "inner.lrx" in str(caught.value)

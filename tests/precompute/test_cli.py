@@ -36,6 +36,7 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
     s = Store.open(store)
     assert len(s.shards) == 24 and s.manifest.layer_ids == (1, 2, 3, 4, 5) and verify_store(s).bad == {}
     assert s.summary["skips"]["counts"] == {"too_few_response_tokens": 1}
+    _one_figure_one_value(out, store)
     cfg: TrainConfig = parse_train(["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store),
                                     "--out", str(tmp_path / "train"), f"--run.target={tiny_target}",
                                     "--optim.max_steps=2", "--log.progress=false", "--log.tensorboard=false"])
@@ -43,11 +44,33 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
     assert (Path(run_dir) / "drafter" / "model.safetensors").is_file()
 
 
-def test_dry_run_prints_the_plan_and_writes_no_store(tiny_target, tmp_path, capsys):
+def _one_figure_one_value(out: str, store: Path) -> None:
+    """The plan's sizes are the store's: the arrays (what a read returns) in the same figure in the plan
+    and in `dflash-store info`, which names its other size (files on disk, metadata included) apart;
+    binary units only; no compression ratio for codec none."""
+    import re
+
+    from dflash_common.store.cli import format_info
+    from dflash_common.store.verify import store_info
+
+    info_text = format_info(store_info(Store.open(store)))
+    planned = re.search(r"arrays before compression: ([\d.,]+ [KMG]iB)", out).group(1)
+    assert re.search(rf"arrays \(decoded\)\s+{re.escape(planned)}: 645 array bytes/token \+ 8 per sequence",
+                     info_text), (planned, info_text)
+    assert "645 array bytes/token (5 x 2 x 64 + 5 for id and mask) + 8 per sequence" in out
+    assert re.search(r"on disk\s+[\d.,]+ [KMG]iB \([\d,]+ B, [\d.,]+ bytes/token\), incl\. shard indexes", info_text)
+    assert re.search(r"shards written \([\d.,]+ [KMG]iB on disk\)", out)
+    assert "compression" not in info_text  # codec none
+    assert not re.search(r"\d (KB|MB|GB|TB)\b", out + info_text)
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tiny_target, tmp_path, capsys):
     main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run"))
     out = capsys.readouterr().out
-    assert "tokens after templating: 57,471" in out and "645 bytes/token" in out and "free space" in out
-    assert "done:" not in out and not (tmp_path / "store").exists()
+    assert "tokens after templating: 57,471" in out and "645 array bytes/token" in out and "free space" in out
+    assert "done:" not in out and sorted(tmp_path.iterdir()) == []  # no store, no token cache, no run record
+    main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run", "--run.tokenize_workers=1"))  # the pool too
+    assert "tokens after templating: 57,471" in capsys.readouterr().out and sorted(tmp_path.iterdir()) == []
     assert parse(["--config", TINY, "--dry-run"]).run.dry_run and parse(["--config", TINY, "--force"]).run.force
 
 
@@ -98,3 +121,26 @@ def test_help_lists_the_flags_and_every_field():
     assert shown.returncode == 0
     for key in ("--out", "--dry-run", "--force", "--run.samples_per_unit", "--store.dtype", "--run.queue_depth"):
         assert key in shown.stdout
+    usage = shown.stdout.split("\n\n")[0]  # argparse's `usage: dflash-precompute [...]` lines
+    assert usage.startswith("usage: dflash-precompute") and "[--dry-run]" in usage and "[--force]" in usage
+
+
+def test_no_progress_frames_when_stderr_is_not_a_terminal(tiny_target, tmp_path, capsys):
+    """CI, `| tee`, nohup: precompute, verify and train (their bars on) write lines, never bar frames."""
+    from dflash_common.store.cli import main as store_main
+    from train.cli import main as train_main
+
+    records = (ROOT / "data" / "tiny-train.jsonl").read_text().splitlines(keepends=True)[:16]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(records))
+    store = tmp_path / "store"
+    main(["--config", TINY, "--out", str(store), f"--target.path={tiny_target}",
+          f"--data.inputs={json.dumps([str(data)])}", "--run.progress=true"])
+    assert store_main(["verify", str(store)]) == 0
+    train_main(["--config", TINY, "--store", str(store), "--out", str(tmp_path / "train"),
+                f"--run.target={tiny_target}", "--optim.max_steps=3", "--log.progress=true", "--log.every_steps=1",
+                "--log.tensorboard=false", "--data.holdout_sequences=2"])
+    captured = capsys.readouterr()
+    for text in (captured.err, captured.out):
+        assert "\r" not in text and "sample/s" not in text and "step/s" not in text and "shard/s" not in text
+    assert "done: 16 samples" in captured.out and "OK" in captured.err and "done: 3 steps" in captured.err

@@ -8,6 +8,7 @@ import json
 import zlib
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -242,3 +243,25 @@ def test_bad_input_end_to_end_every_skip_counted_in_the_plan_and_the_stores_summ
 
     main(args + ["--out", str(tmp_path / "drop"), "--data.overlength=drop", "--dry-run"])
     assert ", too_long 1," in capsys.readouterr().out  # dropped instead of truncated, and counted
+
+
+def test_an_input_whose_every_record_is_skipped_is_refused_with_the_counts_and_no_store(tiny_target, tmp_path,
+                                                                                         capsys):
+    path = tmp_path / "bad.jsonl"
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    path.write_text('{"messages": [\n' + "\n" + json.dumps(short) + "\n" + json.dumps(short) + "\n[1, 2]\n")
+    store = tmp_path / "store"
+    for extra in ([], ["--dry-run"]):
+        with pytest.raises(SystemExit) as caught:
+            main(cli_args(tiny_target, [str(path)], store, "bf16", *extra))
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert "every one of the 5 input records" in err
+        assert "blank_line 1, malformed_json 1, not_an_object 1, too_few_response_tokens 2" in err
+        assert f"{path}:1: malformed_json; {path}:2: blank_line; {path}:3: too_few_response_tokens" in err
+        assert not store.exists()  # no empty store left behind
+
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit) as caught:
+        main(cli_args(tiny_target, [str(tmp_path / "empty.jsonl")], store, "bf16"))
+    assert caught.value.code == 2 and "hold no record" in capsys.readouterr().err and not store.exists()

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from dflash_common.dirlock import LOCK_FILE
 from dflash_common.store import Store
 from dflash_common.tiny import TinySpec, build_tiny_target
 from precompute import job
@@ -30,7 +31,7 @@ def made(tiny_target, tmp_path_factory):
 
 def _tree(path) -> dict[str, str]:
     return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(path.rglob("*")) if f.is_file()}
+            for f in sorted(path.rglob("*")) if f.is_file() and f.name != LOCK_FILE}  # the holder's pid
 
 
 def _refused(capsys, args, store) -> str:
@@ -81,3 +82,16 @@ def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(made, tiny_ta
         main(args)
         assert store_files(store) == store_files(made_store)
         assert Store.open(store).summary["runs"][-1]["units_written"] == 0
+
+
+def test_precompute_resumes_with_the_same_target_copied_under_another_name(tiny_target, tmp_path, capsys):
+    inputs = demo_inputs(tmp_path)[1:]
+    store = tmp_path / "store"
+    main(cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6))
+    before = store_files(store)
+    assert "target_head" in json.loads((store / "zarr.json").read_text())["attributes"]
+    renamed = shutil.copytree(tiny_target, tmp_path / "copies" / "my-target-copy")
+    capsys.readouterr()
+    main(cli_args(renamed, inputs, store, "bf16", samples_per_unit=6))  # refused before: target.name differed
+    assert "0 shards written" in capsys.readouterr().out
+    assert store_files(store) == before

@@ -162,7 +162,7 @@ def test_plan_counts_bytes_and_refuses_a_small_disk(tmp_path, monkeypatch):
     plan = P.make_plan(summaries, 8, **kw)
     per = 2 * 128 + 5
     assert plan.bytes_total == 4000 * per + (3 + 5) * 8 and plan.units == 2
-    assert plan.fits and "enough" in plan.format() and "261 bytes/token" in plan.format()
+    assert plan.fits and "enough" in plan.format() and "261 array bytes/token" in plan.format()
     resumed = P.make_plan(summaries, 8, committed={1}, **kw)
     assert resumed.bytes_to_write == 1000 * per + 3 * 8 and resumed.committed_units == 1
     monkeypatch.setattr(P, "free_space", lambda path: 100_000)

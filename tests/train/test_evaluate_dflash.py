@@ -87,7 +87,10 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
     assert out["spec_tokens_per_s"] > 0 and out["target_tokens_per_s"] > 0 and out["speedup"] > 0
     assert out["run"]["config"]["drafter"]["path"] == str(drafter_dir)
     assert (report.parent / "eval.run.toml").is_file()
-    assert "tau (acceptance length)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "tau (acceptance length)" in captured.out
+    assert "x (tokens/s speculative / target alone: same engine, batch 1" in captured.out  # says what it compares
+    assert "\r" not in captured.err and "prompt/s" not in captured.err  # stderr is no terminal: no bar frames
 
 
 def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):

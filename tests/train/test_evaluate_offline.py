@@ -58,3 +58,10 @@ def test_offline_without_a_store_is_one_sentence(tiny_target, drafter_dir, capsy
     with pytest.raises(SystemExit) as e:
         main(["--offline", "--drafter", str(drafter_dir), f"--target.path={tiny_target}"])
     assert e.value.code == 2 and "--offline needs a store" in capsys.readouterr().err
+
+
+def test_the_usage_line_shows_offline(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]  # argparse's `usage: dflash-eval [...]` lines
+    assert caught.value.code == 0 and usage.startswith("usage: dflash-eval") and "[--offline]" in usage

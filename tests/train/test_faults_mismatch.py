@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from dflash_common.dirlock import LOCK_FILE  # the holder's pid: rewritten by each run
 from dflash_common.drafter.export import save_drafter
 from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
 from dflash_common.store import StoreWriter
@@ -123,11 +124,11 @@ def test_a_checkpoint_of_another_drafter_is_refused_on_resume_and_as_init(tiny_s
     run = tmp_path / "run"
     train_main(train_args(tiny_store, tiny_target, run, "--optim.max_steps=2", "--drafter.depth=1"))
     capsys.readouterr()
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_FILE}
     line = _fails(capsys, train_args(tiny_store, tiny_target, run, "--optim.max_steps=4", "--drafter.depth=2"))
     assert f"cannot resume from {run / 'step-2'}: it holds another drafter (num_hidden_layers = 1 there vs 2 here" in line
     assert f"resume with the settings of {run / 'step-2' / 'run.toml'}, or start a new run directory (--out)" in line
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written, nothing lost
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_FILE} == before  # nothing written, nothing lost
     assert [s for s, _ in complete_checkpoints(run)] == [2]
 
     line = _fails(capsys, train_args(tiny_store, tiny_target, tmp_path / "init", "--drafter.depth=2",

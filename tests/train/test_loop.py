@@ -131,7 +131,7 @@ def test_two_drafters_of_other_shapes_from_one_store_which_stays_untouched(tiny_
 
 def test_user_errors_are_one_sentence(tiny_store, tiny_target, tmp_path, capsys):
     cases = [
-        (["--store", str(tmp_path / "nowhere")], "not a dflash store"),
+        (["--store", str(tmp_path / "nowhere")], "does not exist"),
         (["--drafter.layer_ids=[6]"], "layers"),
         (["--run.target=" + str(tmp_path)], "run.target"),
         (["--data.cache_gb=0.0001"], "data.cache_gb"),

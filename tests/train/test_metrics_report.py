@@ -11,7 +11,7 @@ from train.report import write_report
 def _train(step, loss=2.0):
     return {"kind": "train", "step": step, "epoch": 0, "loss": loss, "acc": 0.4, "acc_by_pos": [0.8, 0.5, 0.25],
             "tau": 2.1, "lr": 6e-4, "grad_norm": 0.7, "tok_s": 12345.0, "data_wait_ms": 1.5,
-            "cache_hit_rate": 0.97, "gpu_mem_gb": None}
+            "cache_hit_rate": 0.97, "gpu_mem_gib": None}
 
 
 def test_the_line_carries_every_field():

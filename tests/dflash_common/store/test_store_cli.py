@@ -38,6 +38,9 @@ def test_info_verify_and_exit_codes(tmp_path):
     assert text.returncode == 0
     for line in ("format version     1", "layer ids          1, 3, 5", "tokens             300"):
         assert line in text.stdout
+    assert "array bytes/token" in text.stdout and "incl. shard indexes" in text.stdout
+    assert "compression ratio  " in text.stdout and "codec zstd" in text.stdout  # shown for a real codec only
+    assert data["array_bytes_per_token"] == 3 * 68 + 5
 
     ok = _cli("verify", store)
     assert ok.returncode == 0 and ok.stdout == "" and "3 shard(s)" in ok.stderr and "OK" in ok.stderr
@@ -57,3 +60,21 @@ def test_a_path_that_is_not_a_store_is_one_line_and_exit_2(tmp_path):
         assert r.returncode == 2
         assert r.stderr.strip().count("\n") == 0 and "not a dflash store" in r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_a_store_that_does_not_exist_says_so(tmp_path):
+    r = _cli("info", tmp_path / "nowhere")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"error: store {tmp_path / 'nowhere'} does not exist; check the path, or run "
+                                f"dflash-precompute to write it.")
+
+
+def test_info_json_into_a_closed_pipe_ends_quietly(tmp_path):
+    store = tmp_path / "s"
+    write_units(store, manifest("bf16", "none"), [0, 1, 2], 100)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_common.store.cli", "info", "--json", str(store)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc.stdout.close()  # the reader went away before the first line, as `| head` does after its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err  # 128 + SIGPIPE; no BrokenPipeError traceback
