@@ -3,10 +3,11 @@ with the lossless check, tokens/s with and without the drafter, and the speedup.
 
     dflash-eval --config configs/eval-qwen3-8b.toml --drafter runs/x/export [--report eval.json]
 
-tau is measured as the DFlash reference does (BRIEF.md, "Measuring tau the reference way"): each
-draft-verify cycle counts accepted drafts + 1; the prefill's token is not counted; the last cycle counts
-even when cut by the length limit or a stop token; per prompt the mean over its cycles, then the mean
-over prompts (a prompt that stops at its first token has no cycle and no tau; it is counted apart).
+tau is measured as the DFlash authors' loop does (z-lab/dflash `dflash/model.py`, `spec_generate`; see
+TAU_DEFINITION, which the report carries): each draft-verify cycle drafts a whole block and counts
+accepted drafts + 1, uncut, even past the length limit or a stop token; the prefill's token is not
+counted; per prompt the mean over its cycles, then the mean over prompts. Beside it the pooled figure
+engines log, 1 + accepted / drafts over all cycles (`tau_pooled`).
 Throughput also follows the reference: time per output token is the decode time (after the prefill)
 over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio of the two.
 """
@@ -34,6 +35,13 @@ from train.spec_decode import (
 )
 
 log = logging.getLogger("dflash")
+
+TAU_DEFINITION = (
+    "tau: per prompt the mean over its draft-verify cycles of (accepted drafts + 1), then the mean over "
+    "prompts, counted as the DFlash authors' loop does (z-lab/dflash spec_generate: whole blocks while the "
+    "anchor is below the length limit, every cycle uncut, stop after the cycle that emits a stop token); "
+    "tau_pooled: 1 + accepted / drafts over all cycles of all prompts, as engines log it (vLLM)."
+)
 
 
 class LosslessError(RuntimeError):
@@ -260,6 +268,9 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
                   for r in results if r.first_mismatch is not None]
     return {
         "tau": _mean(taus),
+        # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs the same
+        "tau_pooled": _mean(lengths),
+        "tau_definition": TAU_DEFINITION,
         "block_size": s.block_size,
         "num_prompts": len(results),
         "num_prompts_without_cycles": len(results) - len(taus),
@@ -315,7 +326,8 @@ def format_report(report: dict) -> str:
                f"FAILED on {len(lossless['mismatches'])} prompt(s)")
     lines = [
         f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}",
-        f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}",
+        f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}  (per prompt, then over prompts)",
+        f"  {'tau, pooled over cycles':<28}{_fmt(report.get('tau_pooled'), '.3f')}  (1 + accepted / drafts)",
         f"  {'draft-verify cycles':<28}{report['num_cycles']}",
         f"  {'new tokens':<28}{report['new_tokens']}",
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",
