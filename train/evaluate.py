@@ -324,8 +324,9 @@ def format_report(report: dict) -> str:
     verdict = ("not checked" if not lossless["checked"] else
                "ok (identical to the target's greedy output)" if lossless["ok"] else
                f"FAILED on {len(lossless['mismatches'])} prompt(s)")
+    engine = f", through {report['engine']}" if report.get("engine") else ""
     lines = [
-        f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}",
+        f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}{engine}",
         f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}  (per prompt, then over prompts)",
         f"  {'tau, pooled over cycles':<28}{_fmt(report.get('tau_pooled'), '.3f')}  (1 + accepted / drafts)",
         f"  {'draft-verify cycles':<28}{report['num_cycles']}",
@@ -446,6 +447,8 @@ def write_report(report: dict, path: str, cfg: EvalConfig) -> None:
 def run(cfg: EvalConfig) -> dict:
     """Load the target and the drafter, decode every prompt, write and print the report; a failed
     lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
+    if cfg.target.engine == "vllm":
+        return finish(run_vllm(cfg), cfg)
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     # the drafter first: one that does not fit is refused before a large target is loaded
@@ -458,6 +461,11 @@ def run(cfg: EvalConfig) -> dict:
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
              cfg.generation.block_size or proposer.block_size)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
+    return finish(report, cfg)
+
+
+def finish(report: dict, cfg: EvalConfig) -> dict:
+    """Write and print the report; raise `LosslessError` on a failed check (`check.lossless = 'error'`)."""
     report["drafter"] = cfg.drafter.path
     report["target"] = cfg.target.path
     if cfg.report.path:
@@ -470,6 +478,54 @@ def run(cfg: EvalConfig) -> dict:
     if message:
         log.warning("%s", message)
     return report
+
+
+# ---------------------------------------------------------------- through vLLM
+
+
+def run_vllm(cfg: EvalConfig) -> dict:
+    """The report measured through vLLM (train/vllm_engine.py): the exported drafter served with its
+    target, and the target served alone for the lossless check and the baseline."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from dflash_common.drafter.export import resolve_drafter_dir
+    from train import vllm_engine
+
+    if not vllm_engine.vllm_available():
+        raise UserError("--engine vllm needs vLLM importable here; run it from .venv-vllm (make serve-check "
+                        "builds it) or use --engine transformers.")
+    if cfg.generation.temperature != 0 or cfg.target.dtype != "float32":
+        raise UserError("--engine vllm measures greedy float32 decoding; set generation.temperature = 0 and "
+                        "target.dtype = 'float32'.")
+    tokenizer = load_tokenizer(cfg.target.path)
+    prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
+    if any(p.ids is None for p in prompts):
+        raise UserError("--engine vllm takes single-turn prompts; drop the 'turns' lines or use --engine transformers.")
+    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), torch.device("cpu"),
+                          torch.float32)  # refused here, in one sentence, unless made for this target
+    block = cfg.generation.block_size or drafter.cfg.block_size
+    try:
+        generation = GenerationConfig.from_pretrained(cfg.target.path)
+    except OSError:
+        generation = None
+    stops = [] if cfg.generation.ignore_eos else sorted(stop_token_ids(SimpleNamespace(generation_config=generation),
+                                                                       tokenizer))
+    request = {"target": str(Path(cfg.target.path).resolve()), "prompts": [p.ids for p in prompts],
+               "max_new_tokens": cfg.generation.max_new_tokens, "stop_ids": stops,
+               "max_model_len": max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block}
+    workdir = Path(cfg.report.path).parent if cfg.report.path else Path(tempfile.mkdtemp(prefix="dflash-eval-"))
+    try:
+        base = vllm_engine.run_engine(request, workdir, "vllm-target") if cfg.check.baseline else None
+        spec = vllm_engine.run_engine({**request, "drafter": str(resolve_drafter_dir(cfg.drafter.path).resolve()),
+                                       "num_speculative_tokens": block - 1}, workdir, "vllm-spec")
+    except RuntimeError as e:
+        raise UserError(str(e)) from e
+    report = vllm_engine.summarize_engine(spec, base, block, [p.name for p in prompts], [len(p.ids) for p in prompts])
+    report["lossless"]["checked"] = report["lossless"]["checked"] and cfg.check.lossless != "off"
+    return {**report, "tau_definition": TAU_DEFINITION, "dtype": "float32", "device": "cpu (vLLM)"}
 
 
 # ---------------------------------------------------------------- offline estimate
@@ -554,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     offline = "--offline" in argv  # a plain switch; the config parser takes --key=value only
     argv = [a for a in argv if a != "--offline"]
     cfg, _ = parse_args(EvalConfig, argv, prog="dflash-eval", description=DESCRIPTION,
-                        shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store"})
+                        shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store",
+                                   "engine": "target.engine"})
     setup_logging()
     if offline:
         run_offline(cfg)
