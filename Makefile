@@ -45,7 +45,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	touch $(VLLM_STAMP)
 
 serve-check: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider tests/test_serving_vllm.py
+	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider --timeout=2400 tests/test_serving_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) demo .pytest_cache
