@@ -27,6 +27,11 @@ class TargetSection:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = option(
         "sdpa", "Attention implementation of the target (transformers `attn_implementation`)."
     )
+    engine: Literal["transformers", "vllm"] = option(
+        "transformers",
+        "Who decodes: 'transformers' (our own loop, one prompt at a time) or 'vllm' (the exported drafter "
+        "served by vLLM, greedy, float32, one prompt at a time; vLLM must be installed, e.g. .venv-vllm).",
+    )
 
 
 @dataclass(frozen=True)

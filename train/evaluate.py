@@ -3,10 +3,11 @@ with the lossless check, tokens/s with and without the drafter, and the speedup.
 
     dflash-eval --config configs/eval-qwen3-8b.toml --drafter runs/x/export [--report eval.json]
 
-tau is measured as the DFlash reference does (BRIEF.md, "Measuring tau the reference way"): each
-draft-verify cycle counts accepted drafts + 1; the prefill's token is not counted; the last cycle counts
-even when cut by the length limit or a stop token; per prompt the mean over its cycles, then the mean
-over prompts (a prompt that stops at its first token has no cycle and no tau; it is counted apart).
+tau is measured as the DFlash authors' loop does (z-lab/dflash `dflash/model.py`, `spec_generate`; see
+TAU_DEFINITION, which the report carries): each draft-verify cycle drafts a whole block and counts
+accepted drafts + 1, uncut, even past the length limit or a stop token; the prefill's token is not
+counted; per prompt the mean over its cycles, then the mean over prompts. Beside it the pooled figure
+engines log, 1 + accepted / drafts over all cycles (`tau_pooled`).
 Throughput also follows the reference: time per output token is the decode time (after the prefill)
 over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio of the two.
 """
@@ -35,6 +36,13 @@ from train.spec_decode import (
 )
 
 log = logging.getLogger("dflash")
+
+TAU_DEFINITION = (
+    "tau: per prompt the mean over its draft-verify cycles of (accepted drafts + 1), then the mean over "
+    "prompts, counted as the DFlash authors' loop does (z-lab/dflash spec_generate: whole blocks while the "
+    "anchor is below the length limit, every cycle uncut, stop after the cycle that emits a stop token); "
+    "tau_pooled: 1 + accepted / drafts over all cycles of all prompts, as engines log it (vLLM)."
+)
 
 
 class LosslessError(RuntimeError):
@@ -259,6 +267,9 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
                   for r in results if r.first_mismatch is not None]
     return {
         "tau": _mean(taus),
+        # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs the same
+        "tau_pooled": _mean(lengths),
+        "tau_definition": TAU_DEFINITION,
         "block_size": s.block_size,
         "num_prompts": len(results),
         "num_prompts_without_cycles": len(results) - len(taus),
@@ -312,9 +323,11 @@ def format_report(report: dict) -> str:
     verdict = ("not checked" if not lossless["checked"] else
                "ok (identical to the target's greedy output)" if lossless["ok"] else
                f"FAILED on {len(lossless['mismatches'])} prompt(s)")
+    engine = f", through {report['engine']}" if report.get("engine") else ""
     lines = [
-        f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}",
-        f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}",
+        f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}{engine}",
+        f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}  (per prompt, then over prompts)",
+        f"  {'tau, pooled over cycles':<28}{_fmt(report.get('tau_pooled'), '.3f')}  (1 + accepted / drafts)",
         f"  {'draft-verify cycles':<28}{report['num_cycles']}",
         f"  {'new tokens':<28}{report['new_tokens']}",
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",
@@ -435,6 +448,8 @@ def write_report(report: dict, path: str, cfg: EvalConfig) -> None:
 def run(cfg: EvalConfig) -> dict:
     """Load the target and the drafter, decode every prompt, write and print the report; a failed
     lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
+    if cfg.target.engine == "vllm":
+        return finish(run_vllm(cfg), cfg)
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     # the drafter first: one that does not fit is refused before a large target is loaded
@@ -447,6 +462,11 @@ def run(cfg: EvalConfig) -> dict:
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
              cfg.generation.block_size or proposer.block_size)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
+    return finish(report, cfg)
+
+
+def finish(report: dict, cfg: EvalConfig) -> dict:
+    """Write and print the report; raise `LosslessError` on a failed check (`check.lossless = 'error'`)."""
     report["drafter"] = cfg.drafter.path
     report["target"] = cfg.target.path
     if cfg.report.path:
@@ -459,6 +479,54 @@ def run(cfg: EvalConfig) -> dict:
     if message:
         log.warning("%s", message)
     return report
+
+
+# ---------------------------------------------------------------- through vLLM
+
+
+def run_vllm(cfg: EvalConfig) -> dict:
+    """The report measured through vLLM (train/vllm_engine.py): the exported drafter served with its
+    target, and the target served alone for the lossless check and the baseline."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from dflash_common.drafter.export import resolve_drafter_dir
+    from train import vllm_engine
+
+    if not vllm_engine.vllm_available():
+        raise UserError("--engine vllm needs vLLM importable here; run it from .venv-vllm (make serve-check "
+                        "builds it) or use --engine transformers.")
+    if cfg.generation.temperature != 0 or cfg.target.dtype != "float32":
+        raise UserError("--engine vllm measures greedy float32 decoding; set generation.temperature = 0 and "
+                        "target.dtype = 'float32'.")
+    tokenizer = load_tokenizer(cfg.target.path)
+    prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
+    if any(p.ids is None for p in prompts):
+        raise UserError("--engine vllm takes single-turn prompts; drop the 'turns' lines or use --engine transformers.")
+    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), torch.device("cpu"),
+                          torch.float32)  # refused here, in one sentence, unless made for this target
+    block = cfg.generation.block_size or drafter.cfg.block_size
+    try:
+        generation = GenerationConfig.from_pretrained(cfg.target.path)
+    except OSError:
+        generation = None
+    stops = [] if cfg.generation.ignore_eos else sorted(stop_token_ids(SimpleNamespace(generation_config=generation),
+                                                                       tokenizer))
+    request = {"target": str(Path(cfg.target.path).resolve()), "prompts": [p.ids for p in prompts],
+               "max_new_tokens": cfg.generation.max_new_tokens, "stop_ids": stops,
+               "max_model_len": max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block}
+    workdir = Path(cfg.report.path).parent if cfg.report.path else Path(tempfile.mkdtemp(prefix="dflash-eval-"))
+    try:
+        base = vllm_engine.run_engine(request, workdir, "vllm-target") if cfg.check.baseline else None
+        spec = vllm_engine.run_engine({**request, "drafter": str(resolve_drafter_dir(cfg.drafter.path).resolve()),
+                                       "num_speculative_tokens": block - 1}, workdir, "vllm-spec")
+    except RuntimeError as e:
+        raise UserError(str(e)) from e
+    report = vllm_engine.summarize_engine(spec, base, block, [p.name for p in prompts], [len(p.ids) for p in prompts])
+    report["lossless"]["checked"] = report["lossless"]["checked"] and cfg.check.lossless != "off"
+    return {**report, "tau_definition": TAU_DEFINITION, "dtype": "float32", "device": "cpu (vLLM)"}
 
 
 # ---------------------------------------------------------------- offline estimate
@@ -553,7 +621,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     cfg, args = parse_args(EvalConfig, sys.argv[1:] if argv is None else argv, prog="dflash-eval",
                            description=DESCRIPTION,
-                           shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store"},
+                           shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store",
+                                      "engine": "target.engine"},
                            switches={"offline": (None, ("estimate tau from a store's held-out sequences (--store); "
                                                         "the target does not run"))})
     setup_logging()

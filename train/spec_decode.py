@@ -8,9 +8,12 @@ keys/values are not yet in the target's cache):
     accepted, next = accept(drafts, logits)                             # longest agreeing prefix + 1 token
     commit drafts[:accepted] + [next]; crop the cache to start+accepted+1; next becomes the anchor
 
-The counting follows the DFlash reference (`dflash_generate`): each cycle records accepted + 1 (the
-target's own token); the prefill's token is not a cycle; the last cycle is recorded even when the
-length limit or a stop token cuts it. A drafter only ever sees *committed* context (features of the
+The loop and its counting are the DFlash authors' (z-lab/dflash `dflash/model.py`, `spec_generate`):
+every cycle drafts a whole block and records accepted + 1 (the target's own token) uncut; the loop
+runs while the anchor's position is below the length limit (`while start < max_length`), so its last
+cycle may emit only tokens past the limit, and stops after the first cycle whose output holds a stop
+token (a prefill token that is one still gets its cycle); the output is then cut at the limit and
+after the first stop token. The prefill's token is not a cycle. A drafter only ever sees *committed* context (features of the
 anchor and the accepted drafts of the previous cycle), so it never has to roll back: it keeps the
 context keys/values it has seen and forgets its block's own after each proposal.
 
@@ -228,23 +231,24 @@ def speculative_generate(
     drafter.begin(prompt_ids)
     t1 = target.clock()
     lengths: list[int] = []
-    stopped = ids[start] in stop_ids
-    while start + 1 < max_len and not stopped:
-        num_drafts = min(block_size, max_len - start) - 1  # >= 1; the last block may be shorter
+    stopped = False  # the authors' loop checks for stop tokens after a cycle only
+    while start < max_len and not stopped:
+        num_drafts = block_size - 1  # always a whole block, as the authors' loop
         drafts = drafter.propose(context, ids[start], start, num_drafts)
         drafts = torch.as_tensor(drafts, dtype=torch.long).to(target.device).reshape(num_drafts)
         block = torch.cat([drafts.new_tensor([ids[start]]), drafts])  # [1 + num_drafts]
         logits, feats = target.forward(block, start, cache, features=True)  # [n+1, V], [n+1, K*H]
         accepted, next_token = accept(drafts, logits, sampling, generator)
         new = drafts[:accepted].tolist() + [next_token]
-        new, stopped = _cut_at_stop(new[: max_len - start - 1], stop_ids)  # past max_len: dropped
+        stopped = any(t in stop_ids for t in [ids[start], *new])  # the prefill's token counts too
         ids.extend(new)
         target.crop(cache, start + len(new))  # the anchor and accepted drafts stay; next is the anchor
         context = feats[: len(new)]  # features at start .. start+len(new)-1
         start += len(new)
-        lengths.append(len(new))
+        lengths.append(len(new))  # uncut: drafts accepted past a stop token or the limit count
     t2 = target.clock()
-    return Decoded(ids[len(prompt_ids):], lengths, t1 - t0, t2 - t1)
+    tokens, _ = _cut_at_stop(ids[len(prompt_ids):max_len], stop_ids)
+    return Decoded(tokens, lengths, t1 - t0, t2 - t1)
 
 
 @torch.inference_mode()

@@ -215,11 +215,19 @@ def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.b
            overwrite: bool = False) -> Path:
     """Write the drafter behind `source` to `out_dir` in the released layout."""
     check_not_source(Path(source), Path(out_dir))
+    from dflash_common.drafter import serving
+
     drafter, cfg = load_drafter(source)
+    # refused before anything is written: a loader would serve it otherwise than it trained
+    warnings = serving.refuse_unservable(cfg, cfg.to_config_json(_DTYPE_NAMES[dtype]), str(source))
     save_drafter(drafter, out_dir, dtype, overwrite=overwrite)
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info("exported %s -> %s (%d layers, %.1fM parameters, %s)", resolve_drafter_dir(source), out_dir,
              cfg.num_hidden_layers, n_params / 1e6, _DTYPE_NAMES[dtype])
+    for finding in warnings:
+        log.warning("%s", finding)
+    for engine, command in serving.serve_commands(cfg, str(Path(out_dir).resolve())).items():
+        log.info("serve with %s: %s", engine, command)
     return Path(out_dir)
 
 

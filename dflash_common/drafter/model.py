@@ -14,8 +14,10 @@ anchor..anchor+B-1, rotated with the target's RoPE (theta and scaling from its c
 Two forwards share the layers:
 - `forward` (training) runs many blocks of many packed sequences at once under a sparse mask built
   from the anchors: a block's queries see the context of their own sequence strictly before the
-  anchor, their own block (bidirectionally) and nothing else; sliding layers also cap how far back
-  they see (`q_pos - k_pos < sliding_window`). It uses `flex_attention` with a BlockMask whose
+  anchor, their own block and nothing else. Inside the block a `full_attention` layer is
+  bidirectional and a `sliding_attention` layer is causal (k_pos <= q_pos), with its keys capped
+  by the window (`q_pos - k_pos < sliding_window`): the rule vLLM (`_dflash_layer_causal`), SGLang
+  (sliding layers are DECODER attention) and the DFlash authors serve such layers by. It uses `flex_attention` with a BlockMask whose
   tile tables are computed from the intervals each query row sees (never a dense [Q, KV] mask),
   eager on the CPU and compiled on the GPU.
 - `draft` (speculative decoding) keeps each layer's context keys/values in a `DraftCache`, appends
@@ -78,6 +80,9 @@ class DrafterConfig:
     tie_word_embeddings: bool = False  # the target's; informational for loaders
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Sliding layers see their own block causally, as vLLM and SGLang serve them. False only reads
+    # old checkpoints that trained them bidirectionally; SGLang cannot serve those (export refuses).
+    sliding_causal: bool = True
 
     def __post_init__(self):
         for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable
@@ -126,6 +131,18 @@ class DrafterConfig:
     def window(self, layer: int) -> int | None:
         """The sliding window of draft layer `layer`, None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def causal(self, layer: int) -> bool:
+        """Whether draft layer `layer` sees its own block causally (sliding layers), else bidirectionally."""
+        return self.sliding_causal and self.layer_types[layer] == "sliding_attention"
+
+    def layer_mode(self, layer: int) -> tuple[int | None, bool]:
+        """(sliding window or None, causal inside the block) of draft layer `layer`."""
+        return self.window(layer), self.causal(layer)
+
+    def layer_causality(self) -> tuple[bool, ...]:
+        """Per draft layer, the causality it trains and drafts with (what a loader must read back)."""
+        return tuple(self.causal(i) for i in range(self.num_hidden_layers))
 
     # -- construction from a target ------------------------------------------------------------
 
@@ -186,10 +203,12 @@ class DrafterConfig:
         rope_parameters.pop("type", None)
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         sliding = "sliding_attention" in self.layer_types
-        if sliding:
-            # sliding layers see their own block bidirectionally, as they train; vLLM
-            # (dflash_config.causal) and z-lab's loader (top-level is_causal) default them to causal
-            dflash["causal"] = False
+        causal = set(self.layer_causality())
+        if len(causal) == 1:
+            # one causality for every layer: said where vLLM reads it first (top-level is_causal, then
+            # dflash_config.causal); a mixed drafter writes neither, both override every layer, and
+            # relies on the layer_types rule of vLLM and SGLang (sliding causal, full bidirectional)
+            dflash["causal"] = causal.pop()
         config = {
             "architectures": [ARCHITECTURE],
             "model_type": "qwen3",
@@ -227,7 +246,7 @@ class DrafterConfig:
             "vocab_size": self.vocab_size,
             "transformers_version": transformers_version,
         }
-        return config | ({"is_causal": False} if sliding else {})
+        return config | ({"is_causal": dflash["causal"]} if "causal" in dflash else {})
 
     @classmethod
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
@@ -244,10 +263,9 @@ class DrafterConfig:
                             ("mask_token_id", dflash_value("mask_token_id")),
                             ("num_target_layers", data.get("num_target_layers"))):
             check(value is not None, f"config.json has no {name}; add it (see the released checkpoint format).")
-        check(not dflash.get("causal") and not data.get("is_causal"),
-              "config.json asks for causal attention inside the block; DFlash blocks here are bidirectional.")
         depth = int(data["num_hidden_layers"])
         sliding = "sliding_attention" in (data.get("layer_types") or [])
+        sliding_causal = _sliding_causal_from_config(data, sliding)
         theta, scaling = rope_from_config_dict(data)
         heads = int(data["num_attention_heads"])
         return cls(
@@ -272,6 +290,7 @@ class DrafterConfig:
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=_as_id_or_ids(data.get("eos_token_id")),
+            sliding_causal=sliding_causal,
         )
 
     def to_hf_config(self):
@@ -298,6 +317,20 @@ def _target_text_config(target_config: Any) -> dict[str, Any]:
     data = target_config if isinstance(target_config, Mapping) else target_config.to_dict()
     # multimodal targets keep the language model's fields under text_config
     return dict(data.get("text_config") or data) if "hidden_size" not in data else dict(data)
+
+
+def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:
+    """The block causality a config.json asks of its sliding layers: an explicit top-level `is_causal`
+    or `dflash_config.causal` (vLLM's order), else causal (the engines' layer_types rule). Full layers
+    are bidirectional here; a config that asks them to be causal is refused."""
+    explicit = data.get("is_causal")
+    if explicit is None:
+        explicit = (data.get("dflash_config") or {}).get("causal")
+    full = "full_attention" in (data.get("layer_types") or ["full_attention"])
+    check(not (explicit and full),
+          "config.json asks for causal full_attention layers (is_causal / dflash_config.causal = true); "
+          "full layers here are bidirectional inside the block, as the engines serve them.")
+    return True if explicit is None or not sliding else bool(explicit)
 
 
 def _as_id_or_ids(value: Any) -> int | tuple[int, ...] | None:
@@ -381,8 +414,10 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-# attend(q [R, nh, D], k [KV, nkv, D], v [KV, nkv, D], window) -> [R, nh, D]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int | None], torch.Tensor]
+# A draft layer's attention rule: (sliding window or None, causal inside the block).
+LayerMode = tuple[int | None, bool]
+# attend(q [R, nh, D], k [KV, nkv, D], v [KV, nkv, D], mode) -> [R, nh, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LayerMode], torch.Tensor]
 
 
 class DraftAttention(nn.Module):
@@ -403,13 +438,13 @@ class DraftAttention(nn.Module):
         v = self.v_proj(ctx).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return apply_rope(k, rope), v
 
-    def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, window: int | None) -> torch.Tensor:
+    def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode) -> torch.Tensor:
         """x [R, H] block tokens; ctx_k/ctx_v [T, nkv, D] go *before* the block's own keys/values."""
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))  # [R, nh, D]
         k, v = self.context_kv(x, rope)  # the block's own keys/values [R, nkv, D]
         q = apply_rope(q, rope)
         dtype = v.dtype  # norms in float32 can promote q/k under autocast; attention wants one dtype
-        out = attend(q.to(dtype), torch.cat([ctx_k.to(dtype), k.to(dtype)]), torch.cat([ctx_v.to(dtype), v]), window)
+        out = attend(q.to(dtype), torch.cat([ctx_k.to(dtype), k.to(dtype)]), torch.cat([ctx_v.to(dtype), v]), mode)
         return self.o_proj(out.flatten(-2))  # [R, nh*D] -> [R, H]
 
 
@@ -423,8 +458,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, window: int | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, rope, attend, window)
+    def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, rope, attend, mode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -533,19 +568,20 @@ class DFlashDrafter(nn.Module):
         caller drafting many rounds of blocks over one batch (train/path_tau.py) computes them once."""
         ctx = self.fuse_context(context)  # [T, K*H] -> [T, H]
         rope_ctx = self.rotary(positions)
-        return [layer.self_attn.context_kv(ctx, rope_ctx) for layer in self.layers]
+        return [layer.self_attn.context_kv(ctx, rope_ctx) for layer in self.layers]  # 2 x [T, nkv, D] each
 
     def blocks(self, context_kv: list[tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor,
                layout: "BlockLayout") -> torch.Tensor:
         """The blocks of `layout` (its block size may differ from the config's) over the context
-        keys/values of `context_kv` -> block hidden states [A, B, H]."""
+        keys/values of `context_kv` -> block hidden states [A, B, H]. Each layer attends by its mode
+        (window, causal inside the block: DrafterConfig.layer_mode)."""
         b, a = layout.block_size, layout.anchors.shape[0]
         x = self.embed(self._block_ids(input_ids[layout.anchors], b)).flatten(0, 1)  # [A, B] -> [A*B, H]
         rope_blk = self.rotary(layout.block_positions().flatten())
-        windows = [self.cfg.window(i) for i in range(len(self.layers))]
-        attend = _flex_attend({w: layout.block_mask(w) for w in set(windows)}, self.cfg.head_dim)
-        for layer, window, (ctx_k, ctx_v) in zip(self.layers, windows, context_kv):
-            x = layer(x, ctx_k, ctx_v, rope_blk, attend, window)
+        modes = [self.cfg.layer_mode(i) for i in range(len(self.layers))]
+        attend = _flex_attend({m: layout.block_mask(*m) for m in set(modes)}, self.cfg.head_dim)
+        for layer, mode, (ctx_k, ctx_v) in zip(self.layers, modes, context_kv):
+            x = layer(x, ctx_k, ctx_v, rope_blk, attend, mode)
         return self.norm(x).unflatten(0, (a, b))  # [A*B, H] -> [A, B, H]
 
     # -- speculative decoding ------------------------------------------------------------------
@@ -575,7 +611,7 @@ class DFlashDrafter(nn.Module):
             k_new, v_new = layer.self_attn.context_kv(ctx, rope_ctx)  # [n, nkv, D] each
             cache.keys[i] = torch.cat([cache.keys[i], k_new])
             cache.values[i] = torch.cat([cache.values[i], v_new])
-            x = layer(x, cache.keys[i], cache.values[i], rope_blk, attend, self.cfg.window(i))
+            x = layer(x, cache.keys[i], cache.values[i], rope_blk, attend, self.cfg.layer_mode(i))
         return self.norm(x)
 
     @torch.no_grad()
@@ -618,9 +654,10 @@ class BlockLayout:
         offsets = torch.arange(self.block_size, device=self.anchors.device)
         return self.positions[self.anchors][:, None] + offsets
 
-    def mask_mod(self, window: int | None):
-        """flex_attention mask_mod: context of the same sequence strictly before the anchor, the
-        own block bidirectionally; with a window, also q_pos - k_pos < window (both directions)."""
+    def mask_mod(self, window: int | None, causal: bool = False):
+        """flex_attention mask_mod: context of the same sequence strictly before the anchor and the
+        own block, bidirectionally or (`causal`) up to the query; with a window, q_pos - k_pos < window
+        (and k_pos - q_pos < window when bidirectional)."""
         anchors, starts, b = self.anchors, self.starts, self.block_size
         # first key column of each block's own keys, as a tensor: a compiled kernel then does not
         # specialise on the batch's token count
@@ -634,12 +671,14 @@ class BlockLayout:
             in_block = (rel >= 0) & (rel < b)
             if window is not None:
                 in_ctx = in_ctx & (anchor + k - kv < window)
-                in_block = in_block & ((rel - k).abs() < window)
+                in_block = in_block & (k - rel < window) & (causal or rel - k < window)
+            if causal:
+                in_block = in_block & (rel <= k)  # a sliding layer's block: the query and what precedes it
             return in_ctx | in_block
 
         return visible
 
-    def row_intervals(self, window: int | None) -> tuple[torch.Tensor, ...]:
+    def row_intervals(self, window: int | None, causal: bool = False) -> tuple[torch.Tensor, ...]:
         """Per query row, the key columns it sees as two half-open intervals (context, block):
         (ctx_lo, ctx_hi, blk_lo, blk_hi), each [A*B]; the same set as `mask_mod`."""
         b = self.block_size
@@ -652,17 +691,19 @@ class BlockLayout:
             ctx_lo = torch.maximum(ctx_lo, anchor + k - window + 1)
             blk_lo = block0 + (k - window + 1).clamp(min=0)
             blk_hi = block0 + (k + window).clamp(max=b)
+        if causal:
+            blk_hi = torch.minimum(blk_hi, block0 + k + 1)
         return tuple(x.flatten() for x in (ctx_lo, ctx_hi, blk_lo, blk_hi))
 
-    def block_mask(self, window: int | None, tile: int = FLEX_TILE) -> BlockMask:
+    def block_mask(self, window: int | None, causal: bool = False, tile: int = FLEX_TILE) -> BlockMask:
         """The sparse BlockMask, its tile tables computed from `row_intervals` in chunks of rows
         (no dense [Q, KV] mask is ever built)."""
         q_len = self.anchors.shape[0] * self.block_size
         kv_len = self.total + q_len
-        partial, full = _tile_tables(self.row_intervals(window), q_len, kv_len, tile)
+        partial, full = _tile_tables(self.row_intervals(window, causal), q_len, kv_len, tile)
         return BlockMask.from_kv_blocks(
             *_tables_to_indices(partial), *_tables_to_indices(full),
-            BLOCK_SIZE=tile, mask_mod=self.mask_mod(window), seq_lengths=(q_len, kv_len),
+            BLOCK_SIZE=tile, mask_mod=self.mask_mod(window, causal), seq_lengths=(q_len, kv_len),
         )
 
 
@@ -721,11 +762,11 @@ def _flex_fn(device: torch.device) -> Callable:
     return _compiled_flex
 
 
-def _flex_attend(masks: dict[int | None, BlockMask], head_dim: int) -> Attend:
-    def attend(q, k, v, window):
+def _flex_attend(masks: dict[LayerMode, BlockMask], head_dim: int) -> Attend:
+    def attend(q, k, v, mode):
         # [R, heads, D] -> [1, heads, R, D]
         q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-        gqa, scale, mask = q.shape[1] != k.shape[1], head_dim**-0.5, masks[window]
+        gqa, scale, mask = q.shape[1] != k.shape[1], head_dim**-0.5, masks[mode]
         if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             # flex_attention has no CPU backward: the same mask_mod, densified, through SDPA (tests only)
             dense = create_mask(mask.mask_mod, None, None, q.shape[2], k.shape[2], q.device)
@@ -741,14 +782,18 @@ def _flex_attend(masks: dict[int | None, BlockMask], head_dim: int) -> Attend:
 
 def _dense_attend(context_len: int, block_len: int, head_dim: int) -> Attend:
     """Attention of one drafted block over [context (context_len), block (block_len)] keys: the
-    whole context and block for full layers; within the window for sliding layers."""
+    whole context and block for full layers; for sliding layers, causally within the window."""
 
-    def attend(q, k, v, window):
-        mask = None
-        if window is not None:
+    def attend(q, k, v, mode):
+        (window, causal), mask = mode, None
+        if window is not None or causal:
             q_pos = context_len + torch.arange(block_len, device=q.device)[:, None]
             k_pos = torch.arange(context_len + block_len, device=q.device)[None, :]
-            mask = (q_pos - k_pos < window) & (k_pos - q_pos < window)  # [b, L+b]
+            mask = torch.ones(block_len, context_len + block_len, dtype=torch.bool, device=q.device)  # [b, L+b]
+            if window is not None:
+                mask = (q_pos - k_pos < window) & (causal | (k_pos - q_pos < window))
+            if causal:
+                mask = mask & (k_pos <= q_pos)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=mask, scale=head_dim**-0.5, enable_gqa=q.shape[1] != k.shape[1],

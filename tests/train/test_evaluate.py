@@ -84,19 +84,23 @@ class OracleDrafter:
         return torch.tensor(out)
 
 
-def greedy_continuations(runner, prompts, n, stop_ids=frozenset()):
-    return {tuple(p): target_generate(runner, p, max_new_tokens=n, stop_ids=stop_ids).tokens for p in prompts}
+def greedy_continuations(runner, prompts, n, stop_ids=frozenset(), beyond: int = 16):
+    """The target's greedy continuations, `beyond` tokens longer than decoded: the authors' loop drafts
+    whole blocks past the length limit, and an oracle knows those tokens too."""
+    return {tuple(p): target_generate(runner, p, max_new_tokens=n + beyond, stop_ids=stop_ids).tokens
+            for p in prompts}
 
 
 def expected_lengths(prompt_len: int, max_new: int, block: int, corrupt: Callable[[int], bool]) -> list[int]:
-    """Acceptance lengths implied by the corrupted positions alone (no stop tokens)."""
+    """Acceptance lengths implied by the corrupted positions alone (no stop tokens), by the DFlash
+    authors' loop (z-lab/dflash `spec_generate`): whole blocks while the anchor is below the limit,
+    each cycle counted uncut."""
     lengths, start, max_len = [], prompt_len, prompt_len + max_new
-    while start + 1 < max_len:
-        drafts = range(start + 1, start + min(block, max_len - start))
+    while start < max_len:
+        drafts = range(start + 1, start + block)
         accepted = next((k for k, pos in enumerate(drafts) if corrupt(pos)), len(drafts))
-        produced = min(accepted + 1, max_len - start - 1)
-        lengths.append(produced)
-        start += produced
+        lengths.append(accepted + 1)
+        start += accepted + 1
     return lengths
 
 
@@ -112,12 +116,12 @@ def test_target_alone_matches_hf_generate(tiny, runner, prompts):
 @pytest.mark.parametrize("block", [4, 7])
 def test_oracle_drafter_gets_tau_equal_block_size(tiny, runner, prompts, block):
     m = 4
-    max_new = 1 + m * block  # the prefill's token, then m whole cycles
+    max_new = m * block  # the prefill's token, then m whole cycles, the last one past the limit by 1
     oracle = OracleDrafter(greedy_continuations(runner, prompts, max_new), block, tiny[0].config.vocab_size)
     for p in prompts:
         out = speculative_generate(runner, oracle, p, block_size=block, max_new_tokens=max_new)
         assert out.acceptance_lengths == [block] * m
-        assert out.tokens == oracle.continuations[tuple(p)]
+        assert out.tokens == oracle.continuations[tuple(p)][:max_new]
 
 
 def test_context_features_are_the_layer_outputs_at_committed_positions(tiny, runner, prompts):
@@ -142,8 +146,8 @@ def test_always_wrong_drafter_gets_tau_one_and_stays_lossless(tiny, runner, prom
                           layer_ids=[], corrupt=lambda pos: True)
     for p in prompts:
         out = speculative_generate(runner, wrong, p, block_size=block, max_new_tokens=max_new)
-        assert out.acceptance_lengths == [1] * (max_new - 1)
-        assert out.tokens == wrong.continuations[tuple(p)]
+        assert out.acceptance_lengths == [1] * max_new  # the last cycle's token lies past the limit
+        assert out.tokens == wrong.continuations[tuple(p)][:max_new]
 
 
 def test_noisy_drafter_accepts_partially_and_stays_lossless(tiny, runner, prompts):
@@ -158,20 +162,22 @@ def test_noisy_drafter_accepts_partially_and_stays_lossless(tiny, runner, prompt
         out = speculative_generate(runner, noisy, p, block_size=block, max_new_tokens=max_new)
         assert out.tokens == target_generate(runner, p, max_new_tokens=max_new).tokens
         assert out.acceptance_lengths == expected_lengths(len(p), max_new, block, corrupt)
-        assert len(p) + 1 + sum(out.acceptance_lengths) == len(p) + max_new
+        assert len(out.tokens) == max_new and 1 + sum(out.acceptance_lengths) >= max_new
         seen.update(out.acceptance_lengths)
-    assert len(seen) >= 4, f"the test should exercise several acceptance lengths, saw {sorted(seen)}"
+    assert len(seen) >= 3, f"the test should exercise several acceptance lengths, saw {sorted(seen)}"
 
 
-@pytest.mark.parametrize("remainder", [1, 2, 4])
-def test_length_limit_cuts_the_last_cycle_which_still_counts(tiny, runner, prompts, remainder):
+@pytest.mark.parametrize("remainder", [0, 1, 2, 4])
+def test_the_last_cycle_drafts_a_whole_block_and_counts_uncut(tiny, runner, prompts, remainder):
+    """As the authors' loop: a whole block while the anchor is below the limit (`start < max_length`),
+    its acceptance counted in full even where the output is then cut at the limit."""
     block, m = 5, 3
     max_new = 1 + m * block + remainder
     oracle = OracleDrafter(greedy_continuations(runner, prompts[:2], max_new), block, tiny[0].config.vocab_size)
     for p in prompts[:2]:
         out = speculative_generate(runner, oracle, p, block_size=block, max_new_tokens=max_new)
-        assert out.acceptance_lengths == [block] * m + [remainder]
-        assert len(out.tokens) == max_new
+        assert out.acceptance_lengths == [block] * (m + 1)  # the anchor at P + m*block < max_len still drafts
+        assert out.tokens == oracle.continuations[tuple(p)][:max_new]
 
 
 def _first_new_token_index(tokens: list[int], lowest: int) -> int:
@@ -187,8 +193,10 @@ def test_stop_token_cuts_the_last_cycle_which_still_counts(tiny, runner, prompts
     stop = frozenset([free[j]])
     oracle = OracleDrafter({tuple(p): free}, block, tiny[0].config.vocab_size)
     out = speculative_generate(runner, oracle, p, block_size=block, max_new_tokens=max_new, stop_ids=stop)
-    q, r = divmod(j, block)  # j tokens after the prefill's: q whole cycles and a cut one of r
-    assert out.acceptance_lengths == [block] * q + ([r] if r else [])
+    # the authors' loop stops after the cycle whose output holds the stop token, counted uncut; a
+    # prefill token that is one (j = 0) still gets its cycle
+    cycles = 1 if j == 0 else (j - 1) // block + 1
+    assert out.acceptance_lengths == [block] * cycles
     assert out.tokens == free[: j + 1]
     assert out.tokens == target_generate(runner, p, max_new_tokens=max_new, stop_ids=stop).tokens
 
@@ -201,8 +209,8 @@ def test_sampling_with_top_k_one_is_greedy_and_the_oracle_is_fully_accepted(tiny
         g = torch.Generator().manual_seed(i)
         out = speculative_generate(runner, oracle, p, block_size=block, max_new_tokens=max_new, sampling=point,
                                    generator=g)
-        assert out.tokens == oracle.continuations[tuple(p)]
-        assert out.acceptance_lengths == [block] * 3
+        assert out.tokens == oracle.continuations[tuple(p)][:max_new]
+        assert out.acceptance_lengths == [block] * 4  # anchors at 0, 4, 8, 12 < 13
 
 
 def test_sampled_decoding_is_seeded_and_tau_in_range(tiny, runner, prompts):
@@ -218,7 +226,7 @@ def test_sampled_decoding_is_seeded_and_tau_in_range(tiny, runner, prompts):
     a, b = run(7), run(7)
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
     assert all(1 <= n <= block for n in a.acceptance_lengths)
-    assert len(a.tokens) == 1 + sum(a.acceptance_lengths)
+    assert len(a.tokens) == max_new and 1 + sum(a.acceptance_lengths) >= max_new
 
 
 def test_accept_rule_with_a_greedy_draft_emits_the_target_distribution():
@@ -262,6 +270,7 @@ def test_tau_is_the_mean_over_prompts_of_the_per_prompt_mean():
     results = [_result("a", [4, 4, 1]), _result("b", [2]), _result("c", [])]
     report = summarize(results, _settings())
     assert report["tau"] == pytest.approx((3 + 2) / 2)  # not the pooled 11/4
+    assert report["tau_pooled"] == pytest.approx(11 / 4)  # 1 + accepted / drafts, as engines log it
     assert report["num_prompts_without_cycles"] == 1
     assert report["histogram_counts"] == {"1": 1, "2": 1, "3": 0, "4": 2}
     assert sum(report["histogram"].values()) == pytest.approx(1)
@@ -331,7 +340,7 @@ def test_evaluate_drafter_end_to_end_with_multi_turn_prompts(tiny, runner, promp
     report = evaluate_drafter(model, tok, oracle, cfg, items)
     assert [x["name"] for x in report["prompts"]] == ["a.jsonl:1", "a.jsonl:2#turn1", "a.jsonl:2#turn2"]
     assert report["tau"] == block and report["lossless"]["ok"] is True
-    assert report["num_cycles"] == 3 * 2 and report["new_tokens"] == 3 * 9
+    assert report["num_cycles"] == 3 * 3 and report["new_tokens"] == 3 * 9  # anchors at 0, 4, 8 < 9
     out = tmp_path / "r" / "eval.json"
     write_report(report, str(out), cfg)
     saved = json.loads(out.read_text())
@@ -346,7 +355,7 @@ def _learning_begin(oracle: OracleDrafter, runner: TargetRunner):
     def begin(prompt_ids):
         key = tuple(prompt_ids)
         if key not in oracle.continuations:
-            oracle.continuations[key] = target_generate(runner, prompt_ids, max_new_tokens=9).tokens
+            oracle.continuations[key] = target_generate(runner, prompt_ids, max_new_tokens=9 + 16).tokens
         original(prompt_ids)
 
     return begin

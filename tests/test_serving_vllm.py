@@ -1,0 +1,222 @@
+"""The serving check (`make serve-check`, in .venv-vllm): a drafter trained and exported by our own CLIs
+is served by vLLM's CPU build, and a broken export makes the check fail.
+
+    tiny target, head_dim 64 (vLLM's CPU attention refuses 16), rope_theta 50000 (neither vLLM's
+    nor transformers' default, so a lost theta shows) -> its own greedy answers (data/make_tiny_data.py)
+    -> dflash-precompute -> dflash-train -> dflash-export -> vLLM with and without the drafter
+
+The check (`serving_failures`): greedy output with the drafter equals vLLM's output without it token
+for token; the drafter is accepted (pooled tau > 1); and vLLM's pooled tau equals the one our own
+engine (dflash-eval --engine transformers) measures on the trained checkpoint, within numerics.
+Skipped where vLLM is not importable (the main .venv).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.vllm_engine import vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable here")]
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = dict(num_layers=8, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2, head_dim=64,
+            rope_theta=50000.0, initializer_range=0.02)  # HF default init: a predictable target, a drafter that is accepted
+TRAIN_SAMPLES, EVAL_PROMPTS, MAX_NEW = 192, 6, 48
+TAU_TOLERANCE = 0.05  # relative; float32 near-ties may flip a draft between engines
+
+
+def _cli(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(args[:2])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+def _answer_batch(model, tok, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
+    """Greedy answers (up to and including EOS) to prompts of any lengths, in one left-padded batch."""
+    import torch
+
+    eos, pad, width = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id, max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
+                             pad_token_id=pad)[:, width:].tolist()
+    answers = [r[: r.index(eos) + 1] if eos in r else r for r in out]
+    return list(zip(prompts, answers))
+
+
+def _generate_data(target: Path, out: Path) -> tuple[Path, list[list[int]]]:
+    """The target's own greedy answers to seeded prompts (the DFlash recipe), as make_tiny_data writes
+    them; returns the training file and the token ids of prompts the drafter was trained on."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "data"))
+    from make_tiny_data import make_prompts
+
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+               for p in make_prompts(TRAIN_SAMPLES, seed=0)]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    pairs = []
+    for i in range(0, len(prompts), 32):  # batched, left-padded: one-by-one generate is minutes on 2 cores
+        pairs += _answer_batch(model, tok, prompts[i:i + 32])
+    path = out / "train.jsonl"
+    with open(path, "w") as f:
+        for i, (p, r) in enumerate(pairs):
+            f.write(json.dumps({"id": f"s-{i}", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}) + "\n")
+    return path, [p for p, _ in pairs[:EVAL_PROMPTS]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(target dir, exported drafter dir, run dir, prompts) made with our own CLIs."""
+    from dflash_common.tiny import TinySpec, build_tiny_target
+
+    work = tmp_path_factory.mktemp("serve-check")
+    target = build_tiny_target(work / "target", TinySpec(**SPEC))
+    data, prompts = _generate_data(target, work)
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    _cli("precompute.cli", "--config", tiny, f"--target.path={target}", f"--out={work / 'store'}",
+         f"--data.inputs=['{data}']")
+    _cli("train.cli", "--config", tiny, f"--run.target={target}", f"--store={work / 'store'}",
+         f"--out={work / 'run'}", "--optim.epochs=10")
+    _cli("dflash_common.drafter.export", str(work / "run"), str(work / "drafter"), "--dtype", "fp32")
+    return target, work / "drafter", work / "run", prompts
+
+
+def _engine(request: dict, work: Path, name: str) -> dict:
+    from train.vllm_engine import run_engine
+
+    return run_engine(request, work, name)
+
+
+def reference_tau(target: Path, drafter: Path, prompts: list[list[int]]) -> float:
+    """Our own engine's pooled tau on the same prompts (train/spec_decode.py), float32, greedy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_common.drafter.export import load_drafter
+    from train.spec_decode import DFlashProposer, TargetRunner, speculative_generate
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    d, _ = load_drafter(drafter)
+    d.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    proposer = DFlashProposer(d)
+    runner = TargetRunner(model, proposer.layer_ids)
+    stop = frozenset([model.config.eos_token_id])
+    lengths = [n for p in prompts for n in speculative_generate(
+        runner, proposer, p, block_size=d.cfg.block_size, max_new_tokens=MAX_NEW, stop_ids=stop).acceptance_lengths]
+    return sum(lengths) / len(lengths)
+
+
+def serving_failures(target: Path, drafter: Path, prompts: list[list[int]], want_tau: float, work: Path) -> list[str]:
+    """What is wrong with serving `drafter` through vLLM; empty when the check passes."""
+    from train.vllm_engine import summarize_engine
+
+    config = json.loads((drafter / "config.json").read_text())
+    eos = json.loads((target / "config.json").read_text())["eos_token_id"]
+    request = {"target": str(target), "prompts": prompts, "max_new_tokens": MAX_NEW, "stop_ids": [eos],
+               "max_model_len": 512}
+    try:
+        base = _engine(request, work, "target")
+        spec = _engine({**request, "drafter": str(drafter), "num_speculative_tokens": config["block_size"] - 1},
+                       work, "spec")
+    except RuntimeError as e:
+        return [str(e)]
+    report = summarize_engine(spec, base, config["block_size"], [str(i) for i in range(len(prompts))],
+                              [len(p) for p in prompts])
+    failures = [f"not lossless: {m}" for m in report["lossless"]["mismatches"]]
+    tau = report["tau_pooled"] or 1.0
+    if tau <= 1.0:
+        failures.append(f"the drafter is never accepted (pooled tau {tau:.3f})")
+    if abs(tau - want_tau) > TAU_TOLERANCE * want_tau:
+        failures.append(f"vLLM's pooled tau {tau:.3f} differs from ours {want_tau:.3f}")
+    print(f"serve-check {drafter.name}: vLLM pooled tau {tau:.3f}, ours {want_tau:.3f}, "
+          f"lossless {report['lossless']['ok']}, {report['new_tokens']} tokens")
+    return failures
+
+
+def test_exported_drafter_serves_lossless_accepted_and_as_measured(trained, tmp_path):
+    target, drafter, run, prompts = trained
+    want = reference_tau(target, run, prompts)  # the trained checkpoint, not the export under test
+    assert serving_failures(target, drafter, prompts, want, tmp_path) == []
+
+
+def _broken(drafter: Path, out: Path, kind: str) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(drafter, out)
+    config = json.loads((out / "config.json").read_text())
+    if kind == "renamed-weight":
+        weights = load_file(str(out / "model.safetensors"))
+        weights["layers.0.mlp.gate.weight"] = weights.pop("layers.0.mlp.gate_proj.weight")
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    elif kind == "wrong-target-layer-ids":
+        config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+    elif kind == "missing-rope-theta":  # as a transformers 5 save_pretrained without our hand-written keys
+        config.pop("rope_theta")
+        config.pop("rope_parameters")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+# Not caught yet: this tiny target is so predictable that a drafter fed the wrong layers or rotated with
+# the wrong theta still drafts whole blocks (tau 8 of 8 both ways); with init 0.1 the drafter was too weak
+# (tau 1.12) for any of them to show. A target between the two is the open fix (docs/serving.md).
+_NOT_CAUGHT = pytest.mark.xfail(strict=True, reason="the tiny drafter's acceptance does not depend on it yet")
+
+
+@pytest.mark.parametrize("kind", ["renamed-weight", pytest.param("wrong-target-layer-ids", marks=_NOT_CAUGHT),
+                                  pytest.param("missing-rope-theta", marks=_NOT_CAUGHT)])
+def test_a_broken_export_fails_the_check(trained, tmp_path, kind):
+    target, drafter, run, prompts = trained
+    want = reference_tau(target, run, prompts)
+    broken = _broken(drafter, tmp_path / kind, kind)
+    failures = serving_failures(target, broken, prompts, want, tmp_path)
+    assert failures, f"a drafter with a {kind} passed the serving check"
+
+
+def test_our_causality_rule_is_vllms():
+    """serving.vllm_layer_causal against vLLM's own `_dflash_layer_causal` on every config shape."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.qwen3_dflash import _dflash_layer_causal
+
+    from dflash_common.drafter import serving
+
+    types = ["sliding_attention", "full_attention"]
+    for extra in ({}, {"is_causal": False}, {"is_causal": True}, {"dflash_config": {"causal": True}},
+                  {"dflash_config": {"causal": False}}, {"layer_types": None}):
+        config = {"layer_types": types, "dflash_config": {}, **extra}
+        for i in range(2):
+            assert serving.vllm_layer_causal(config, i) == _dflash_layer_causal(SimpleNamespace(**config), i), extra
+
+
+def test_our_target_layer_rule_is_vllms():
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    from dflash_common.drafter import serving
+
+    for config in ({"dflash_config": {"target_layer_ids": [1, 3, 5]}},
+                   {"dflash_config": {"target_layer_ids": [1, 3]}, "eagle_aux_hidden_state_layer_ids": [4, 6]}):
+        spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(**config)))
+        got = get_eagle3_aux_layers_from_config(spec)
+        assert serving.vllm_target_layer_ids(config) == [i - 1 for i in got]
+
+
+def test_the_export_lint_passes_what_vllm_serves(trained):
+    from dflash_common.drafter import serving
+
+    assert serving.errors(serving.lint_drafter_dir(trained[1])) == []
+    assert dataclasses.is_dataclass(serving.Finding)
