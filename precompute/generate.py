@@ -334,7 +334,6 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
             raise UserError("generate.backend = 'vllm' but vllm is not installed here; install it or use "
                             "--generate.backend=transformers.") from None
         return VllmDecoder(cfg.target.path, cfg.target.dtype, sampling, stop_ids, cfg.generate.vllm_tensor_parallel)
-    import torch
     from transformers import AutoModelForCausalLM
 
     from precompute.target import DTYPES
@@ -343,7 +342,6 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
                                                  attn_implementation=cfg.target.attn_implementation)
     model = model.to(ranks.device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
-    torch.set_grad_enabled(False)
     return TransformersDecoder(model, stop_ids, pad, sampling, cfg.generate.token_budget,
                                cfg.generate.max_batch_size, compile=cfg.generate.compile)
 

@@ -160,6 +160,7 @@ def test_every_input_kind_is_answered_and_bad_records_are_counted(one_rank):
 def test_turns_last_keeps_the_history_and_answers_the_final_turn(chatty_target, inputs, one_rank, tmp_path):
     out = tmp_path / "last"
     generate.run(_cfg(chatty_target, inputs, out, "generate.turns=last"))
+    assert torch.is_grad_enabled()  # the job ran in this process and left autograd as it found it
     last, every = _records(out)["c0"], _records(one_rank)["c0"]
     assert last["generated_turns"] == 1 and last["messages"][2] == {"role": "assistant", "content": "old 0.0"}
     assert last["messages"][-1]["content"] != "old 0.1"
