@@ -7,7 +7,9 @@ tau is measured as the DFlash authors' loop does (z-lab/dflash `dflash/model.py`
 TAU_DEFINITION, which the report carries): each draft-verify cycle drafts a whole block and counts
 accepted drafts + 1, uncut, even past the length limit or a stop token; the prefill's token is not
 counted; per prompt the mean over its cycles, then the mean over prompts. Beside it the pooled figure
-engines log, 1 + accepted / drafts over all cycles (`tau_pooled`).
+engines log, 1 + accepted / drafts over all cycles (`tau_pooled`), and `tau_emitted`: the same mean
+over the tokens each cycle adds to the output cut at the limit and the stop token (only the last cycle
+of a response differs; path tau, train/path_tau.py, reproduces it exactly from a store).
 Throughput also follows the reference: time per output token is the decode time (after the prefill)
 over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio of the two.
 """
@@ -41,7 +43,10 @@ TAU_DEFINITION = (
     "tau: per prompt the mean over its draft-verify cycles of (accepted drafts + 1), then the mean over "
     "prompts, counted as the DFlash authors' loop does (z-lab/dflash spec_generate: whole blocks while the "
     "anchor is below the length limit, every cycle uncut, stop after the cycle that emits a stop token); "
-    "tau_pooled: 1 + accepted / drafts over all cycles of all prompts, as engines log it (vLLM)."
+    "tau_pooled: 1 + accepted / drafts over all cycles of all prompts, as engines log it (vLLM); "
+    "tau_emitted: as tau, but each cycle counts only the tokens it adds to the output cut at the length "
+    "limit and after the stop token (cycles adding none dropped), so only the last cycle of a prompt "
+    "differs; it is what path tau (dflash-eval --offline) replays exactly."
 )
 
 
@@ -71,6 +76,11 @@ class PromptResult:
     def tau(self) -> float | None:
         lengths = self.spec.acceptance_lengths
         return sum(lengths) / len(lengths) if lengths else None
+
+    @property
+    def tau_emitted(self) -> float | None:
+        emitted = self.spec.emitted
+        return sum(emitted) / len(emitted) if emitted else None
 
 
 # ---------------------------------------------------------------- prompts
@@ -269,6 +279,8 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
         "tau": _mean(taus),
         # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs the same
         "tau_pooled": _mean(lengths),
+        # cycles cut as the output is (path tau's figure): per prompt, then over prompts
+        "tau_emitted": _mean([r.tau_emitted for r in results if r.tau_emitted is not None]),
         "tau_definition": TAU_DEFINITION,
         "block_size": s.block_size,
         "num_prompts": len(results),
@@ -294,7 +306,8 @@ def _token_at(tokens: Sequence[int], i: int) -> int | None:
 
 def _prompt_entry(r: PromptResult) -> dict:
     entry = {"name": r.name, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.spec.tokens), "tau": r.tau,
-             "acceptance_lengths": r.spec.acceptance_lengths, "spec_decode_s": r.spec.decode_s}
+             "acceptance_lengths": r.spec.acceptance_lengths, "emitted": r.spec.emitted,
+             "spec_decode_s": r.spec.decode_s}
     if r.target is not None:
         entry["target_decode_s"] = r.target.decode_s
     return entry
@@ -328,6 +341,7 @@ def format_report(report: dict) -> str:
         f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}{engine}",
         f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}  (per prompt, then over prompts)",
         f"  {'tau, pooled over cycles':<28}{_fmt(report.get('tau_pooled'), '.3f')}  (1 + accepted / drafts)",
+        f"  {'tau, cycles cut at the end':<28}{_fmt(report.get('tau_emitted'), '.3f')}  (as path tau replays it)",
         f"  {'draft-verify cycles':<28}{report['num_cycles']}",
         f"  {'new tokens':<28}{report['new_tokens']}",
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",

@@ -12,14 +12,24 @@ features alone:
         emitted = cycle_length(accepted, a, end)     # accepted + 1, cut at the end (the one end rule)
         a += emitted                                # the next anchor: the target's correction, stored
 
-Each cycle counts `emitted` (accepted drafts + the target's own token), as dflash-eval counts it. A
-response is one contiguous run of loss-mask positions: each assistant turn of a conversation is replayed
+Every cycle drafts a whole block, as the real loop does, even where the block reaches past the
+response's end (a shorter block would change the drafts: the block attends to itself both ways). Each
+cycle counts `emitted` (accepted drafts + the target's own token) cut at the response's end, and a
+cycle that would emit nothing before the end is not run: that is dflash-eval's `Decoded.emitted`, so
+path tau equals dflash-eval's `tau_emitted` exactly. dflash-eval's `tau` (the DFlash authors' count)
+differs from it only by the last cycle of each response, which it counts uncut: drafts accepted past
+the stop token or the length limit count there, and a last cycle anchored at the response's last token
+(it emits only past the limit, or follows a stop token from the prefill) is one of tau's cycles but
+not of path tau's. That last cycle cannot be replayed: the store holds the response only up to its
+stop token or the limit, so what the target would emit past the end is unknown. A response's tau is
+therefore >= its path tau unless such an empty last cycle accepted less than the response's mean.
+
+A response is one contiguous run of loss-mask positions: each assistant turn of a conversation is replayed
 as a prompt of its own, with everything stored before it as its prompt (as dflash-eval decodes each
 turn). `max_new_tokens` (dflash-eval's generation.max_new_tokens, the prefill's token included) ends a
-response at p + max_new_tokens and, like the real loop, shortens the blocks that would pass that limit
-(a shorter block changes the drafts: the block attends to itself both ways).
+response at p + max_new_tokens.
 
-Where the replay equals real decoding (the test in tests/train/test_path_tau.py shows it):
+Where the replay equals real decoding's `emitted` (the test in tests/train/test_path_tau.py shows it):
 - the response is the target's greedy continuation of the stored prompt, token for token (token ids,
   not re-tokenised text), and it ends with a stop token or at p + max_new_tokens;
 - the stored sequence up to p is the prompt dflash-eval renders (same chat template);
@@ -29,8 +39,7 @@ Where the replay equals real decoding (the test in tests/train/test_path_tau.py 
 
 One forward per round drafts one block for every sequence of a packed batch that is still decoding
 (the training forward's sparse mask, one anchor per sequence); the context keys/values of the batch
-are computed once and reused by every round. Blocks shortened by max_new_tokens are drafted one by one
-through the drafter's KV-cached `draft`, over the same cached keys/values.
+are computed once and reused by every round.
 
     lengths = replay_batch(drafter, batch)          # per response: its cycles' emitted tokens
     counts = path_counts(lengths)                   # sums that add over batches and ranks
@@ -44,27 +53,26 @@ from typing import Any
 
 import torch
 
-from dflash_common.drafter.model import BlockLayout, DraftCache
+from dflash_common.drafter.model import BlockLayout
 
 # Blocks whose logits [n, B-1, V] are materialised at once (bounds memory at large vocabularies).
 _LOGIT_ELEMENTS = 1 << 26
-_NO_LIMIT = 1 << 62
 
 
 def cycle_length(accepted: torch.Tensor, anchor: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Tokens a cycle emits, as train/spec_decode.py counts them: the accepted drafts plus the target's
-    own token, cut where the response ends (its stop token at end - 1, or the length limit), so the last
-    cycle counts only what it emits. The one place of the end rule: follow spec_decode if it changes."""
+    """Tokens a cycle emits, as train/spec_decode.py's `Decoded.emitted` counts them: the accepted drafts
+    plus the target's own token, cut where the response ends (its stop token at end - 1, or the length
+    limit), so the last cycle counts only what it emits (`acceptance_lengths`, the authors' tau, counts
+    it uncut). The one place of the end rule: follow spec_decode's `emitted_lengths` if it changes."""
     return torch.minimum(accepted + 1, end - 1 - anchor)
 
 
 def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                      max_new_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      max_new_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The responses of a packed batch: maximal runs of loss-mask positions inside one sequence.
 
-    Returns packed (first, end, limit, seq_start) [R] each: first response token, end of the response
-    (exclusive, cut at first + max_new_tokens), the length limit of its blocks (first + max_new_tokens,
-    or none) and the start of its sequence."""
+    Returns packed (first, end, seq_start) [R] each: first response token, end of the response
+    (exclusive, cut at first + max_new_tokens) and the start of its sequence."""
     device = loss_mask.device
     mask = loss_mask.bool()
     t = mask.shape[0]
@@ -79,8 +87,9 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
     first = torch.nonzero(begins)[:, 0]
     end = torch.nonzero(finishes)[:, 0] + 1
     seq_start = cu[torch.searchsorted(cu, first, right=True) - 1]
-    limit = first + max_new_tokens if max_new_tokens else torch.full_like(first, _NO_LIMIT)
-    return first, torch.minimum(end, limit), limit, seq_start
+    if max_new_tokens:
+        end = torch.minimum(end, first + max_new_tokens)
+    return first, end, seq_start
 
 
 def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
@@ -91,32 +100,6 @@ def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
         hidden.new_zeros((0, b - 1), dtype=torch.long)
 
 
-def _short_block_drafts(drafter, kv, input_ids, anchor: int, seq_start: int, length: int) -> torch.Tensor:
-    """Drafts [length - 1] of one block shortened by the length limit, through the KV-cached draft over
-    the batch's context keys/values of its sequence before the anchor."""
-    cache = DraftCache([k[seq_start:anchor] for k, _ in kv], [v[seq_start:anchor] for _, v in kv])
-    no_context = drafter.fc.weight.new_zeros((0, drafter.fc.in_features))
-    ids = torch.full((length,), drafter.cfg.mask_token_id, dtype=torch.long, device=input_ids.device)
-    ids[0] = input_ids[anchor]
-    hidden = drafter.draft(cache, no_context, ids)  # [length, H]
-    return drafter.logits(hidden[1:]).argmax(-1)
-
-
-def _round_drafts(drafter, kv, batch, anchors, limit, seq_start, b: int) -> torch.Tensor:
-    """Greedy drafts [n, b-1] of one block per anchor [n]; entries past a shortened block are -1."""
-    room = limit - anchors  # block length the limit allows
-    full = room >= b
-    drafts = torch.full((anchors.shape[0], b - 1), -1, dtype=torch.long, device=anchors.device)
-    if bool(full.any()):
-        layout = BlockLayout.build(batch.cu_seqlens, anchors[full], batch.input_ids.shape[0], b)
-        drafts[full] = _greedy_drafts(drafter, drafter.blocks(kv, batch.input_ids, layout))
-    for i in torch.nonzero(~full)[:, 0].tolist():
-        length = int(room[i])
-        drafts[i, :length - 1] = _short_block_drafts(drafter, kv, batch.input_ids, int(anchors[i]),
-                                                     int(seq_start[i]), length)
-    return drafts
-
-
 @torch.no_grad()
 def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_tokens: int | None = None,
                  autocast: str = "none") -> list[list[int]]:
@@ -124,7 +107,7 @@ def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_
     cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
     emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""
     b = block_size or drafter.cfg.block_size
-    first, end, limit, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, max_new_tokens)
+    first, end, _ = response_segments(batch.loss_mask, batch.cu_seqlens, max_new_tokens)
     ids, t = batch.input_ids, batch.input_ids.shape[0]
     device = ids.device
     steps = torch.arange(1, b, device=device)
@@ -138,7 +121,8 @@ def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_
             if live.numel() == 0:
                 break
             a = anchor[live]
-            drafts = _round_drafts(drafter, kv, batch, a, limit[live], seq_start[live], b)  # [n, b-1]
+            layout = BlockLayout.build(batch.cu_seqlens, a, t, b)  # whole blocks, as the real loop drafts
+            drafts = _greedy_drafts(drafter, drafter.blocks(kv, ids, layout))  # [n, b-1]
             pos = a[:, None] + steps  # [n, b-1] positions the drafts are for
             hit = (drafts == ids[pos.clamp(max=t - 1)]) & (pos < end[live][:, None])
             accepted = hit.long().cumprod(1).sum(1)

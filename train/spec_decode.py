@@ -13,9 +13,14 @@ every cycle drafts a whole block and records accepted + 1 (the target's own toke
 runs while the anchor's position is below the length limit (`while start < max_length`), so its last
 cycle may emit only tokens past the limit, and stops after the first cycle whose output holds a stop
 token (a prefill token that is one still gets its cycle); the output is then cut at the limit and
-after the first stop token. The prefill's token is not a cycle. A drafter only ever sees *committed* context (features of the
-anchor and the accepted drafts of the previous cycle), so it never has to roll back: it keeps the
-context keys/values it has seen and forgets its block's own after each proposal.
+after the first stop token. The prefill's token is not a cycle. Beside those uncut counts
+(`Decoded.acceptance_lengths`, the authors' tau), `Decoded.emitted` holds what each cycle contributes
+to the cut output, cycles that contribute nothing dropped: it differs only in the last cycle, and it
+is what a replay from stored responses can reproduce exactly (train/path_tau.py).
+
+A drafter only ever sees *committed* context (features of the anchor and the accepted drafts of the
+previous cycle), so it never has to roll back: it keeps the context keys/values it has seen and
+forgets its block's own after each proposal.
 
 Acceptance rules (`accept`):
 - temperature 0: accept the longest prefix of drafts equal to the target's argmax, then the target's
@@ -76,9 +81,12 @@ class Decoded:
     """One prompt's decoding: new tokens (the prefill's first) and the acceptance length of each cycle."""
 
     tokens: list[int]
-    acceptance_lengths: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1 per cycle, uncut
     prefill_s: float = 0.0
     decode_s: float = 0.0  # everything after the prefill, drafter included
+    # tokens each cycle contributes to `tokens` (cut at the limit and the stop token); cycles that
+    # contribute none are left out, so only the last entry can differ from acceptance_lengths
+    emitted: list[int] = field(default_factory=list)
 
     @property
     def time_per_token(self) -> float:
@@ -203,6 +211,13 @@ def accept(drafts, logits, s: Sampling, generator) -> tuple[int, int]:
     return accept_sampled(drafts, sampling_probs(logits, s), generator)
 
 
+def emitted_lengths(starts: Sequence[int], lengths: Sequence[int], end: int) -> list[int]:
+    """Per cycle (anchor at `starts[i]`, `lengths[i]` tokens committed after it) the tokens that land
+    before `end`, the position after the cut output's last token; cycles with none are dropped."""
+    out = [min(n, end - 1 - s) for s, n in zip(starts, lengths)]
+    return [n for n in out if n > 0]
+
+
 def _cut_at_stop(new: list[int], stop_ids: frozenset[int]) -> tuple[list[int], bool]:
     for i, token in enumerate(new):
         if token in stop_ids:
@@ -231,6 +246,7 @@ def speculative_generate(
     drafter.begin(prompt_ids)
     t1 = target.clock()
     lengths: list[int] = []
+    starts: list[int] = []
     stopped = False  # the authors' loop checks for stop tokens after a cycle only
     while start < max_len and not stopped:
         num_drafts = block_size - 1  # always a whole block, as the authors' loop
@@ -244,11 +260,13 @@ def speculative_generate(
         ids.extend(new)
         target.crop(cache, start + len(new))  # the anchor and accepted drafts stay; next is the anchor
         context = feats[: len(new)]  # features at start .. start+len(new)-1
+        starts.append(start)
         start += len(new)
         lengths.append(len(new))  # uncut: drafts accepted past a stop token or the limit count
     t2 = target.clock()
     tokens, _ = _cut_at_stop(ids[len(prompt_ids):max_len], stop_ids)
-    return Decoded(tokens, lengths, t1 - t0, t2 - t1)
+    emitted = emitted_lengths(starts, lengths, len(prompt_ids) + len(tokens))
+    return Decoded(tokens, lengths, t1 - t0, t2 - t1, emitted)
 
 
 @torch.inference_mode()

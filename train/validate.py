@@ -140,7 +140,7 @@ def path_tau_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
 
 def _prompt_tails(batch: Any, n: int = 16) -> list[list[int]]:
     """The last `n` token ids before each response of a batch (in the order of response_segments)."""
-    first, _, _, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, None)
+    first, _, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, None)
     ids = batch.input_ids.tolist()
     return [ids[max(s, f - n):f] for f, s in zip(first.tolist(), seq_start.tolist())]
 

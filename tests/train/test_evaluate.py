@@ -178,6 +178,9 @@ def test_the_last_cycle_drafts_a_whole_block_and_counts_uncut(tiny, runner, prom
         out = speculative_generate(runner, oracle, p, block_size=block, max_new_tokens=max_new)
         assert out.acceptance_lengths == [block] * (m + 1)  # the anchor at P + m*block < max_len still drafts
         assert out.tokens == oracle.continuations[tuple(p)][:max_new]
+        # emitted: what lands in the cut output; with no remainder the last anchor is the last token
+        assert out.emitted == [block] * m + ([remainder] if remainder else [])
+        assert 1 + sum(out.emitted) == len(out.tokens)
 
 
 def _first_new_token_index(tokens: list[int], lowest: int) -> int:
@@ -197,6 +200,9 @@ def test_stop_token_cuts_the_last_cycle_which_still_counts(tiny, runner, prompts
     # prefill token that is one (j = 0) still gets its cycle
     cycles = 1 if j == 0 else (j - 1) // block + 1
     assert out.acceptance_lengths == [block] * cycles
+    last = j - (cycles - 1) * block  # the last cycle's tokens up to the stop token; none when j = 0
+    assert out.emitted == [block] * (cycles - 1) + ([last] if last else [])
+    assert 1 + sum(out.emitted) == len(out.tokens)
     assert out.tokens == free[: j + 1]
     assert out.tokens == target_generate(runner, p, max_new_tokens=max_new, stop_ids=stop).tokens
 
@@ -256,8 +262,8 @@ def test_sampling_probs_temperature_top_k_top_p():
     torch.testing.assert_close(sharp, torch.tensor([[16, 9, 4, 1]]) / 30)
 
 
-def _result(name, lengths, mismatch=None, prompt_tokens=10):
-    spec = Decoded([1] * (1 + sum(lengths)), list(lengths), 0.0, 0.5)
+def _result(name, lengths, mismatch=None, prompt_tokens=10, emitted=None):
+    spec = Decoded([1] * (1 + sum(lengths)), list(lengths), 0.0, 0.5, list(lengths if emitted is None else emitted))
     target = Decoded([1] * (1 + sum(lengths)), [], 0.0, 1.0)
     return PromptResult(name, prompt_tokens, spec, target, mismatch)
 
@@ -271,12 +277,24 @@ def test_tau_is_the_mean_over_prompts_of_the_per_prompt_mean():
     report = summarize(results, _settings())
     assert report["tau"] == pytest.approx((3 + 2) / 2)  # not the pooled 11/4
     assert report["tau_pooled"] == pytest.approx(11 / 4)  # 1 + accepted / drafts, as engines log it
+    assert report["tau_emitted"] == report["tau"]  # no cycle was cut
     assert report["num_prompts_without_cycles"] == 1
     assert report["histogram_counts"] == {"1": 1, "2": 1, "3": 0, "4": 2}
     assert sum(report["histogram"].values()) == pytest.approx(1)
     assert report["speedup"] == pytest.approx(2.0)  # target 1.0 s vs speculative 0.5 s per prompt
     assert report["lossless"]["ok"] is True
     assert "tau (acceptance length)" in format_report(report)
+
+
+def test_tau_emitted_counts_the_cycles_cut_as_the_output_is():
+    results = [_result("a", [4, 4, 4], emitted=[4, 4, 1]),  # the last cycle cut at the limit
+               _result("b", [2, 3], emitted=[2]),  # the last anchor was the output's last token
+               _result("c", [5], emitted=[])]  # a stop token from the prefill: a cycle, nothing emitted
+    report = summarize(results, _settings(block=5))
+    assert report["tau"] == pytest.approx((4 + 2.5 + 5) / 3)  # the authors' uncut count
+    assert report["tau_emitted"] == pytest.approx((3 + 2) / 2)
+    assert report["prompts"][0]["emitted"] == [4, 4, 1] and "tau_emitted" in report["tau_definition"]
+    assert "cycles cut at the end" in format_report(report)
 
 
 def test_lossless_failure_names_prompt_and_position():

@@ -1,5 +1,7 @@
-"""Path tau (train/path_tau.py) equals the acceptance lengths of real greedy speculative decoding
-(dflash-eval's `evaluate_drafter`) on data the target generated greedily, cycle for cycle.
+"""Path tau (train/path_tau.py) equals the emitted lengths of real greedy speculative decoding
+(dflash-eval's `evaluate_drafter`, `Decoded.emitted`: each cycle cut at the response's end) on data
+the target generated greedily, cycle for cycle, so path tau equals the report's `tau_emitted`; the
+report's `tau` (the DFlash authors' uncut count) differs only in each response's last cycle.
 
 The data: prompts of the demo set answered by the tiny target with the very greedy loop dflash-eval
 uses as its baseline (`target_generate`, float32), some ended by a stop token, the others by the length
@@ -118,12 +120,28 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
     path = path_tau_offline(drafter, store, max_new_tokens=MAX_NEW, holdout_sequences=10**6, batch_tokens=4096)
     by_tail = {tuple(t): lengths for t, lengths in zip(path["path_prompt_tails"], path["path_lengths"])}
     replayed = [by_tail[tuple(p.ids[-16:])] for p in prompts]
-    assert replayed == [e["acceptance_lengths"] for e in real["prompts"]]
+    assert replayed == [e["emitted"] for e in real["prompts"]]
     assert max(max(x) for x in replayed) > 2, "the drafter must accept drafts for the test to mean anything"
-    assert path["path_tau"] == pytest.approx(real["tau"], rel=1e-12, abs=0)
+    assert path["path_tau"] == pytest.approx(real["tau_emitted"], rel=1e-12, abs=0)
     cycles = [n for x in replayed for n in x]
     assert path["path_tau_pooled"] == pytest.approx(statistics.fmean(cycles), rel=1e-12)
-    assert path["path_cycles"] == real["num_cycles"] and path["path_sequences"] == PROMPTS
+    assert path["path_cycles"] == len(cycles) and path["path_sequences"] == PROMPTS
+    # the authors' uncut count differs only in the last cycle: counted in full, or (anchored at the
+    # response's last token, every token past the end) a cycle path tau cannot have
+    cut, dropped = 0, 0
+    for e in real["prompts"]:
+        uncut, emitted = e["acceptance_lengths"], e["emitted"]
+        assert emitted and len(uncut) - len(emitted) in (0, 1)
+        assert uncut[:len(emitted) - 1] == emitted[:-1] and uncut[len(emitted) - 1] >= emitted[-1]
+        assert 1 + sum(emitted) == e["new_tokens"] <= 1 + sum(uncut)  # emitted: exactly the output
+        if len(uncut) == len(emitted):  # the last cycle cut, not dropped: the uncut tau is the larger
+            assert e["tau"] >= statistics.fmean(emitted)
+            cut += uncut[-1] > emitted[-1]
+        dropped += len(uncut) > len(emitted)
+    assert cut and dropped, "the data must hold last cycles cut at the end and last cycles past it"
+    # A dropped cycle (anchored at the output's last token) counts 1 + accepted in tau; when that is below
+    # the prompt's mean it pulls tau below tau_emitted, so over prompts the two may fall either way.
+    assert real["num_cycles"] == path["path_cycles"] + dropped
 
 
 def test_response_segments_split_turns_and_sequences():
@@ -131,10 +149,10 @@ def test_response_segments_split_turns_and_sequences():
 
     mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1])  # seq 0: 0..4 ends inside a run; seq 1: 5..10
     cu = torch.tensor([0, 5, 11])
-    first, end, limit, start = response_segments(mask, cu, None)
+    first, end, start = response_segments(mask, cu, None)
     assert first.tolist() == [1, 4, 5, 10] and end.tolist() == [3, 5, 9, 11] and start.tolist() == [0, 0, 5, 5]
-    first, end, limit, _ = response_segments(mask, cu, 2)  # two new tokens at most, the prefill's included
-    assert end.tolist() == [3, 5, 7, 11] and limit.tolist() == [3, 6, 7, 12]
+    first, end, _ = response_segments(mask, cu, 2)  # two new tokens at most, the prefill's included
+    assert end.tolist() == [3, 5, 7, 11]
 
 
 def test_the_last_cycle_counts_what_it_emits():
@@ -143,3 +161,14 @@ def test_the_last_cycle_counts_what_it_emits():
     anchors, end = torch.tensor([10, 10, 10]), torch.tensor([30, 14, 12])
     # 5 accepted drafts: 6 tokens, unless the response ends first (its last token at end - 1)
     assert cycle_length(torch.tensor([5, 5, 0]), anchors, end).tolist() == [6, 3, 1]
+
+
+def test_the_cut_rule_is_spec_decodes_emitted_rule():
+    """cycle_length (the replay's end rule) and spec_decode's emitted_lengths (the real loop's) agree."""
+    from train.path_tau import cycle_length
+    from train.spec_decode import emitted_lengths
+
+    starts, uncut, end = [10, 14, 16, 20], [4, 2, 4, 3], 22  # the last anchor at 20: one token before 22
+    cut = cycle_length(torch.tensor(uncut) - 1, torch.tensor(starts), torch.tensor(end)).tolist()
+    assert emitted_lengths(starts, uncut, end) == cut == [4, 2, 4, 1]
+    assert emitted_lengths(starts, uncut, 21) == [4, 2, 4]  # the anchor at 20 is the last token: dropped
