@@ -47,3 +47,12 @@ def test_bad_values_are_one_sentence_naming_the_key(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(TrainConfig, None, [override])
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_dpace_and_soft_targets_are_refused_together_in_one_sentence():
+    """D-PACE reweights the hard loss's per-row CE; the soft loss returns none, so the pair is refused."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, None, ["--objective.weights=dpace", "--targets.soft=kl"])
+    assert "objective.weights" in str(e.value) and "targets.soft" in str(e.value) and "\n" not in str(e.value)
+    load_config(TrainConfig, None, ["--objective.weights=dpace"])  # each alone is fine
+    load_config(TrainConfig, None, ["--targets.soft=kl"])
