@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason=
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = dict(num_layers=8, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2, head_dim=64,
-            rope_theta=50000.0, initializer_range=0.02)  # HF default init: a predictable target, a drafter that is accepted
+            rope_theta=500.0, initializer_range=0.05)  # a drafter accepted ~2.4 of 8, its drafts hang on the features
+# rope_theta 500: far from the 10000 a loader falls back to, so a lost theta moves acceptance (7.6% here)
 TRAIN_SAMPLES, EVAL_PROMPTS, MAX_NEW = 192, 6, 48
 TAU_TOLERANCE = 0.05  # relative; float32 near-ties may flip a draft between engines
 
@@ -161,7 +162,7 @@ def _broken(drafter: Path, out: Path, kind: str) -> Path:
         weights["layers.0.mlp.gate.weight"] = weights.pop("layers.0.mlp.gate_proj.weight")
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     elif kind == "wrong-target-layer-ids":
-        config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+        config["dflash_config"]["target_layer_ids"] = [i + 2 for i in config["dflash_config"]["target_layer_ids"]]
     elif kind == "missing-rope-theta":  # as a transformers 5 save_pretrained without our hand-written keys
         config.pop("rope_theta")
         config.pop("rope_parameters")
@@ -169,14 +170,15 @@ def _broken(drafter: Path, out: Path, kind: str) -> Path:
     return out
 
 
-# Not caught yet: this tiny target is so predictable that a drafter fed the wrong layers or rotated with
-# the wrong theta still drafts whole blocks (tau 8 of 8 both ways); with init 0.1 the drafter was too weak
-# (tau 1.12) for any of them to show. A target between the two is the open fix (docs/serving.md).
+# Not caught yet: on this tiny target neighbouring layers' states are so alike that a drafter fed layers
+# shifted by two still drafts almost as well (vLLM pooled tau 2.346 against ours 2.373, inside the 5%
+# numerics tolerance; reversed ids change nothing, vLLM reads them as a set). dflash-export's lint
+# refuses such a config before writing; the serving check alone does not see it (docs/serving.md).
 _NOT_CAUGHT = pytest.mark.xfail(strict=True, reason="the tiny drafter's acceptance does not depend on it yet")
 
 
 @pytest.mark.parametrize("kind", ["renamed-weight", pytest.param("wrong-target-layer-ids", marks=_NOT_CAUGHT),
-                                  pytest.param("missing-rope-theta", marks=_NOT_CAUGHT)])
+                                  "missing-rope-theta"])
 def test_a_broken_export_fails_the_check(trained, tmp_path, kind):
     target, drafter, run, prompts = trained
     want = reference_tau(target, run, prompts)
