@@ -103,7 +103,7 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     tokens = args.batch * args.new_tokens
     row = {"shape": shape, "plain": tokens / plain, "ours": tokens / ours,
            "roofline": roofline(model, batch, args.new_tokens, args.bandwidth)}
-    del model, decoder
+    model = decoder = None  # free the weights before the next shape is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
