@@ -749,6 +749,10 @@ def _tables_to_indices(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 _compiled_flex: Callable | None = None
+# Always the main flex kernel: without grad and with fewer than 128 query rows (a few blocks, e.g. the
+# last rounds of a path-tau replay), inductor picks its flex-decoding kernel, which finds no valid
+# config for our BlockMask under dynamic shapes (NoValidChoicesError, torch 2.11 on an H200).
+_FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _flex_fn(device: torch.device) -> Callable:
@@ -774,7 +778,8 @@ def _flex_attend(masks: dict[LayerMode, BlockMask], head_dim: int) -> Attend:
         else:
             with warnings.catch_warnings():  # eager on the CPU is intended (tests); say nothing
                 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                out = _flex_fn(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+                out = _flex_fn(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa,
+                                         kernel_options=_FLEX_OPTIONS if q.device.type == "cuda" else None)
         return out[0].transpose(0, 1)
 
     return attend
