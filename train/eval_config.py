@@ -86,6 +86,11 @@ class CheckSection:
     baseline: bool = option(
         True, "Also decode with the target alone: tokens/s without the drafter, speedup, lossless reference."
     )
+    baseline_cache: str = option(
+        "", "A directory keeping the target-alone decodes (tokens and times), keyed by the target's fingerprint, "
+        "dtype, device, prompt and generation settings: evaluating more drafters on the same target and prompts "
+        "reads them back instead of decoding the target alone again; empty keeps none."
+    )
 
     def __post_init__(self):
         check(

@@ -32,6 +32,7 @@ from dflash_common.cli import (
 )
 from dflash_common.drafter.layer_ids import check_layer_ids
 from dflash_common.fsutil import atomic_write_text
+from train.baseline_cache import BaselineCache
 from train.eval_config import EvalConfig, GenerationSection
 from train.spec_decode import (
     Decoded, DFlashProposer, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
@@ -182,6 +183,7 @@ class Settings:
     seed: int
     baseline: bool  # also decode with the target alone
     check_lossless: bool  # greedy, with a baseline to compare against
+    baseline_cache: BaselineCache | None = None  # the target-alone decodes of earlier evaluations
 
 
 def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, block_size: int,
@@ -219,10 +221,17 @@ def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int]
     )
     base = None
     if s.baseline:
-        base = target_generate(
-            target, ids, max_new_tokens=s.max_new_tokens, stop_ids=s.stop_ids, sampling=s.sampling,
-            generator=_generator(target.device, s.seed + index),
-        )
+        cache, key = s.baseline_cache, None
+        if cache is not None:
+            key = cache.key(ids, s.max_new_tokens, s.sampling, s.seed + index, s.stop_ids)
+            base = cache.get(key)
+        if base is None:
+            base = target_generate(
+                target, ids, max_new_tokens=s.max_new_tokens, stop_ids=s.stop_ids, sampling=s.sampling,
+                generator=_generator(target.device, s.seed + index),
+            )
+            if cache is not None:
+                cache.put(key, base)
     mismatch = first_mismatch(spec.tokens, base.tokens) if s.check_lossless else None
     return PromptResult(name, len(ids), spec, base, mismatch)
 
@@ -443,6 +452,9 @@ def evaluate_drafter(model, tokenizer, drafter: Drafter, cfg: EvalConfig, prompt
     s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
                       stop_token_ids(model, tokenizer))
     target = TargetRunner(model, drafter.layer_ids)
+    if cfg.check.baseline and cfg.check.baseline_cache:
+        s = dataclasses.replace(s, baseline_cache=BaselineCache.open(
+            cfg.check.baseline_cache, cfg.target.path, cfg.target.dtype, str(target.device)))
     results = decode_prompts(target, drafter, prompts, s, tokenizer=tokenizer,
                              template_kwargs=cfg.prompts.chat_template_kwargs, warmup=cfg.generation.warmup)
     report = summarize(results, s)

@@ -410,3 +410,49 @@ def test_eval_config_refuses_a_lossless_check_without_its_reference():
     assert load_config(EvalConfig, None, ["--check.baseline=false", "--check.lossless=off"]).check.baseline is False
     with pytest.raises(ConfigError, match="generation.block_size"):
         load_config(EvalConfig, None, ["--generation.block_size=1"])
+
+
+def test_baseline_cache_decodes_the_target_alone_once_and_keys_on_the_target(tiny, runner, prompts, tiny_target,
+                                                                           tmp_path, monkeypatch):
+    """--check.baseline_cache: a second evaluation reads the target-alone decodes back (same report, no
+    target-alone decoding), a cached reference that differs is still caught by the lossless check, and
+    another target (other weight bytes) misses."""
+    import shutil
+
+    import train.evaluate as evaluate_module
+
+    model, tok = tiny
+    block, cache = 4, tmp_path / "baseline"
+    cfg = load_config(EvalConfig, None, ["--generation.max_new_tokens=9", f"--target.path={tiny_target}",
+                                         f"--check.baseline_cache={cache}", "--generation.warmup=false"])
+    items = [Prompt(str(i), ids=p) for i, p in enumerate(prompts[:3])]
+    oracle = OracleDrafter(greedy_continuations(runner, prompts[:3], 9), block, model.config.vocab_size,
+                           corrupt=lambda pos: pos % 3 == 0)
+    first = evaluate_drafter(model, tok, oracle, cfg, items)
+    entries = sorted(cache.glob("*.json"))
+    assert len(entries) == 3 and first["lossless"]["ok"] is True
+
+    def no_target_alone(*args, **kwargs):
+        raise AssertionError("the target alone was decoded again")
+
+    monkeypatch.setattr(evaluate_module, "target_generate", no_target_alone)
+    second = evaluate_drafter(model, tok, oracle, cfg, items)
+    for key in ("tau", "tau_pooled", "num_cycles", "target_tokens_per_s", "lossless"):
+        assert second[key] == first[key], key
+
+    entry = json.loads(entries[0].read_text())  # a reference that differs from the speculative output
+    entry["tokens"][3] = (entry["tokens"][3] + 1) % model.config.vocab_size
+    entries[0].write_text(json.dumps(entry))
+    assert evaluate_drafter(model, tok, oracle, cfg, items)["lossless"]["ok"] is False
+
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_target, other)
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor: another checkpoint, same config
+    weights.write_bytes(bytes(data))
+    monkeypatch.undo()
+    cfg_other = load_config(EvalConfig, None, ["--generation.max_new_tokens=9", f"--target.path={other}",
+                                               f"--check.baseline_cache={cache}", "--generation.warmup=false"])
+    evaluate_drafter(model, tok, oracle, cfg_other, items)
+    assert len(list(cache.glob("*.json"))) == 6  # three more entries: nothing of the first target was reused
