@@ -1,39 +1,96 @@
 #!/usr/bin/env bash
-# The whole quality benchmark as one command on one H200 (the device tool's run), inside a deadline:
-#   bash benchmarks/quality/device.sh [DEADLINE_S] [VARIANTS] [SEEDS]
+# The quality benchmark's GPU stages as one command on one H200 (the device tool's run), inside a deadline:
+#
+#   bash benchmarks/quality/device.sh DEADLINE_S STAGES VARIANTS SEEDS [TRAIN_PROMPTS]
+#   e.g. bash benchmarks/quality/device.sh 560 target,data,drafters baseline,dpace 0,1,2
+#
+# STAGES is a comma list of target, data, drafters (the heldout, eval and table stages run where
+# dflash-eval runs: a CPU will do, see docs/benchmarks.md); with target/ and data/ carried in, `data`
+# only rebuilds the training store from them. Artefacts travel both ways as tar parts of
+# at most 15 MiB (the device tool returns at most 8 files of 16 MiB): parts found in .carry/ are
+# unpacked into the work directory first, and what this call made is packed into $OUT as
+#   base.tgz.part-*   target/ and data/ (after the data stage, so they come back even if training runs late)
+#   runs.tgz.part-*   every finished drafter (bf16), its metrics, run record and path tau, and the logs
+# With data/heldout.jsonl carried in (heldout.tgz.part-*: the held-out answers made where dflash-eval
+# runs), every finished run's path tau on them comes back too (offline_heldout.json).
+# Unpack here with: cat OUT/base.tgz.part-* | tar xz -C WORK (the same for runs.tgz.part-*).
 # The machine has no network and lacks zarr, numcodecs, torchdata, crc32c, donfig and tomli-w: they
-# travel as wheels in .whl/ (docs/benchmarks.md). Results, logs and the run table land in $OUT.
+# travel as wheels in .whl/ (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-DEADLINE=${1:-570}
-VARIANTS=${2:-baseline,dpace,label}
-SEEDS=${3:-0,1}
-EXTRA=${4:---no-heldout-store}
+START=$(date +%s)
+DEADLINE=${1:-560}
+STAGES=${2:-target,data,drafters}
+VARIANTS=${3:-baseline,dpace}
+SEEDS=${4:-0,1,2}
+TRAIN_PROMPTS=${5:-5000}
 OUT=${OUT:-/tmp/quality-out}
-W=/tmp/quality
+W=${QUALITY_WORK:-/tmp/quality}
 mkdir -p "$OUT" "$W"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import zarr, numcodecs, torchdata, crc32c, tomli_w" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 TOKENIZERS_PARALLELISM=true
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/machine.txt" 2>&1
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
-  >> "$OUT/machine.txt" 2>&1
-# keep what exists in $OUT every 20 s, so a run stopped at its limit still reports
-snapshot() {
-  cp -f "$W"/results.md "$W"/results.json "$W"/target/report.json "$OUT"/ 2>/dev/null
-  tar czf "$OUT/logs.tgz" -C "$W" --exclude='*.safetensors' --exclude='*.pt' --exclude='stores' --exclude='tensorboard' \
-    --exclude='target/model*' --exclude='data' logs runs target/manifest.json 2>/dev/null
+for name in base heldout runs; do  # artefacts of earlier calls
+  if ls .carry/$name.tgz.part-* >/dev/null 2>&1 && [ ! -f "$W/.unpacked-$name" ]; then
+    cat .carry/$name.tgz.part-* | tar xz -C "$W" && touch "$W/.unpacked-$name"
+  fi
+done
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  nproc; } > "$OUT/machine.txt" 2>&1
+# QUALITY_EXTRA=--tiny and TARGET_ARGS= run this script's plumbing on a CPU in minutes
+COMMON=(--work "$W" --train-prompts "$TRAIN_PROMPTS" --eval-prompts 200 --max-new-tokens 128 ${QUALITY_EXTRA:-})
+TARGET_ARGS=${TARGET_ARGS---compile --steps 1500 --corpus-mb 100}
+pack() {  # pack NAME PATHS... (relative to $W) -> $OUT/NAME.tgz.part-*
+  local name=$1; shift
+  rm -f "$OUT/$name".tgz.part-*
+  tar cf - -C "$W" --exclude='step-*' --exclude='tensorboard' --exclude='*.partial' --exclude='.dflash.lock' "$@" \
+    | gzip -1 | split -b 15M - "$OUT/$name.tgz.part-"
+  ls -la "$OUT"/"$name".tgz.part-*
 }
-(while sleep 20; do snapshot; done) &
-SNAP=$!
-python3 benchmarks/quality/run.py --work "$W" --stage all --variants "$VARIANTS" --seeds "$SEEDS" \
-  --deadline-s "$DEADLINE" --target-args "--compile --steps 1500 --corpus-mb 100" --generate-timeout-s 120 \
-  --train-prompts 4000 --eval-prompts 200 --max-new-tokens 128 $EXTRA 2>&1 | tee "$OUT/run.log"
-python3 benchmarks/quality/run.py --work "$W" --stage table --variants "$VARIANTS" --seeds "$SEEDS" \
-  --train-prompts 4000 --eval-prompts 200 --max-new-tokens 128 $EXTRA >> "$OUT/run.log" 2>&1
-kill $SNAP 2>/dev/null
-snapshot
+elapsed() { echo $(( $(date +%s) - START )); }
+log() { echo "[device.sh $(elapsed) s] $*"; }
+{
+  if [[ ,$STAGES, == *,target,* ]]; then
+    log "target"
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage target \
+      --target-args "$TARGET_ARGS" || exit 1
+  fi
+  if [[ ,$STAGES, == *,data,* ]]; then
+    log "data"
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage data --generate-timeout-s 150 || exit 1
+    if [ ! -f "$W/.unpacked-base" ]; then  # new here: send it back
+      log "pack base"
+      pack base target data
+    fi
+  fi
+  if [[ ,$STAGES, == *,drafters,* ]]; then
+    log "GPU check: the compiled flex kernel without grad on a few blocks (validation's path replay)"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/dflash_common/drafter/test_drafter.py -k "flex" || exit 1
+    LEFT=$(( DEADLINE - $(elapsed) - 90 ))  # the path-tau reports and the packing after it
+    log "drafters $VARIANTS x $SEEDS, deadline in $LEFT s"
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage drafters --variants "$VARIANTS" --seeds "$SEEDS" \
+      --deadline-s "$LEFT"
+    if [ -f "$W/data/heldout.jsonl" ]; then  # answered where dflash-eval runs; carried in as heldout.tgz
+      log "path tau of every finished run on the held-out answers"
+      python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout
+      python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --evals offline_heldout \
+        --variants "$VARIANTS" --seeds "$SEEDS" --deadline-s $(( DEADLINE - $(elapsed) ))
+    fi
+    log "pack runs"
+    # this call's runs only (a warm machine keeps earlier ones): finished drafters, and every run's log,
+    # metrics and run record (how far it got)
+    FILES=()
+    for v in ${VARIANTS//,/ }; do for s in ${SEEDS//,/ }; do
+      for f in runs/$v/train-seed-$s.log runs/$v/seed-$s/{drafter,metrics.jsonl,run.toml,run.json,bench_manifest.json,offline_heldout.json}; do
+        [ -e "$W/$f" ] && FILES+=("$f")
+      done
+    done; done
+    pack runs $(cd "$W" && ls -d logs 2>/dev/null) "${FILES[@]}"
+  fi
+  log "done"
+} 2>&1 | tee "$OUT/run.log"
 ls -la "$OUT"

@@ -1,27 +1,31 @@
 """Quality benchmark runner: a small real target, its own greedy data, drafters over seeds, tau.
 
     python benchmarks/quality/run.py --work runs/quality --stage all      # or one stage at a time:
-    python benchmarks/quality/run.py --work runs/quality --stage target   # target.py, ~4 min on an H200
-    python benchmarks/quality/run.py --work runs/quality --stage data     # greedy answers + two stores
+    python benchmarks/quality/run.py --work runs/quality --stage target   # target.py, ~2 min on an H200
+    python benchmarks/quality/run.py --work runs/quality --stage data     # dflash-generate + training store
+    python benchmarks/quality/run.py --work runs/quality --stage heldout  # held-out answers + store (CPU is fine)
     python benchmarks/quality/run.py --work runs/quality --stage drafters --variants baseline --seeds 0,1,2
     python benchmarks/quality/run.py --work runs/quality --stage eval     # dflash-eval + offline, per run
     python benchmarks/quality/run.py --work runs/quality --stage table    # results.md / results.json
     python benchmarks/quality/run.py --work /tmp/q --tiny --stage all     # the whole chain on a CPU
 
 Stages and what they leave in --work (a stage whose output has a matching manifest is skipped):
-1. target/: benchmarks/quality/target.py (HF model dir, prompts/train.jsonl, prompts/heldout.jsonl).
-2. data/: greedy answers of the target, as token records (`input_ids` + `loss_mask`: the target's own
-   tokens, never re-tokenised text): train.jsonl from the training prompts (batched generate), heldout.jsonl
-   from the first --eval-prompts held-out prompts with dflash-eval's own baseline loop (`target_generate`,
-   float32), so path tau replays exactly what dflash-eval's target emits; heldout_prompts.jsonl holds the
-   same prompts as messages for dflash-eval. Then dflash-precompute writes stores/train and stores/heldout
-   (float32 target, bf16 states).
-3. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
-   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below).
-4. per run: eval.json (dflash-eval, float32, lossless required), offline_heldout.json and
+1. target/: benchmarks/quality/target.py (HF model dir, bf16 weights, prompts/train.jsonl,
+   prompts/heldout.jsonl).
+2. data/: the target's greedy answers to the training prompts by dflash-generate (data/generated/, text
+   conversations that precompute tokenises; batched HF generate into train.jsonl token records is the
+   fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as messages for
+   dflash-eval); then dflash-precompute writes stores/train (float32 target, bf16 states, final states).
+3. data/heldout.jsonl: the held-out prompts answered one by one by dflash-eval's own baseline loop
+   (`target_generate`, float32) on this stage's device, as token records, so path tau replays exactly what
+   dflash-eval's target emits there; then stores/heldout. Cheap enough for a CPU: run it where dflash-eval runs.
+4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
+   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below). At the
+   deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same command resumes it.
+5. per run: eval.json (dflash-eval, float32, lossless required), offline_heldout.json and
    offline_train.json (dflash-eval --offline: the estimate and path tau on the held-out store and on the
-   training store's held-out split), all runs side by side.
-5. results.md / results.json: per variant, mean +- sd over seeds.
+   training store's held-out split), at most --parallel processes at a time.
+6. results.md / results.json: per variant, mean +- sd over seeds.
 
 CLIs run as `python -m ...` from the repository root with PYTHONPATH=. (no console scripts needed).
 """
@@ -46,14 +50,21 @@ VARIANTS: dict[str, list[str]] = {
     "label": ["--objective.anchors=label"],  # every anchor with one valid label (SpecForge HEAD's rule)
     "dpace": ["--objective.weights=dpace"],  # D-PACE position weights instead of exp(-(k-1)/gamma)
     "label+dpace": ["--objective.anchors=label", "--objective.weights=dpace"],
+    "gamma4": ["--objective.gamma=4"],  # a faster decay: small drafters accept few tokens per block
+    "lr2x": ["--optim.lr=1.2e-3"],
+    "ema": ["--regularise.ema=0.99"],  # ~100-step average (a run is ~500 steps)
+    "noise": ["--regularise.noise=0.1"],
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
+    "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution
     "label+dspark+prompt": ["--objective.anchors=label", "--targets.soft=dspark", "--targets.prompt_anchors=true"],
+    # not at equal steps: 4x the optimiser steps over the same data (a recipe knob, reported apart)
+    "batch4k": ["--data.batch_tokens=4096"],
 }
 
 # The DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's), 3 draft
 # layers, 6 epochs, AdamW 6e-4 cosine with 4% warmup (train/config.py defaults).
 RECIPE = ["--drafter.block_size=16", "--drafter.depth=3", "--optim.epochs=6", "--optim.lr=6e-4",
-          "--data.batch_tokens=16384", "--data.cache_gb=8", "--data.holdout_sequences=256",
+          "--data.batch_tokens=16384", "--data.cache_gb=5", "--data.holdout_sequences=256",
           "--validation.every_steps=500", "--checkpoint.every_steps=1000", "--log.every_steps=50",
           "--log.progress=false"]
 TINY_RECIPE = ["--drafter.block_size=8", "--drafter.depth=1", "--optim.epochs=2", "--optim.lr=3e-3",
@@ -89,6 +100,7 @@ def launch(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 DEADLINE: float | None = None  # time.time() after which running processes are stopped (--deadline-s)
+STOP_GRACE_S = 30.0  # SIGTERM first, SIGKILL this long after
 
 
 def wait_all(procs: list[tuple[subprocess.Popen, Path]], *, strict: bool = True) -> list[Path]:
@@ -98,8 +110,12 @@ def wait_all(procs: list[tuple[subprocess.Popen, Path]], *, strict: bool = True)
         try:
             p.wait(timeout=None if DEADLINE is None else max(1.0, DEADLINE - time.time()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            p.terminate()  # dflash-train saves a checkpoint at the end of its step: a rerun resumes it
+            try:
+                p.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
     bad = [log for p, log in procs if p.returncode != 0]
     if bad:
         msg = f"{len(bad)} process(es) failed or ran past the deadline; see {', '.join(map(str, bad))}"
@@ -188,33 +204,16 @@ def start_generate(args, data: Path) -> subprocess.Popen:
     return launch(cmd, args.work / "logs" / "generate.log")
 
 
-def generate(args, data: Path) -> str:
-    """heldout.jsonl (token records) and heldout_prompts.jsonl (messages) in `data`, and the training
-    answers: data/generated/ by dflash-generate (returned: "generated"), or train.jsonl token records by
-    batched HF generate ("train.jsonl") when asked or when dflash-generate failed."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash_common.chat import ChatTemplate
-    from train.evaluate import stop_token_ids
-    from train.spec_decode import TargetRunner, target_generate
-
+def train_answers(args, data: Path) -> str:
+    """The training answers and heldout_prompts.jsonl (messages, for dflash-eval) in `data`: data/generated/
+    by dflash-generate (returned: "generated"), or train.jsonl token records by batched HF generate
+    ("train.jsonl") when asked or when dflash-generate failed."""
     target, t0 = args.work / "target", time.perf_counter()
-    job = start_generate(args, data) if args.train_data == "generate" else None
-    tok = AutoTokenizer.from_pretrained(target)
-    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
-    stops, template = stop_token_ids(model, tok), ChatTemplate(tok, {})
-    held_messages = read_prompts(target / "prompts" / "heldout.jsonl", args.eval_prompts)
-    if args.heldout_store:
-        held = [template.prompt_ids(m) for m in held_messages]
-        runner = TargetRunner(model, [])  # dflash-eval's own baseline loop: the replay sees what eval's target says
-        held_answers = [target_generate(runner, p, max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens
-                        for p in held]
-        write_records(data / "heldout.jsonl", held, held_answers)
     with open(data / "heldout_prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"messages": m}) + "\n" for m in held_messages)
-    if job is not None:
+        f.writelines(json.dumps({"messages": m}) + "\n"
+                     for m in read_prompts(target / "prompts" / "heldout.jsonl", args.eval_prompts))
+    if args.train_data == "generate":
+        job = start_generate(args, data)
         try:
             if job.wait(timeout=max(1.0, args.generate_timeout_s - (time.perf_counter() - t0))) == 0:
                 return "generated"
@@ -223,10 +222,26 @@ def generate(args, data: Path) -> str:
             job.wait()
         print(f"dflash-generate failed or took over {args.generate_timeout_s:.0f} s (see logs/generate.log); "
               "training answers by batched HF generate instead", flush=True)
+    model, tok, stops, template = load_target(args)
     train = [template.prompt_ids(m) for m in read_prompts(target / "prompts" / "train.jsonl", args.train_prompts)]
     answers = greedy_batched(model, train, args.max_new_tokens, stops, tok.pad_token_id, batch=256)
     write_records(data / "train.jsonl", train, answers)
     return "train.jsonl"
+
+
+def load_target(args):
+    """The target in float32 on the benchmark's device, its tokenizer, stop ids and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_common.chat import ChatTemplate
+    from train.evaluate import stop_token_ids
+
+    target = args.work / "target"
+    tok = AutoTokenizer.from_pretrained(target)
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    return model, tok, stop_token_ids(model, tok), ChatTemplate(tok, {})
 
 
 def precompute(args, records: Path, store: Path) -> subprocess.Popen:
@@ -240,28 +255,56 @@ def precompute(args, records: Path, store: Path) -> subprocess.Popen:
     return launch(cmd, args.work / "logs" / f"precompute-{store.name}.log")
 
 
-def stage_data(args) -> None:
-    data, want = args.work / "data", settings(args)
+def data_settings(args) -> dict:
     target_manifest = (args.work / "target" / "manifest.json").read_bytes()
-    want = {**want, "target": hashlib.sha256(target_manifest).hexdigest()}
+    return {**settings(args), "target": hashlib.sha256(target_manifest).hexdigest()}
+
+
+def build_store(args, name: str, records: Path, want: dict) -> None:
+    store = args.work / "stores" / name
+    if not matches(store / "bench_manifest.json", want):
+        wait_all([(precompute(args, records, store), args.work / "logs" / f"precompute-{name}.log")])
+        write_manifest(store / "bench_manifest.json", want)
+
+
+def stage_data(args) -> None:
+    """The target answers the training prompts (dflash-generate), then the training store."""
+    data, want = args.work / "data", data_settings(args)
     if matches(data / "manifest.json", want):
         print(f"{data}: data with these settings is there; skipping")
     else:
         data.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        train_input = generate(args, data)
+        train_input = train_answers(args, data)
         write_manifest(data / "manifest.json", want, generate_s=round(time.perf_counter() - t0, 1),
                        train_input=train_input)
-    train_input = json.loads((data / "manifest.json").read_text())["train_input"]
-    jobs = []
-    inputs = [("train", data / train_input)] + ([("heldout", data / "heldout.jsonl")] if args.heldout_store else [])
-    for name, records in inputs:
-        store = args.work / "stores" / name
-        if not matches(store / "bench_manifest.json", want):
-            jobs.append((store, precompute(args, records, store)))
-    wait_all([(p, args.work / "logs" / f"precompute-{store.name}.log") for store, p in jobs])
-    for store, _ in jobs:
-        write_manifest(store / "bench_manifest.json", want)
+    build_store(args, "train", data / json.loads((data / "manifest.json").read_text())["train_input"], want)
+
+
+def stage_heldout(args) -> None:
+    """The held-out prompts answered one by one by dflash-eval's own baseline loop (float32), so path tau
+    replays exactly what dflash-eval's target emits on this device; then the held-out store. Answers made
+    on another device are kept (the manifest says which): dflash-eval must then run there too."""
+    import torch
+
+    from train.spec_decode import TargetRunner, target_generate
+
+    data, want = args.work / "data", data_settings(args)
+    want = {k: v for k, v in want.items() if k not in ("device", "train_prompts")}
+    if not matches(data / "heldout_manifest.json", want):
+        model, _, stops, template = load_target(args)
+        held = [template.prompt_ids(m) for m in read_prompts(data / "heldout_prompts.jsonl", 0)]
+        runner = TargetRunner(model, [])
+        answers = [target_generate(runner, p, max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens
+                   for p in held]
+        write_records(data / "heldout.jsonl", held, answers)
+        device = next(model.parameters()).device
+        write_manifest(data / "heldout_manifest.json", want, device=str(device),
+                       device_name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    else:
+        made = json.loads((data / "heldout_manifest.json").read_text()).get("device_name")
+        print(f"{data / 'heldout.jsonl'}: held-out answers made on {made} are there; keeping them")
+    build_store(args, "heldout", data / "heldout.jsonl", want)
 
 
 # ---------------------------------------------------------------- 3. drafters
@@ -290,9 +333,9 @@ def stage_drafters(args) -> None:
             procs.append((launch(cmd, out.parent / f"train-seed-{seed}.log"), out, cmd))
     bad = wait_all([(p, out.parent / f"train-seed-{out.name[5:]}.log") for p, out, _ in procs], strict=False)
     for p, out, cmd in procs:
-        if p.returncode == 0:
+        if p.returncode == 0 and (out / "drafter").is_dir():  # a run stopped at the deadline has none
             write_manifest(out / "bench_manifest.json", {"command": cmd[1:]})
-    if len(bad) == len(procs) and procs:
+    if procs and all(not (out / "drafter").is_dir() for _, out, _ in procs):
         raise SystemExit("every training run failed")
 
 
@@ -306,7 +349,9 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
               f"--target.device={'cpu' if args.device == 'cpu' else 'auto'}"]
     return {
         "eval": common + [f"--prompts.files={json.dumps([str(data / 'heldout_prompts.jsonl')])}",
-                          "--target.dtype=float32", "--check.lossless=error", "--report", str(out / "eval.json")],
+                          "--target.dtype=float32", "--check.lossless=error", "--report", str(out / "eval.json"),
+                          # every run is evaluated on the same target and prompts: decode the target alone once
+                          f"--check.baseline_cache={args.work / 'baseline-cache'}"],
         "offline_heldout": common + ["--offline", "--store", str(args.work / "stores" / "heldout"),
                                      "--offline.holdout_sequences=100000000", "--report",
                                      str(out / "offline_heldout.json")],
@@ -318,12 +363,12 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
 def stage_eval(args) -> None:
     """Every run's reports, at most --parallel processes at a time, the quick offline figures first."""
     todo = []
-    for name in ("offline_heldout", "eval", "offline_train"):
+    for name in args.evals:
         for variant in args.variants:
             for seed in args.seeds:
                 out = run_dir(args, variant, seed)
-                if name == "offline_heldout" and not args.heldout_store:
-                    continue
+                if name == "offline_heldout" and not (args.work / "stores" / "heldout").is_dir():
+                    continue  # no heldout stage yet
                 if (out / "drafter").is_dir() and not (out / f"{name}.json").is_file():
                     todo.append((eval_commands(args, out)[name], out.parent / f"{name}-seed-{seed}.log"))
     running: list[tuple[subprocess.Popen, Path]] = []
@@ -409,8 +454,8 @@ def stage_table(args) -> None:
 
 # ---------------------------------------------------------------- main
 
-STAGES = {"target": stage_target, "data": stage_data, "drafters": stage_drafters, "eval": stage_eval,
-          "table": stage_table}
+STAGES = {"target": stage_target, "data": stage_data, "heldout": stage_heldout, "drafters": stage_drafters,
+          "eval": stage_eval, "table": stage_table}
 
 
 def parse(argv=None):
@@ -430,10 +475,10 @@ def parse(argv=None):
     p.add_argument("--train-data", default="generate", choices=["generate", "hf"],
                    help="training answers by dflash-generate (text conversations, re-tokenised by precompute) "
                         "or by batched HF generate (token records); generate falls back to hf if it fails")
-    p.add_argument("--heldout-store", action=argparse.BooleanOptionalAction, default=True,
-                   help="also answer the held-out prompts with dflash-eval's own loop and store them, for path tau on "
-                        "exactly the prompts dflash-eval decodes (--no-heldout-store saves that time)")
     p.add_argument("--parallel", type=int, default=16, help="evaluation processes at a time")
+    p.add_argument("--evals", default="offline_heldout,eval,offline_train",
+                   help="the eval stage's reports, in this order: offline_heldout (path tau and the estimate on "
+                        "the held-out store), eval (dflash-eval), offline_train (the training store's split)")
     p.add_argument("--generate-timeout-s", type=float, default=1e9,
                    help="fall back to batched HF generate if dflash-generate takes longer than this")
     p.add_argument("--deadline-s", type=float, default=0,
@@ -445,6 +490,9 @@ def parse(argv=None):
     if unknown:
         p.error(f"unknown variant(s) {unknown}; define them in VARIANTS in {__file__}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.evals = [e for e in args.evals.split(",") if e]
+    if set(args.evals) - {"offline_heldout", "eval", "offline_train"}:
+        p.error(f"--evals: unknown report(s) {sorted(set(args.evals) - {'offline_heldout', 'eval', 'offline_train'})}")
     if args.tiny:  # the tiny target's whitespace answers re-tokenise shorter than a block: keep its tokens
         args.device, args.eval_prompts, args.max_new_tokens = "cpu", min(args.eval_prompts, 8), 32
         args.train_data = "hf"

@@ -33,7 +33,8 @@ text: a random-weight target answers with noise no drafter can learn. This stage
    prompts: how many end in a loop (the last --loop-window tokens repeat with a period of at most
    --loop-max-period tokens), how many end by repeating one line 3 times, how many end with <|im_end|>.
    A table on stdout, report.json on disk.
-6. Output (--out, HF layout): config.json (with top-level rope_theta), model.safetensors (fp32),
+6. Output (--out, HF layout): config.json (with top-level rope_theta), model.safetensors (bf16: the
+   weights are rounded to bf16 after training, and the report is measured on the rounded weights),
    generation_config.json (eos <|im_end|>, greedy), tokenizer files and chat template, manifest.json,
    report.json, train_log.jsonl, corpus_files.jsonl, and the prompts of the next stage in OpenAI
    `messages` JSONL: prompts/train.jsonl (from training files; functions kept out of the chat samples)
@@ -165,7 +166,7 @@ class TargetConfig:
     def settings(self, device: str) -> dict:
         """What the cache compares: every field that changes the result, and the device it ran on."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_SETTINGS}
-        return {**fields, "device": device, "python": sys.version.split()[0]}
+        return {**fields, "device": device, "python": sys.version.split()[0], "weights": "bf16"}
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -585,8 +586,17 @@ def print_report(report: dict, training: dict, params: int) -> None:
 
 # ------------------------------------------------------------------------------------------ output, cache
 
+@torch.no_grad()
+def round_to_bf16(model) -> None:
+    """Round every weight to bf16 in place (kept in float32): the target is saved in bf16, as released
+    checkpoints are (half the bytes to move between machines), and every later stage loads those exact
+    values (upcast to float32 where it runs in float32), so the report is measured on them too."""
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())
+
+
 def save_target(model, tokenizer, path: Path) -> None:
-    """HF layout: model (fp32), tokenizer + chat template, greedy generation config ending at <|im_end|>."""
+    """HF layout: model (bf16), tokenizer + chat template, greedy generation config ending at <|im_end|>."""
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig(
@@ -703,6 +713,7 @@ def run(cfg: TargetConfig) -> Path:
     print(f"model: {params / 1e6:.2f} M parameters; {len(data['train_rows']):,} training rows of {cfg.seq_len}")
     with timed("train", timings):
         training = train(model, data["train_rows"], cfg, device, partial / "train_log.jsonl")
+    round_to_bf16(model)  # the target *is* its bf16 weights from here on: report, save, every later stage
     with timed("report", timings):
         report = quality_report(model, data["tokenizer"], data["heldout_rows"], data["prompts"]["heldout"], cfg, device)
     report.update(training=training, parameters=params)
@@ -718,7 +729,7 @@ def run(cfg: TargetConfig) -> Path:
         "prompts": {"train": "prompts/train.jsonl", "heldout": "prompts/heldout.jsonl",
                     "train_count": len(data["prompts"]["train"]), "heldout_count": len(data["prompts"]["heldout"])},
     }
-    write_outputs(partial, model.cpu().float(), data, manifest, report)
+    write_outputs(partial, model.cpu().to(torch.bfloat16), data, manifest, report)
     publish(partial, out)
     print(f"wrote {out}")
     return out
