@@ -579,7 +579,7 @@ class DFlashDrafter(nn.Module):
         x = self.embed(self._block_ids(input_ids[layout.anchors], b)).flatten(0, 1)  # [A, B] -> [A*B, H]
         rope_blk = self.rotary(layout.block_positions().flatten())
         modes = [self.cfg.layer_mode(i) for i in range(len(self.layers))]
-        attend = _flex_attend({m: layout.block_mask(*m) for m in set(modes)}, self.cfg.head_dim)
+        attend = _block_attend(layout, set(modes), self.cfg.head_dim, x.device)
         for layer, mode, (ctx_k, ctx_v) in zip(self.layers, modes, context_kv):
             x = layer(x, ctx_k, ctx_v, rope_blk, attend, mode)
         return self.norm(x).unflatten(0, (a, b))  # [A*B, H] -> [A, B, H]
@@ -766,6 +766,21 @@ def _flex_fn(device: torch.device) -> Callable:
     return _compiled_flex
 
 
+FLEX_ON_CPU = False  # tests set it to run the flex path (eager or inductor-compiled) on the CPU too
+# The CPU path's chunks: query rows at most, and scores one chunk may hold (x 4 bytes), at any batch size.
+_CPU_ROWS_PER_CHUNK = 1024
+_CPU_SCORES_PER_CHUNK = 1 << 25
+
+
+def _block_attend(layout: "BlockLayout", modes: set[LayerMode], head_dim: int, device: torch.device) -> Attend:
+    """The blocks' sparse attention: compiled flex on the GPU; on the CPU, dense attention over chunks
+    of query rows, whose masks come from the same row intervals (flex's eager CPU path materialises
+    every score of the batch at once: ~17 GiB for one validation batch of the quality benchmark)."""
+    if device.type == "cuda" or FLEX_ON_CPU:
+        return _flex_attend({m: layout.block_mask(*m) for m in modes}, head_dim)
+    return _chunked_attend({m: layout.row_intervals(*m) for m in modes}, head_dim)
+
+
 def _flex_attend(masks: dict[LayerMode, BlockMask], head_dim: int) -> Attend:
     def attend(q, k, v, mode):
         # [R, heads, D] -> [1, heads, R, D]
@@ -781,6 +796,38 @@ def _flex_attend(masks: dict[LayerMode, BlockMask], head_dim: int) -> Attend:
                 out = _flex_fn(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa,
                                          kernel_options=_FLEX_OPTIONS if q.device.type == "cuda" else None)
         return out[0].transpose(0, 1)
+
+    return attend
+
+
+def _chunked_attend(intervals: dict[LayerMode, tuple[torch.Tensor, ...]], head_dim: int) -> Attend:
+    """Attention of query rows over key columns given, per row, two visible intervals (context, block):
+    SDPA with a boolean mask, a chunk of rows at a time, over only the key columns the chunk's intervals
+    span (consecutive blocks share a sequence: a few hundred context columns and the chunk's own block
+    keys, not the whole batch). Without grad (validation, the offline estimate) memory stays bounded at
+    any batch size; with grad, autograd keeps every chunk for the backward."""
+
+    def attend(q, k, v, mode):
+        ctx_lo, ctx_hi, blk_lo, blk_hi = intervals[mode]  # [R] each
+        heads, out, r0 = q.shape[1], [], 0
+        while r0 < q.shape[0]:
+            r1 = min(q.shape[0], r0 + _CPU_ROWS_PER_CHUNK)
+            while True:  # fewer rows while the chunk's scores would pass the budget
+                spans = [(int(lo[r0:r1].min()), int(hi[r0:r1].max())) for lo, hi in ((ctx_lo, ctx_hi), (blk_lo, blk_hi))]
+                width = sum(max(0, b - a) for a, b in spans)
+                if r1 - r0 == 1 or (r1 - r0) * heads * width <= _CPU_SCORES_PER_CHUNK:
+                    break
+                r1 = r0 + (r1 - r0) // 2
+            cols = torch.cat([torch.arange(a, b, device=k.device) for a, b in spans])  # [W] key columns
+            r = slice(r0, r1)
+            mask = (((cols >= ctx_lo[r, None]) & (cols < ctx_hi[r, None]))
+                    | ((cols >= blk_lo[r, None]) & (cols < blk_hi[r, None])))  # [rows, W]
+            k_, v_ = (x[cols].transpose(0, 1)[None] for x in (k, v))  # [1, nkv, W, D]
+            out.append(F.scaled_dot_product_attention(
+                q[r].transpose(0, 1)[None], k_, v_, attn_mask=mask, scale=head_dim**-0.5,
+                enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1))  # [rows, nh, D]
+            r0 = r1
+        return torch.cat(out)
 
     return attend
 

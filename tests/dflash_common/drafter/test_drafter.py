@@ -197,13 +197,25 @@ LAYER_TYPES = {"mixed": ["sliding_attention", "full_attention"], "sliding": ["sl
 
 
 @pytest.mark.parametrize("types", sorted(LAYER_TYPES))
-@pytest.mark.parametrize("grad", [False, True], ids=["flex-eager", "dense-fallback-with-grad"])
-def test_training_forward_matches_dense_reference(tiny_target, grad, types):
+@pytest.mark.parametrize("path", ["chunked", "chunked-with-grad", "flex-eager", "flex-dense-with-grad",
+                                  "chunked-one-row-a-time", "chunked-few-rows"])
+def test_training_forward_matches_dense_reference(tiny_target, path, types, monkeypatch):
+    """Every attention path of the training forward: the CPU's chunked dense attention (with and without
+    a gradient, and with one query row per chunk), and the flex path the GPU runs (eager flex_attention;
+    with a gradient, its mask_mod densified), against the rule written another way."""
+    import dflash_common.drafter.model as drafter_module
+
     window = 5 if "sliding_attention" in LAYER_TYPES[types] else None
     cfg = tiny_config(tiny_target, layer_types=LAYER_TYPES[types], sliding_window=window)
     drafter = tiny_drafter(cfg)
     context, input_ids, cu = packed_batch(cfg)
-    with torch.set_grad_enabled(grad):  # with a gradient on the CPU, the dense fallback runs
+    grad = path.endswith("with-grad")
+    monkeypatch.setattr(drafter_module, "FLEX_ON_CPU", path.startswith("flex"))
+    if path == "chunked-one-row-a-time":
+        monkeypatch.setattr(drafter_module, "_CPU_SCORES_PER_CHUNK", 1)
+    if path == "chunked-few-rows":  # chunks that end inside a block and span two sequences
+        monkeypatch.setattr(drafter_module, "_CPU_ROWS_PER_CHUNK", 5)
+    with torch.set_grad_enabled(grad):
         got = drafter(context, input_ids, cu, torch.tensor(ANCHORS))
     with torch.no_grad():
         want = _reference(drafter, context, input_ids, cu, ANCHORS)
@@ -397,6 +409,7 @@ def test_compiled_flex_matches_eager_and_stops_recompiling(tiny_target, monkeypa
 
     cfg = tiny_config(tiny_target)
     drafter = tiny_drafter(cfg)
+    monkeypatch.setattr(drafter_module, "FLEX_ON_CPU", True)
     torch._dynamo.reset()
     compiled = torch.compile(drafter_module.flex_attention)
     graphs = []
