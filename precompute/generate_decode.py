@@ -53,7 +53,8 @@ class Generated:
     finish_reason: str  # "stop" | "length"
 
 
-OnTokens = Callable[[int], None]  # called with the number of tokens a decode step generated
+OnTokens = Callable[[int], None]  # called with the number of tokens generated since its last call
+SYNC_EVERY = 8  # decode steps between two looks of the host at the device (stop check, progress)
 
 
 def plan_batches(lengths: Sequence[int], max_new_tokens: int, token_budget: int, max_batch: int) -> list[list[int]]:
@@ -136,16 +137,22 @@ class TransformersDecoder:
                               **{self.cache_kw: cache}, cache_position=torch.arange(width, device=self.device),
                               use_cache=True, logits_to_keep=1).logits[:, -1]
         tokens, done = [], torch.zeros(bsz, dtype=torch.bool, device=self.device)
+        live = torch.zeros((), dtype=torch.long, device=self.device)  # tokens generated since the last check
         last = positions[:, -1]
         for t in range(n_new):
             nxt = sample_next(logits, self.sampling, gens).to(self.device)
             nxt = torch.where(done, self.pad_id, nxt)  # [B]; finished rows only pad
             tokens.append(nxt)
-            if on_tokens is not None:
-                on_tokens(int((~done).sum()))
+            live += (~done).sum()
             done = done | torch.isin(nxt, stop)
-            if t == n_new - 1 or bool(done.all()):
-                break
+            # the host looks at the device only every SYNC_EVERY steps: between two looks the CPU queues
+            # the next steps' kernels while the GPU runs (finished rows decode a few pads meanwhile)
+            if t == n_new - 1 or (t + 1) % SYNC_EVERY == 0:
+                if on_tokens is not None:
+                    on_tokens(int(live))
+                live.zero_()
+                if t == n_new - 1 or bool(done.all()):
+                    break
             mask[:, width + t] = 1
             last = last + 1
             logits = self.forward(input_ids=nxt[:, None], attention_mask=mask[:, : width + t + 1],
