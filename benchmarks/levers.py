@@ -53,7 +53,9 @@ def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, de
 def time_variant(variant: str, dcfg, args, device) -> float:
     """Median seconds of one optimiser step under `variant`'s overrides."""
     cuda = device.type == "cuda"
-    overrides = [f"--precision.autocast={'bf16' if cuda else 'none'}", "--optim.grad_accum=1", *shlex.split(variant)]
+    # the paper's recipe stated (dflash-train's default weights are D-PACE): each variant's overrides come after
+    overrides = [f"--precision.autocast={'bf16' if cuda else 'none'}", "--optim.grad_accum=1",
+                 "--objective.weights=gamma", *shlex.split(variant)]
     cfg = load_config(TrainConfig, None, overrides)
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(device)

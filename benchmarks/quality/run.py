@@ -61,13 +61,16 @@ VARIANTS: dict[str, list[str]] = {
     "batch4k": ["--data.batch_tokens=4096"],
 }
 
-# The DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's), 3 draft
-# layers, 6 epochs, AdamW 6e-4 cosine with 4% warmup (train/config.py defaults).
+# The published DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's),
+# 3 draft layers, 6 epochs, AdamW 6e-4 cosine with 4% warmup, exp(-(k-1)/gamma) position weights (stated:
+# dflash-train's default weights are now D-PACE, the `dpace` variant).
 RECIPE = ["--drafter.block_size=16", "--drafter.depth=3", "--optim.epochs=6", "--optim.lr=6e-4",
+          "--objective.weights=gamma",
           "--data.batch_tokens=16384", "--data.cache_gb=5", "--data.holdout_sequences=256",
           "--validation.every_steps=500", "--checkpoint.every_steps=1000", "--log.every_steps=50",
           "--log.progress=false"]
 TINY_RECIPE = ["--drafter.block_size=8", "--drafter.depth=1", "--optim.epochs=2", "--optim.lr=3e-3",
+               "--objective.weights=gamma",
                "--data.batch_tokens=2048", "--data.cache_gb=0.05", "--data.holdout_sequences=8",
                "--data.window_shards=2", "--data.reader_threads=2", "--objective.max_anchors=32",
                "--precision.autocast=none", "--validation.every_steps=0", "--checkpoint.every_steps=1000",
@@ -410,33 +413,47 @@ def one_run(out: Path) -> dict:
             "offline_train": train.get("tau"), "offline_heldout": held.get("tau"),
             "path_tau_heldout": held.get("path_tau"), "path_tau_pooled_heldout": held.get("path_tau_pooled"),
             "path_tau_train": train.get("path_tau"), "val_path_tau": val[-1].get("path_tau") if val else None,
+            "val_tau": val[-1].get("tau") if val else None,
             "tok_s": statistics.fmean(tok_s[1:] or tok_s) if tok_s else None}
 
 
-def _ms(xs: list[float]) -> str:
+def _mean(xs: list[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
-    if not xs:
+    return statistics.fmean(xs) if xs else None
+
+
+def _ms(xs: list[float | None]) -> str:
+    """mean ± sd of the values present; '(k of n)' when some seeds have none."""
+    have = [x for x in xs if x is not None]
+    if not have:
         return "n/a"
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.fmean(xs):.3f} ± {sd:.3f}"
+    big = statistics.fmean(have) >= 1000  # tok/s
+    mean, sd = statistics.fmean(have), statistics.stdev(have) if len(have) > 1 else None
+    text = f"{mean:,.0f}" if big else f"{mean:.3f}"
+    if sd is not None:
+        text += f" ± {sd:,.0f}" if big else f" ± {sd:.3f}"
+    return text + (f" ({len(have)} of {len(xs)})" if len(have) < len(xs) else "")
 
 
 COLUMNS = [("tau", "tau (dflash-eval)"), ("tau_pooled", "pooled tau"), ("path_tau_heldout", "path tau (held-out)"),
            ("path_tau_pooled_heldout", "pooled path tau"), ("offline_heldout", "offline est. (held-out)"),
-           ("offline_train", "offline est. (train)"), ("path_tau_train", "path tau (train split)"),
-           ("val_path_tau", "trainer's last val path tau"),
-           ("tok_s", "trainer tok/s")]
+           ("val_tau", "offline est. (train split, trainer's last validation)"),
+           ("val_path_tau", "path tau (train split, trainer's last validation)"),
+           ("offline_train", "offline est. (train split, dflash-eval)"), ("tok_s", "trainer tok/s")]
 
 
 def stage_table(args) -> None:
     results = {v: {s: one_run(run_dir(args, v, s)) for s in args.seeds} for v in args.variants}
-    lines = ["| variant | seeds | lossless | " + " | ".join(label for _, label in COLUMNS) + " |",
-             "|---|---|---|" + "---|" * len(COLUMNS)]
+    lines = ["| variant | seeds | lossless | tau vs baseline | " + " | ".join(label for _, label in COLUMNS) + " |",
+             "|---|---|---|---|" + "---|" * len(COLUMNS)]
+    base = _mean([r["tau"] for r in results.get("baseline", {}).values()])
     for v, runs in results.items():
         evaluated = [r["lossless"] for r in runs.values() if r["lossless"] is not None]
         ok = "n/a" if not evaluated else "yes" if all(evaluated) else "NO"
+        tau = _mean([r["tau"] for r in runs.values()])
+        ratio = f"{tau / base:.3f}" if tau is not None and base else "n/a"
         cells = [_ms([r[k] for r in runs.values()]) for k, _ in COLUMNS]
-        lines.append(f"| {v} | {len(runs)} | {ok} | " + " | ".join(cells) + " |")
+        lines.append(f"| {v} | {len(runs)} | {ok} | {ratio} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     per_seed = ["", "| variant | seed | tau | pooled tau | path tau (held-out) | offline est. (held-out) | tok/s |",

@@ -45,8 +45,8 @@ def _curve(run_dir):
     return [tuple(json.dumps(r.get(k)) for k in keys) for r in read_metrics(run_dir)]
 
 
-# every lever of issue 17 that is not the recipe's default, so that resume is proven with them too
-LEVERS = ["--objective.anchors=label", "--objective.weights=dpace", "--objective.normalise=anchors",
+# every lever of issue 17 that is not the default, so that resume is proven with them too
+LEVERS = ["--objective.anchors=label", "--objective.weights=gamma", "--objective.normalise=anchors",
           "--regularise.noise=0.1", "--regularise.ema=0.9"]
 
 

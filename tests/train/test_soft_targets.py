@@ -28,7 +28,8 @@ BLOCK = 4
 
 def _cfg(store, *overrides):
     base = ["--data.cache_gb=0.01", "--data.batch_tokens=512", "--data.window_shards=2", "--data.holdout_sequences=4",
-            f"--drafter.block_size={BLOCK}", "--objective.max_anchors=8", "--precision.autocast=none"]
+            f"--drafter.block_size={BLOCK}", "--objective.max_anchors=8", "--precision.autocast=none",
+            "--objective.weights=gamma"]  # soft targets take the gamma weights (D-PACE is for the hard loss)
     return load_config(TrainConfig, None, [f"--data.stores=[\"{store}\"]", *base, *overrides])
 
 
@@ -141,7 +142,8 @@ def _run_args(store, target, out, *extra):
 
 def test_a_short_run_with_soft_targets_and_prompt_anchors(tiny_store_final, tiny_target, tmp_path):
     loop.run(load_config(TrainConfig, "configs/tiny.toml", _run_args(
-        tiny_store_final, tiny_target, tmp_path / "run", "--targets.soft=dspark", "--targets.prompt_anchors=true")))
+        tiny_store_final, tiny_target, tmp_path / "run", "--targets.soft=dspark", "--targets.prompt_anchors=true",
+        "--objective.weights=gamma")))
     records = read_metrics(tmp_path / "run")
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 3 and all(np.isfinite(r["loss"]) for r in train)
@@ -150,6 +152,7 @@ def test_a_short_run_with_soft_targets_and_prompt_anchors(tiny_store_final, tiny
 
 def test_soft_targets_from_a_store_without_final_states_is_one_sentence(tiny_store, tiny_target, tmp_path):
     for option in ("--targets.soft=kl", "--targets.prompt_anchors=true"):
-        cfg = load_config(TrainConfig, "configs/tiny.toml", _run_args(tiny_store, tiny_target, tmp_path / "r", option))
+        cfg = load_config(TrainConfig, "configs/tiny.toml",
+                          _run_args(tiny_store, tiny_target, tmp_path / "r", option, "--objective.weights=gamma"))
         with pytest.raises(UserError, match="holds no final states.*--store.final_state=true"):
             loop.run(cfg)

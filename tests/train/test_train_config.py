@@ -50,9 +50,13 @@ def test_bad_values_are_one_sentence_naming_the_key(override, fragment):
 
 
 def test_dpace_and_soft_targets_are_refused_together_in_one_sentence():
-    """D-PACE reweights the hard loss's per-row CE; the soft loss returns none, so the pair is refused."""
-    with pytest.raises(ConfigError) as e:
-        load_config(TrainConfig, None, ["--objective.weights=dpace", "--targets.soft=kl"])
-    assert "objective.weights" in str(e.value) and "targets.soft" in str(e.value) and "\n" not in str(e.value)
-    load_config(TrainConfig, None, ["--objective.weights=dpace"])  # each alone is fine
-    load_config(TrainConfig, None, ["--targets.soft=kl"])
+    """D-PACE (the default weights) reweights the hard loss's per-row CE; the soft loss returns none, so
+    soft targets ask for gamma weights, in one sentence that says how."""
+    assert load_config(TrainConfig, None, []).objective.weights == "dpace"
+    for argv in (["--targets.soft=kl"], ["--objective.weights=dpace", "--targets.soft=kl"]):
+        with pytest.raises(ConfigError) as e:
+            load_config(TrainConfig, None, argv)
+        message = str(e.value)
+        assert "objective.weights" in message and "targets.soft" in message and "\n" not in message
+        assert "--objective.weights=gamma" in message
+    load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.soft=kl"])
