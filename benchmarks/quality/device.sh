@@ -14,8 +14,8 @@
 # With data/heldout.jsonl carried in (heldout.tgz.part-*: the held-out answers made where dflash-eval
 # runs), every finished run's path tau on them comes back too (offline_heldout.json).
 # Unpack here with: cat OUT/base.tgz.part-* | tar xz -C WORK (the same for runs.tgz.part-*).
-# The machine has no network and lacks zarr, numcodecs, torchdata, crc32c, donfig and tomli-w: they
-# travel as wheels in .whl/ (docs/benchmarks.md).
+# The machine has no network and lacks zarr, numcodecs, torchdata, crc32c, google-crc32c (zarr's crc32c
+# codec imports it), donfig and tomli-w: they travel as Python 3.12 wheels in .whl/ (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
@@ -27,7 +27,7 @@ TRAIN_PROMPTS=${5:-5000}
 OUT=${OUT:-/tmp/quality-out}
 W=${QUALITY_WORK:-/tmp/quality}
 mkdir -p "$OUT" "$W"
-if ! python3 -c "import zarr, numcodecs, torchdata, crc32c, tomli_w" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import zarr, numcodecs, torchdata, crc32c, google_crc32c, tomli_w" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site
