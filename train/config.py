@@ -279,6 +279,8 @@ class TrainConfig:
     run: RunConfig = section(RunConfig, "Run directory, seed and target.")
 
     def __post_init__(self):
-        check(self.objective.weights != "dpace" or self.targets.soft == "none",
-              f"targets.soft = '{self.targets.soft}' needs objective.weights = 'gamma' (D-PACE, the default weights, "
-              "reweights the hard loss only); add --objective.weights=gamma")
+        t = self.targets
+        what = f"targets.soft = '{t.soft}'" if t.soft != "none" else "targets.prompt_anchors = true"
+        check(self.objective.weights != "dpace" or not t.needs_final_state,
+              f"{what} needs objective.weights = 'gamma' (D-PACE, the default weights, reweights the hard loss "
+              "of the stored tokens only); add --objective.weights=gamma")

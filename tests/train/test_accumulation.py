@@ -17,14 +17,21 @@ from train.validate import batch_objective
 
 def _objective_grads(drafter, cfg, batches, per_batch_mean: bool = False) -> dict[str, torch.Tensor]:
     drafter.zero_grad(set_to_none=True)
-    parts = [batch_objective(drafter, drafter, b, block_size=drafter.cfg.block_size, gamma=cfg.objective.gamma,
-                             autocast=cfg.precision.autocast)[:2] for b in batches]
+    parts = [_objective(drafter, cfg, b)[:2] for b in batches]
     if per_batch_mean:
         loss = sum(ls / w for ls, w in parts) / len(parts)
     else:
         loss = sum(ls for ls, _ in parts) / sum(w for _, w in parts)
     loss.backward()
     return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+
+def _objective(drafter, cfg, batch):
+    """The batch's (weighted CE sum, weight sum, counts) under the config's objective (D-PACE by default)."""
+    o = cfg.objective
+    return batch_objective(drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
+                           autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha,
+                           normalise=o.normalise)
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -38,9 +45,7 @@ def two_batches(tiny_store, tiny_target, one_thread):
 
 def test_two_micro_batches_give_the_gradient_of_their_whole_objective(two_batches):
     cfg, drafter, batches = two_batches
-    weights = [float(batch_objective(drafter, drafter, b, block_size=drafter.cfg.block_size,
-                                     gamma=cfg.objective.gamma, autocast=cfg.precision.autocast)[1])
-               for b in batches]
+    weights = [float(_objective(drafter, cfg, b)[1]) for b in batches]
     assert weights[0] != pytest.approx(weights[1], rel=0.05)  # else the two normalisations would agree
     accumulated = accumulate(drafter, drafter, cfg, batches)
     assert _close(accumulated, _objective_grads(drafter, cfg, batches))

@@ -53,10 +53,12 @@ def test_dpace_and_soft_targets_are_refused_together_in_one_sentence():
     """D-PACE (the default weights) reweights the hard loss's per-row CE; the soft loss returns none, so
     soft targets ask for gamma weights, in one sentence that says how."""
     assert load_config(TrainConfig, None, []).objective.weights == "dpace"
-    for argv in (["--targets.soft=kl"], ["--objective.weights=dpace", "--targets.soft=kl"]):
+    for argv in (["--targets.soft=kl"], ["--objective.weights=dpace", "--targets.soft=kl"],
+                 ["--targets.prompt_anchors=true"]):
         with pytest.raises(ConfigError) as e:
             load_config(TrainConfig, None, argv)
         message = str(e.value)
-        assert "objective.weights" in message and "targets.soft" in message and "\n" not in message
+        assert "objective.weights" in message and "targets." in message and "\n" not in message
         assert "--objective.weights=gamma" in message
     load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.soft=kl"])
+    load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.prompt_anchors=true"])
