@@ -9,13 +9,16 @@ and decodes the same batch of random prompts (--batch x --prompt-len tokens, lef
 lengths in [prompt-len/2, prompt-len]) for exactly --new-tokens tokens (no stop token):
 
     (a) plain HF: model.generate(do_sample=False), default dynamic KV cache, the whole batch at once
-    (b) dflash-generate: precompute.generate_decode.TransformersDecoder.decode_batch (static KV cache)
+    (b) dflash-generate with eager decode steps: TransformersDecoder(cuda_graphs=False).decode_batch
+        (static KV cache, the host launches every kernel of every step)
+    (c) dflash-generate with generate.cuda_graphs: each decode step a CUDA graph, captured once per batch
+        (CUDA only)
 
-Both decode the same batch (the same batch budget). Rows report generated tokens/s (batch x new tokens /
-seconds, after one warm-up run), (b)/(a), and the memory-bandwidth roofline of decoding: each step
+All decode the same batch (the same batch budget). Rows report generated tokens/s (batch x new tokens /
+seconds, after one warm-up run), (c)/(a), and the memory-bandwidth roofline of decoding: each step
 reads every weight once and the KV cache of the batch, so a step takes at least
 (weight bytes + KV bytes at the mean context) / --bandwidth (4.8 TB/s for an H200), and the
-roofline is batch / that time. Goal: (b)/(a) >= 3.
+roofline is batch / that time. Goal: (c)/(a) >= 3. --modes picks the columns (a, b, c) to run.
 """
 
 from __future__ import annotations
@@ -95,14 +98,15 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     model = build(shape, device, dtype)
     batch = prompts(args.batch, args.prompt_len, model.config.vocab_size)
     sampling = Sampling(0.0, 1.0, 0, args.new_tokens, 0)
-    decoder = TransformersDecoder(model, {-1}, 0, sampling, token_budget=10**9, max_batch=10**6,
-                                  compile=args.compile)
-    requests = [Request(p, 0) for p in batch]
-    plain = timed(lambda: plain_generate(model, batch, args.new_tokens, device), device)
-    ours = timed(lambda: decoder.decode_batch(requests), device)
-    tokens = args.batch * args.new_tokens
-    row = {"shape": shape, "plain": tokens / plain, "ours": tokens / ours,
-           "roofline": roofline(model, batch, args.new_tokens, args.bandwidth)}
+    requests, tokens = [Request(p, 0) for p in batch], args.batch * args.new_tokens
+    row = {"shape": shape, "roofline": roofline(model, batch, args.new_tokens, args.bandwidth)}
+    if "a" in args.modes:
+        row["a"] = tokens / timed(lambda: plain_generate(model, batch, args.new_tokens, device), device)
+    for mode, graphs in (("b", False), ("c", True)):
+        decoder = TransformersDecoder(model, {-1}, 0, sampling, token_budget=10**9, max_batch=10**6,
+                                      compile=args.compile, cuda_graphs=graphs)
+        if mode in args.modes and decoder.cuda_graphs == graphs:  # (c) needs CUDA
+            row[mode] = tokens / timed(lambda: decoder.decode_batch(requests), device)
     model = decoder = None  # free the weights before the next shape is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -117,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA only)")
+    parser.add_argument("--modes", default="abc", help="columns to run: a plain generate, b eager steps, c graphs")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of device memory (H200: 4.8e12)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -125,12 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"device {device}, {dtype}, batch {args.batch} x prompts of {args.prompt_len // 2}-{args.prompt_len} "
           f"tokens, {args.new_tokens} new tokens each; roofline at {args.bandwidth / 1e12:.1f} TB/s")
-    print(f"{'target':<12} | {'(a) model.generate tok/s':>24} | {'(b) dflash-generate tok/s':>25} | "
-          f"{'(b)/(a)':>7} | {'roofline tok/s':>14} | {'(b)/roofline':>12}")
+    print(f"{'target':<12} | {'(a) model.generate tok/s':>24} | {'(b) eager steps tok/s':>21} | "
+          f"{'(c) CUDA graphs tok/s':>21} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | {'roofline tok/s':>14} | "
+          f"{'best/roofline':>13}")
     for shape in args.shapes.split(","):
         r = bench(shape, args, device, dtype)
-        print(f"{r['shape']:<12} | {r['plain']:>24,.0f} | {r['ours']:>25,.0f} | {r['ours'] / r['plain']:>7.2f} | "
-              f"{r['roofline']:>14,.0f} | {r['ours'] / r['roofline']:>12.1%}")
+        cell = lambda k, w: f"{r[k]:>{w},.0f}" if k in r else f"{'n/a':>{w}}"  # noqa: E731
+        ratio = lambda k: f"{r[k] / r['a']:>7.2f}" if k in r and "a" in r else f"{'n/a':>7}"  # noqa: E731
+        best = max((r[k] for k in ("b", "c") if k in r), default=None)
+        print(f"{r['shape']:<12} | {cell('a', 24)} | {cell('b', 21)} | {cell('c', 21)} | {ratio('b')} | "
+              f"{ratio('c')} | {r['roofline']:>14,.0f} | "
+              + (f"{best / r['roofline']:>13.1%}" if best else f"{'n/a':>13}"))
 
 
 if __name__ == "__main__":

@@ -343,7 +343,8 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
     model = model.to(ranks.device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     return TransformersDecoder(model, stop_ids, pad, sampling, cfg.generate.token_budget,
-                               cfg.generate.max_batch_size, compile=cfg.generate.compile)
+                               cfg.generate.max_batch_size, compile=cfg.generate.compile,
+                               cuda_graphs=cfg.generate.cuda_graphs)
 
 
 def generate_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any, sampling: Sampling,

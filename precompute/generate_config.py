@@ -98,6 +98,11 @@ class GenerateOptions:
     compile: bool = option(
         False, "torch.compile the decode step (CUDA only; ignored on a CPU). Untested on every GPU: opt in."
     )
+    cuda_graphs: bool = option(
+        False, "transformers backend on CUDA: each decode step a CUDA graph, captured once per batch (not for "
+        "sliding-window targets or attention other than sdpa/eager, which decode with eager steps). Not yet "
+        "verified on a GPU since its capture was fixed: opt in."
+    )
     vllm_tensor_parallel: int = option(1, "vllm backend: tensor_parallel_size of vllm.LLM.")
 
     def __post_init__(self) -> None:

@@ -10,6 +10,15 @@ generation_config.json's eos_token_id) or at max_new_tokens, and the batch ends 
 Sampled rows draw from their own `torch.Generator`, seeded per request, so what a request draws does
 not depend on its batch.
 
+Decode steps after the prefill have static shapes: the step's token, position and cache slot live in
+fixed buffers updated in place, and the attention mask is a 4D additive mask over the whole static
+cache (the columns of the prompt's padding and of steps not yet taken hold the dtype's minimum; a step
+opens its own column). With `cuda_graphs` (opt in: the GPU test of the current capture has not run
+yet) the step is then captured once per batch as a CUDA graph and replayed on CUDA: one launch per
+token instead of a few hundred kernel launches from Python. The same static step runs eagerly on a CPU (tests compare it with
+transformers' own loop), and where a 4D mask would be wrong or unsupported (sliding-window layers, an
+attention implementation other than sdpa or eager) the steps fall back to a 2D mask grown each step.
+
 `VllmDecoder`: `vllm.LLM` offline on token-id prompts, one `SamplingParams(seed=...)` per request
 (temperature 0 is greedy); untested here (no vLLM in the test environment).
 """
@@ -94,7 +103,7 @@ class TransformersDecoder:
     """Batched decoding over a transformers causal LM with a static KV cache."""
 
     def __init__(self, model: Any, stop_ids: set[int], pad_id: int, sampling: Sampling, token_budget: int,
-                 max_batch: int, compile: bool = False):
+                 max_batch: int, compile: bool = False, cuda_graphs: bool = False):
         self.model = model
         self.stop_ids = sorted(stop_ids)
         self.pad_id = pad_id
@@ -107,6 +116,8 @@ class TransformersDecoder:
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         if compile and self.device.type == "cuda":
             self.forward = torch.compile(model.forward, dynamic=True)
+        self.static_steps = static_steps_allowed(model.config)
+        self.cuda_graphs = cuda_graphs and self.static_steps and self.device.type == "cuda"
 
     def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
         out: list[Generated | None] = [None] * len(requests)
@@ -139,6 +150,7 @@ class TransformersDecoder:
         tokens, done = [], torch.zeros(bsz, dtype=torch.bool, device=self.device)
         live = torch.zeros((), dtype=torch.long, device=self.device)  # tokens generated since the last check
         last = positions[:, -1]
+        step = self._static_step(cache, mask, positions[:, -1:], width) if self.static_steps else None
         for t in range(n_new):
             nxt = sample_next(logits, self.sampling, gens).to(self.device)
             nxt = torch.where(done, self.pad_id, nxt)  # [B]; finished rows only pad
@@ -153,6 +165,9 @@ class TransformersDecoder:
                 live.zero_()
                 if t == n_new - 1 or bool(done.all()):
                     break
+            if step is not None:
+                logits = step(nxt, width + t)
+                continue
             mask[:, width + t] = 1
             last = last + 1
             logits = self.forward(input_ids=nxt[:, None], attention_mask=mask[:, : width + t + 1],
@@ -161,11 +176,85 @@ class TransformersDecoder:
                                   use_cache=True).logits[:, -1]
         return [self._finish(row) for row in torch.stack(tokens, 1).tolist()]
 
+    def _static_step(self, cache: Any, mask: torch.Tensor, position: torch.Tensor,
+                     width: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """The decode step over fixed buffers: step(next tokens [B], cache slot) -> logits [B, V]. The
+        slot is the step's column of the static cache (width + t); on CUDA the forward is a CUDA graph."""
+        dtype = next(self.model.parameters()).dtype
+        floor = torch.finfo(dtype).min
+        # [B, 1, 1, L] additive: 0 where a key is visible (prompt tokens now, each step's own column later)
+        mask4 = torch.full((mask.shape[0], 1, 1, mask.shape[1]), floor, dtype=dtype, device=self.device)
+        mask4[:, 0, 0, :width].masked_fill_(mask[:, :width].bool(), 0.0)
+        ids = torch.zeros((mask.shape[0], 1), dtype=torch.long, device=self.device)
+        pos = position.clone()  # [B, 1]: the last prompt token's position; each step adds one first
+        slot = torch.zeros(1, dtype=torch.long, device=self.device)
+
+        def forward() -> torch.Tensor:
+            return self.forward(input_ids=ids, attention_mask=mask4, position_ids=pos, **{self.cache_kw: cache},
+                                cache_position=slot, use_cache=True).logits[:, -1]
+
+        run = _CudaGraph(forward) if self.cuda_graphs else forward
+
+        def step(nxt: torch.Tensor, column: int) -> torch.Tensor:
+            ids.copy_(nxt[:, None])
+            pos.add_(1)
+            slot.fill_(column)
+            mask4[:, :, :, column] = 0.0
+            return run()
+
+        return step
+
     def _finish(self, row: list[int]) -> Generated:
         for k, tok in enumerate(row):
             if tok in self.stop_ids:
                 return Generated(row[:k], "stop")
         return Generated(row[: self.sampling.max_new_tokens], "length")
+
+
+def static_steps_allowed(config: Any) -> bool:
+    """Whether a 4D mask over the whole cache is right for this target: every layer attends to its
+    whole past (no sliding window) and the attention implementation takes an additive 4D mask."""
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in layer_types) or (
+        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False))
+    return not sliding and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+
+
+class _CudaGraph:
+    """A decode step over fixed buffers: its first call runs eagerly (the warm-up a capture needs), the
+    second captures it as a CUDA graph, and every call from then on replays the graph; the output is the
+    graph's own tensor (overwritten by the next replay). The warm-up is a real step, never a repeated one:
+    transformers' StaticCache (5.x) advances its own write position on the device at every forward and
+    ignores `cache_position`, so an extra forward would shift every later write by one slot. If the
+    capture fails (an operation of the model that a graph cannot hold), steps run eagerly from then on."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self.fn, self.graph, self.out = fn, None, None
+        self.calls, self.eager = 0, False
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if self.eager:
+            return self.fn()
+        if self.calls == 1:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.fn()  # step 0, eagerly: lazy initialisation happens outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        if self.graph is None:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):  # records the step; runs nothing
+                    self.out = self.fn()
+            except RuntimeError as e:
+                log.warning("decode step: CUDA graph capture failed (%s); decoding with eager steps", e)
+                self.eager = True
+                return self.fn()
+            self.graph = graph
+        self.graph.replay()
+        return self.out
 
 
 class VllmDecoder:

@@ -54,6 +54,8 @@ VARIANTS: dict[str, list[str]] = {
     "lr2x": ["--optim.lr=1.2e-3"],
     "ema": ["--regularise.ema=0.99"],  # ~100-step average (a run is ~500 steps)
     "noise": ["--regularise.noise=0.1"],
+    "dpace+lr2x": ["--objective.weights=dpace", "--optim.lr=1.2e-3"],
+    "prompt": ["--targets.prompt_anchors=true"],  # anchors on prompt tokens too, labelled by the target's greedy token
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
     "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution
     "label+dspark+prompt": ["--objective.anchors=label", "--targets.soft=dspark", "--targets.prompt_anchors=true"],

@@ -59,6 +59,49 @@ def test_batched_greedy_is_one_at_a_time_greedy_and_model_generate(tiny_target):
     assert split == alone  # several batches, sorted by length, answers back in request order
 
 
+def _sliding_model(tiny_target):
+    """The tiny target with its first layer made sliding-window (window 4): a 4D full mask would be wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_target)
+    config.layer_types = ["sliding_attention"] + ["full_attention"] * (config.num_hidden_layers - 1)
+    config.sliding_window, config.use_sliding_window = 4, True
+    return AutoModelForCausalLM.from_pretrained(tiny_target, config=config, dtype=torch.float32).eval()
+
+
+def test_static_decode_steps_match_grown_mask_steps_and_sliding_targets_fall_back(tiny_target):
+    model, _, prompts = _model(tiny_target)
+    s = Sampling(0.0, 1.0, 0, 20, 0)
+    static = _decoder(model, {258}, s)
+    grown = _decoder(model, {258}, s)
+    grown.static_steps = False  # the 2D mask grown each step: the other formulation of the same step
+    assert static.static_steps and not static.cuda_graphs  # a CPU: the static step runs eagerly
+    requests = [Request(p, 0) for p in prompts]  # five lengths: left padding differs by row
+    assert static.decode_batch(requests) == grown.decode_batch(requests)
+
+    sliding = _sliding_model(tiny_target)
+    decoder = _decoder(sliding, {258}, s)
+    assert not decoder.static_steps  # a full 4D mask would let the sliding layer see past its window
+    refs = [[t for t in sliding.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=258,
+                                         pad_token_id=256)[0, len(p):].tolist() if t != 258] for p in prompts]
+    for a, ref in zip(decoder.decode_batch(requests), refs):  # it still decodes as transformers does
+        assert a.tokens == ref[: len(a.tokens)]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
+    model, _, prompts = _model(tiny_target)
+    model = model.cuda()
+    for s in (Sampling(0.0, 1.0, 0, 24, 0), Sampling(1.0, 0.9, 50, 24, 0)):
+        requests = [Request(p, 100 + i) for i, p in enumerate(prompts)]
+        # the first graph capture (a warm-up forward before it) wrote every later step's keys one slot late
+        graphs = TransformersDecoder(model, {258}, 256, s, token_budget=10_000, max_batch=8, cuda_graphs=True)
+        eager = _decoder(model, {258}, s)
+        assert graphs.cuda_graphs and not eager.cuda_graphs
+        assert graphs.decode_batch(requests) == eager.decode_batch(requests)
+        assert graphs.generate(requests) == eager.generate(requests)  # a second batch captures its own graph
+
+
 def test_sampled_answers_do_not_depend_on_the_batch(tiny_target):
     model, _, prompts = _model(tiny_target)
     s = Sampling(1.0, 0.9, 50, 16, 0)
