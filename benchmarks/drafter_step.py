@@ -96,6 +96,11 @@ def train_step(drafter, optimizer, batch, autocast_dtype):
 
 def timed_steps(fn, steps: int, warmup: int, cuda: bool) -> float:
     """Median seconds per call after `warmup` calls."""
+    return statistics.median(step_times(fn, steps, warmup, cuda))
+
+
+def step_times(fn, steps: int, warmup: int, cuda: bool) -> list[float]:
+    """Seconds of each call after `warmup` calls."""
     times = []
     for s in range(warmup + steps):
         if cuda:
@@ -106,7 +111,7 @@ def timed_steps(fn, steps: int, warmup: int, cuda: bool) -> float:
             torch.cuda.synchronize()
         if s >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def main() -> None:
@@ -139,7 +144,8 @@ def main() -> None:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    seconds = timed_steps(step, steps, args.warmup if not args.quick else 1, cuda)
+    times = step_times(step, steps, args.warmup if not args.quick else 1, cuda)
+    seconds = statistics.median(times)
     flops = step_flops(cfg, batch[2], batch[3], total, n_loss)
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"# drafter training step on {name}: {cfg.num_hidden_layers} layers, hidden {h}, vocab {v}, "
@@ -147,7 +153,8 @@ def main() -> None:
     print(f"| {'metric':<28} | {'value':>14} |")
     print(f"|{'-' * 30}|{'-' * 16}|")
     rows = [
-        ("step time (median, ms)", f"{seconds * 1e3:.1f}"),
+        (f"step time (median of {len(times)}, ms)", f"{seconds * 1e3:.1f}"),
+        ("step time spread (ms)", f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}"),
         ("context tokens / s", f"{total / seconds:,.0f}"),
         ("block rows / s", f"{n_anchors * cfg.block_size / seconds:,.0f}"),
         ("model TFLOP per step", f"{flops / 1e12:.2f}"),

@@ -15,7 +15,8 @@ lengths in [prompt-len/2, prompt-len]) for exactly --new-tokens tokens (no stop 
         (CUDA only)
 
 All decode the same batch (the same batch budget). Rows report generated tokens/s (batch x new tokens /
-seconds, after one warm-up run), (c)/(a), and the memory-bandwidth roofline of decoding: each step
+seconds): the median of --repeats runs, interleaved a, b, c, a, b, c, ... after one warm-up of each,
+with the lowest and highest beside it; (c)/(a), and the memory-bandwidth roofline of decoding: each step
 reads every weight once and the KV cache of the batch, so a step takes at least
 (weight bytes + KV bytes at the mean context) / --bandwidth (4.8 TB/s for an H200), and the
 roofline is batch / that time. Goal: (c)/(a) >= 3. --modes picks the columns (a, b, c) to run.
@@ -24,6 +25,7 @@ roofline is batch / that time. Goal: (c)/(a) >= 3. --modes picks the columns (a,
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,7 +63,7 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def timed(fn, device: torch.device) -> float:
-    fn()  # warm-up (allocations, kernels, compilation)
+    """Seconds of one call of fn (the caller warms it up first)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -100,13 +102,23 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     sampling = Sampling(0.0, 1.0, 0, args.new_tokens, 0)
     requests, tokens = [Request(p, 0) for p in batch], args.batch * args.new_tokens
     row = {"shape": shape, "roofline": roofline(model, batch, args.new_tokens, args.bandwidth)}
+    runs = {}
     if "a" in args.modes:
-        row["a"] = tokens / timed(lambda: plain_generate(model, batch, args.new_tokens, device), device)
+        runs["a"] = lambda: plain_generate(model, batch, args.new_tokens, device)
     for mode, graphs in (("b", False), ("c", True)):
         decoder = TransformersDecoder(model, {-1}, 0, sampling, token_budget=10**9, max_batch=10**6,
                                       compile=args.compile, cuda_graphs=graphs)
         if mode in args.modes and decoder.cuda_graphs == graphs:  # (c) needs CUDA
-            row[mode] = tokens / timed(lambda: decoder.decode_batch(requests), device)
+            runs[mode] = lambda d=decoder: d.decode_batch(requests)
+    for fn in runs.values():
+        fn()  # warm-up (allocations, kernels, compilation)
+    seconds: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every column
+        for k, fn in runs.items():
+            seconds[k].append(timed(fn, device))
+    for k, xs in seconds.items():
+        row[k] = tokens / statistics.median(xs)
+        row[k + "_spread"] = (tokens / max(xs), tokens / min(xs))
     model = decoder = None  # free the weights before the next shape is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -122,25 +134,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA only)")
     parser.add_argument("--modes", default="abc", help="columns to run: a plain generate, b eager steps, c graphs")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each column, interleaved")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of device memory (H200: 4.8e12)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.shapes, args.batch, args.prompt_len, args.new_tokens = "tiny", 4, 16, 8
+        args.shapes, args.batch, args.prompt_len, args.new_tokens, args.repeats = "tiny", 4, 16, 8, 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(f"device {device}, {dtype}, batch {args.batch} x prompts of {args.prompt_len // 2}-{args.prompt_len} "
-          f"tokens, {args.new_tokens} new tokens each; roofline at {args.bandwidth / 1e12:.1f} TB/s")
-    print(f"{'target':<12} | {'(a) model.generate tok/s':>24} | {'(b) eager steps tok/s':>21} | "
-          f"{'(c) CUDA graphs tok/s':>21} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | {'roofline tok/s':>14} | "
+          f"tokens, {args.new_tokens} new tokens each; roofline at {args.bandwidth / 1e12:.1f} TB/s; tok/s is the "
+          f"median of {args.repeats} interleaved runs after one warm-up, [lowest-highest] beside it")
+    print(f"{'target':<12} | {'(a) model.generate tok/s':>26} | {'(b) eager steps tok/s':>26} | "
+          f"{'(c) CUDA graphs tok/s':>26} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | {'roofline tok/s':>14} | "
           f"{'best/roofline':>13}")
     for shape in args.shapes.split(","):
         r = bench(shape, args, device, dtype)
-        cell = lambda k, w: f"{r[k]:>{w},.0f}" if k in r else f"{'n/a':>{w}}"  # noqa: E731
+
+        def cell(k: str) -> str:
+            if k not in r:
+                return f"{'n/a':>26}"
+            lo, hi = r[k + "_spread"]
+            return f"{f'{r[k]:,.0f} [{lo:,.0f}-{hi:,.0f}]':>26}"
+
         ratio = lambda k: f"{r[k] / r['a']:>7.2f}" if k in r and "a" in r else f"{'n/a':>7}"  # noqa: E731
         best = max((r[k] for k in ("b", "c") if k in r), default=None)
-        print(f"{r['shape']:<12} | {cell('a', 24)} | {cell('b', 21)} | {cell('c', 21)} | {ratio('b')} | "
-              f"{ratio('c')} | {r['roofline']:>14,.0f} | "
-              + (f"{best / r['roofline']:>13.1%}" if best else f"{'n/a':>13}"))
+        print(f"{r['shape']:<12} | {cell('a')} | {cell('b')} | {cell('c')} | {ratio('b')} | {ratio('c')} | "
+              f"{r['roofline']:>14,.0f} | " + (f"{best / r['roofline']:>13.1%}" if best else f"{'n/a':>13}"))
 
 
 if __name__ == "__main__":

@@ -67,8 +67,8 @@ def liger():
     return run
 
 
-def measure(fn, inputs, reps: int) -> tuple[float, float | None]:
-    """(median ms, peak GiB above the inputs) of fn(*inputs).backward()."""
+def measure(fn, inputs, reps: int) -> tuple[float, float | None, tuple[float, float]]:
+    """(median ms, peak GiB above the inputs, (lowest, highest) ms) of fn(*inputs).backward()."""
     hidden = inputs[0]
     cuda = hidden.is_cuda
     times, peak = [], 0
@@ -92,7 +92,7 @@ def measure(fn, inputs, reps: int) -> tuple[float, float | None]:
         if i >= 2:
             times.append(elapsed)
     hidden.grad = None
-    return statistics.median(times), (peak / 2**30 if cuda else None)
+    return statistics.median(times), (peak / 2**30 if cuda else None), (min(times), max(times))
 
 
 def rows_for(device) -> list[tuple[str, object, bool]]:
@@ -113,7 +113,7 @@ def sweep(sizes, device, dtype, reps: int) -> None:
             def fn(hidden, weight, labels, weights, rows=rows):
                 chunk_bytes = rows * v * weight.element_size()
                 return fused_lm_head_loss(hidden, weight, labels, weights, chunk_bytes=chunk_bytes).loss
-            ms, peak = measure(fn, inputs, reps)
+            ms, peak, _ = measure(fn, inputs, reps)
             print(f"| {rows:>10} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {peak or 0:>9.2f} |")
         del inputs
 
@@ -131,23 +131,23 @@ def main() -> None:
     reps = 3 if args.quick else args.reps
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}")
-    print(f"| {'loss':<52} | {'N, H, V':<20} | {'ms':>9} | {'peak GiB':>9} |")
-    print(f"|{'-' * 54}|{'-' * 22}|{'-' * 11}|{'-' * 11}|")
+    print(f"| {'loss':<52} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'peak GiB':>9} |")
+    print(f"|{'-' * 54}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
     if args.sweep:
         return sweep(sizes, device, dtype, reps)
     for n, h, v in sizes:
         for label, fn, block_weights in rows_for(device):
             size = f"{n}, {h}, {v}"
             if fn is None:
-                print(f"| {label:<52} | {size:<20} | {'skipped: liger-kernel not installed':<23} |")
+                print(f"| {label:<52} | {size:<20} | {'skipped: liger-kernel not installed':<39} |")
                 continue
             inputs = make_inputs(n, h, v, device, dtype, block_weights)
             try:
-                ms, peak = measure(fn, inputs, reps)
+                ms, peak, (lo, hi) = measure(fn, inputs, reps)
                 peak_text = "n/a" if peak is None else f"{peak:.2f}"
-                print(f"| {label:<52} | {size:<20} | {ms:>9.1f} | {peak_text:>9} |")
+                print(f"| {label:<52} | {size:<20} | {ms:>9.1f} | {f'{lo:.1f}-{hi:.1f}':>15} | {peak_text:>9} |")
             except torch.OutOfMemoryError:
-                print(f"| {label:<52} | {size:<20} | {'OOM':>9} | {'OOM':>9} |")
+                print(f"| {label:<52} | {size:<20} | {'OOM':>9} | {'':>15} | {'OOM':>9} |")
             del inputs
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -4,7 +4,7 @@
     python benchmarks/precompute.py --dir /nvme/tmp    # where the target and the stores go (local disk)
     python benchmarks/precompute.py --quick            # tiny target on the CPU: a smoke run in seconds
 
-One run, printed step by step:
+Printed step by step, with (a) and (b) interleaved --repeats times ((a), (b) bf16, (b) fp8, (a), ...):
 1. the target: a Qwen3Config (hidden 4096, 36 layers, 32 heads, 8 kv heads, head_dim 128,
    intermediate 12288, vocab 151936) with random weights, created directly on the GPU in bf16 and
    saved (safetensors) under --dir with a byte-level tokenizer; no download;
@@ -17,12 +17,14 @@ One run, printed step by step:
    a store under --dir, once with bf16 states and once with fp8_e4m3 (each store is deleted after
    its row: disk stays under ~35 GB at the default size).
 
-Rows report real tokens/s over the timed phase ((a): the forward loop after one warm-up batch;
+Rows report the median over the repeats and the spread (lowest-highest tokens/s) of real tokens/s over
+the timed phase ((a): the forward loop after one warm-up batch;
 (b): first batch to last shard published, excluding target load and staging-buffer pinning, which
 are printed apart), MFU, and (b)/(a). FLOPs = 2 x parameters run x tokens + attention, where
 parameters run are the decoder layers ((a): all 36 and lm_head; (b): up to the deepest captured
 layer) and attention is 2 x L^2 x heads x head_dim per layer per sequence of L tokens (the causal
-half of QK^T and PV). MFU = FLOPs / (seconds x --peak-tflops), 989 for an H200 (dense bf16).
+half of QK^T and PV). MFU = FLOPs / (seconds x --peak-tflops), 989 for an H200 (dense bf16); "vs (a)" is
+the median of the per-repeat ratios to the (a) run of the same repeat.
 Goal: (b)/(a) >= 1.10 (early exit gained, all I/O hidden).
 """
 
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -83,13 +86,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="bf16,fp8_e4m3")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     p.add_argument("--keep", action="store_true", help="keep the target directory")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of (a) and each (b) row")
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     args.shape = dict(QWEN3_8B)
     if args.quick:
         args.shape = dict(TINY)
         args.seqs, args.min_len, args.max_len, args.token_budget, args.samples_per_unit = 12, 96, 160, 512, 2
-        args.writer_threads, args.disk_gb = 2, 0.02
+        args.writer_threads, args.disk_gb, args.repeats = 2, 0.02, 2
     return args
 
 
@@ -240,14 +244,20 @@ def flops(shape: dict, layers: int, lm_head: bool, lengths: list[int]) -> float:
 
 
 def report(rows: list[tuple], disk: list[tuple[str, float]], args) -> None:
+    """rows: (name, tokens, [seconds per repeat], [MFU per repeat], [ratio to (a) per repeat])."""
     print(f"\nprecompute benchmark: {args.seqs} sequences of {args.min_len}-{args.max_len} tokens, token budget "
           f"{args.token_budget}, {args.samples_per_unit} sequences per shard, device {args.device}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
-    print(f"{'row':<52} | {'tokens':>9} | {'seconds':>7} | {'tok/s':>9} | {'MFU':>6} | {'vs (a)':>6}")
-    base = rows[0][3]
-    for name, tokens, seconds, rate, mfu in rows:
-        mfu_text = f"{mfu:.1%}" if args.device == "cuda" else "—"
-        print(f"{name:<52} | {tokens:>9,} | {seconds:>7.2f} | {rate:>9,.0f} | {mfu_text:>6} | {rate / base:>6.2f}")
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+          + f"; median of {args.repeats} interleaved repeats")
+    print(f"{'row':<52} | {'tokens':>9} | {'seconds':>7} | {'tok/s':>9} | {'spread tok/s':>19} | {'MFU':>6} | "
+          f"{'vs (a)':>6}")
+    for name, tokens, seconds, mfu, ratio in rows:
+        rates = sorted(tokens / x for x in seconds)
+        mfu_text = f"{statistics.median(mfu):.1%}" if args.device == "cuda" else "—"
+        spread = f"{rates[0]:,.0f}-{rates[-1]:,.0f}"
+        print(f"{name:<52} | {tokens:>9,} | {statistics.median(seconds):>7.2f} | "
+              f"{tokens / statistics.median(seconds):>9,.0f} | {spread:>19} | {mfu_text:>6} | "
+              f"{statistics.median(ratio):>6.2f}")
     for name, gbps in disk:
         print(f"{name:<52} | {gbps:>7.2f} GB/s")
 
@@ -275,23 +285,34 @@ def run_all(args, root: Path) -> None:
             for n in sorted({1, args.writer_threads})]
     layer_ids = default_layer_ids(shape["num_hidden_layers"])
     peak = args.peak_tflops * 1e12
-    settle_disk()
-    seconds = hf_forward(target, batches_like_precompute(seqs, args.samples_per_unit, args.token_budget),
-                         layer_ids, args.device)
     full = flops(shape, shape["num_hidden_layers"], True, lengths)
-    rows = [("(a) HF forward, output_hidden_states, states on GPU", sum(lengths), seconds,
-             sum(lengths) / seconds, full / seconds / peak)]
     early = flops(shape, max(layer_ids) + 1, False, lengths)
-    for dtype in args.dtypes.split(","):
+    batches = batches_like_precompute(seqs, args.samples_per_unit, args.token_budget)
+    dtypes = args.dtypes.split(",")
+    a_seconds: list[float] = []
+    b_runs: dict[str, list[dict]] = {d: [] for d in dtypes}
+    for rep in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every row
+        say(f"repeat {rep + 1} of {args.repeats}")
         settle_disk()
-        run = precompute_row(target, root / "inputs.jsonl", root / f"store-{dtype}", dtype, args)
-        s = run["seconds"]
-        say(f"(b) {dtype}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
-            f"{run['bytes_written'] / 1e9:.2f} GB written, the forward waited {run['disk_wait_s_max_rank']:.2f} s "
-            f"for the disk, {run['max_units_in_memory']} units in host memory at most")
-        rows.append((f"(b) dflash-precompute -> store, {dtype}", run["tokens_forwarded"], s["forward_write"],
-                     run["tokens_forwarded"] / s["forward_write"], early / s["forward_write"] / peak))
-        disk.append((f"store write during (b), {dtype}", run["bytes_written"] / 1e9 / s["forward_write"]))
+        a_seconds.append(hf_forward(target, batches, layer_ids, args.device))
+        for dtype in dtypes:
+            settle_disk()
+            run = precompute_row(target, root / "inputs.jsonl", root / f"store-{dtype}", dtype, args)
+            s = run["seconds"]
+            say(f"(b) {dtype}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
+                f"{run['bytes_written'] / 1e9:.2f} GB written, the forward waited {run['disk_wait_s_max_rank']:.2f} s "
+                f"for the disk, {run['max_units_in_memory']} units in host memory at most")
+            b_runs[dtype].append(run)
+    tokens = sum(lengths)
+    rows = [("(a) HF forward, output_hidden_states, states on GPU", tokens, a_seconds,
+             [full / x / peak for x in a_seconds], [1.0] * len(a_seconds))]
+    for dtype, runs in b_runs.items():
+        secs = [r["seconds"]["forward_write"] for r in runs]
+        forwarded = runs[0]["tokens_forwarded"]
+        rows.append((f"(b) dflash-precompute -> store, {dtype}", forwarded, secs, [early / x / peak for x in secs],
+                     [(forwarded / x) / (tokens / a) for x, a in zip(secs, a_seconds)]))
+        disk.append((f"store write during (b), {dtype} (median)", statistics.median(
+            r["bytes_written"] / 1e9 / r["seconds"]["forward_write"] for r in runs)))
     report(rows, disk, args)
 
 

@@ -17,4 +17,7 @@ def test_generate_benchmark_quick(capsys):
     assert len(rows) == 1 and len(rows[0].split("|")) == 8
     cells = [c.strip() for c in rows[0].split("|")]
     assert cells[3] == "n/a" and float(cells[4]) > 0  # no CUDA graphs on a CPU; (b)/(a) measured
+    median, spread = cells[1].split(" [")
+    lo, hi = (float(x.replace(",", "")) for x in spread.rstrip("]").split("-"))
+    assert lo <= float(median.replace(",", "")) <= hi and "median of 2 interleaved runs" in out
     assert "best/roofline" in out and "roofline at 4.8 TB/s" in out

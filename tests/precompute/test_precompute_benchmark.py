@@ -20,4 +20,7 @@ def test_precompute_benchmark_quick(tmp_path, capsys):
         "(b) dflash-precompute -> store, fp8_e4m3"]
     assert all(int(r.split("|")[1].replace(",", "")) == int(rows[0].split("|")[1].replace(",", "")) for r in rows)
     assert "disk write, fsynced, 1 stream(s)" in out and "store write during (b), fp8_e4m3" in out
+    assert "median of 2 interleaved repeats" in out and "repeat 2 of 2" in out
+    lo, hi = (float(x.replace(",", "")) for x in rows[1].split("|")[4].strip().split("-"))
+    assert lo <= float(rows[1].split("|")[3].replace(",", "")) <= hi  # the median lies in the spread
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself
