@@ -15,9 +15,10 @@ fixed buffers updated in place, and the attention mask is a 4D additive mask ove
 cache (the columns of the prompt's padding and of steps not yet taken hold the dtype's minimum; a step
 opens its own column). With `cuda_graphs` (opt in: the GPU test of the current capture has not run
 yet) the step is then captured once per batch as a CUDA graph and replayed on CUDA: one launch per
-token instead of a few hundred kernel launches from Python. The same static step runs eagerly on a CPU (tests compare it with
-transformers' own loop), and where a 4D mask would be wrong or unsupported (sliding-window layers, an
-attention implementation other than sdpa or eager) the steps fall back to a 2D mask grown each step.
+token instead of a few hundred kernel launches from Python. Without it the same static step runs
+eagerly (tests compare it with transformers' own loop on a CPU), and where a 4D mask would be wrong or
+unsupported (sliding-window layers, an attention implementation other than sdpa or eager) the steps
+fall back to a 2D mask grown each step.
 
 `VllmDecoder`: `vllm.LLM` offline on token-id prompts, one `SamplingParams(seed=...)` per request
 (temperature 0 is greedy); untested here (no vLLM in the test environment).
@@ -179,7 +180,7 @@ class TransformersDecoder:
     def _static_step(self, cache: Any, mask: torch.Tensor, position: torch.Tensor,
                      width: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """The decode step over fixed buffers: step(next tokens [B], cache slot) -> logits [B, V]. The
-        slot is the step's column of the static cache (width + t); on CUDA the forward is a CUDA graph."""
+        slot is the step's column of the static cache (width + t); with cuda_graphs, a CUDA graph runs it."""
         dtype = next(self.model.parameters()).dtype
         floor = torch.finfo(dtype).min
         # [B, 1, 1, L] additive: 0 where a key is visible (prompt tokens now, each step's own column later)
