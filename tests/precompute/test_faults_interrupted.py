@@ -38,8 +38,10 @@ def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same
     store = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "precompute.cli", *cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=1),
            "--run.writer_threads=1", "--run.queue_depth=1"]
+    # SIGINT at its default in the child: a test run started in the background of a non-interactive shell
+    # (`make test &`) ignores SIGINT, the child would inherit that, and Python then installs no handler
     proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for_a_shard(store, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
