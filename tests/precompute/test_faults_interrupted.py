@@ -32,11 +32,9 @@ def _wait_for_a_shard(store, proc) -> None:
 def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same_store(tiny_target, tmp_path):
     inputs = demo_inputs(tmp_path)
     straight = tmp_path / "straight"
-    # one sample per unit: 48 shards, so a loaded machine cannot finish the job between the first shard
-    # and the signal (with 12 it once did: exit 0 under a full test run beside other jobs)
-    job.run(make_config(tiny_target, inputs, straight, *job_overrides("bf16", 1)))
+    job.run(make_config(tiny_target, inputs, straight, *job_overrides("bf16")))
     store = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "precompute.cli", *cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=1),
+    cmd = [sys.executable, "-m", "precompute.cli", *cli_args(tiny_target, inputs, store, "bf16"),
            "--run.writer_threads=1", "--run.queue_depth=1"]
     # SIGINT at its default in the child: a test run started in the background of a non-interactive shell
     # (`make test &`) ignores SIGINT, the child would inherit that, and Python then installs no handler
@@ -51,10 +49,10 @@ def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same
     assert last == (f"interrupted: the shards already published in {store} are kept (a shard being written is "
                     f"not visible); rerun the same command to resume."), last
     published = len([p for p in (store / "shards").iterdir() if p.is_dir()])
-    assert published < 48, "the job had finished before the interrupt"
-    job.run(make_config(tiny_target, inputs, store, *job_overrides("bf16", 1)))
+    assert published < 12, "the job had finished before the interrupt"
+    job.run(make_config(tiny_target, inputs, store, *job_overrides("bf16")))
     assert store_files(store) == store_files(straight)
-    assert Store.open(store).summary["runs"][-1]["units_written"] == 48 - published
+    assert Store.open(store).summary["runs"][-1]["units_written"] == 12 - published
     assert not any((store / ".staging").iterdir())
 
 
