@@ -84,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--queue-depth", type=int, default=4)
     p.add_argument("--disk-gb", type=float, default=4.0, help="bytes written by the raw disk test")
     p.add_argument("--dtypes", default="bf16,fp8_e4m3")
+    p.add_argument("--compile", default="off,on",
+                   help="(b) rows with target.compile off and/or on (its compilation is part of the target load)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     p.add_argument("--keep", action="store_true", help="keep the target directory")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of (a) and each (b) row")
@@ -94,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.shape = dict(TINY)
         args.seqs, args.min_len, args.max_len, args.token_budget, args.samples_per_unit = 12, 96, 160, 512, 2
         args.writer_threads, args.disk_gb, args.repeats = 2, 0.02, 2
+        args.compile = "off"  # target.compile is ignored on a CPU
     return args
 
 
@@ -208,16 +211,17 @@ def hf_forward(path: Path, batches: list[list[np.ndarray]], layer_ids: list[int]
     return seconds
 
 
-def precompute_row(path: Path, inputs: Path, store: Path, dtype: str, args) -> dict:
+def precompute_row(path: Path, inputs: Path, store: Path, dtype: str, compiled: bool, args) -> dict:
     """(b): run the precompute job into `store`; its summary holds the timings."""
     overrides = [f"--target.path={path}", f"--data.inputs={json.dumps([str(inputs)])}", f"--store.path={store}",
                  f"--store.dtype={dtype}", f"--data.max_length={args.max_len}", "--data.block_size=16",
                  f"--batching.token_budget={args.token_budget}", "--batching.sort_window_units=1",
                  f"--run.samples_per_unit={args.samples_per_unit}", f"--run.writer_threads={args.writer_threads}",
-                 f"--run.queue_depth={args.queue_depth}", f"--run.device={args.device}", "--target.dtype=bf16"]
+                 f"--run.queue_depth={args.queue_depth}", f"--run.device={args.device}", "--target.dtype=bf16",
+                 f"--target.compile={'true' if compiled else 'false'}"]
     from precompute.job import run
 
-    say(f"(b) dflash-precompute, {dtype} states -> {store}")
+    say(f"(b) dflash-precompute, {dtype} states{', compiled target' if compiled else ''} -> {store}")
     run(load_config(PrecomputeConfig, None, overrides))
     summary = Store.open(store).summary
     shutil.rmtree(store)
@@ -288,30 +292,31 @@ def run_all(args, root: Path) -> None:
     full = flops(shape, shape["num_hidden_layers"], True, lengths)
     early = flops(shape, max(layer_ids) + 1, False, lengths)
     batches = batches_like_precompute(seqs, args.samples_per_unit, args.token_budget)
-    dtypes = args.dtypes.split(",")
+    variants = [(d, c == "on") for d in args.dtypes.split(",") for c in args.compile.split(",")]
     a_seconds: list[float] = []
-    b_runs: dict[str, list[dict]] = {d: [] for d in dtypes}
+    b_runs: dict[tuple[str, bool], list[dict]] = {v: [] for v in variants}
     for rep in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every row
         say(f"repeat {rep + 1} of {args.repeats}")
         settle_disk()
         a_seconds.append(hf_forward(target, batches, layer_ids, args.device))
-        for dtype in dtypes:
+        for dtype, compiled in variants:
             settle_disk()
-            run = precompute_row(target, root / "inputs.jsonl", root / f"store-{dtype}", dtype, args)
+            run = precompute_row(target, root / "inputs.jsonl", root / f"store-{dtype}", dtype, compiled, args)
             s = run["seconds"]
-            say(f"(b) {dtype}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
+            say(f"(b) {dtype}{' compiled' if compiled else ''}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
                 f"{run['bytes_written'] / 1e9:.2f} GB written, the forward waited {run['disk_wait_s_max_rank']:.2f} s "
                 f"for the disk, {run['max_units_in_memory']} units in host memory at most")
-            b_runs[dtype].append(run)
+            b_runs[(dtype, compiled)].append(run)
     tokens = sum(lengths)
     rows = [("(a) HF forward, output_hidden_states, states on GPU", tokens, a_seconds,
              [full / x / peak for x in a_seconds], [1.0] * len(a_seconds))]
-    for dtype, runs in b_runs.items():
+    for (dtype, compiled), runs in b_runs.items():
         secs = [r["seconds"]["forward_write"] for r in runs]
         forwarded = runs[0]["tokens_forwarded"]
-        rows.append((f"(b) dflash-precompute -> store, {dtype}", forwarded, secs, [early / x / peak for x in secs],
+        name = f"(b) dflash-precompute -> store, {dtype}{', compiled' if compiled else ''}"
+        rows.append((name, forwarded, secs, [early / x / peak for x in secs],
                      [(forwarded / x) / (tokens / a) for x, a in zip(secs, a_seconds)]))
-        disk.append((f"store write during (b), {dtype} (median)", statistics.median(
+        disk.append((f"store write during (b), {dtype}{', compiled' if compiled else ''} (median)", statistics.median(
             r["bytes_written"] / 1e9 / r["seconds"]["forward_write"] for r in runs)))
     report(rows, disk, args)
 

@@ -35,6 +35,12 @@ class TargetConfig:
         "their layers from one store, at the cost of disk. Layers after the deepest id are never loaded "
         "nor run.",
     )
+    compile: bool = option(
+        False,
+        "torch.compile the parts of every decoder layer (attention, MLP, norms; one compiled graph shared by "
+        "all layers, dynamic shapes) on CUDA, fusing the norms, RoPE and activations that run eagerly "
+        "otherwise; costs a compilation at start. Ignored on a CPU.",
+    )
 
     def __post_init__(self) -> None:
         if self.layer_ids is not None:

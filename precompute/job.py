@@ -314,7 +314,7 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: 
     started = time.perf_counter()
     target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
                          attn_implementation=cfg.target.attn_implementation, device=ranks.device,
-                         final_state=cfg.store.final_state)
+                         final_state=cfg.store.final_state, compile=cfg.target.compile)
     load_s = time.perf_counter() - started
     with _cpu_core_for_writers(ranks.device), \
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -159,9 +160,10 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "bf16",
                 attn_implementation: str = "sdpa", device: torch.device | str = "cpu",
-                final_state: bool = False) -> CapturedTarget:
+                final_state: bool = False, compile: bool = False) -> CapturedTarget:
     """Load the target truncated after its deepest captured layer, without lm_head or final norm;
-    with `final_state`, whole (every layer and the final norm, still no lm_head)."""
+    with `final_state`, whole (every layer and the final norm, still no lm_head). `compile` compiles
+    the decoder layers' parts on CUDA (`compile_decoder_layers`); on a CPU it is ignored."""
     from transformers import AutoModel
 
     text_config = read_text_config(path)
@@ -183,9 +185,38 @@ def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "
     else:
         _drop_final_norm(model)
     model.eval().requires_grad_(False)
-    log.info("target %s: %d of %d decoder layers loaded, capturing layer ids %s%s", path, config.num_hidden_layers,
-             num_layers, ids, " and the final normed state" if final_state else "")
+    compiled = compile and torch.device(device).type == "cuda"
+    if compiled:
+        compile_decoder_layers(model)
+        _warm_up(model, torch.device(device))
+    log.info("target %s: %d of %d decoder layers loaded%s, capturing layer ids %s%s", path, config.num_hidden_layers,
+             num_layers, " (their parts compiled)" if compiled else "", ids,
+             " and the final normed state" if final_state else "")
     return CapturedTarget(model, ids, num_layers, final_state)
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """torch.compile every child module of every decoder layer (attention, MLP, norms), in place;
+    returns how many were compiled. The layers themselves stay eager, so the capture hooks on them
+    run as they do uncompiled. Children of one class share one compiled graph (the parameters are
+    its inputs), so compilation costs one layer's worth, not the depth's; shapes are dynamic (batch
+    and length vary from batch to batch)."""
+    count = 0
+    for layer in decoder_layers(model):
+        for child in layer.children():
+            child.compile(dynamic=True)
+            count += 1
+    return count
+
+
+@torch.inference_mode()
+def _warm_up(model: nn.Module, device: torch.device) -> None:
+    """Compile now, at load time (logged apart from the batches): a forward of one row and one of two
+    (dynamic shapes still specialise a size of 1), on a few tokens."""
+    started = time.perf_counter()
+    for rows in (2, 1):
+        model(input_ids=torch.zeros((rows, 32), dtype=torch.long, device=device), use_cache=False)
+    log.info("target compiled in %.1f s", time.perf_counter() - started)
 
 
 def _drop_final_norm(model: nn.Module) -> None:

@@ -152,3 +152,31 @@ def test_devices_resolve_to_this_ranks_gpu(monkeypatch):
     # an index is always set: torch.cuda.set_device and streams refuse a bare 'cuda'
     assert T.resolve_device("auto") == T.resolve_device("cuda") == torch.device("cuda", 3)
     assert T.resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_compiled_decoder_layers_give_the_eager_states(tiny_target):
+    """target.compile's regional compilation (every decoder layer's children; the capture hooks stay on
+    the eager layers), by inductor on the CPU: the same states, also for a second batch shape."""
+    import torch._dynamo
+
+    eager = T.load_target(tiny_target, [1, 2], dtype="fp32")
+    compiled = T.load_target(tiny_target, [1, 2], dtype="fp32", compile=True)  # ignored on a CPU...
+    assert not any(hasattr(c, "_compiled_call_impl") and c._compiled_call_impl is not None
+                   for layer in T.decoder_layers(compiled.model) for c in layer.children())
+    torch._dynamo.reset()
+    assert T.compile_decoder_layers(compiled.model) == 3 * 4  # ...and done by hand here: 3 layers x 4 parts
+    g = torch.Generator().manual_seed(0)
+    for shape in ((2, 33), (3, 20)):
+        ids = torch.randint(0, 256, shape, generator=g)
+        for got, want in zip(compiled.forward(ids), eager.forward(ids)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_compiled_target_on_the_gpu_gives_the_eager_states(tiny_target):
+    eager = T.load_target(tiny_target, None, dtype="bf16", device="cuda")
+    compiled = T.load_target(tiny_target, None, dtype="bf16", device="cuda", compile=True)
+    ids = torch.randint(0, 256, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    for got, want in zip(compiled.forward(ids), eager.forward(ids)):
+        rel = (got.float() - want.float()).norm() / want.float().norm()
+        assert rel < 1e-2, f"relative difference {rel:.3g}"
