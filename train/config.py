@@ -216,6 +216,11 @@ class PrecisionConfig:
     autocast: Literal["bf16", "none"] = option(
         "bf16", "Compute dtype of forward and loss; weights, gradients and AdamW state stay fp32 either way."
     )
+    compile: bool = option(
+        False, "torch.compile the draft layers' projections, norms, RoPE and MLP on CUDA (the sparse attention is "
+        "compiled either way): fused elementwise kernels instead of eager float32 passes; costs a compilation "
+        "at the first steps. Ignored on a CPU."
+    )
 
 
 @dataclass(frozen=True)

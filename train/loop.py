@@ -117,6 +117,8 @@ def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -
     head_dtype = torch.bfloat16 if cfg.precision.autocast == "bf16" else torch.float32
     head = load_target_head(cfg.run.target, device=device, dtype=head_dtype)
     drafter.attach_frozen(head.embed, head.lm_head)
+    if cfg.precision.compile and device.type == "cuda":
+        drafter.compile_regions()
     return drafter
 
 

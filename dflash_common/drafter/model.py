@@ -438,11 +438,14 @@ class DraftAttention(nn.Module):
         v = self.v_proj(ctx).unflatten(-1, (self.num_kv_heads, self.head_dim))
         return apply_rope(k, rope), v
 
+    def queries(self, x: torch.Tensor, rope) -> torch.Tensor:
+        """[R, H] -> [R, nh, D]: projected, normed per head, rotated."""
+        return apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), rope)
+
     def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode) -> torch.Tensor:
         """x [R, H] block tokens; ctx_k/ctx_v [T, nkv, D] go *before* the block's own keys/values."""
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))  # [R, nh, D]
+        q = self.queries(x, rope)  # [R, nh, D]
         k, v = self.context_kv(x, rope)  # the block's own keys/values [R, nkv, D]
-        q = apply_rope(q, rope)
         dtype = v.dtype  # norms in float32 can promote q/k under autocast; attention wants one dtype
         out = attend(q.to(dtype), torch.cat([ctx_k.to(dtype), k.to(dtype)]), torch.cat([ctx_v.to(dtype), v]), mode)
         return self.o_proj(out.flatten(-2))  # [R, nh*D] -> [R, H]
@@ -502,6 +505,20 @@ class DFlashDrafter(nn.Module):
                 module.weight.normal_(0.0, self.cfg.initializer_range)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+    def compile_regions(self) -> None:
+        """torch.compile, in place, the parts of every draft layer that are not the sparse attention
+        (flex compiles itself on the GPU): query and key projections with their per-head norms and RoPE,
+        the two pre-norms and the SwiGLU MLP. Eagerly, each norm and rotation is several float32 passes
+        over the block rows; compiled, one fused kernel each way. Layers share the compiled graphs (the
+        parameters are their inputs), shapes are dynamic (rows and context vary by batch). Weight names
+        and the state dict are unchanged."""
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.queries = torch.compile(attn.queries, dynamic=True)  # bound methods: instance attributes
+            attn.context_kv = torch.compile(attn.context_kv, dynamic=True)
+            for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
+                module.compile(dynamic=True)
 
     def attach_frozen(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Attach the target's embedding and lm_head ([V, H] each, may be the same tensor if tied)."""

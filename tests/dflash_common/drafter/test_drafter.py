@@ -449,3 +449,57 @@ def test_a_few_steps_on_one_batch_fit_it(tiny_target):
     counts = AcceptanceCounts.from_blocks(out.correct.view_as(labels), weights > 0)
     assert losses[-1] < 0.3 * losses[0]
     assert counts.tau > 2.0
+
+
+def _forward_and_grads(drafter, batch):
+    context, input_ids, cu, anchors = batch
+    drafter.zero_grad(set_to_none=True)
+    hidden = drafter(context, input_ids, cu, anchors)
+    (hidden.float() @ drafter.lm_head_weight.float().T).logsumexp(-1).sum().backward()
+    return hidden.detach().float(), {n: p.grad.detach().float().clone() for n, p in drafter.named_parameters()}
+
+
+def test_compiled_regions_give_the_eager_forward_and_gradients(tiny_target):
+    """precision.compile's regions (queries, context keys/values, norms, MLP: drafter.compile_regions),
+    compiled by inductor on the CPU: the same blocks and gradients as eager, over two batch shapes (the
+    second through the dynamic graphs); weight names and the state dict unchanged."""
+    import torch._dynamo
+
+    cfg = tiny_config(tiny_target)
+    eager, compiled = tiny_drafter(cfg), tiny_drafter(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.attach_frozen(eager.embed_weight, eager.lm_head_weight)
+    torch._dynamo.reset()
+    compiled.compile_regions()
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    for lengths, anchors in (((11, 20), ANCHORS), ((13, 25, 9), [1, 4, 13, 20, 30, 38, 40])):
+        context, input_ids, cu = packed_batch(cfg, lengths)
+        batch = (context, input_ids, cu, torch.tensor(anchors))
+        want, want_grads = _forward_and_grads(eager, batch)
+        got, got_grads = _forward_and_grads(compiled, batch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for name, g in want_grads.items():
+            rel = float((got_grads[name] - g).norm() / g.norm().clamp(min=1e-12))
+            assert rel < 1e-4, f"{name}: relative gradient difference {rel:.3g}"
+
+
+@pytest.mark.gpu
+def test_compiled_regions_on_the_gpu_match_eager_under_autocast(tiny_target):
+    cfg = tiny_config(tiny_target)
+    eager = tiny_drafter(cfg)
+    context, input_ids, cu = packed_batch(cfg)
+    batch = (context.cuda(), input_ids.cuda(), cu.cuda(), torch.tensor(ANCHORS).cuda())
+    results = []
+    for compile_ in (False, True):
+        d = tiny_drafter(cfg).cuda()
+        d.load_state_dict(eager.state_dict())
+        d.attach_frozen(eager.embed_weight.cuda(), eager.lm_head_weight.cuda())
+        if compile_:
+            d.compile_regions()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results.append(_forward_and_grads(d, batch))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for name, g in want_grads.items():
+        rel = (got_grads[name] - g).norm() / g.norm().clamp(min=1e-12)
+        assert rel < 2e-2, f"{name}: relative gradient difference {rel:.3g}"
