@@ -114,57 +114,76 @@ def step_times(fn, steps: int, warmup: int, cuda: bool) -> list[float]:
     return times
 
 
+def build(cfg: DrafterConfig, device, cuda: bool, compiled: bool):
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).to(device)  # float32 master weights
+    v, h = cfg.vocab_size, cfg.hidden_size
+    drafter.attach_frozen(torch.randn(v, h, device=device, dtype=torch.bfloat16),
+                          torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5)
+    if compiled:
+        drafter.compile_regions()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, fused=cuda)
+    return drafter, optimizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny drafter on the CPU (smoke test)")
     parser.add_argument("--seqs", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of --steps per variant, interleaved")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
+    parser.add_argument("--variants", default="eager",
+                        help="comma list: eager (flex compiled, the rest eager), compiled (precision.compile)")
+    parser.add_argument("--profile", action="store_true", help="print each variant's kernels (torch.profiler)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
     cfg = qwen3_8b_drafter() if not args.quick else tiny_drafter()
-    seq_len, anchors, steps = (args.seq_len, args.anchors, args.steps) if not args.quick else (256, 16, 3)
-
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg).to(device)  # float32 master weights
-    v, h = cfg.vocab_size, cfg.hidden_size
-    drafter.attach_frozen(torch.randn(v, h, device=device, dtype=torch.bfloat16),
-                          torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, fused=cuda)
+    seq_len, anchors, steps = (args.seq_len, args.anchors, args.steps) if not args.quick else (256, 16, 2)
+    repeats = args.repeats if not args.quick else 1
     batch = make_batch(cfg, args.seqs, seq_len, anchors, device)
     total, n_anchors = batch[0].shape[0], batch[3].numel()
     n_loss = int((batch[5] != 0).sum())
+    variants = {}
+    for name in args.variants.split(","):
+        drafter, optimizer = build(cfg, device, cuda, compiled=name == "compiled" and cuda)
 
-    def step():
-        train_step(drafter, optimizer, batch, torch.bfloat16 if cuda else None)
+        def step(drafter=drafter, optimizer=optimizer):
+            train_step(drafter, optimizer, batch, torch.bfloat16 if cuda else None)
 
+        step_times(step, 0, args.warmup if not args.quick else 1, cuda)  # warm-up (compilation)
+        variants[name] = (step, drafter)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = step_times(step, steps, args.warmup if not args.quick else 1, cuda)
-    seconds = statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):  # interleaved: a slow spell of the shared machine hits every variant
+        for name, (step, _) in variants.items():
+            times[name] += step_times(step, steps, 0, cuda)
     flops = step_flops(cfg, batch[2], batch[3], total, n_loss)
-    name = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"# drafter training step on {name}: {cfg.num_hidden_layers} layers, hidden {h}, vocab {v}, "
-          f"{args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x {cfg.block_size}")
-    print(f"| {'metric':<28} | {'value':>14} |")
-    print(f"|{'-' * 30}|{'-' * 16}|")
-    rows = [
-        (f"step time (median of {len(times)}, ms)", f"{seconds * 1e3:.1f}"),
-        ("step time spread (ms)", f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}"),
-        ("context tokens / s", f"{total / seconds:,.0f}"),
-        ("block rows / s", f"{n_anchors * cfg.block_size / seconds:,.0f}"),
-        ("model TFLOP per step", f"{flops / 1e12:.2f}"),
-        ("achieved TFLOP/s", f"{flops / seconds / 1e12:.1f}"),
-        ("MFU", f"{flops / seconds / (args.peak_tflops * 1e12):.1%}" if cuda else "n/a (CPU)"),
-        ("peak memory (GiB)", f"{torch.cuda.max_memory_allocated() / 2**30:.1f}" if cuda else "n/a"),
-        ("parameters (M)", f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}"),
-    ]
-    for key, value in rows:
-        print(f"| {key:<28} | {value:>14} |")
+    gpu = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"# drafter training step on {gpu}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
+          f"{cfg.vocab_size}, {args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x "
+          f"{cfg.block_size}; {flops / 1e12:.2f} TFLOP per step; median of {repeats} x {steps} interleaved steps")
+    print(f"| {'variant':<10} | {'ms / step':>9} | {'spread ms':>13} | {'tokens / s':>10} | {'TFLOP/s':>8} | "
+          f"{'MFU':>6} |")
+    print(f"|{'-' * 12}|{'-' * 11}|{'-' * 15}|{'-' * 12}|{'-' * 10}|{'-' * 8}|")
+    for name, xs in times.items():
+        sec = statistics.median(xs)
+        mfu = f"{flops / sec / (args.peak_tflops * 1e12):.1%}" if cuda else "n/a"
+        print(f"| {name:<10} | {sec * 1e3:>9.1f} | {f'{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}':>13} | "
+              f"{total / sec:>10,.0f} | {flops / sec / 1e12:>8.1f} | {mfu:>6} |")
+    params = sum(p.numel() for p in next(iter(variants.values()))[1].parameters())
+    print(f"parameters {params / 1e6:.1f} M; peak memory "
+          + (f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all variants resident)" if cuda else "n/a"))
+    if args.profile and cuda:
+        from benchmarks.profiling import kernel_table
+
+        for name, (step, _) in variants.items():
+            kernel_table(step, calls=3, title=f"drafter step, {name}")
 
 
 if __name__ == "__main__":

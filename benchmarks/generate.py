@@ -119,6 +119,17 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     for k, xs in seconds.items():
         row[k] = tokens / statistics.median(xs)
         row[k + "_spread"] = (tokens / max(xs), tokens / min(xs))
+    if args.profile and device.type == "cuda":
+        from benchmarks.profiling import kernel_table
+
+        short = Sampling(0.0, 1.0, 0, 32, 0)  # 32 new tokens: the steps, with the prefill beside them
+        for mode, graphs in (("b", False), ("c", True)):
+            if mode in runs:
+                d = TransformersDecoder(model, {-1}, 0, short, token_budget=10**9, max_batch=10**6,
+                                        compile=args.compile, cuda_graphs=graphs)
+                d.decode_batch(requests)
+                kernel_table(lambda d=d: d.decode_batch(requests), calls=1, title=f"{shape} ({mode}), 32 new tokens")
+        kernel_table(lambda: plain_generate(model, batch, 32, device), calls=1, title=f"{shape} (a), 32 new tokens")
     model = decoder = None  # free the weights before the next shape is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -135,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA only)")
     parser.add_argument("--modes", default="abc", help="columns to run: a plain generate, b eager steps, c graphs")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each column, interleaved")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of 32-token decodes (CUDA)")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of device memory (H200: 4.8e12)")
     args = parser.parse_args(argv)
     if args.quick:

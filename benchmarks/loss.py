@@ -118,10 +118,29 @@ def sweep(sizes, device, dtype, reps: int) -> None:
         del inputs
 
 
+def profile(size, device, dtype) -> None:
+    from benchmarks.profiling import kernel_table
+
+    n, h, v = size
+    for label, fn, block_weights in rows_for(device):
+        if fn is None or label.startswith("plain"):
+            continue
+        inputs = make_inputs(n, h, v, device, dtype, block_weights)
+        measure(fn, inputs, 1)  # warm-up
+
+        def once(fn=fn, inputs=inputs):
+            inputs[0].grad = None
+            fn(*inputs).backward()
+
+        kernel_table(once, calls=3, title=f"{label}, N={n}")
+        del inputs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--profile", action="store_true", help="print the kernels of our loss and Liger's (CUDA)")
     parser.add_argument("--sweep", action="store_true",
                         help="time our Triton loss at several fixed chunk heights (rows) instead of the table")
     args = parser.parse_args()
@@ -135,6 +154,8 @@ def main() -> None:
     print(f"|{'-' * 54}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
     if args.sweep:
         return sweep(sizes, device, dtype, reps)
+    if args.profile and device.type == "cuda":
+        return profile(sizes[0], device, dtype)
     for n, h, v in sizes:
         for label, fn, block_weights in rows_for(device):
             size = f"{n}, {h}, {v}"
