@@ -32,9 +32,10 @@ from train.regularise import WeightAverage  # noqa: E402
 from train.transfer import DeviceBatch  # noqa: E402
 
 VARIANTS = ["", "--objective.anchors=label", "--objective.weights=dpace", "--objective.normalise=anchors",
-            "--objective.gamma=4", "--regularise.noise=0.05", "--regularise.ema=0.999",
+            "--objective.gamma=4", "--objective.path_weight=1", "--objective.weights=dpace --objective.path_weight=1",
+            "--regularise.noise=0.05", "--regularise.ema=0.999",
             "--objective.anchors=label --objective.weights=dpace --objective.normalise=anchors "
-            "--regularise.noise=0.05 --regularise.ema=0.999"]
+            "--objective.path_weight=1 --regularise.noise=0.05 --regularise.ema=0.999"]
 
 
 def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, device) -> DeviceBatch:

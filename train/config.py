@@ -130,6 +130,13 @@ class ObjectiveSection:
         "weight", "What the step's summed weighted CE is divided by, over all micro-batches and ranks: "
         "'weight' = the summed weights; 'anchors' = the number of blocks with at least one valid label."
     )
+    path_weight: float = option(
+        0.0, "Extra loss weight of the blocks greedy serving would draft: each block whose anchor lies on the "
+        "path a -> a + accepted(a) + 1 from a response's first anchor (accepted drafts from this step's own "
+        "argmax, detached; a position that is no anchor this step goes on at the next anchor) weighs 1 + "
+        "path_weight times as much, so positions after a rejection count more; the step's normaliser counts "
+        "them so too (weights, or blocks under normalise = anchors). 0 = off; validation is unchanged."
+    )
 
     def __post_init__(self):
         check(self.max_anchors >= 1, f"objective.max_anchors must be >= 1, got {self.max_anchors}.")
@@ -139,6 +146,8 @@ class ObjectiveSection:
         check(0 < self.dpace_alpha <= 1, f"objective.dpace_alpha must be in (0, 1], got {self.dpace_alpha}.")
         check(self.normalise in ("weight", "anchors"),
               f"objective.normalise must be weight or anchors, got {self.normalise!r}.")
+        check(0 <= self.path_weight < float("inf"),
+              f"objective.path_weight must be a finite number >= 0 (0 = off), got {self.path_weight}.")
 
 
 @dataclass(frozen=True)
@@ -289,3 +298,6 @@ class TrainConfig:
         check(self.objective.weights != "dpace" or not t.needs_final_state,
               f"{what} needs objective.weights = 'gamma' (D-PACE, the default weights, reweights the hard loss "
               "of the stored tokens only); add --objective.weights=gamma")
+        check(self.objective.path_weight == 0 or not t.needs_final_state,
+              f"{what} cannot be combined with objective.path_weight (the serving path is weighted on the hard "
+              "loss of the stored tokens only); set --objective.path_weight=0")

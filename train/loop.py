@@ -207,7 +207,7 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
             loss_sum, weight, c = batch_objective(
                 drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
                 autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
-                targets=cfg.targets)
+                targets=cfg.targets, path_weight=o.path_weight)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()

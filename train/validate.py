@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from dflash_common.drafter.loss import fused_lm_head_loss
-from dflash_common.drafter.objective import IGNORE_INDEX, AcceptanceCounts, block_labels, dpace_weights
+from dflash_common.drafter.objective import (
+    IGNORE_INDEX, AcceptanceCounts, accepted_drafts, block_labels, dpace_weights, serving_path,
+)
 from dflash_common.drafter.soft_loss import greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows
 from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
 
@@ -29,8 +31,7 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """bool [A, B] -> float64 [2B + 2] on the same device, laid out as `AcceptanceCounts.to_tensor`
     (correct per position, valid per position, accepted drafts, blocks). Stays on the device, so a
     training step never waits for the GPU just to count."""
-    hit = (correct & valid)[:, 1:]  # position 0 is the anchor, never a prediction
-    accepted = torch.cumprod(hit.long(), dim=1).sum(1)  # leading correct run from k = 1
+    accepted = accepted_drafts(correct, valid)
     has_any = valid[:, 1:].any(1)
     return torch.cat([(correct & valid).sum(0).double(), valid.sum(0).double(),
                       (accepted * has_any).sum().double()[None], has_any.sum().double()[None]])
@@ -38,14 +39,17 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
                     gamma: float | None, autocast: str, weights: str = "gamma", dpace_alpha: float = 0.5,
-                    normalise: str = "weight", targets: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    normalise: str = "weight", targets: Any = None,
+                    path_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
-    `weights` 'gamma' or 'dpace' and `normalise` 'weight' or 'anchors' as in train/config.py's
-    [objective]; D-PACE weights come from the same forward's per-row CE (no second pass). `targets`
-    (train config's TargetsSection) switches on soft targets and prompt-anchor labels.
+    `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
+    train/config.py's [objective]; D-PACE weights and the serving path come from the same forward's
+    per-row CE and correctness (no second pass). `targets` (train config's TargetsSection) switches on
+    soft targets and prompt-anchor labels (the config refuses them with path_weight).
     Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
-    of blocks with a valid label, float32 scalar, counts [2B+2]).
+    of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
+    scalar, counts [2B+2]).
     """
     device = batch.features.device
     prompt = targets is not None and targets.prompt_anchors
@@ -65,13 +69,21 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
                                     soft_kind(targets.soft), targets.temperature)
         else:
             out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten())
+    correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
+    row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
     if weights == "dpace":
         w = dpace_weights(out.rows.detach().view_as(labels), valid, dpace_alpha)
-        loss = (w.flatten() * out.rows).sum()
-    else:
-        loss = out.loss
-    norm = valid[:, 1:].any(1).sum().float() if normalise == "anchors" else w.sum()
-    correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
+        row_scale = w
+    block_w = None
+    if path_weight:  # 0 leaves the objective as it was, bit for bit
+        on_path = serving_path(batch.anchors, accepted_drafts(correct, valid), batch.loss_mask, batch.cu_seqlens)
+        block_w = 1.0 + path_weight * on_path.float()  # [A], detached: from argmax correctness
+        w = w * block_w[:, None]
+        row_scale = w if weights == "dpace" else block_w[:, None].expand_as(w)
+    loss = out.loss if row_scale is None else (row_scale.flatten() * out.rows).sum()
+    has_label = valid[:, 1:].any(1).float()  # [A]
+    blocks = has_label if block_w is None else has_label * block_w  # a block on the path counts 1 + path_weight
+    norm = blocks.sum() if normalise == "anchors" else w.sum()
     return loss, norm, block_counts(correct, valid)
 
 

@@ -55,6 +55,11 @@ VARIANTS: dict[str, list[str]] = {
     "ema": ["--regularise.ema=0.99"],  # ~100-step average (a run is ~500 steps)
     "noise": ["--regularise.noise=0.1"],
     "dpace+lr2x": ["--objective.weights=dpace", "--optim.lr=1.2e-3"],
+    "dpace+lr2x+label": ["--objective.weights=dpace", "--optim.lr=1.2e-3", "--objective.anchors=label"],
+    "dpace+norm_anchors": ["--objective.weights=dpace", "--objective.normalise=anchors"],
+    # blocks on greedy serving's path (anchors after a rejection) weigh 1 + path_weight times
+    "dpace+path1": ["--objective.weights=dpace", "--objective.path_weight=1"],
+    "dpace+path3": ["--objective.weights=dpace", "--objective.path_weight=3"],
     "prompt": ["--targets.prompt_anchors=true"],  # anchors on prompt tokens too, labelled by the target's greedy token
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
     "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution

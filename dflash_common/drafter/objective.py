@@ -11,7 +11,8 @@ each prediction weighs, and the acceptance-length (tau) estimate from per-positi
   (the anchor, which the block is given) is not a prediction.
 - Weights: exp(-(k - 1) / gamma) for k >= 1; zero at k = 0, past the sequence end and outside the
   loss mask. Labels with zero weight are IGNORE_INDEX. Or D-PACE (arXiv 2605.18810), from the
-  drafter's own detached per-position cross-entropy: `dpace_weights`.
+  drafter's own detached per-position cross-entropy: `dpace_weights`. Optionally the blocks that
+  greedy serving would draft (`serving_path`) weigh (1 + path_weight) times more.
 - Tau estimate: per block, accepted = leading correct predictions from k = 1 (a position that is not
   a valid prediction ends the run, as the served draft would stop there); tau = 1 + mean accepted.
   The trainer's validation and the eval's offline estimate both use `AcceptanceCounts`.
@@ -119,6 +120,60 @@ def dpace_weights(row_ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> to
     return tail * valid
 
 
+def accepted_drafts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per block [A] (long): leading correct predictions from k = 1 (argmax == label; a position that
+    is not a valid prediction ends the run), the drafts greedy verification would accept."""
+    hit = (correct & valid)[:, 1:]  # position 0 is the anchor, never a prediction
+    return torch.cumprod(hit.long(), dim=1).sum(1)
+
+
+def response_ids(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per packed position [T] (long): the number of the response it lies in, a response being a
+    maximal run of loss-mask positions inside one sequence (train/path_tau.py decodes each alone);
+    meaningful at loss-mask positions only."""
+    mask = loss_mask.bool()
+    t = mask.shape[0]
+    cu = cu_seqlens.to(mask.device, torch.long)
+    is_start = torch.zeros(t, dtype=torch.bool, device=mask.device)
+    is_start[cu[:-1][cu[:-1] < t]] = True  # a run never crosses a sequence boundary
+    prev = torch.cat([mask.new_zeros(1), mask[:-1]])
+    return (mask & (~prev | is_start)).long().cumsum(0)
+
+
+def serving_path(anchors: torch.Tensor, accepted: torch.Tensor, loss_mask: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Which blocks [A] (bool) greedy speculative decoding would draft, from anchors [A] (packed,
+    sorted, on loss-mask positions) and each block's accepted drafts [A] (`accepted_drafts`).
+
+    Per response the path starts at its first anchor (the first response position when it is one)
+    and goes on as serving does, a -> a + accepted(a) + 1: the token after the accepted drafts is the
+    target's correction, the next block's anchor. Where that position is no anchor this step (a
+    sequence with more response positions than max_anchors), the path goes on at the first anchor at
+    or after it; past the response's last anchor it ends. So every block after the first is one the
+    drafter reaches after a rejection.
+
+    No host sync, no loop over positions: pointer doubling over the anchors, log2(A) rounds, each
+    pushing the marks one jump further and squaring the jumps (a sink after the last anchor absorbs
+    the ends)."""
+    n = anchors.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=anchors.device)
+    a = anchors.long()
+    response = response_ids(loss_mask, cu_seqlens)[a]  # [A]
+    nxt = torch.searchsorted(a, a + accepted.long() + 1)  # [A] first anchor at or after, n if none
+    inside = (nxt < n) & (response[nxt.clamp(max=n - 1)] == response)
+    sink = torch.full((1,), n, dtype=torch.long, device=a.device)
+    jump = torch.cat([torch.where(inside, nxt, n), sink])  # [A + 1]
+    first = torch.ones(n, dtype=torch.bool, device=a.device)
+    first[1:] = response[1:] != response[:-1]
+    on = torch.cat([first, first.new_zeros(1)])  # [A + 1]: the path's starts
+    for _ in range((n - 1).bit_length() or 1):  # after r rounds: all within 2^r - 1 jumps (a path has <= n blocks)
+        pushed = torch.zeros(n + 1, dtype=torch.int32, device=a.device).index_add_(0, jump, on.int())
+        on = on | (pushed > 0)
+        jump = jump[jump]
+    return on[:n]
+
+
 @dataclass
 class AcceptanceCounts:
     """Sums that add over batches and ranks: per block position, valid predictions and correct ones;
@@ -132,8 +187,7 @@ class AcceptanceCounts:
     @classmethod
     def from_blocks(cls, correct: torch.Tensor, valid: torch.Tensor) -> "AcceptanceCounts":
         """correct, valid: bool [A, B] (argmax == label; label is a prediction)."""
-        hit = (correct & valid)[:, 1:]  # position 0 is the anchor, never a prediction
-        accepted = torch.cumprod(hit.long(), dim=1).sum(1)  # leading correct run from k = 1
+        accepted = accepted_drafts(correct, valid)
         has_any = valid[:, 1:].any(1)
         return cls(
             correct=(correct & valid).sum(0).double().cpu(),

@@ -41,6 +41,8 @@ def test_defaults_are_the_dflash_recipe():
          "\"full_attention\",\"full_attention\"]", "drafter.sliding_window"),
         ("--run.device=tpu", "run.device"),
         ("--precision.autocast=fp16", "precision.autocast"),
+        ("--objective.path_weight=-1", "objective.path_weight"),
+        ("--objective.path_weight=nan", "objective.path_weight"),
     ],
 )
 def test_bad_values_are_one_sentence_naming_the_key(override, fragment):
@@ -62,3 +64,12 @@ def test_dpace_and_soft_targets_are_refused_together_in_one_sentence():
         assert "--objective.weights=gamma" in message
     load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.soft=kl"])
     load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.prompt_anchors=true"])
+
+
+def test_path_weight_is_off_by_default_and_refused_with_soft_targets_in_one_sentence():
+    assert TrainConfig().objective.path_weight == 0.0
+    for argv in (["--targets.soft=kl"], ["--targets.prompt_anchors=true"]):
+        with pytest.raises(ConfigError) as e:
+            load_config(TrainConfig, None, ["--objective.weights=gamma", "--objective.path_weight=1", *argv])
+        assert "objective.path_weight" in str(e.value) and "\n" not in str(e.value)
+    assert load_config(TrainConfig, None, ["--objective.path_weight=1"]).objective.path_weight == 1.0
