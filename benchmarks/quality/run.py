@@ -60,6 +60,8 @@ VARIANTS: dict[str, list[str]] = {
     # blocks on greedy serving's path (anchors after a rejection) weigh 1 + path_weight times
     "dpace+path1": ["--objective.weights=dpace", "--objective.path_weight=1"],
     "dpace+path3": ["--objective.weights=dpace", "--objective.path_weight=3"],
+    # not a recipe change: the same drafter with its layers' elementwise parts compiled (fused kernels)
+    "dpace+compile": ["--objective.weights=dpace", "--precision.compile=true"],
     "prompt": ["--targets.prompt_anchors=true"],  # anchors on prompt tokens too, labelled by the target's greedy token
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
     "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution
