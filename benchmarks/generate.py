@@ -1,7 +1,6 @@
 """Generation throughput: dflash-generate's transformers decoder against plain `model.generate`.
 
     python benchmarks/generate.py                  # GPU: Qwen3-8B and Qwen3-0.6B shapes, bf16 (~5 min)
-    python benchmarks/generate.py --compile        # the same with generate.compile (torch.compile decode)
     python benchmarks/generate.py --quick          # a tiny target on the CPU: a smoke run in seconds
 
 For each shape, a Qwen3Config target with random weights is built directly on the device (no download)
@@ -13,13 +12,15 @@ lengths in [prompt-len/2, prompt-len]) for exactly --new-tokens tokens (no stop 
         (static KV cache, the host launches every kernel of every step)
     (c) dflash-generate with generate.cuda_graphs: each decode step a CUDA graph, captured once per batch
         (CUDA only)
+    (d) (c) with generate.compile too: the decoder layers' parts compiled (on a second copy of the target,
+        which compiling changes in place), the compiled step captured as the graph (CUDA only)
 
 All decode the same batch (the same batch budget). Rows report generated tokens/s (batch x new tokens /
-seconds): the median of --repeats runs, interleaved a, b, c, a, b, c, ... after one warm-up of each,
+seconds): the median of --repeats runs, interleaved a, b, c, d, a, b, c, d, ... after one warm-up of each,
 with the lowest and highest beside it; (c)/(a), and the memory-bandwidth roofline of decoding: each step
 reads every weight once and the KV cache of the batch, so a step takes at least
 (weight bytes + KV bytes at the mean context) / --bandwidth (4.8 TB/s for an H200), and the
-roofline is batch / that time. Goal: (c)/(a) >= 3. --modes picks the columns (a, b, c) to run.
+roofline is batch / that time. Goal: the best of (b)-(d) >= 3x (a). --modes picks the columns to run.
 """
 
 from __future__ import annotations
@@ -107,9 +108,13 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
         runs["a"] = lambda: plain_generate(model, batch, args.new_tokens, device)
     for mode, graphs in (("b", False), ("c", True)):
         decoder = TransformersDecoder(model, {-1}, 0, sampling, token_budget=10**9, max_batch=10**6,
-                                      compile=args.compile, cuda_graphs=graphs)
+                                      cuda_graphs=graphs)
         if mode in args.modes and decoder.cuda_graphs == graphs:  # (c) needs CUDA
             runs[mode] = lambda d=decoder: d.decode_batch(requests)
+    if "d" in args.modes and device.type == "cuda":  # a second copy of the target: compiling changes it in place
+        compiled = TransformersDecoder(build(shape, device, dtype), {-1}, 0, sampling, token_budget=10**9,
+                                       max_batch=10**6, compile=True, cuda_graphs=True)
+        runs["d"] = lambda d=compiled: d.decode_batch(requests)
     for fn in runs.values():
         fn()  # warm-up (allocations, kernels, compilation)
     seconds: dict[str, list[float]] = {k: [] for k in runs}
@@ -126,11 +131,13 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
         for mode, graphs in (("b", False), ("c", True)):
             if mode in runs:
                 d = TransformersDecoder(model, {-1}, 0, short, token_budget=10**9, max_batch=10**6,
-                                        compile=args.compile, cuda_graphs=graphs)
+                                        cuda_graphs=graphs)
                 d.decode_batch(requests)
                 kernel_table(lambda d=d: d.decode_batch(requests), calls=1, title=f"{shape} ({mode}), 32 new tokens")
+        if "d" in runs:  # its decoder decodes --new-tokens: the whole run
+            kernel_table(runs["d"], calls=1, title=f"{shape} (d), {args.new_tokens} new tokens")
         kernel_table(lambda: plain_generate(model, batch, 32, device), calls=1, title=f"{shape} (a), 32 new tokens")
-    model = decoder = None  # free the weights before the next shape is built
+    model = decoder = compiled = None  # free the weights before the next shape is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -143,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA only)")
-    parser.add_argument("--modes", default="abc", help="columns to run: a plain generate, b eager steps, c graphs")
+    parser.add_argument("--modes", default="abcd",
+                        help="columns to run: a plain generate, b eager steps, c graphs, d compiled + graphs")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each column, interleaved")
     parser.add_argument("--profile", action="store_true", help="print the kernels of 32-token decodes (CUDA)")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of device memory (H200: 4.8e12)")
@@ -157,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens, {args.new_tokens} new tokens each; roofline at {args.bandwidth / 1e12:.1f} TB/s; tok/s is the "
           f"median of {args.repeats} interleaved runs after one warm-up, [lowest-highest] beside it")
     print(f"{'target':<12} | {'(a) model.generate tok/s':>26} | {'(b) eager steps tok/s':>26} | "
-          f"{'(c) CUDA graphs tok/s':>26} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | {'roofline tok/s':>14} | "
-          f"{'best/roofline':>13}")
+          f"{'(c) CUDA graphs tok/s':>26} | {'(d) compiled + graphs':>26} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | "
+          f"{'(d)/(a)':>7} | {'roofline tok/s':>14} | {'best/roofline':>13}")
     for shape in args.shapes.split(","):
         r = bench(shape, args, device, dtype)
 
@@ -169,8 +176,9 @@ def main(argv: list[str] | None = None) -> None:
             return f"{f'{r[k]:,.0f} [{lo:,.0f}-{hi:,.0f}]':>26}"
 
         ratio = lambda k: f"{r[k] / r['a']:>7.2f}" if k in r and "a" in r else f"{'n/a':>7}"  # noqa: E731
-        best = max((r[k] for k in ("b", "c") if k in r), default=None)
-        print(f"{r['shape']:<12} | {cell('a')} | {cell('b')} | {cell('c')} | {ratio('b')} | {ratio('c')} | "
+        best = max((r[k] for k in ("b", "c", "d") if k in r), default=None)
+        print(f"{r['shape']:<12} | {cell('a')} | {cell('b')} | {cell('c')} | {cell('d')} | {ratio('b')} | "
+              f"{ratio('c')} | {ratio('d')} | "
               f"{r['roofline']:>14,.0f} | " + (f"{best / r['roofline']:>13.1%}" if best else f"{'n/a':>13}"))
 
 

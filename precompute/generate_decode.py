@@ -18,20 +18,27 @@ yet) the step is then captured once per batch as a CUDA graph and replayed on CU
 token instead of a few hundred kernel launches from Python. Without it the same static step runs
 eagerly (tests compare it with transformers' own loop on a CPU), and where a 4D mask would be wrong or
 unsupported (sliding-window layers, an attention implementation other than sdpa or eager) the steps
-fall back to a 2D mask grown each step.
+fall back to a 2D mask grown each step. A one-token step of a sdpa target attends through
+`packed_gqa_sdpa`: the query heads of a key/value group read the cache as it is stored, where
+transformers (before 5.24) copies every layer's cache to the query heads' count at every step.
+With `compile` the parts of every decoder layer are compiled (one graph for all layers, as
+precompute's `target.compile`), fusing the norms, RoPE and activations of each step.
 
 `VllmDecoder`: `vllm.LLM` offline on token-id prompts, one `SamplingParams(seed=...)` per request
-(temperature 0 is greedy); untested here (no vLLM in the test environment).
+(temperature 0 is greedy); tests/precompute/test_generate_vllm.py checks its greedy answers against the
+transformers backend in the serving environment (.venv-vllm).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger("dflash")
 
@@ -116,7 +123,9 @@ class TransformersDecoder:
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns, then goes)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         if compile and self.device.type == "cuda":
-            self.forward = torch.compile(model.forward, dynamic=True)
+            from precompute.target import compile_decoder_layers
+
+            compile_decoder_layers(model)  # the layers' parts, one graph for all layers (as precompute does)
         self.static_steps = static_steps_allowed(model.config)
         self.cuda_graphs = cuda_graphs and self.static_steps and self.device.type == "cuda"
 
@@ -131,6 +140,10 @@ class TransformersDecoder:
     @torch.no_grad()
     def decode_batch(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
         """One left-padded batch, decoded to the end of its longest answer."""
+        with decode_attention(self.model):
+            return self._decode_batch(requests, on_tokens)
+
+    def _decode_batch(self, requests: list[Request], on_tokens: OnTokens | None) -> list[Generated]:
         from transformers import StaticCache
 
         n_new = self.sampling.max_new_tokens
@@ -210,6 +223,55 @@ class TransformersDecoder:
             if tok in self.stop_ids:
                 return Generated(row[:k], "stop")
         return Generated(row[: self.sampling.max_new_tokens], "length")
+
+
+# The attention decode_batch runs a sdpa target with (transformers' attention-function registry).
+DECODE_ATTENTION = "dflash_decode_sdpa"
+
+
+def packed_gqa_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except for a one-token query over grouped key/value heads: the
+    query heads that share a key/value head become that head's query rows, [B, Hq, 1, D] ->
+    [B, Hkv, Hq/Hkv, D], so the cache is read as it is stored. transformers (before 5.24) repeats the
+    whole cache to Hq heads first (`repeat_kv`): a copy of every layer's cache at every decode step,
+    29% of the decoder's GPU time on a Qwen3-8B shape. Same values: each query row sees exactly the
+    keys and values of its own head, and the mask ([B, 1, 1, L]) is shared by every head."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    b, heads, q_len, dim = query.shape
+    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
+    if q_len != 1 or groups == 1 or not shared_mask or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    q = query.reshape(b, heads // groups, groups, dim)  # heads h = kv * groups + g, repeat_kv's order
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
+                                         dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None  # [B, 1, Hq, D]
+
+
+@contextlib.contextmanager
+def decode_attention(model: Any) -> Iterator[None]:
+    """Inside the block, the model's sdpa attention is `packed_gqa_sdpa` (registered under
+    DECODE_ATTENTION, its masks made as sdpa's); restored after, as the model is the caller's. Every
+    config the model's modules read (a composite model's text config too) is switched."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_attn_implementation", None) == "sdpa"}
+    if not configs:
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, packed_gqa_sdpa)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    for c in configs.values():
+        c._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c._attn_implementation = "sdpa"
 
 
 def static_steps_allowed(config: Any) -> bool:

@@ -88,6 +88,45 @@ def test_static_decode_steps_match_grown_mask_steps_and_sliding_targets_fall_bac
         assert a.tokens == ref[: len(a.tokens)]
 
 
+def test_packed_gqa_decode_attention_equals_attention_over_repeated_heads():
+    """One query token, 8 query heads over 2 key/value heads, a padding mask per row: the packed
+    attention equals softmax(q k^T / sqrt(D) + mask) v with each query head on its own group's cache
+    (written out here), and a longer query goes to transformers' sdpa unchanged."""
+    from precompute.generate_decode import packed_gqa_sdpa
+
+    class Attn:
+        num_key_value_groups = 4
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g) for shape in ((3, 8, 1, 16), (3, 2, 20, 16), (3, 2, 20, 16)))
+    mask = torch.zeros(3, 1, 1, 20)
+    mask[0, ..., :5] = mask[2, ..., 17:] = torch.finfo(torch.float32).min
+    got, _ = packed_gqa_sdpa(Attn(), q, k, v, mask, scaling=0.25)
+    kr, vr = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)  # head h reads group h // 4
+    want = ((q @ kr.transpose(-1, -2)) * 0.25 + mask).softmax(-1) @ vr  # [3, 8, 1, 16]
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    q2 = torch.randn(3, 8, 4, 16, generator=g)
+    got2, _ = packed_gqa_sdpa(Attn(), q2, k, v, None, scaling=0.25, is_causal=False)
+    want2 = ((q2 @ kr.transpose(-1, -2)) * 0.25).softmax(-1) @ vr
+    torch.testing.assert_close(got2, want2.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_decoding_switches_the_attention_only_while_it_runs(tiny_target, monkeypatch):
+    """decode_batch runs every one-token step of the (GQA) tiny target through the packed attention
+    and leaves the caller's model on sdpa afterwards."""
+    import precompute.generate_decode as D
+
+    model, _, prompts = _model(tiny_target)
+    calls = []
+    real = D.packed_gqa_sdpa
+    monkeypatch.setattr(D, "packed_gqa_sdpa", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    out = _decoder(model, {-1}, Sampling(0.0, 1.0, 0, 6, 0)).decode_batch([Request(p, 0) for p in prompts])
+    assert all(len(o.tokens) == 6 for o in out)
+    layers = model.config.num_hidden_layers
+    assert calls.count(1) == 5 * layers and len(calls) == 6 * layers  # 5 steps after the prefill, every layer
+    assert model.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.gpu
 def test_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
     model, _, prompts = _model(tiny_target)
