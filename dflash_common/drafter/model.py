@@ -509,7 +509,7 @@ class DFlashDrafter(nn.Module):
     def compile_regions(self) -> None:
         """torch.compile, in place, the parts of every draft layer that are not the sparse attention
         (flex compiles itself on the GPU): query and key projections with their per-head norms and RoPE,
-        the two pre-norms and the SwiGLU MLP. Eagerly, each norm and rotation is several float32 passes
+        the two pre-norms and the SwiGLU MLP; and the context's and the final norm. Eagerly, each norm and rotation is several float32 passes
         over the block rows; compiled, one fused kernel each way. Layers share the compiled graphs (the
         parameters are their inputs), shapes are dynamic (rows and context vary by batch). Weight names
         and the state dict are unchanged."""
@@ -519,6 +519,8 @@ class DFlashDrafter(nn.Module):
             attn.context_kv = torch.compile(attn.context_kv, dynamic=True)
             for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
                 module.compile(dynamic=True)
+        for module in (self.hidden_norm, self.norm):  # the context's norm and the final one
+            module.compile(dynamic=True)
 
     def attach_frozen(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Attach the target's embedding and lm_head ([V, H] each, may be the same tensor if tied)."""
@@ -769,7 +771,9 @@ _compiled_flex: Callable | None = None
 # Always the main flex kernel: without grad and with fewer than 128 query rows (a few blocks, e.g. the
 # last rounds of a path-tau replay), inductor picks its flex-decoding kernel, which finds no valid
 # config for our BlockMask under dynamic shapes (NoValidChoicesError, torch 2.11 on an H200).
-_FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+# ROWS_GUARANTEED_SAFE: every query row sees at least one key (its own block position), so the
+# kernel may skip its guard against rows with nothing to attend to.
+_FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "ROWS_GUARANTEED_SAFE": True}
 
 
 def _flex_fn(device: torch.device) -> Callable:

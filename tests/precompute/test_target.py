@@ -174,9 +174,12 @@ def test_compiled_decoder_layers_give_the_eager_states(tiny_target):
 
 @pytest.mark.gpu
 def test_compiled_target_on_the_gpu_gives_the_eager_states(tiny_target):
-    eager = T.load_target(tiny_target, None, dtype="bf16", device="cuda")
-    compiled = T.load_target(tiny_target, None, dtype="bf16", device="cuda", compile=True)
+    """In bf16 the compiled parts round otherwise than eager ones (fused kernels keep float32 between
+    ops): against the float32 states, the compiled target must be as close as the eager one."""
     ids = torch.randint(0, 256, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
-    for got, want in zip(compiled.forward(ids), eager.forward(ids)):
-        rel = (got.float() - want.float()).norm() / want.float().norm()
-        assert rel < 1e-2, f"relative difference {rel:.3g}"
+    ref = T.load_target(tiny_target, None, dtype="fp32", device="cuda").forward(ids)
+    eager = T.load_target(tiny_target, None, dtype="bf16", device="cuda").forward(ids)
+    compiled = T.load_target(tiny_target, None, dtype="bf16", device="cuda", compile=True).forward(ids)
+    for layer, (r, e, c) in enumerate(zip(ref, eager, compiled)):
+        err_e, err_c = ((x.float() - r).norm() / r.norm() for x in (e, c))
+        assert err_c <= 1.5 * err_e + 1e-3, f"layer {layer}: compiled error {err_c:.3g}, eager {err_e:.3g}"

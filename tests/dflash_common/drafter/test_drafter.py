@@ -485,21 +485,27 @@ def test_compiled_regions_give_the_eager_forward_and_gradients(tiny_target):
 
 @pytest.mark.gpu
 def test_compiled_regions_on_the_gpu_match_eager_under_autocast(tiny_target):
+    """Under bf16 autocast the compiled regions round otherwise than eager ops: against float32 (no
+    autocast), their blocks and gradients must be as close as eager's."""
     cfg = tiny_config(tiny_target)
     eager = tiny_drafter(cfg)
     context, input_ids, cu = packed_batch(cfg)
     batch = (context.cuda(), input_ids.cuda(), cu.cuda(), torch.tensor(ANCHORS).cuda())
-    results = []
-    for compile_ in (False, True):
+    results = {}
+    for name, compile_, autocast in (("fp32", False, False), ("eager", False, True), ("compiled", True, True)):
         d = tiny_drafter(cfg).cuda()
         d.load_state_dict(eager.state_dict())
         d.attach_frozen(eager.embed_weight.cuda(), eager.lm_head_weight.cuda())
         if compile_:
             d.compile_regions()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            results.append(_forward_and_grads(d, batch))
-    (want, want_grads), (got, got_grads) = results
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    for name, g in want_grads.items():
-        rel = (got_grads[name] - g).norm() / g.norm().clamp(min=1e-12)
-        assert rel < 2e-2, f"{name}: relative gradient difference {rel:.3g}"
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            results[name] = _forward_and_grads(d, batch)
+
+    def err(name, grad=None):
+        got, ref = (results[name][0], results["fp32"][0]) if grad is None else \
+            (results[name][1][grad], results["fp32"][1][grad])
+        return float((got - ref).norm() / ref.norm().clamp(min=1e-12))
+
+    assert err("compiled") <= 1.5 * err("eager") + 1e-3, (err("compiled"), err("eager"))
+    for grad in results["fp32"][1]:
+        assert err("compiled", grad) <= 1.5 * err("eager", grad) + 1e-3, (grad, err("compiled", grad), err("eager", grad))
