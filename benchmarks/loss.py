@@ -118,6 +118,31 @@ def sweep(sizes, device, dtype, reps: int) -> None:
         del inputs
 
 
+def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, reps: int = 20) -> None:
+    """The row kernel alone on one logits chunk [rows, vocab] (forward + gradient in place) per
+    (columns per step, warps): ms and GB/s counting its three passes over the chunk (read, read, write)."""
+    from dflash_common.drafter.loss_triton import weighted_ce_rows
+
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=device, dtype=dtype, generator=g) * 4
+    labels = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    weights = torch.ones(rows, device=device)
+    moved = 3 * logits.numel() * logits.element_size()
+    print(f"| {'columns/step':>12} | {'warps':>5} | {'ms':>7} | {'GB/s':>7} |")
+    for block, warps in ((4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)):
+        times = []
+        for i in range(reps + 3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            weighted_ce_rows(logits, labels, weights, True, block=block, num_warps=warps)
+            end.record()
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(start.elapsed_time(end))
+        ms = statistics.median(times)
+        print(f"| {block:>12} | {warps:>5} | {ms:>7.3f} | {moved / ms / 1e6:>7.0f} |", flush=True)
+
+
 def profile(size, device, dtype) -> None:
     from benchmarks.profiling import kernel_table
 
@@ -141,12 +166,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="print the kernels of our loss and Liger's (CUDA)")
+    parser.add_argument("--kernel-sweep", action="store_true",
+                        help="time the row kernel alone per (columns per step, warps) on one chunk (CUDA)")
+    parser.add_argument("--sizes", default="all", choices=["all", "first"], help="'first': only N=16384")
     parser.add_argument("--sweep", action="store_true",
                         help="time our Triton loss at several fixed chunk heights (rows) instead of the table")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sizes = QUICK_SIZES if args.quick else GOAL_SIZES
+    sizes = QUICK_SIZES if args.quick else GOAL_SIZES[:1] if args.sizes == "first" else GOAL_SIZES
     reps = 3 if args.quick else args.reps
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}")
@@ -156,6 +184,8 @@ def main() -> None:
         return sweep(sizes, device, dtype, reps)
     if args.profile and device.type == "cuda":
         return profile(sizes[0], device, dtype)
+    if args.kernel_sweep and device.type == "cuda":
+        return kernel_sweep(device, dtype)
     for n, h, v in sizes:
         for label, fn, block_weights in rows_for(device):
             size = f"{n}, {h}, {v}"

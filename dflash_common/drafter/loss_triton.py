@@ -73,6 +73,7 @@ def weighted_ce_rows(
     weights: torch.Tensor,
     compute_grad: bool,
     block: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [C, V] (rows contiguous), labels [C] in 0..V-1, weights [C] float32 ->
     (weighted loss per row [C] float32, argmax == label [C] bool); with compute_grad, logits is
@@ -87,6 +88,6 @@ def weighted_ce_rows(
     block = block or min(MAX_BLOCK, triton.next_power_of_2(v))
     _weighted_ce_rows_kernel[(c,)](
         logits, logits.stride(0), labels.contiguous(), weights.float().contiguous(), loss, correct, v,
-        COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=num_warps or (8 if block >= 2048 else 4),
     )
     return loss, correct.bool()
