@@ -14,9 +14,10 @@ def test_generate_benchmark_quick(capsys):
     bench["main"](["--quick"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("tiny ")]
-    assert len(rows) == 1 and len(rows[0].split("|")) == 8
+    assert len(rows) == 1 and len(rows[0].split("|")) == 10
     cells = [c.strip() for c in rows[0].split("|")]
-    assert cells[3] == "n/a" and float(cells[4]) > 0  # no CUDA graphs on a CPU; (b)/(a) measured
+    # no CUDA graphs (c) nor compiled graphs (d) on a CPU; (b)/(a) measured
+    assert cells[3] == cells[4] == "n/a" and float(cells[5]) > 0 and cells[6] == cells[7] == "n/a"
     median, spread = cells[1].split(" [")
     lo, hi = (float(x.replace(",", "")) for x in spread.rstrip("]").split("-"))
     assert lo <= float(median.replace(",", "")) <= hi and "median of 2 interleaved runs" in out
