@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 log = logging.getLogger("dflash")
 
@@ -237,8 +238,6 @@ def packed_gqa_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     whole cache to Hq heads first (`repeat_kv`): a copy of every layer's cache at every decode step,
     29% of the decoder's GPU time on a Qwen3-8B shape. Same values: each query row sees exactly the
     keys and values of its own head, and the mask ([B, 1, 1, L]) is shared by every head."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q_len, dim = query.shape
     shared_mask = attention_mask is None or attention_mask.shape[1] == 1
