@@ -771,9 +771,10 @@ _compiled_flex: Callable | None = None
 # Always the main flex kernel: without grad and with fewer than 128 query rows (a few blocks, e.g. the
 # last rounds of a path-tau replay), inductor picks its flex-decoding kernel, which finds no valid
 # config for our BlockMask under dynamic shapes (NoValidChoicesError, torch 2.11 on an H200).
-# ROWS_GUARANTEED_SAFE: every query row sees at least one key (its own block position), so the
-# kernel may skip its guard against rows with nothing to attend to.
-_FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True, "ROWS_GUARANTEED_SAFE": True}
+# Not ROWS_GUARANTEED_SAFE: the padding rows of the last query tile see no key, and without the
+# kernel's guard their NaNs reach every key's gradient (every drafter trained with it on an H200
+# had NaN loss from its first step).
+_FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def _flex_fn(device: torch.device) -> Callable:
