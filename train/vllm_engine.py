@@ -8,7 +8,10 @@ with `disable_log_stats=False`) give every prompt's own drafts and accepted toke
 1 + accepted / drafts (its mean over cycles), the pooled tau 1 + sum accepted / sum drafts, and the
 histogram of tokens per cycle follows from the per-position counts (a cycle emits k + 1 tokens when
 exactly k drafts are accepted). vLLM drafts whole blocks and counts every cycle uncut, as the DFlash
-authors' loop (train/spec_decode.py) does.
+authors' loop (train/spec_decode.py) does, but it ends a prompt sooner: it runs a cycle only while
+fewer than max_new_tokens tokens are out (the authors' loop also runs one when exactly that many are)
+and none after a stop token from the prefill. `expected_counters` turns our engine's cycles into the
+counters vLLM must then report.
 
 On a CPU: vLLM's CPU attention takes head_dim 64 (not 16), its V1 runner serves drafters whose layers
 are all full or all sliding (mixed ones need VLLM_USE_V2_MODEL_RUNNER=1, which needs triton-cpu).
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Collection, Sequence
 
 # Set before vllm is imported; a value already in the environment wins.
 ENV = {
@@ -57,6 +61,22 @@ def _delta(after: dict, before: dict) -> dict:
     per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0) for i, a in enumerate(after["per_pos"])]
     return {"drafts": after["drafts"] - before["drafts"], "accepted": after["accepted"] - before["accepted"],
             "per_pos": per_pos}
+
+
+def expected_counters(acceptance_lengths: Sequence[int], first_token: int, block_size: int, max_new_tokens: int,
+                      stop_ids: Collection[int]) -> dict:
+    """The counters vLLM reports for a prompt that our engine decoded in these cycles (accepted + 1 each,
+    uncut, as `Decoded.acceptance_lengths`; `first_token` is the prefill's): the same cycles, cut where
+    vLLM stops. `per_pos[k]`: cycles whose draft k + 1 was accepted."""
+    kept, emitted = [], 1  # the prefill's token is out before any cycle
+    if first_token not in stop_ids:
+        for n in acceptance_lengths:
+            if emitted >= max_new_tokens:
+                break
+            kept.append(n)
+            emitted += n
+    per_pos = [sum(1 for n in kept if n - 1 > k) for k in range(block_size - 1)]
+    return {"drafts": len(kept), "accepted": sum(n - 1 for n in kept), "per_pos": per_pos}
 
 
 def serve(request: dict) -> dict:
