@@ -13,9 +13,9 @@ not depend on its batch.
 Decode steps after the prefill have static shapes: the step's token, position and cache slot live in
 fixed buffers updated in place, and the attention mask is a 4D additive mask over the whole static
 cache (the columns of the prompt's padding and of steps not yet taken hold the dtype's minimum; a step
-opens its own column). With `cuda_graphs` (opt in: the GPU test of the current capture has not run
-yet) the step is then captured once per batch as a CUDA graph and replayed on CUDA: one launch per
-token instead of a few hundred kernel launches from Python. Without it the same static step runs
+opens its own column). With `cuda_graphs` (generate.cuda_graphs, on by default; a GPU test checks the
+graph steps give the eager steps' tokens) the step is then captured once per batch as a CUDA graph and
+replayed on CUDA: one launch per token instead of a few hundred kernel launches from Python. Without it the same static step runs
 eagerly (tests compare it with transformers' own loop on a CPU), and where a 4D mask would be wrong or
 unsupported (sliding-window layers, an attention implementation other than sdpa or eager) the steps
 fall back to a 2D mask grown each step. A one-token step of a sdpa target attends through
