@@ -268,6 +268,8 @@ def report(rows: list[tuple], disk: list[tuple[str, float]], args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)  # a --dir not made yet is made
     root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir=args.dir))
     say(f"working in {root} (device {args.device})")
     try:
