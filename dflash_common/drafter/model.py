@@ -509,10 +509,10 @@ class DFlashDrafter(nn.Module):
     def compile_regions(self) -> None:
         """torch.compile, in place, the parts of every draft layer that are not the sparse attention
         (flex compiles itself on the GPU): query and key projections with their per-head norms and RoPE,
-        the two pre-norms and the SwiGLU MLP; and the context's and the final norm. Eagerly, each norm and rotation is several float32 passes
-        over the block rows; compiled, one fused kernel each way. Layers share the compiled graphs (the
-        parameters are their inputs), shapes are dynamic (rows and context vary by batch). Weight names
-        and the state dict are unchanged."""
+        the two pre-norms and the SwiGLU MLP; and the context's and the final norm. Eagerly, each norm
+        and rotation is several float32 passes over the block rows; compiled, one fused kernel each way.
+        Layers share the compiled graphs (the parameters are their inputs), shapes are dynamic (rows and
+        context vary by batch). Weight names and the state dict are unchanged."""
         for layer in self.layers:
             attn = layer.self_attn
             attn.queries = torch.compile(attn.queries, dynamic=True)  # bound methods: instance attributes
