@@ -99,16 +99,20 @@ def settings(args) -> dict:
             "eval_prompts": args.eval_prompts, "train_prompts": args.train_prompts, "device": args.device}
 
 
-def env() -> dict:
+def env(threads: int | None = None) -> dict:
+    """The children's environment; `threads` caps each child's CPU threads (OMP_NUM_THREADS, which torch
+    takes for its intra-op pool) unless the caller's environment sets it."""
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
+    if threads is not None:
+        e.setdefault("OMP_NUM_THREADS", str(threads))
     return e
 
 
-def launch(cmd: list[str], log: Path) -> subprocess.Popen:
+def launch(cmd: list[str], log: Path, threads: int | None = None) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     print("$", " ".join(cmd), f"> {log}", flush=True)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(threads), stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
 DEADLINE: float | None = None  # time.time() after which running processes are stopped (--deadline-s)
@@ -388,7 +392,9 @@ def stage_eval(args) -> None:
     while todo or running:
         while todo and len(running) < args.parallel and (DEADLINE is None or time.time() < DEADLINE):
             cmd, log = todo.pop(0)
-            running.append((launch(cmd, log), log))
+            # the cores shared out: two evaluations each with every core's threads ran 10x slower on 2
+            # cores (OpenMP threads contending) than with one thread each
+            running.append((launch(cmd, log, threads=max(1, (os.cpu_count() or 1) // args.parallel)), log))
         if not running:
             break  # the deadline passed before the rest could start
         time.sleep(0.5)
