@@ -62,9 +62,6 @@ def run(cfg: GenerateConfig) -> Path:
     ranks = start_ranks(cfg.run.device)
     try:
         return _run(cfg, ranks)
-    except KeyboardInterrupt:
-        raise UserError(f"interrupted; the shards published in {cfg.output.dir} are kept: rerun the same "
-                        "command to resume.") from None
     except UserError:
         raise
     except Exception as e:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from dflash_common.cli import parse_args, setup_logging, user_errors_exit
+from dflash_common.cli import interrupt_says, parse_args, setup_logging, user_errors_exit
 from precompute.generate_config import GenerateConfig
 
 _FLAGS = {"--dry-run": "--run.dry_run=true"}
@@ -32,9 +32,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Returns None: console scripts pass main()'s result to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
-    from precompute.generate import run  # after argument parsing: --help stays fast
+    with interrupt_says(lambda: f"the shards already published in {cfg.output.dir} are kept (a shard being "
+                        f"written is not visible); rerun the same command to resume."):
+        from precompute.generate import run  # after argument parsing: --help stays fast
 
-    run(cfg)
+        run(cfg)
 
 
 if __name__ == "__main__":
