@@ -175,8 +175,8 @@ def _full_disk_sentence(args, out: Path, capsys) -> str:
 
 
 def test_a_real_full_disk(small_disk, tiny_target, inputs, reference, capsys):
-    # 26 pages: the manifest and the run record (a page each), 11 units (a shard and its counts, a page
-    # each) and the 12th unit's counts; the disk fills while that unit's shard is written
+    # 26 pages: the manifest and the run record's two files (a page each), 11 units (a shard and its
+    # counts, a page each) and the 12th unit's counts; the disk fills while that unit's shard is written
     disk = small_disk("104k")
     out = disk.path / "gen"
     args = _args(tiny_target, inputs, out)
