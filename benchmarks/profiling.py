@@ -18,7 +18,9 @@ import torch
 def _kernel_events(prof) -> list:
     events = []
     for e in prof.events():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+        # user annotations (e.g. "Optimizer.step#AdamW.step") span kernels listed on their own: skip them
+        annotation = getattr(e, "is_user_annotation", False) or "#" in e.name
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and not annotation:
             events.append(e)
     return events
 
