@@ -91,6 +91,18 @@ def published(store: Path) -> list[str]:
         if shards.is_dir() else []
 
 
+def interrupt_says_what_is_kept(proc: subprocess.Popen, out: Path) -> None:
+    """Send SIGINT to a running CLI job writing shards into `out`: it must exit 130 without a traceback,
+    its last line the one sentence saying what is kept and how to resume (dflash_common.cli's)."""
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last == (f"interrupted: the shards already published in {out} are kept (a shard being written is not "
+                    f"visible); rerun the same command to resume."), err
+
+
 def kill_process_tree(proc: subprocess.Popen) -> None:
     """SIGKILL `proc` and every process below it, as a preempted node loses them: torchrun starts each
     worker in a session of its own, so killing torchrun's process group alone would leave them running."""
