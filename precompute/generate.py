@@ -61,7 +61,9 @@ def run(cfg: GenerateConfig) -> Path:
         raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
     ranks = start_ranks(cfg.run.device)
     try:
-        return _run(cfg, ranks)
+        out = _run(cfg, ranks)
+        ranks.finished()
+        return out
     except UserError:
         raise
     except Exception as e:

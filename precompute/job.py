@@ -92,6 +92,14 @@ class Ranks:
             raise value
         return value
 
+    def finished(self) -> None:
+        """Every rank's work is done: wait for the others, so that no rank tears its process group down
+        while another still talks to it (seen under gloo: the other rank aborted after its work, "terminate
+        called without an active exception", exit -6). Not on an error path: a rank that failed must not
+        wait for ranks still working."""
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -118,7 +126,9 @@ def run(cfg: PrecomputeConfig) -> Path:
         with contextlib.ExitStack() as stack:
             hold = StoreHold(stack)
             ranks.from_main(lambda: hold.take(cfg, existing_only=True))
-            return _run(cfg, ranks, hold)
+            store = _run(cfg, ranks, hold)
+            ranks.finished()
+            return store
     except UserError:
         raise
     except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
