@@ -295,9 +295,6 @@ class TrainConfig:
     def __post_init__(self):
         t = self.targets
         what = f"targets.soft = '{t.soft}'" if t.soft != "none" else "targets.prompt_anchors = true"
-        check(self.objective.weights != "dpace" or not t.needs_final_state,
-              f"{what} needs objective.weights = 'gamma' (D-PACE, the default weights, reweights the hard loss "
-              "of the stored tokens only); add --objective.weights=gamma")
         check(self.objective.path_weight == 0 or not t.needs_final_state,
               f"{what} cannot be combined with objective.path_weight (the serving path is weighted on the hard "
               "loss of the stored tokens only); set --objective.path_weight=0")

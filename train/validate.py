@@ -46,7 +46,9 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
     `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
     train/config.py's [objective]; D-PACE weights and the serving path come from the same forward's
     per-row CE and correctness (no second pass). `targets` (train config's TargetsSection) switches on
-    soft targets and prompt-anchor labels (the config refuses them with path_weight).
+    soft targets and prompt-anchor labels (the config refuses them with path_weight); with them,
+    D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
+    greedy token on a prompt position) while the rows it weighs are the soft kind's loss.
     Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
     of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
     scalar, counts [2B+2]).
@@ -63,7 +65,7 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
         hidden = model(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
         row_w = valid.float() if weights == "dpace" else w  # D-PACE: unit weights, reweighted below
-        if targets is not None and targets.needs_final_state:  # train config refuses dpace with soft targets
+        if targets is not None and targets.needs_final_state:
             out = soft_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
                                     batch.final, teacher_rows(batch.anchors, block_size).flatten(),
                                     soft_kind(targets.soft), targets.temperature)
@@ -71,8 +73,9 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
             out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten())
     correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
     row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
-    if weights == "dpace":
-        w = dpace_weights(out.rows.detach().view_as(labels), valid, dpace_alpha)
+    if weights == "dpace":  # from the drafter's CE to the label (the soft loss's rows are another kind)
+        ce = out.rows if out.ce is None else out.ce
+        w = dpace_weights(ce.detach().view_as(labels), valid, dpace_alpha)
         row_scale = w
     block_w = None
     if path_weight:  # 0 leaves the objective as it was, bit for bit

@@ -63,8 +63,12 @@ VARIANTS: dict[str, list[str]] = {
     # not a recipe change: the same drafter with its layers' elementwise parts compiled (fused kernels)
     "dpace+compile": ["--objective.weights=dpace", "--precision.compile=true"],
     "prompt": ["--targets.prompt_anchors=true"],  # anchors on prompt tokens too, labelled by the target's greedy token
+    "dpace+prompt": ["--objective.weights=dpace", "--targets.prompt_anchors=true"],
+    # the same at about the recipe's rows a step: ~96 anchors a sequence drawn from prompt and response
+    "dpace+prompt96": ["--objective.weights=dpace", "--targets.prompt_anchors=true", "--objective.max_anchors=96"],
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
     "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution
+    "dpace+tv": ["--objective.weights=dpace", "--targets.soft=tv"],  # total variation to the target's distribution
     "label+dspark+prompt": ["--objective.anchors=label", "--targets.soft=dspark", "--targets.prompt_anchors=true"],
     # not at equal steps: 4x the optimiser steps over the same data (a recipe knob, reported apart)
     "batch4k": ["--data.batch_tokens=4096"],

@@ -51,7 +51,9 @@ _ROW_QUANTUM = 512
 class LossOutput(NamedTuple):
     loss: torch.Tensor  # float32 scalar: weighted sum of per-row cross-entropy
     correct: torch.Tensor  # [N] bool: argmax of the logits == label (False for skipped rows)
-    rows: torch.Tensor | None = None  # [N] float32: weighted CE of each row, 0 for skipped rows (hard loss only)
+    rows: torch.Tensor | None = None  # [N] float32: weighted loss of each row (grad wrt hidden), 0 for skipped rows
+    ce: torch.Tensor | None = None  # [N] float32: unweighted CE to the label, no grad (soft loss; the hard
+    # loss's `rows` are that under unit weights)
 
 
 def fused_lm_head_loss(

@@ -4,7 +4,14 @@ row chunks that never materialise [N, V] logits (the soft twin of loss.py; same 
     soft_lm_head_loss(hidden [N, H], lm_head [V, H], labels [N], weights [N],
                       teacher [M, H], teacher_index [N], kind, temperature)
         -> LossOutput(loss = sum_i w_i * loss_kind(row i)  (float32 scalar, grad wrt hidden),
-                      correct = argmax == label  [N] bool)
+                      correct = argmax == label  [N] bool,
+                      rows = w_i * loss_kind(row i)  [N] float32, with grad wrt hidden,
+                      ce = CE(hidden_i @ W^T, label_i)  [N] float32, unweighted, no grad)
+
+As with the hard loss, weights computed from the same forward (D-PACE, from `ce`: the drafter's
+probability of the label) need no second pass: run with unit weights on the valid rows and
+backpropagate (w * rows).sum(); row i of the loss depends on row i of hidden only, so the backward
+scales row i of the stored gradient by the gradient arriving at rows[i].
 
 The target's distribution for row i comes from its final (normed) hidden state
 `teacher[teacher_index[i]]` (precompute's `store.final_state`) through the same lm_head:
@@ -91,10 +98,10 @@ def soft_lm_head_loss(
     spec = _Spec(kind, float(temperature), resolve_backend(backend, hidden.device), chunk_bytes)
     args = (hidden, lm_head_weight.detach(), labels, weights, teacher.detach(), teacher_index)
     if not (torch.is_grad_enabled() and hidden.requires_grad):
-        loss, correct, _ = _chunked_soft_loss(*args, spec, need_grad=False)
-        return LossOutput(loss, correct)
-    loss, correct = _SoftLoss.apply(*args, spec)
-    return LossOutput(loss, correct)
+        rows, correct, ce, _ = _chunked_soft_loss(*args, spec, need_grad=False)
+        return LossOutput(rows.sum(), correct, rows, ce)
+    rows, correct, ce = _SoftLoss.apply(*args, spec)
+    return LossOutput(rows.sum(), correct, rows, ce)
 
 
 class _Spec:
@@ -108,18 +115,18 @@ class _Spec:
 class _SoftLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, teacher, teacher_index, spec):
-        loss, correct, grad = _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, spec,
-                                                 need_grad=True)
-        ctx.grad_hidden = grad  # [N, H], d loss / d hidden for grad_output = 1
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        rows, correct, ce, grad = _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index,
+                                                     spec, need_grad=True)
+        ctx.grad_hidden = grad  # [N, H]: row i is d rows[i] / d hidden[i] (no other row depends on it)
+        ctx.mark_non_differentiable(correct, ce)
+        return rows, correct, ce
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_rows, grad_correct, grad_ce):
         grad, ctx.grad_hidden = ctx.grad_hidden, None
         if grad is None:
             raise RuntimeError("soft_lm_head_loss supports one backward pass per forward")
-        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None, None, None, None
+        return grad.mul_(grad_rows[:, None]), None, None, None, None, None, None
 
 
 def soft_chunk_rows(n_rows: int, hidden: torch.Tensor, weight: torch.Tensor, backend: str,
@@ -135,21 +142,23 @@ def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, 
     kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
     correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     grad = torch.zeros_like(hidden) if need_grad else None
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    rows_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    rows_ce = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     step = soft_chunk_rows(n, hidden, weight, spec.backend, spec.chunk_bytes)
     for r0 in range(0, kept.numel(), step):
         rows = kept[r0:r0 + step]
         logits = hidden[rows].to(weight.dtype) @ weight.T  # [c, V]; becomes d loss / d logits in place
         target = teacher[teacher_index[rows]].to(weight.dtype) @ weight.T  # [c, V], the target's logits
-        row_loss, row_correct = _soft_rows(spec, logits, target, labels[rows].long(), weights[rows].float(),
-                                           need_grad)
+        row_loss, row_correct, row_ce = _soft_rows(spec, logits, target, labels[rows].long(),
+                                                   weights[rows].float(), need_grad)
         del target
-        loss += row_loss.sum()
+        rows_loss[rows] = row_loss
+        rows_ce[rows] = row_ce
         correct[rows] = row_correct
         if need_grad:
             grad[rows] = (logits @ weight).to(grad.dtype)  # [c, V] @ [V, H] -> [c, H]
         del logits  # else the next chunk's matmuls allocate while these are alive
-    return loss, correct, grad
+    return rows_loss, correct, rows_ce, grad
 
 
 def _soft_rows(spec: _Spec, logits, target, labels, weights, compute_grad):
@@ -162,10 +171,10 @@ def _soft_rows(spec: _Spec, logits, target, labels, weights, compute_grad):
 
 def soft_rows_torch(logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                     mix: tuple[float, float, float], temperature: float,
-                    compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel's contract in PyTorch: per-row weighted loss and correctness for drafter
-    logits [C, V] against target logits [C, V]; with compute_grad, `logits` is overwritten by the
-    gradient of the summed weighted loss with respect to it."""
+                    compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernel's contract in PyTorch: per-row weighted loss, correctness and unweighted CE
+    against the label for drafter logits [C, V] against target logits [C, V]; with compute_grad,
+    `logits` is overwritten by the gradient of the summed weighted loss with respect to it."""
     a_ce, a_kl, a_l1 = mix
     x, t = logits.float(), target.float()
     labels = torch.where(labels == TARGET_ARGMAX, t.argmax(-1), labels)  # the target's greedy token
@@ -173,10 +182,11 @@ def soft_rows_torch(logits: torch.Tensor, target: torch.Tensor, labels: torch.Te
     log_p1 = torch.log_softmax(x, -1)  # temperature-free, for CE
     log_p, log_q = torch.log_softmax(x / temperature, -1), torch.log_softmax(t / temperature, -1)
     p, q = log_p.exp(), log_q.exp()
+    ce = -log_p1.gather(1, labels[:, None]).squeeze(1)
     loss = torch.zeros_like(weights)
     grad = torch.zeros_like(x) if compute_grad else None
     if a_ce:
-        loss -= a_ce * log_p1.gather(1, labels[:, None]).squeeze(1)
+        loss += a_ce * ce
         if compute_grad:
             grad += a_ce * (log_p1.exp() - torch.nn.functional.one_hot(labels, x.shape[1]).float())
     if a_kl:
@@ -190,4 +200,4 @@ def soft_rows_torch(logits: torch.Tensor, target: torch.Tensor, labels: torch.Te
             grad += (a_l1 / temperature) * p * (sign - (p * sign).sum(-1, keepdim=True))
     if compute_grad:
         logits.copy_(grad * weights[:, None])
-    return loss * weights, correct
+    return loss * weights, correct, ce

@@ -42,7 +42,7 @@ def _sign(d):
 
 @triton.jit
 def _soft_rows_kernel(
-    logits_ptr, target_ptr, row_stride, target_row_stride, labels_ptr, weights_ptr, loss_ptr, correct_ptr,
+    logits_ptr, target_ptr, row_stride, target_row_stride, labels_ptr, weights_ptr, loss_ptr, correct_ptr, ce_ptr,
     n_cols, a_ce, a_kl, a_l1, inv_t,
     TEMPERED: tl.constexpr, NEED_SUMS: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -79,8 +79,10 @@ def _soft_rows_kernel(
     best_q = tl.min(tl.where(mq == tl.max(mq, axis=0), iq, n_cols), axis=0)
     label = tl.load(labels_ptr + row)
     label = tl.where(label == -1, best_q, label)  # -1 = soft_loss.TARGET_ARGMAX: the target's greedy token
-    loss = a_ce * (lse1 - tl.load(x_ptr + label).to(tl.float32))
+    ce = lse1 - tl.load(x_ptr + label).to(tl.float32)
+    loss = a_ce * ce
     tl.store(correct_ptr + row, (best == label).to(tl.int8))
+    tl.store(ce_ptr + row, ce)
 
     # pass 2: KL(q || p), sum |p - q| and <p, sign(p - q)> (lanes past the row's end add nothing)
     pg = 0.0
@@ -116,23 +118,25 @@ def _soft_rows_kernel(
 
 def soft_rows(logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
               mix: tuple[float, float, float], temperature: float, compute_grad: bool,
-              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits, target [C, V] (rows contiguous), labels [C] (0..V-1 or TARGET_ARGMAX), weights [C] ->
-    (weighted loss per row [C] float32, argmax == label [C] bool); with compute_grad, logits is
+    (weighted loss per row [C] float32, argmax == label [C] bool, unweighted CE to the label [C]
+    float32); with compute_grad, logits is
     overwritten by the gradient of the summed weighted loss with respect to it."""
     c, v = logits.shape
     if logits.stride(1) != 1 or target.stride(1) != 1 or target.shape != logits.shape:
         raise ValueError("logits and target must be [C, V] alike, rows contiguous")
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
     correct = torch.empty(c, dtype=torch.int8, device=logits.device)
+    ce = torch.empty(c, dtype=torch.float32, device=logits.device)
     if c == 0:
-        return loss, correct.bool()
+        return loss, correct.bool(), ce
     a_ce, a_kl, a_l1 = mix
     block = block or min(MAX_BLOCK, triton.next_power_of_2(v))
     _soft_rows_kernel[(c,)](
         logits, target, logits.stride(0), target.stride(0), labels.contiguous(), weights.float().contiguous(),
-        loss, correct, v, float(a_ce), float(a_kl), float(a_l1), 1.0 / temperature,
+        loss, correct, ce, v, float(a_ce), float(a_kl), float(a_l1), 1.0 / temperature,
         TEMPERED=temperature != 1.0, NEED_SUMS=bool(a_kl or a_l1), COMPUTE_GRAD=compute_grad, BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
-    return loss, correct.bool()
+    return loss, correct.bool(), ce

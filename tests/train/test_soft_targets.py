@@ -29,7 +29,7 @@ BLOCK = 4
 def _cfg(store, *overrides):
     base = ["--data.cache_gb=0.01", "--data.batch_tokens=512", "--data.window_shards=2", "--data.holdout_sequences=4",
             f"--drafter.block_size={BLOCK}", "--objective.max_anchors=8", "--precision.autocast=none",
-            "--objective.weights=gamma"]  # soft targets take the gamma weights (D-PACE is for the hard loss)
+            "--objective.weights=gamma"]  # the references below use the gamma weights unless told
     return load_config(TrainConfig, None, [f"--data.stores=[\"{store}\"]", *base, *overrides])
 
 
@@ -80,10 +80,14 @@ def test_prompt_anchors_sit_on_prompt_tokens_too(tiny_store_final):
     store.close()
 
 
-@pytest.mark.parametrize("soft,prompt", [("kl", False), ("dspark", True), ("none", True)])
-def test_objective_equals_a_reference_on_materialised_logits(tiny_store_final, tiny_target, head, soft, prompt):
+@pytest.mark.parametrize("soft,prompt,weights", [("kl", False, "gamma"), ("dspark", True, "gamma"),
+                                                 ("none", True, "gamma"), ("tv", False, "dpace"),
+                                                 ("none", True, "dpace")])
+def test_objective_equals_a_reference_on_materialised_logits(tiny_store_final, tiny_target, head, soft, prompt,
+                                                             weights):
     store = Store.open(tiny_store_final)
-    cfg = _cfg(tiny_store_final, f"--targets.soft={soft}", f"--targets.prompt_anchors={str(prompt).lower()}")
+    cfg = _cfg(tiny_store_final, f"--targets.soft={soft}", f"--targets.prompt_anchors={str(prompt).lower()}",
+               f"--objective.weights={weights}")
     data = TrainData.build(cfg, [store], [1, 3], rank=0, world=1, device=torch.device("cpu"))
     batch = next(data.start())
     torch.manual_seed(0)
@@ -92,11 +96,12 @@ def test_objective_equals_a_reference_on_materialised_logits(tiny_store_final, t
     drafter = DFlashDrafter(dcfg)
     drafter.attach_frozen(head.embed, head.lm_head)
     loss, weight, _ = batch_objective(drafter, drafter, batch, block_size=BLOCK, gamma=None, autocast="none",
-                                      targets=cfg.targets)
+                                      targets=cfg.targets, weights=weights)
     with torch.no_grad():
         hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors).flatten(0, 1)
-    want = _reference(hidden, head.lm_head, batch, soft, prompt)
+    want, want_weight = _reference(hidden, head.lm_head, batch, soft, prompt, weights)
     torch.testing.assert_close(loss.detach(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(weight.detach(), want_weight, rtol=1e-4, atol=1e-4)
     data.close()
     store.close()
 
@@ -107,9 +112,10 @@ def store_target_config(tiny_target):
     return AutoConfig.from_pretrained(tiny_target)
 
 
-def _reference(hidden, lm_head, batch, soft, prompt):
+def _reference(hidden, lm_head, batch, soft, prompt, weights_kind="gamma", alpha=0.5):
     """The objective computed the plain way: every block row's target distribution gathered by a
-    Python loop over (anchor, k), full logits, F.cross_entropy / kl_div."""
+    Python loop over (anchor, k), full logits, F.cross_entropy / kl_div; D-PACE's weights by their
+    definition, one block at a time. Returns (loss, weight sum)."""
     n_pos = batch.tokens
     ends = {int(a): int(batch.cu_seqlens[torch.searchsorted(batch.cu_seqlens, a, right=True)]) for a in batch.anchors}
     rows, teacher, labels, weights = [], [], [], []
@@ -129,8 +135,21 @@ def _reference(hidden, lm_head, batch, soft, prompt):
     ce = F.cross_entropy(logits, torch.tensor(labels), reduction="none")
     l1 = (log_p.exp() - q.exp()).abs().sum(-1)
     per = {"none": ce, "kl": F.kl_div(log_p, q, log_target=True, reduction="none").sum(-1),
-           "dspark": 0.1 * ce + 0.9 * l1}[soft]
-    return (per * torch.tensor(weights)).sum()
+           "tv": 0.5 * l1, "dspark": 0.1 * ce + 0.9 * l1}[soft]
+    w = torch.tensor(weights)
+    if weights_kind == "dpace":  # w_k = sum over valid j >= k of prod over valid i <= j of (alpha + (1-alpha) p_i)
+        w = torch.zeros(len(rows))
+        block = [r // BLOCK for r in rows]
+        for i in range(len(rows)):
+            for j in range(i, len(rows)):
+                if block[j] != block[i]:
+                    break
+                reach = 1.0
+                for m in range(j + 1):
+                    if block[m] == block[i]:
+                        reach *= alpha + (1 - alpha) * float(torch.exp(-ce[m]))
+                w[i] += reach
+    return (per * w).sum(), w.sum()
 
 
 def _run_args(store, target, out, *extra):
@@ -140,10 +159,9 @@ def _run_args(store, target, out, *extra):
             "--log.progress=false", "--log.tensorboard=false", *extra]
 
 
-def test_a_short_run_with_soft_targets_and_prompt_anchors(tiny_store_final, tiny_target, tmp_path):
+def test_a_short_run_with_soft_targets_and_prompt_anchors_under_the_default_dpace_weights(tiny_store_final, tiny_target, tmp_path):
     loop.run(load_config(TrainConfig, "configs/tiny.toml", _run_args(
-        tiny_store_final, tiny_target, tmp_path / "run", "--targets.soft=dspark", "--targets.prompt_anchors=true",
-        "--objective.weights=gamma")))
+        tiny_store_final, tiny_target, tmp_path / "run", "--targets.soft=dspark", "--targets.prompt_anchors=true")))
     records = read_metrics(tmp_path / "run")
     train = [r for r in records if r["kind"] == "train"]
     assert len(train) == 3 and all(np.isfinite(r["loss"]) for r in train)

@@ -51,19 +51,12 @@ def test_bad_values_are_one_sentence_naming_the_key(override, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
-def test_dpace_and_soft_targets_are_refused_together_in_one_sentence():
-    """D-PACE (the default weights) reweights the hard loss's per-row CE; the soft loss returns none, so
-    soft targets ask for gamma weights, in one sentence that says how."""
-    assert load_config(TrainConfig, None, []).objective.weights == "dpace"
-    for argv in (["--targets.soft=kl"], ["--objective.weights=dpace", "--targets.soft=kl"],
-                 ["--targets.prompt_anchors=true"]):
-        with pytest.raises(ConfigError) as e:
-            load_config(TrainConfig, None, argv)
-        message = str(e.value)
-        assert "objective.weights" in message and "targets." in message and "\n" not in message
-        assert "--objective.weights=gamma" in message
-    load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.soft=kl"])
-    load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.prompt_anchors=true"])
+def test_dpace_the_default_weights_combines_with_soft_targets_and_prompt_anchors():
+    """D-PACE takes its confidence from the soft loss's per-row CE as from the hard loss's."""
+    for argv in (["--targets.soft=kl"], ["--targets.soft=tv", "--targets.prompt_anchors=true"]):
+        cfg = load_config(TrainConfig, None, argv)
+        assert cfg.objective.weights == "dpace" and cfg.targets.needs_final_state
+    assert load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.soft=kl"]).objective.weights == "gamma"
 
 
 def test_path_weight_is_off_by_default_and_refused_with_soft_targets_in_one_sentence():

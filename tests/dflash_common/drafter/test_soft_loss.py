@@ -64,6 +64,30 @@ def test_value_gradient_and_correctness_match_materialised_logits(backend, kind,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["tv", "dspark"])
+def test_rows_reweighted_after_the_forward_and_ce_match_materialised_logits(backend, kind):
+    """D-PACE's use: unit weights in the forward, weights from the detached per-row CE afterwards,
+    backward of (w * rows).sum() == the reference loss with those weights from the start."""
+    hidden, weight, labels, _, teacher, index = _case(seed=11)
+    unit = (labels != IGNORE_INDEX).float()
+    unit[::5] = 0.0  # skipped rows stay skipped
+    out = soft_lm_head_loss(hidden, weight, labels, unit, teacher, index, kind, backend=backend,
+                            chunk_bytes=300 * 100 * 7)
+    kept = unit != 0
+    target_labels = torch.where(labels == TARGET_ARGMAX, (teacher[index] @ weight.T).argmax(-1), labels)
+    want_ce = F.cross_entropy(hidden @ weight.T, target_labels.clamp(min=0), reduction="none")
+    torch.testing.assert_close(out.ce[kept], want_ce[kept].detach(), rtol=1e-5, atol=1e-5)
+    assert not out.ce.requires_grad and (out.ce[~kept] == 0).all()
+    torch.testing.assert_close(out.rows.sum(), out.loss)
+    w = torch.exp(-out.ce) + 0.1  # any detached function of the forward
+    (w * out.rows).sum().backward()
+    got, hidden.grad = hidden.grad, None
+    want, _ = _reference(kind, hidden, weight, labels, torch.where(kept, w, 0.0), teacher, index, 1.0)
+    want.backward()
+    torch.testing.assert_close(got, hidden.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_result_does_not_depend_on_the_chunk_size(backend):
     hidden, weight, labels, weights, teacher, index = _case(n=50, seed=7)
     results = []
