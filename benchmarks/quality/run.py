@@ -64,8 +64,10 @@ VARIANTS: dict[str, list[str]] = {
     "dpace+compile": ["--objective.weights=dpace", "--precision.compile=true"],
     "prompt": ["--targets.prompt_anchors=true"],  # anchors on prompt tokens too, labelled by the target's greedy token
     "dpace+prompt": ["--objective.weights=dpace", "--targets.prompt_anchors=true"],
-    # the same at about the recipe's rows a step: ~96 anchors a sequence drawn from prompt and response
+    # the same at fewer rows a step: at most 96 (64) anchors a sequence drawn from prompt and response, where the
+    # recipe's response-only anchors are about 60 a sequence (78 answer tokens less a block)
     "dpace+prompt96": ["--objective.weights=dpace", "--targets.prompt_anchors=true", "--objective.max_anchors=96"],
+    "dpace+prompt64": ["--objective.weights=dpace", "--targets.prompt_anchors=true", "--objective.max_anchors=64"],
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
     "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution
     "dpace+tv": ["--objective.weights=dpace", "--targets.soft=tv"],  # total variation to the target's distribution
