@@ -121,8 +121,8 @@ def soft_rows(logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, 
               block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits, target [C, V] (rows contiguous), labels [C] (0..V-1 or TARGET_ARGMAX), weights [C] ->
     (weighted loss per row [C] float32, argmax == label [C] bool, unweighted CE to the label [C]
-    float32); with compute_grad, logits is
-    overwritten by the gradient of the summed weighted loss with respect to it."""
+    float32); with compute_grad, logits is overwritten by the gradient of the summed weighted loss
+    with respect to it."""
     c, v = logits.shape
     if logits.stride(1) != 1 or target.stride(1) != 1 or target.shape != logits.shape:
         raise ValueError("logits and target must be [C, V] alike, rows contiguous")

@@ -159,7 +159,7 @@ def _run_args(store, target, out, *extra):
             "--log.progress=false", "--log.tensorboard=false", *extra]
 
 
-def test_a_short_run_with_soft_targets_and_prompt_anchors_under_the_default_dpace_weights(tiny_store_final, tiny_target, tmp_path):
+def test_a_short_run_with_soft_targets_and_prompt_anchors_under_dpace(tiny_store_final, tiny_target, tmp_path):
     loop.run(load_config(TrainConfig, "configs/tiny.toml", _run_args(
         tiny_store_final, tiny_target, tmp_path / "run", "--targets.soft=dspark", "--targets.prompt_anchors=true")))
     records = read_metrics(tmp_path / "run")
