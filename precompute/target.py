@@ -142,10 +142,13 @@ class CapturedTarget:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    for name in _LAYER_LIST_NAMES:
-        layers = getattr(model, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
+    """The decoder layers of a base model, or of the base model inside a causal LM (`model.model`,
+    `model.transformer`), as generation loads it with its lm_head."""
+    for owner in (model, getattr(model, "base_model", None)):
+        for name in _LAYER_LIST_NAMES:
+            layers = getattr(owner, name, None)
+            if isinstance(layers, nn.ModuleList):
+                return layers
     raise UserError(f"target model {type(model).__name__} has no list of decoder layers named "
                     f"{' or '.join(_LAYER_LIST_NAMES)}; this architecture is not supported.")
 

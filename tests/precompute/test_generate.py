@@ -141,6 +141,20 @@ def test_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
         assert graphs.generate(requests) == eager.generate(requests)  # a second batch captures its own graph
 
 
+@pytest.mark.gpu
+def test_compiled_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
+    """generate.compile on the GPU: the causal LM's decoder layers compiled, graphs over them (float32,
+    so the fused kernels round as eager ones do)."""
+    model, _, prompts = _model(tiny_target)
+    eager = _decoder(model.cuda(), {258}, Sampling(0.0, 1.0, 0, 24, 0))
+    requests = [Request(p, 100 + i) for i, p in enumerate(prompts)]
+    want = eager.generate(requests)
+    compiled_model, _, _ = _model(tiny_target)
+    compiled = TransformersDecoder(compiled_model.cuda(), {258}, 256, Sampling(0.0, 1.0, 0, 24, 0),
+                                   token_budget=10_000, max_batch=8, compile=True, cuda_graphs=True)
+    assert compiled.generate(requests) == want
+
+
 def test_sampled_answers_do_not_depend_on_the_batch(tiny_target):
     model, _, prompts = _model(tiny_target)
     s = Sampling(1.0, 0.9, 50, 16, 0)

@@ -172,6 +172,15 @@ def test_compiled_decoder_layers_give_the_eager_states(tiny_target):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_decoder_layers_are_found_inside_a_causal_lm(tiny_target):
+    """Generation loads the target with its lm_head (a ...ForCausalLM around the base model): its
+    layers are the base model's, and compiling them reaches every part."""
+    causal = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    assert T.decoder_layers(causal) is causal.model.layers
+    parts = sum(len(list(layer.children())) for layer in causal.model.layers)
+    assert parts > 0 and T.compile_decoder_layers(causal) == parts
+
+
 @pytest.mark.gpu
 def test_compiled_target_on_the_gpu_gives_the_eager_states(tiny_target):
     """In bf16 the compiled parts round otherwise than eager ones (fused kernels keep float32 between
