@@ -22,7 +22,8 @@ fall back to a 2D mask grown each step. A one-token step of a sdpa target attend
 `packed_gqa_sdpa`: the query heads of a key/value group read the cache as it is stored, where
 transformers (before 5.24) copies every layer's cache to the query heads' count at every step.
 With `compile` the parts of every decoder layer are compiled (one graph for all layers, as
-precompute's `target.compile`), fusing the norms, RoPE and activations of each step.
+precompute's `target.compile`), fusing the norms and activations of each step; the attention, which
+indexes the cache by its layer number, has only its q/k norms compiled (see compile_decoder_layers).
 
 `VllmDecoder`: `vllm.LLM` offline on token-id prompts, one `SamplingParams(seed=...)` per request
 (temperature 0 is greedy); tests/precompute/test_generate_vllm.py checks its greedy answers against the
@@ -126,7 +127,7 @@ class TransformersDecoder:
         if compile and self.device.type == "cuda":
             from precompute.target import compile_decoder_layers
 
-            compile_decoder_layers(model)  # the layers' parts, one graph for all layers (as precompute does)
+            compile_decoder_layers(model, kv_cache=True)  # the layers' parts, one graph for all layers
         self.static_steps = static_steps_allowed(model.config)
         self.cuda_graphs = cuda_graphs and self.static_steps and self.device.type == "cuda"
 

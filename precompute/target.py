@@ -198,17 +198,26 @@ def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "
     return CapturedTarget(model, ids, num_layers, final_state)
 
 
-def compile_decoder_layers(model: nn.Module) -> int:
+def compile_decoder_layers(model: nn.Module, kv_cache: bool = False) -> int:
     """torch.compile every child module of every decoder layer (attention, MLP, norms), in place;
     returns how many were compiled. The layers themselves stay eager, so the capture hooks on them
     run as they do uncompiled. Children of one class share one compiled graph (the parameters are
     its inputs), so compilation costs one layer's worth, not the depth's; shapes are dynamic (batch
-    and length vary from batch to batch)."""
+    and length vary from batch to batch).
+
+    With kv_cache (generation), a child that knows its layer number (`layer_idx`: the attention) is
+    not compiled whole, since it indexes the KV cache by that number and torch.compile specialises on
+    it: one graph per layer, and past its recompile limit (8) the deeper layers' attention ran
+    uncompiled. Its parts other than the projections (the q/k norms) are compiled instead."""
     count = 0
     for layer in decoder_layers(model):
         for child in layer.children():
-            child.compile(dynamic=True)
-            count += 1
+            parts = [child]
+            if kv_cache and hasattr(child, "layer_idx"):
+                parts = [p for p in child.children() if not isinstance(p, nn.Linear)]
+            for part in parts:
+                part.compile(dynamic=True)
+                count += 1
     return count
 
 

@@ -181,6 +181,20 @@ def test_decoder_layers_are_found_inside_a_causal_lm(tiny_target):
     assert parts > 0 and T.compile_decoder_layers(causal) == parts
 
 
+def test_generation_compiles_the_attention_by_its_parts(tiny_target):
+    """With a KV cache the attention indexes it by its layer number, which torch.compile would
+    specialise on (one graph per layer, the deeper ones uncompiled past the recompile limit): only its
+    norms are compiled, every other part of a layer whole."""
+    causal = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    layers = causal.model.layers
+    count = T.compile_decoder_layers(causal, kv_cache=True)
+    compiled = lambda m: m._compiled_call_impl is not None  # noqa: E731
+    for layer in layers:
+        assert not compiled(layer.self_attn) and compiled(layer.self_attn.q_norm) and compiled(layer.self_attn.k_norm)
+        assert not compiled(layer.self_attn.q_proj) and compiled(layer.mlp) and compiled(layer.input_layernorm)
+    assert count == len(layers) * (len(list(layers[0].children())) - 1 + 2)
+
+
 @pytest.mark.gpu
 def test_compiled_target_on_the_gpu_gives_the_eager_states(tiny_target):
     """In bf16 the compiled parts round otherwise than eager ones (fused kernels keep float32 between
