@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The speed benchmarks of one H200 in one command (the device tool's run, < 10 minutes): the GPU tests of
-# the compiled and graph paths first, then generate (columns a-d), the drafter step (eager and compiled at
-# 1 x 3072, compiled at 8 x 3072), loss (row-kernel sweep and the N=16384 table) and precompute ((a)
-# against (b) with target.compile off and on, interleaved). Logs go to $OUT (default /tmp/perf-out).
+# the compiled and graph paths first, then generate (columns a-d), one decode step's attention per SDPA
+# backend, the drafter step (eager and compiled at 1 x 3072, compiled at 8 x 3072), loss (row-kernel
+# sweep and the N=16384 table) and precompute ((a) against (b) with target.compile off and on,
+# interleaved). Logs go to $OUT (default /tmp/perf-out).
 # Each stage has its own time limit, cut to what is left of DEADLINE_S (default 570), so one that hangs
 # costs only its share and the stages after it still report what time allows.
 #
@@ -32,6 +33,8 @@ timeout $(limit 120) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=sh
 el "generate"
 timeout $(limit 170) python3 benchmarks/generate.py --shapes qwen3-8b --repeats 3 --new-tokens 128 > "$OUT/generate.log" 2>&1
 grep -E "^(target|qwen)" "$OUT/generate.log"
+el "decode attention"
+timeout $(limit 40) python3 benchmarks/decode_attention.py > "$OUT/attention.log" 2>&1; grep -E "^\| " "$OUT/attention.log"
 el "drafter step"
 timeout $(limit 100) python3 benchmarks/drafter_step.py --variants eager,compiled --steps 5 --repeats 3 > "$OUT/drafter1.log" 2>&1
 timeout $(limit 90) python3 benchmarks/drafter_step.py --variants compiled --seqs 8 --steps 3 --repeats 1 --warmup 2 \

@@ -1,0 +1,94 @@
+"""One decode step's attention, as dflash-generate's packed_gqa_sdpa runs it, per SDPA backend.
+
+    python benchmarks/decode_attention.py            # GPU: Qwen3-8B's heads, batch 64, bf16
+    python benchmarks/decode_attention.py --quick    # CPU smoke run
+
+A one-token step of a grouped-query target: the 4 query heads of each of the 8 key/value heads are
+that head's 4 query rows ([B, 8, 4, 128]) over the whole static cache ([B, 8, L, 128]) with an additive
+[B, 1, 1, L] mask. Rows: torch's default SDPA choice, each backend forced (those that refuse the inputs
+say so), and the same arithmetic as two batched matmuls around a float32 softmax. ms is the median of
+--repeats CUDA-event timings of --calls calls each; GB/s counts the cache's keys and values read once,
+the least a step must move. A decode step runs this once per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def matmuls(q, k, v, mask, scale):
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + mask
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--lengths", default="384,1024,4096", help="cache lengths L")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.quick
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if args.quick:
+        args.batch, args.lengths, args.calls, args.repeats = 2, "64", 2, 2
+    kv_heads, groups, dim = 8, 4, 128
+    ways = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+    print(f"device {device}, {dtype}, batch {args.batch}, {kv_heads} kv heads x {groups} query rows x {dim}; "
+          f"median of {args.repeats} x {args.calls} calls, [lowest-highest] beside it")
+    print(f"| {'L':>5} | {'way':<10} | {'us/call':>20} | {'GB/s':>6} |")
+    for length in map(int, args.lengths.split(",")):
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(args.batch, kv_heads, groups, dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(args.batch, kv_heads, length, dim, device=device, dtype=dtype, generator=g)
+        v = torch.randn_like(k)
+        mask = torch.zeros(args.batch, 1, 1, length, device=device, dtype=dtype)
+        mask[:, :, :, length * 3 // 4:] = torch.finfo(dtype).min  # the steps not yet taken
+        moved = 2 * k.numel() * k.element_size()
+        scale = dim ** -0.5
+        want = matmuls(q, k, v, mask, scale)
+        for name, backend in list(ways.items()) + [("matmuls", "matmuls")]:
+            if backend == "matmuls":
+                fn = lambda: matmuls(q, k, v, mask, scale)  # noqa: E731
+            else:
+                def fn(backend=backend):
+                    if backend is None:
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+                    with sdpa_kernel([backend]):
+                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            try:
+                got = fn()
+            except RuntimeError as e:
+                print(f"| {length:>5} | {name:<10} | {'refused: ' + str(e).splitlines()[0][:60]} |")
+                continue
+            err = (got.float() - want.float()).abs().max().item()
+            times = []
+            for _ in range(args.repeats):
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(args.calls):
+                        fn()
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end) * 1e3 / args.calls)
+                else:
+                    import time
+                    t = time.perf_counter()
+                    for _ in range(args.calls):
+                        fn()
+                    times.append((time.perf_counter() - t) * 1e6 / args.calls)
+            us = statistics.median(times)
+            cell = f"{us:,.1f} [{min(times):,.1f}-{max(times):,.1f}]"
+            print(f"| {length:>5} | {name:<10} | {cell:>20} | {moved / us / 1e3:>6,.0f} | max err {err:.1e}")
+
+
+if __name__ == "__main__":
+    main()
