@@ -6,15 +6,16 @@
 A one-token step of a grouped-query target: the 4 query heads of each of the 8 key/value heads are
 that head's 4 query rows ([B, 8, 4, 128]) over the whole static cache ([B, 8, L, 128]) with an additive
 [B, 1, 1, L] mask. Rows: torch's default SDPA choice, each backend forced (those that refuse the inputs
-say so), and the same arithmetic as two batched matmuls around a float32 softmax. ms is the median of
---repeats CUDA-event timings of --calls calls each; GB/s counts the cache's keys and values read once,
-the least a step must move. A decode step runs this once per layer.
+say so), and the same arithmetic as two batched matmuls around a float32 softmax. us/call is the
+median of --repeats timings (CUDA events on a GPU) of --calls calls each; GB/s counts the cache's keys
+and values read once, the least a step must move. A decode step runs this once per layer.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
                     torch.cuda.synchronize()
                     times.append(start.elapsed_time(end) * 1e3 / args.calls)
                 else:
-                    import time
                     t = time.perf_counter()
                     for _ in range(args.calls):
                         fn()

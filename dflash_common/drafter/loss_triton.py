@@ -87,8 +87,9 @@ def weighted_ce_rows(
     if c == 0:
         return loss, correct.bool()
     block = block or min(MAX_BLOCK, triton.next_power_of_2(v))
+    num_warps = num_warps or (16 if block >= 4096 else 8 if block >= 2048 else 4)
     _weighted_ce_rows_kernel[(c,)](
         logits, logits.stride(0), labels.contiguous(), weights.float().contiguous(), loss, correct, v,
-        COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=num_warps or (16 if block >= 4096 else 8 if block >= 2048 else 4),
+        COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=num_warps,
     )
     return loss, correct.bool()
