@@ -27,6 +27,30 @@ def matmuls(q, k, v, mask, scale):
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
+def sdpa(q, k, v, mask, scale, backend: SDPBackend | None):
+    """F.scaled_dot_product_attention with torch's own choice of backend (None) or the one named."""
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def us_per_call(fn, calls: int, cuda: bool) -> float:
+    """Microseconds a call of fn over `calls` calls in a row: CUDA events on a GPU, the wall clock else."""
+    if not cuda:
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - started) * 1e6 / calls
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -55,36 +79,16 @@ def main(argv: list[str] | None = None) -> None:
         moved = 2 * k.numel() * k.element_size()
         scale = dim ** -0.5
         want = matmuls(q, k, v, mask, scale)
-        for name, backend in list(ways.items()) + [("matmuls", "matmuls")]:
-            if backend == "matmuls":
-                fn = lambda: matmuls(q, k, v, mask, scale)  # noqa: E731
-            else:
-                def fn(backend=backend):
-                    if backend is None:
-                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-                    with sdpa_kernel([backend]):
-                        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        runs = {name: (lambda b=backend: sdpa(q, k, v, mask, scale, b)) for name, backend in ways.items()}
+        runs["matmuls"] = lambda: matmuls(q, k, v, mask, scale)
+        for name, fn in runs.items():
             try:
                 got = fn()
             except RuntimeError as e:
                 print(f"| {length:>5} | {name:<10} | {'refused: ' + str(e).splitlines()[0][:60]} |")
                 continue
             err = (got.float() - want.float()).abs().max().item()
-            times = []
-            for _ in range(args.repeats):
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(args.calls):
-                        fn()
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end) * 1e3 / args.calls)
-                else:
-                    t = time.perf_counter()
-                    for _ in range(args.calls):
-                        fn()
-                    times.append((time.perf_counter() - t) * 1e6 / args.calls)
+            times = [us_per_call(fn, args.calls, cuda) for _ in range(args.repeats)]
             us = statistics.median(times)
             cell = f"{us:,.1f} [{min(times):,.1f}-{max(times):,.1f}]"
             print(f"| {length:>5} | {name:<10} | {cell:>20} | {moved / us / 1e3:>6,.0f} | max err {err:.1e}")
