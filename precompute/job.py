@@ -400,6 +400,7 @@ def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, floa
         "seconds": {k: round(v, 3) for k, v in timings.items()},
         "tokens_per_s": round(total("tokens") / max(1e-9, timings["forward_write"]), 1),
         "disk_wait_s_max_rank": round(max(s.wait_s for s in stats), 3),
+        "gpu_busy_s": round(total("gpu_busy_s"), 3), "gpu_idle_s_max_rank": round(max(s.gpu_idle_s for s in stats), 3),
         "write_s": round(total("write_s"), 3), "max_units_in_memory": max(s.max_units_in_memory for s in stats),
     }
     runs = list((previous or {}).get("runs", [])) + [this_run]
@@ -427,5 +428,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"on {run['world_size']} rank(s)",
         f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
         f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
-        f"{run['disk_wait_s_max_rank']:.1f} s",
+        f"{run['disk_wait_s_max_rank']:.1f} s" + _gpu_idle(run),
     ])
+
+
+def _gpu_idle(run: dict[str, Any]) -> str:
+    if not run.get("gpu_busy_s"):
+        return ""  # a CPU run (or a store summarised before the GPU clock existed)
+    return (f", and the GPU waited for the host {run['gpu_idle_s_max_rank']:.1f} s between batches "
+            f"(it computed {run['gpu_busy_s']:.1f} s)")

@@ -30,6 +30,7 @@ kept, so after a fix (e.g. `--target.dtype=bf16` instead of fp16) the same comma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -37,7 +38,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -84,6 +85,8 @@ class PipelineStats:
     bytes_written: int = 0  # on disk, published shards of this run
     setup_s: float = 0.0  # allocating (and pinning) the staging buffers, starting the threads
     wait_s: float = 0.0  # main thread blocked on a free staging buffer: the GPU waited for the disk
+    gpu_busy_s: float = 0.0  # GPU time from each batch's first kernel to its last (CUDA events; 0 on a CPU)
+    gpu_idle_s: float = 0.0  # GPU time between batches: the GPU waited for the host (launches, syncs, Python)
     write_s: float = 0.0  # writer-thread time in write_shard, summed over threads
     max_units_in_memory: int = 0
 
@@ -248,7 +251,7 @@ class Pipeline:
         first = states[self.layer_ids[0]]
         seq_len = first.shape[1]
         rows = np.concatenate([p.row * seq_len + np.arange(p.length) for p in pieces])
-        index = torch.from_numpy(rows).to(first.device, non_blocking=True)  # [T] positions in [B*S]
+        index = to_device(torch.from_numpy(rows), first.device)  # [T] positions in [B*S]
         encoded = []
         for layer_id in self.layer_ids:
             flat = states[layer_id].reshape(-1, self.hidden).index_select(0, index)  # [B*S, H] -> [T, H]
@@ -438,23 +441,65 @@ def _aligned(n: int) -> int:
     return -(-n // _PAGE) * _PAGE
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, queued without waiting for the GPU. From pageable memory CUDA first
+    synchronises the stream (the previous batch's forward must finish before the copy starts), so
+    the GPU's queue ran empty at every batch and idled while the host launched the next forward;
+    from pinned memory (torch's caching host allocator, which keeps the block until the copy is
+    done) the copy is queued behind that work like any kernel."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+class GpuClock:
+    """CUDA events before and after each batch's work on the compute stream: how long the GPU ran the
+    batches, and how long it stood idle between them waiting for the host. Reading them at the end
+    costs one synchronisation; nothing on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = [] if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        if self.marks is None:
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.marks.append((start, end))
+
+    def add_to(self, stats: PipelineStats) -> None:
+        if not self.marks:
+            return
+        self.marks[-1][1].synchronize()
+        busy = sum(start.elapsed_time(end) for start, end in self.marks) / 1e3
+        span = self.marks[0][0].elapsed_time(self.marks[-1][1]) / 1e3
+        stats.gpu_busy_s += busy
+        stats.gpu_idle_s += max(0.0, span - busy)
+
+
 def run_windows(target, windows: Iterable[list[UnitWork]], pipe: Pipeline, token_budget: int,
                 on_batch: Callable[[int, int], None] = lambda sequences, tokens: None) -> None:
     """Forward every window's batches through `target` (a CapturedTarget) into `pipe`. Units with a
     name are assembled and written; the others only run (so the batches match a full run)."""
-    device = target.device
+    device, clock = target.device, GpuClock(target.device)
     with torch.inference_mode():
         for window in windows:
             units = [w.unit for w in window]
             assemblies = {u: pipe.assembly(w) for u, w in enumerate(window) if w.name is not None}
             for batch in window_batches(units, token_budget):
                 seqs = [units[u].input_ids[units[u].offsets[n]: units[u].offsets[n + 1]] for u, n in batch]
-                ids = pad_right(seqs, pad_id=0).to(device, non_blocking=True)  # [B, S]; pads are never kept
+                ids = to_device(pad_right(seqs, pad_id=0), device)  # [B, S]; pads are never kept
                 pieces = [_Piece(assemblies[u], n, row, len(seqs[row]))
                           for row, (u, n) in enumerate(batch) if u in assemblies]
-                pipe.submit(_forward(target, ids, token_budget), pieces)  # the states live no longer
+                with clock.batch():
+                    pipe.submit(_forward(target, ids, token_budget), pieces)  # the states live no longer
                 _count(pipe.stats, seqs, ids)
                 on_batch(len(seqs), sum(len(s) for s in seqs))
+    clock.add_to(pipe.stats)
 
 
 def _forward(target, ids: torch.Tensor, token_budget: int) -> dict[int | str, torch.Tensor]:

@@ -63,7 +63,33 @@ def test_shards_hold_each_unit_in_input_order_with_the_full_models_states(tiny_t
     batches = window_batches(units[:2], 400)
     order = [seq for batch in batches for seq in batch]
     assert len(batches) > 1 and order != sorted(order)  # batching did reorder the sequences of the window
+    _check_store(store, units, full_model, dtype)
+    assert "sample" in json.dumps(store.summary) and store.summary["samples"] == 11
+    assert store.summary["skips"]["counts"] == {"malformed_json": 1, "too_few_response_tokens": 1}
+    assert "GPU" not in job.format_summary(store.summary)  # a CPU run has no GPU clock
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_shards_hold_the_full_models_states_and_the_gpu_time_is_counted(tiny_target, full_model,
+                                                                                      tmp_path):
+    """Inputs copied from pinned memory without a sync, states copied out on the copy stream: the
+    store still holds every unit's states, and the summary says how long the GPU computed and waited."""
+    cfg = make_config(tiny_target, _inputs(tmp_path), tmp_path / "store", "run.device=cuda",
+                      "batching.token_budget=400", "batching.sort_window_units=2", "run.writer_threads=2",
+                      "run.progress=false")
+    job.run(cfg)
+    store = Store.open(tmp_path / "store")
+    cache = TokenCache.for_config(cfg, resolve_inputs(cfg.data.inputs))
+    _check_store(store, [cache.load(u) for u in range(4)], full_model, "bf16")
+    run = store.summary["runs"][0]
+    assert 0 < run["gpu_busy_s"] <= run["seconds"]["forward_write"] and run["gpu_idle_s_max_rank"] >= 0
+    assert "the GPU waited for the host" in job.format_summary(store.summary)
+
+
+def _check_store(store, units, full_model, dtype) -> None:
+    """Every shard holds its unit's tokens in input order and the full model's states of layers 1 and 5."""
     worst = 0.0
+    assert len(store.shards) == len(units)
     for shard, unit in zip(store.shards, units):
         data = store.read_shard(shard.name)
         assert data.sample_ids == unit.sample_ids  # input order, whatever the batching order
@@ -77,8 +103,6 @@ def test_shards_hold_each_unit_in_input_order_with_the_full_models_states(tiny_t
                 got = data.states(layer_id, out_dtype=torch.float32)[a:b]
                 want = hidden[layer_id + 1][0]
                 worst = max(worst, _check_close(got, want, dtype, data.scales.get(layer_id), a, b))
-    assert "sample" in json.dumps(store.summary) and store.summary["samples"] == 11
-    assert store.summary["skips"]["counts"] == {"malformed_json": 1, "too_few_response_tokens": 1}
     assert worst > 0  # the comparison saw rounding, so it compared real numbers
 
 
