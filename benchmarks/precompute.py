@@ -32,6 +32,7 @@ from a faster forward (`--compile on`: target.compile) with all I/O hidden.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -90,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     p.add_argument("--keep", action="store_true", help="keep the target directory")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of (a) and each (b) row")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed repeats, one more (a) and (b) of each row under torch.profiler: where "
+                        "the time goes, side by side (GPU busy and idle, copies, syncs, the GIL, kernel times)")
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     args.shape = dict(QWEN3_8B)
@@ -187,9 +192,11 @@ def batches_like_precompute(seqs: list[np.ndarray], samples_per_unit: int, budge
     return out
 
 
-def hf_forward(path: Path, batches: list[list[np.ndarray]], layer_ids: list[int], device: str) -> float:
+def hf_forward(path: Path, batches: list[list[np.ndarray]], layer_ids: list[int], device: str,
+               profiles: list | None = None) -> float:
     """(a): seconds of the full model's forward with output_hidden_states over `batches` (after a
-    warm-up batch); the captured layers' states stay on the GPU, nothing is copied or written."""
+    warm-up batch); the captured layers' states stay on the GPU, nothing is copied or written.
+    With `profiles`, the loop runs under the profiler and its Timeline is appended."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa",
@@ -198,18 +205,58 @@ def hf_forward(path: Path, batches: list[list[np.ndarray]], layer_ids: list[int]
     with torch.inference_mode():
         model(input_ids=inputs[0], output_hidden_states=True, use_cache=False)  # warm-up, untimed
         _sync(device)
-        say(f"(a) HF forward: {len(inputs)} batches")
+        say(f"(a) HF forward: {len(inputs)} batches{' (profiled)' if profiles is not None else ''}")
+
+        def loop() -> None:
+            for ids in inputs:
+                out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+                kept = [out.hidden_states[i + 1] for i in layer_ids]  # noqa: F841  (what a tool would keep)
+                del out
+            _sync(device)
+
         started = time.perf_counter()
-        for ids in inputs:
-            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-            kept = [out.hidden_states[i + 1] for i in layer_ids]  # noqa: F841  (what a tool would keep)
-            del out
-        _sync(device)
+        if profiles is None:
+            loop()
+        else:
+            profiles.append(profiled(loop))
         seconds = time.perf_counter() - started
     del model, inputs
     if device == "cuda":
         torch.cuda.empty_cache()
     return seconds
+
+
+def profiled(fn: Callable[[], object]):
+    """fn() under torch.profiler (CPU and, on a GPU, CUDA activities) with a GIL probe -> its Timeline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profiling import GilProbe, timeline
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof, GilProbe() as probe:
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - started
+    out = timeline(prof, wall)
+    out.gil_wake_ms = probe.summary_ms()
+    return out
+
+
+@contextlib.contextmanager
+def profiled_forward_loop(profiles: list) -> Iterator[None]:
+    """The job's forward loop (precompute.job.run_windows, batches handed to the pipeline) under the
+    profiler: what runs in it is the CLI's code; the writers' tail after it is not profiled."""
+    import precompute.job as job
+
+    plain = job.run_windows
+    job.run_windows = lambda *a, **k: profiles.append(profiled(lambda: plain(*a, **k)))
+    try:
+        yield
+    finally:
+        job.run_windows = plain
 
 
 def precompute_row(path: Path, inputs: Path, store: Path, dtype: str, compiled: bool, args) -> dict:
@@ -308,7 +355,9 @@ def run_all(args, root: Path) -> None:
             s = run["seconds"]
             say(f"(b) {dtype}{' compiled' if compiled else ''}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
                 f"{run['bytes_written'] / 1e9:.2f} GB written, the forward waited {run['disk_wait_s_max_rank']:.2f} s "
-                f"for the disk, {run['max_units_in_memory']} units in host memory at most")
+                f"for the disk, the GPU {run.get('gpu_idle_s_max_rank', 0.0):.2f} s for the host between batches "
+                f"(computed {run.get('gpu_busy_s', 0.0):.2f} s of {s['forward_write']:.2f}), "
+                f"{run['max_units_in_memory']} units in host memory at most")
             b_runs[(dtype, compiled)].append(run)
     tokens = sum(lengths)
     rows = [("(a) HF forward, output_hidden_states, states on GPU", tokens, a_seconds,
@@ -322,6 +371,27 @@ def run_all(args, root: Path) -> None:
         disk.append((f"store write during (b), {dtype}{', compiled' if compiled else ''} (median)", statistics.median(
             r["bytes_written"] / 1e9 / r["seconds"]["forward_write"] for r in runs)))
     report(rows, disk, args)
+    if args.profile:
+        profile_rows(target, batches, layer_ids, variants, root, args)
+
+
+def profile_rows(target: Path, batches, layer_ids: list[int], variants, root: Path, args) -> None:
+    """One more (a) and (b) of each row, each under the profiler, then their Timelines side by side."""
+    from benchmarks.profiling import compare_timelines
+
+    named: list[tuple[str, object]] = []
+    settle_disk()
+    profiles: list = []
+    hf_forward(target, batches, layer_ids, args.device, profiles)
+    named.append(("(a)", profiles[-1]))
+    for dtype, compiled in variants:
+        settle_disk()
+        with profiled_forward_loop(profiles):
+            precompute_row(target, root / "inputs.jsonl", root / f"store-{dtype}", dtype, compiled, args)
+        named.append((f"(b) {dtype}{' compiled' if compiled else ''}", profiles[-1]))
+    print("\nprofile: one more run of each row under torch.profiler ((b): its forward loop, without the last "
+          "shard's write after it)")
+    compare_timelines(named)
 
 
 if __name__ == "__main__":

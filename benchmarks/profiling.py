@@ -4,10 +4,20 @@ its kernels grouped by name, the largest first, as a table (benchmarks' `--profi
 Each row: total device ms per call of `fn`, share of the summed kernel time, launches per call, and the
 kernel's name cut to fit. The last rows say how much of the wall time the kernels filled: a busy share
 well under 100% means the device waited for the host (launches, syncs, Python).
+
+`timeline(prof, wall_s)` reads a whole phase's trace (several threads, several streams) into a
+`Timeline`: GPU busy and idle time, the gaps in the GPU's work, kernel time per stream, copies per
+direction and stream, the runtime calls of the thread that launched the kernels (syncs, copies), and
+the mean time of each kernel; `compare_timelines` prints phases side by side (`benchmarks/precompute.py
+--profile`: the plain forward against the pipeline). `GilProbe` measures how long a thread waits for
+the GIL while a phase runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import threading
 import time
 from collections import defaultdict
 from typing import Callable
@@ -58,3 +68,144 @@ def kernel_table(fn: Callable[[], object], calls: int = 3, rows: int = 25, title
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+# ---------------------------------------------------------------------------------------- timelines
+
+_GAP_MS = 1.0  # a gap in the GPU's work this long is the host's doing, not a kernel boundary
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Where one profiled phase's time went, on the GPU and on the host thread that launched its work
+    (`timeline(prof, wall_s)`); printed side by side by `compare_timelines`."""
+
+    wall_ms: float
+    busy_ms: float = 0.0  # union of kernel intervals, every stream
+    idle_ms: float = 0.0  # wall minus busy: no kernel ran
+    gaps: int = 0  # gaps of >= _GAP_MS between kernels
+    gaps_ms: float = 0.0
+    streams: dict[int, float] = dataclasses.field(default_factory=dict)  # stream -> kernel ms
+    memcpy: dict[str, float] = dataclasses.field(default_factory=dict)  # "DtoH on stream 7" -> ms
+    host: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # runtime call -> (calls, ms)
+    kernels: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # name -> (launches, ms)
+    gil_wake_ms: tuple[float, float] | None = None  # GilProbe: median and 99th percentile
+
+
+def covered(spans: list[tuple[int, int]], gap_ms: float = _GAP_MS) -> tuple[float, int, float]:
+    """(start ns, end ns) intervals, overlapping or not -> (ms covered by their union, the number of
+    holes of >= gap_ms between them, the ms those holes last)."""
+    busy, gaps, gaps_ms, end = 0.0, 0, 0.0, None
+    for lo, hi in sorted(spans):
+        if end is None or lo > end:
+            if end is not None and (lo - end) / 1e6 >= gap_ms:
+                gaps, gaps_ms = gaps + 1, gaps_ms + (lo - end) / 1e6
+            busy, end = busy + (hi - lo) / 1e6, hi
+        elif hi > end:
+            busy, end = busy + (hi - end) / 1e6, hi
+    return busy, gaps, gaps_ms
+
+
+def timeline(prof, wall_s: float) -> Timeline:
+    """A Timeline from a finished torch.profiler.profile (CPU and CUDA activities)."""
+    events = prof.profiler.kineto_results.events()
+    kernels = [e for e in events if e.activity_type() == "kernel"]
+    out = Timeline(wall_ms=wall_s * 1e3)
+    out.busy_ms, out.gaps, out.gaps_ms = covered([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in kernels])
+    out.idle_ms = max(0.0, out.wall_ms - out.busy_ms)
+    for e in kernels:
+        out.streams[e.device_resource_id()] = out.streams.get(e.device_resource_id(), 0.0) + e.duration_ns() / 1e6
+        n, ms = out.kernels.get(e.name(), (0, 0.0))
+        out.kernels[e.name()] = (n + 1, ms + e.duration_ns() / 1e6)
+    for e in events:
+        if e.activity_type() == "gpu_memcpy":
+            kind = e.name().split(" (")[0].replace("Memcpy ", "")  # "DtoH", "HtoD", "DtoD"
+            key = f"{kind} on stream {e.device_resource_id()}"
+            out.memcpy[key] = out.memcpy.get(key, 0.0) + e.duration_ns() / 1e6
+    runtime = [e for e in events if e.activity_type() in ("cuda_runtime", "cuda_driver")]
+    launches: dict[int, int] = defaultdict(int)
+    for e in runtime:
+        launches[e.start_thread_id()] += "Launch" in e.name()
+    main = max(launches, key=launches.get) if launches else None
+    for e in runtime:
+        if e.start_thread_id() == main:
+            n, ms = out.host.get(e.name(), (0, 0.0))
+            out.host[e.name()] = (n + 1, ms + e.duration_ns() / 1e6)
+    return out
+
+
+def compare_timelines(named: list[tuple[str, Timeline]], top_kernels: int = 6, width: int = 34) -> str:
+    """One column per phase: GPU busy and idle, gaps, streams, copies, the launching thread's runtime
+    calls, the GIL probe, and the mean time of the largest kernels (a kernel slower in one phase than
+    in another ran beside something that took its memory bandwidth or SMs)."""
+    names = [n for n, _ in named]
+    col = max(14, *(len(n) for n in names))
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, values) -> None:
+        rows.append((label, list(values)))
+
+    tls = [t for _, t in named]
+    row("wall ms", (f"{t.wall_ms:,.1f}" for t in tls))
+    row("GPU busy ms (share of wall)", (f"{t.busy_ms:,.1f} ({t.busy_ms / t.wall_ms:.1%})" for t in tls))
+    row(f"gaps >= {_GAP_MS:g} ms: count, ms", (f"{t.gaps}, {t.gaps_ms:,.1f}" for t in tls))
+    for label, key in (("kernel ms, busiest stream", 0), ("kernel ms, other streams", 1)):
+        values = []
+        for t in tls:
+            ms = sorted(t.streams.values(), reverse=True)
+            values.append(f"{(ms[0] if ms else 0.0) if key == 0 else sum(ms[1:]):,.1f}")
+        row(label, values)
+    for key in sorted({k for t in tls for k in t.memcpy}):
+        row(f"memcpy {key} ms", (f"{t.memcpy.get(key, 0.0):,.1f}" for t in tls))
+    host_calls = sorted({k for t in tls for k, (n, ms) in t.host.items() if ms >= 1.0 or "Sync" in k})
+    for key in host_calls:
+        row(f"host {key}: calls, ms", (f"{t.host.get(key, (0, 0.0))[0]}, {t.host.get(key, (0, 0.0))[1]:,.1f}"
+                                       for t in tls))
+    row("GIL wake-up delay ms: median, p99",
+        ("—" if t.gil_wake_ms is None else f"{t.gil_wake_ms[0]:.2f}, {t.gil_wake_ms[1]:.2f}" for t in tls))
+    first = tls[0]
+    for name, (n, ms) in sorted(first.kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
+        values = []
+        for t in tls:
+            m, total = t.kernels.get(name, (0, 0.0))
+            values.append(f"{total / m * 1e3:,.0f} us x {m}" if m else "—")
+        row(f"mean {name[:width]}", values)
+    label_w = max(len(label) for label, _ in rows)
+    lines = [f"| {'':<{label_w}} | " + " | ".join(f"{n:>{col}}" for n in names) + " |",
+             f"|{'-' * (label_w + 2)}|" + "|".join("-" * (col + 2) for _ in names) + "|"]
+    lines += [f"| {label:<{label_w}} | " + " | ".join(f"{v:>{col}}" for v in values) + " |" for label, values in rows]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+class GilProbe:
+    """A thread that sleeps 1 ms at a time and measures how much later than asked it runs again: the
+    wait for the GIL (plus the OS's wake-up, ~0.1 ms). Other threads holding the GIL show up here
+    as they do in the launching thread, which waits the same way before every CUDA call."""
+
+    def __init__(self, period_s: float = 1e-3):
+        self.period_s = period_s
+        self.delays: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            time.sleep(self.period_s)
+            self.delays.append(time.perf_counter() - started - self.period_s)
+
+    def __enter__(self) -> GilProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary_ms(self) -> tuple[float, float] | None:
+        if not self.delays:
+            return None
+        ordered = sorted(self.delays)
+        return statistics.median(ordered) * 1e3, ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3

@@ -24,3 +24,16 @@ def test_precompute_benchmark_quick(tmp_path, capsys):
     lo, hi = (float(x.replace(",", "")) for x in rows[1].split("|")[4].strip().split("-"))
     assert lo <= float(rows[1].split("|")[3].replace(",", "")) <= hi  # the median lies in the spread
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself
+
+
+def test_precompute_benchmark_profile_prints_the_rows_side_by_side(tmp_path, capsys):
+    bench = runpy.run_path(str(ROOT / "benchmarks" / "precompute.py"), run_name="benchmark")
+    bench["main"](["--quick", "--dir", str(tmp_path), "--dtypes", "bf16", "--profile"])
+    out = capsys.readouterr().out
+    table = out[out.index("profile: one more run"):].splitlines()[1:]
+    assert [c.strip() for c in table[0].strip("|").split("|")][1:] == ["(a)", "(b) bf16"]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]] for line in table[2:]}
+    assert float(rows["wall ms"][0].replace(",", "")) > 0 and float(rows["wall ms"][1].replace(",", "")) > 0
+    median, p99 = (float(x) for x in rows["GIL wake-up delay ms: median, p99"][1].split(","))
+    assert 0 <= median <= p99  # the probe ran beside (b)'s forward loop
+    assert list(tmp_path.iterdir()) == []
