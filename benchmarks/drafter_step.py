@@ -1,4 +1,5 @@
-"""One full drafter training step: forward, fused loss, backward, grad clip, AdamW step.
+"""One full drafter training step: forward, fused loss, backward, grad clip and AdamW step (the trainer's
+clip_and_step: a fused AdamW takes the clip factor as its grad_scale).
 
     PYTHONPATH=. python benchmarks/drafter_step.py           # GPU: Qwen3-8B-shaped drafter, bf16 autocast
     PYTHONPATH=. python benchmarks/drafter_step.py --quick   # CPU smoke run, tiny drafter
@@ -33,6 +34,7 @@ from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
 from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
 from dflash_common.drafter.model import BlockLayout, DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_common.drafter.objective import block_labels, sample_anchors  # noqa: E402
+from train.loop import clip_and_step  # noqa: E402
 
 H200_BF16_TFLOPS = 989.0  # dense, no sparsity
 
@@ -89,8 +91,7 @@ def train_step(drafter, optimizer, batch, autocast_dtype):
         hidden = drafter(context, input_ids, cu, anchors)  # [A, B, H]
     out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten())
     (out.loss / weights.sum()).backward()
-    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-    optimizer.step()
+    clip_and_step(optimizer, list(drafter.parameters()), 1.0)  # the trainer's clip and AdamW step
     optimizer.zero_grad(set_to_none=True)
 
 

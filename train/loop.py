@@ -169,18 +169,48 @@ def train_step(model, drafter: DFlashDrafter, feeder, optimizer, scheduler, cfg:
                sums: torch.Tensor, counts: torch.Tensor, ema: WeightAverage | None = None) -> StepInfo:
     """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and `counts`;
     then the weights' moving average, if kept, takes the new weights in."""
-    info = accumulate_gradients(model, drafter, feeder, cfg, sums, counts)
+    info, scale = _accumulate(model, drafter, feeder, cfg, sums, counts)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
+    lr = optimizer.param_groups[0]["lr"]
+    grad_norm = clip_and_step(optimizer, list(drafter.parameters()), clip, scale)
     sums[_GNORM] += grad_norm.double()
     sums[_N] += 1
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
         ema.update()
     return dataclasses.replace(info, lr=lr)
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The optimiser step on the gradients times `scale` (a 0-dim tensor, None for 1), their global L2
+    norm clipped to `max_norm` first (clip_grad_norm_'s rule: times min(1, max_norm / (norm + 1e-6)));
+    returns that norm, of the scaled gradients. The gradients are read once for the norm and once by
+    the step: a fused AdamW takes the whole factor as its `grad_scale` (the attribute GradScaler sets,
+    which the fused kernel divides every gradient by as it reads it), so the two read-and-write passes
+    of 4 bytes a parameter that scaling and clipping cost apart are not made. Another optimiser gets the
+    gradients multiplied once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        optimizer.step()
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads)
+    if scale is not None:
+        norm = norm * scale.to(norm.dtype)
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    if scale is not None:
+        factor = factor * scale.to(factor.dtype)
+    if optimizer.defaults.get("fused"):
+        optimizer.grad_scale = (1.0 / factor).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+    else:
+        torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        optimizer.step()
+    return norm
 
 
 def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: torch.Tensor,
@@ -190,7 +220,18 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
     anchors); the same gradient as one batch holding them all, whatever `grad_accum` and the number
     of ranks (not a mean of per-batch means, which would weigh a token of a batch with few anchors
     more). Each micro-batch backpropagates its plain sum; the normalisers are summed over ranks (one
-    small all_reduce, no host sync) and the gradients scaled once at the end."""
+    small all_reduce, no host sync) and the gradients scaled once at the end (in a training step,
+    by the optimiser step itself: clip_and_step)."""
+    info, scale = _accumulate(model, drafter, feeder, cfg, sums, counts)
+    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+    return info
+
+
+def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: torch.Tensor,
+                counts: torch.Tensor) -> tuple[StepInfo, torch.Tensor]:
+    """accumulate_gradients without the final scaling: (info, the factor the gradients are to take)."""
     accum, o = cfg.optim.grad_accum, cfg.objective
     rank = dist.get_rank() if dist.is_initialized() else 0
     weight_sum = torch.zeros((), dtype=torch.float64, device=sums.device)  # this step's, on this rank
@@ -221,10 +262,7 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
     if dist.is_initialized():
         dist.all_reduce(weight_sum)
         world = dist.get_world_size()  # DDP has averaged the gradients over the ranks: undo the 1/world
-    grads = [p.grad for p in drafter.parameters() if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, (world / weight_sum.clamp(min=1e-9)).to(grads[0].dtype))
-    return info
+    return info, world / weight_sum.clamp(min=1e-9)
 
 
 class Window:
