@@ -16,23 +16,25 @@ from train.loop import clip_and_step
 HYPER = dict(lr=0.1, betas=(0.9, 0.99), eps=1.0, weight_decay=0.01)
 
 
-def _params() -> list[torch.Tensor]:
+def _params(device: str) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(37, 11, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_()]
+    return [torch.randn(37, 11, generator=g).to(device).requires_grad_(),
+            torch.randn(5, generator=g).to(device).requires_grad_()]
 
 
 def _grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return [3.0 * torch.randn(p.shape, generator=g) for p in params]
+    return [3.0 * torch.randn(p.shape, generator=g).to(p.device) for p in params]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("max_norm", [0.5, math.inf], ids=["clipped", "unclipped"])
-def test_clip_and_step_equals_scale_then_clip_grad_norm_then_step(fused, max_norm):
-    ours, ref = _params(), _params()
+def test_clip_and_step_equals_scale_then_clip_grad_norm_then_step(device, fused, max_norm):
+    ours, ref = _params(device), _params(device)
     opt = torch.optim.AdamW(ours, fused=fused, foreach=None if fused else True, **HYPER)
     ref_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
-    scale = torch.tensor(0.25, dtype=torch.float64)  # the trainer's normaliser is float64
+    scale = torch.tensor(0.25, dtype=torch.float64, device=device)  # the trainer's normaliser is float64
     for step in range(3):
         for p, r, grad in zip(ours, ref, _grads(step, ours)):
             p.grad, r.grad = grad.clone(), grad.clone() * 0.25
