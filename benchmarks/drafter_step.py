@@ -181,10 +181,12 @@ def main() -> None:
     print(f"parameters {params / 1e6:.1f} M; peak memory "
           + (f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all variants resident)" if cuda else "n/a"))
     if args.profile and cuda:
-        from benchmarks.profiling import kernel_table
+        from benchmarks.profiling import compare_timelines, kernel_table, profile_phase
 
         for name, (step, _) in variants.items():
             kernel_table(step, calls=3, title=f"drafter step, {name}")
+        print("\n## drafter step: 3 steps of each variant, GPU busy and idle, the host's syncs")
+        compare_timelines([(name, profile_phase(step, calls=3)) for name, (step, _) in variants.items()])
 
 
 if __name__ == "__main__":

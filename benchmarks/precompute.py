@@ -42,7 +42,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -218,31 +218,14 @@ def hf_forward(path: Path, batches: list[list[np.ndarray]], layer_ids: list[int]
         if profiles is None:
             loop()
         else:
-            profiles.append(profiled(loop))
+            from benchmarks.profiling import profile_phase
+
+            profiles.append(profile_phase(loop))
         seconds = time.perf_counter() - started
     del model, inputs
     if device == "cuda":
         torch.cuda.empty_cache()
     return seconds
-
-
-def profiled(fn: Callable[[], object]):
-    """fn() under torch.profiler (CPU and, on a GPU, CUDA activities) with a GIL probe -> its Timeline."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from benchmarks.profiling import GilProbe, timeline
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    _sync(device)
-    with profile(activities=activities) as prof, GilProbe() as probe:
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        wall = time.perf_counter() - started
-    out = timeline(prof, wall)
-    out.gil_wake_ms = probe.summary_ms()
-    return out
 
 
 @contextlib.contextmanager
@@ -251,8 +234,10 @@ def profiled_forward_loop(profiles: list) -> Iterator[None]:
     profiler: what runs in it is the CLI's code; the writers' tail after it is not profiled."""
     import precompute.job as job
 
+    from benchmarks.profiling import profile_phase
+
     plain = job.run_windows
-    job.run_windows = lambda *a, **k: profiles.append(profiled(lambda: plain(*a, **k)))
+    job.run_windows = lambda *a, **k: profiles.append(profile_phase(lambda: plain(*a, **k)))
     try:
         yield
     finally:

@@ -134,6 +134,26 @@ def timeline(prof, wall_s: float) -> Timeline:
     return out
 
 
+def profile_phase(fn: Callable[[], object], calls: int = 1) -> Timeline:
+    """`calls` calls of fn() under torch.profiler (CPU and, on a GPU, CUDA activities) with a GilProbe
+    beside them -> their Timeline (totals over the calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof, \
+            GilProbe() as probe:
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        wall = time.perf_counter() - started
+    out = timeline(prof, wall)
+    out.gil_wake_ms = probe.summary_ms()
+    return out
+
+
 def compare_timelines(named: list[tuple[str, Timeline]], top_kernels: int = 6, width: int = 34) -> str:
     """One column per phase: GPU busy and idle, gaps, streams, copies, the launching thread's runtime
     calls, the GIL probe, and the mean time of the largest kernels (a kernel slower in one phase than
