@@ -107,30 +107,34 @@ def covered(spans: list[tuple[int, int]], gap_ms: float = _GAP_MS) -> tuple[floa
 
 
 def timeline(prof, wall_s: float) -> Timeline:
-    """A Timeline from a finished torch.profiler.profile (CPU and CUDA activities)."""
-    events = prof.profiler.kineto_results.events()
-    kernels = [e for e in events if e.activity_type() == "kernel"]
+    """A Timeline from a finished torch.profiler.profile (CPU and CUDA activities). It reads the
+    profiler's FunctionEvents (kernels and copies are events of the CUDA device, runtime calls such
+    as cudaLaunchKernel or cudaStreamSynchronize are events of the CPU thread that made them)."""
+    gpu = _kernel_events(prof)
+    copies = [e for e in gpu if e.name.startswith("Memcpy")]
+    kernels = [e for e in gpu if not e.name.startswith("Memcpy")]
     out = Timeline(wall_ms=wall_s * 1e3)
-    out.busy_ms, out.gaps, out.gaps_ms = covered([(e.start_ns(), e.start_ns() + e.duration_ns()) for e in kernels])
+    ns = lambda e: (int(e.time_range.start * 1e3), int(e.time_range.end * 1e3))  # noqa: E731  (us -> ns)
+    out.busy_ms, out.gaps, out.gaps_ms = covered([ns(e) for e in kernels])
     out.idle_ms = max(0.0, out.wall_ms - out.busy_ms)
     for e in kernels:
-        out.streams[e.device_resource_id()] = out.streams.get(e.device_resource_id(), 0.0) + e.duration_ns() / 1e6
-        n, ms = out.kernels.get(e.name(), (0, 0.0))
-        out.kernels[e.name()] = (n + 1, ms + e.duration_ns() / 1e6)
-    for e in events:
-        if e.activity_type() == "gpu_memcpy":
-            kind = e.name().split(" (")[0].replace("Memcpy ", "")  # "DtoH", "HtoD", "DtoD"
-            key = f"{kind} on stream {e.device_resource_id()}"
-            out.memcpy[key] = out.memcpy.get(key, 0.0) + e.duration_ns() / 1e6
-    runtime = [e for e in events if e.activity_type() in ("cuda_runtime", "cuda_driver")]
+        ms, stream = e.time_range.elapsed_us() / 1e3, getattr(e, "device_resource_id", 0)
+        out.streams[stream] = out.streams.get(stream, 0.0) + ms
+        n, total = out.kernels.get(e.name, (0, 0.0))
+        out.kernels[e.name] = (n + 1, total + ms)
+    for e in copies:
+        kind = e.name.split(" (")[0].replace("Memcpy ", "")  # "DtoH", "HtoD", "DtoD"
+        key = f"{kind} on stream {getattr(e, 'device_resource_id', 0)}"
+        out.memcpy[key] = out.memcpy.get(key, 0.0) + e.time_range.elapsed_us() / 1e3
+    runtime = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
     launches: dict[int, int] = defaultdict(int)
     for e in runtime:
-        launches[e.start_thread_id()] += "Launch" in e.name()
+        launches[e.thread] += "Launch" in e.name
     main = max(launches, key=launches.get) if launches else None
     for e in runtime:
-        if e.start_thread_id() == main:
-            n, ms = out.host.get(e.name(), (0, 0.0))
-            out.host[e.name()] = (n + 1, ms + e.duration_ns() / 1e6)
+        if e.thread == main:
+            n, ms = out.host.get(e.name, (0, 0.0))
+            out.host[e.name] = (n + 1, ms + e.time_range.elapsed_us() / 1e3)
     return out
 
 
