@@ -16,6 +16,11 @@ l from the sparse mask, N_loss rows with non-zero weight; Hq = heads*D, Hkv = kv
     attention, per layer   3 * 4 * P_l * D * heads       (QK^T and PV; backward = 2x forward)
     loss                   4 * N_loss * V * H            (logits + grad wrt hidden; lm_head frozen)
 MFU = FLOPs / (step time * peak), peak = dense bf16 of the GPU (989 TFLOP/s for an H200).
+
+Timing: each variant's rows are its steps run back to back as the trainer runs them (one sync a round
+of --steps; the median over --repeats rounds, the spread of the rounds), and the same steps each
+synchronised alone (', synced': the GPU starts every step idle and waits for the host's first launches;
+the median over every step). The difference is the host's work that back-to-back steps hide.
 """
 
 from __future__ import annotations
@@ -100,8 +105,22 @@ def timed_steps(fn, steps: int, warmup: int, cuda: bool) -> float:
     return statistics.median(step_times(fn, steps, warmup, cuda))
 
 
+def round_time(fn, steps: int, cuda: bool) -> float:
+    """Seconds per call of `steps` calls run back to back, as the trainer runs its steps: one sync
+    before and one after, so the host prepares a step while the GPU still runs the one before."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
 def step_times(fn, steps: int, warmup: int, cuda: bool) -> list[float]:
-    """Seconds of each call after `warmup` calls."""
+    """Seconds of each call after `warmup` calls, each call synchronised alone (the GPU starts idle
+    and waits for the host's first launches)."""
     times = []
     for s in range(warmup + steps):
         if cuda:
@@ -160,22 +179,28 @@ def main() -> None:
         variants[name] = (step, drafter)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    # per variant, two timings: rounds of back-to-back steps (the trainer's way: one figure a round),
+    # and every step synchronised alone (one figure a step)
+    times: dict[str, list[float]] = {}
     for _ in range(repeats):  # interleaved: a slow spell of the shared machine hits every variant
         for name, (step, _) in variants.items():
-            times[name] += step_times(step, steps, 0, cuda)
+            times.setdefault(name, []).append(round_time(step, steps, cuda))
+            times.setdefault(f"{name}, synced", []).extend(step_times(step, steps, 0, cuda))
     flops = step_flops(cfg, batch[2], batch[3], total, n_loss)
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"# drafter training step on {gpu}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
           f"{cfg.vocab_size}, {args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x "
-          f"{cfg.block_size}; {flops / 1e12:.2f} TFLOP per step; median of {repeats} x {steps} interleaved steps")
-    print(f"| {'variant':<10} | {'ms / step':>9} | {'spread ms':>13} | {'tokens / s':>10} | {'TFLOP/s':>8} | "
+          f"{cfg.block_size}; {flops / 1e12:.2f} TFLOP per step; {repeats} interleaved repeats of {steps} steps a "
+          f"variant: 'variant' rows run them back to back (the median of the repeats' ms a step), ', synced' rows "
+          f"synchronise every step (the median of the steps)")
+    print(f"| {'variant':<18} | {'ms / step':>9} | {'spread ms':>13} | {'tokens / s':>10} | {'TFLOP/s':>8} | "
           f"{'MFU':>6} |")
-    print(f"|{'-' * 12}|{'-' * 11}|{'-' * 15}|{'-' * 12}|{'-' * 10}|{'-' * 8}|")
-    for name, xs in times.items():
+    print(f"|{'-' * 20}|{'-' * 11}|{'-' * 15}|{'-' * 12}|{'-' * 10}|{'-' * 8}|")
+    for name in sorted(times, key=lambda n: (n.endswith("synced"), list(variants).index(n.split(",")[0]))):
+        xs = times[name]
         sec = statistics.median(xs)
         mfu = f"{flops / sec / (args.peak_tflops * 1e12):.1%}" if cuda else "n/a"
-        print(f"| {name:<10} | {sec * 1e3:>9.1f} | {f'{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}':>13} | "
+        print(f"| {name:<18} | {sec * 1e3:>9.1f} | {f'{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}':>13} | "
               f"{total / sec:>10,.0f} | {flops / sec / 1e12:>8.1f} | {mfu:>6} |")
     params = sum(p.numel() for p in next(iter(variants.values()))[1].parameters())
     print(f"parameters {params / 1e6:.1f} M; peak memory "
