@@ -36,10 +36,11 @@ class TargetConfig:
         "nor run.",
     )
     compile: bool = option(
-        False,
+        True,
         "torch.compile the parts of every decoder layer (attention, MLP, norms; one compiled graph shared by "
         "all layers, dynamic shapes) on CUDA, fusing the norms, RoPE and activations that run eagerly "
-        "otherwise; costs a compilation at start. Ignored on a CPU.",
+        "otherwise: 1.26x the eager forward of a Qwen3-8B-shaped target on an H200; costs a compilation at "
+        "start (~20 s, seconds once cached). Ignored on a CPU.",
     )
 
     def __post_init__(self) -> None:
