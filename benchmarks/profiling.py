@@ -89,21 +89,34 @@ class Timeline:
     memcpy: dict[str, float] = dataclasses.field(default_factory=dict)  # "DtoH on stream 7" -> ms
     host: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # runtime call -> (calls, ms)
     kernels: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # name -> (launches, ms)
-    gil_wake_ms: tuple[float, float] | None = None  # GilProbe: median and 99th percentile
+    hole_owners: dict[str, int] = dataclasses.field(default_factory=dict)  # launching thread's call -> gaps
+    gil_wake_ms: tuple[float, float, float] | None = None  # GilProbe: median, 99th percentile, longest
 
 
-def covered(spans: list[tuple[int, int]], gap_ms: float = _GAP_MS) -> tuple[float, int, float]:
-    """(start ns, end ns) intervals, overlapping or not -> (ms covered by their union, the number of
-    holes of >= gap_ms between them, the ms those holes last)."""
-    busy, gaps, gaps_ms, end = 0.0, 0, 0.0, None
+def covered(spans: list[tuple[int, int]], gap_ms: float = _GAP_MS) -> tuple[float, list[tuple[int, int]]]:
+    """(start ns, end ns) intervals, overlapping or not -> (ms covered by their union, the holes of
+    >= gap_ms between them as (start ns, end ns))."""
+    busy, holes, end = 0.0, [], None
     for lo, hi in sorted(spans):
         if end is None or lo > end:
             if end is not None and (lo - end) / 1e6 >= gap_ms:
-                gaps, gaps_ms = gaps + 1, gaps_ms + (lo - end) / 1e6
+                holes.append((end, lo))
             busy, end = busy + (hi - lo) / 1e6, hi
         elif hi > end:
             busy, end = busy + (hi - end) / 1e6, hi
-    return busy, gaps, gaps_ms
+    return busy, holes
+
+
+def _hole_owner(hole: tuple[int, int], events: list) -> str:
+    """The innermost call of the launching thread that spans at least half of a hole in the GPU's
+    work (what the host was doing while the GPU waited), or a note that no profiled call did."""
+    lo, hi = hole
+    best = None
+    for e in events:
+        s, t = int(e.time_range.start * 1e3), int(e.time_range.end * 1e3)
+        if min(t, hi) - max(s, lo) >= (hi - lo) / 2 and (best is None or t - s < best[0]):
+            best = (t - s, e.name)
+    return best[1] if best else "(no profiled call: Python between ops)"
 
 
 def timeline(prof, wall_s: float) -> Timeline:
@@ -115,7 +128,8 @@ def timeline(prof, wall_s: float) -> Timeline:
     kernels = [e for e in gpu if not e.name.startswith("Memcpy")]
     out = Timeline(wall_ms=wall_s * 1e3)
     ns = lambda e: (int(e.time_range.start * 1e3), int(e.time_range.end * 1e3))  # noqa: E731  (us -> ns)
-    out.busy_ms, out.gaps, out.gaps_ms = covered([ns(e) for e in kernels])
+    out.busy_ms, holes = covered([ns(e) for e in kernels])
+    out.gaps, out.gaps_ms = len(holes), sum(hi - lo for lo, hi in holes) / 1e6
     out.idle_ms = max(0.0, out.wall_ms - out.busy_ms)
     for e in kernels:
         ms, stream = e.time_range.elapsed_us() / 1e3, getattr(e, "device_resource_id", 0)
@@ -135,6 +149,10 @@ def timeline(prof, wall_s: float) -> Timeline:
         if e.thread == main:
             n, ms = out.host.get(e.name, (0, 0.0))
             out.host[e.name] = (n + 1, ms + e.time_range.elapsed_us() / 1e3)
+    mine = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.thread == main]
+    for hole in holes:
+        owner = _hole_owner(hole, mine)
+        out.hole_owners[owner] = out.hole_owners.get(owner, 0) + 1
     return out
 
 
@@ -185,8 +203,10 @@ def compare_timelines(named: list[tuple[str, Timeline]], top_kernels: int = 6, w
     for key in host_calls:
         row(f"host {key}: calls, ms", (f"{t.host.get(key, (0, 0.0))[0]}, {t.host.get(key, (0, 0.0))[1]:,.1f}"
                                        for t in tls))
-    row("GIL wake-up delay ms: median, p99",
-        ("—" if t.gil_wake_ms is None else f"{t.gil_wake_ms[0]:.2f}, {t.gil_wake_ms[1]:.2f}" for t in tls))
+    for owner in sorted({k for t in tls for k in t.hole_owners}, key=lambda k: -max(t.hole_owners.get(k, 0) for t in tls))[:4]:
+        row(f"gaps while the host ran {owner[:width]}", (f"{t.hole_owners.get(owner, 0)}" for t in tls))
+    row("GIL wake-up delay ms: median, p99, max",
+        ("—" if t.gil_wake_ms is None else ", ".join(f"{x:.2f}" for x in t.gil_wake_ms) for t in tls))
     first = tls[0]
     for name, (n, ms) in sorted(first.kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
         values = []
@@ -228,8 +248,9 @@ class GilProbe:
         self._stop.set()
         self._thread.join()
 
-    def summary_ms(self) -> tuple[float, float] | None:
+    def summary_ms(self) -> tuple[float, float, float] | None:
         if not self.delays:
             return None
         ordered = sorted(self.delays)
-        return statistics.median(ordered) * 1e3, ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return statistics.median(ordered) * 1e3, p99 * 1e3, ordered[-1] * 1e3

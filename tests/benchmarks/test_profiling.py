@@ -19,9 +19,9 @@ def test_covered_counts_overlaps_once_and_finds_the_holes():
     spans = [(0, 2 * MS), (1 * MS, 3 * MS), (3 * MS, 4 * MS),  # overlapping and touching: 4 ms
              (4 * MS + MS // 2, 5 * MS),  # a 0.5 ms hole: a kernel boundary, not counted
              (8 * MS, 9 * MS), (8 * MS, 8 * MS + 1)]  # a 3 ms hole, then one span inside another
-    busy, gaps, gaps_ms = covered(list(reversed(spans)))
-    assert busy == 5.5 and gaps == 1 and gaps_ms == 3.0
-    assert covered([]) == (0.0, 0, 0.0)
+    busy, holes = covered(list(reversed(spans)))
+    assert busy == 5.5 and holes == [(5 * MS, 8 * MS)]
+    assert covered([]) == (0.0, [])
 
 
 def test_gil_probe_sees_a_thread_that_holds_the_gil():
@@ -42,3 +42,16 @@ def test_gil_probe_sees_a_thread_that_holds_the_gil():
         stop.set()
         spinner.join()
     assert quiet.summary_ms()[0] < busy.summary_ms()[0]
+
+
+def test_a_hole_belongs_to_the_innermost_call_that_spans_half_of_it():
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from benchmarks.profiling import _hole_owner
+
+    def event(name, start_ms, end_ms):
+        return FunctionEvent(id=0, name=name, thread=1, start_us=start_ms * 1e3, end_us=end_ms * 1e3)
+
+    calls = [event("aten::to", 0, 10), event("cudaStreamSynchronize", 1, 9), event("aten::add", 9, 9.5)]
+    assert _hole_owner((2 * MS, 8 * MS), calls) == "cudaStreamSynchronize"  # inside aten::to, shorter
+    assert _hole_owner((9 * MS, 20 * MS), calls).startswith("(no profiled call")  # aten::add spans too little
