@@ -340,7 +340,7 @@ def run_all(args, root: Path) -> None:
             s = run["seconds"]
             say(f"(b) {dtype}{' compiled' if compiled else ''}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
                 f"{run['bytes_written'] / 1e9:.2f} GB written, the forward waited {run['disk_wait_s_max_rank']:.2f} s "
-                f"for the disk, the GPU {run.get('gpu_idle_s_max_rank', 0.0):.2f} s for the host between batches "
+                f"for the disk, the GPU stood idle {run.get('gpu_idle_s_max_rank', 0.0):.2f} s between batches "
                 f"(computed {run.get('gpu_busy_s', 0.0):.2f} s of {s['forward_write']:.2f}), "
                 f"{run['max_units_in_memory']} units in host memory at most")
             b_runs[(dtype, compiled)].append(run)

@@ -435,5 +435,5 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _gpu_idle(run: dict[str, Any]) -> str:
     if not run.get("gpu_busy_s"):
         return ""  # a CPU run (or a store summarised before the GPU clock existed)
-    return (f", and the GPU waited for the host {run['gpu_idle_s_max_rank']:.1f} s between batches "
-            f"(it computed {run['gpu_busy_s']:.1f} s)")
+    return (f"; the GPU computed {run['gpu_busy_s']:.1f} s and stood idle {run['gpu_idle_s_max_rank']:.1f} s "
+            f"between batches (for the host, or for the disk when the forward waited for it)")

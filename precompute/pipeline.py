@@ -30,7 +30,6 @@ kept, so after a fix (e.g. `--target.dtype=bf16` instead of fp16) the same comma
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -38,7 +37,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -85,8 +84,9 @@ class PipelineStats:
     bytes_written: int = 0  # on disk, published shards of this run
     setup_s: float = 0.0  # allocating (and pinning) the staging buffers, starting the threads
     wait_s: float = 0.0  # main thread blocked on a free staging buffer: the GPU waited for the disk
-    gpu_busy_s: float = 0.0  # GPU time from each batch's first kernel to its last (CUDA events; 0 on a CPU)
+    gpu_busy_s: float = 0.0  # GPU time from each batch's forward to its states encoded (CUDA events; 0 on a CPU)
     gpu_idle_s: float = 0.0  # GPU time between batches: the GPU waited for the host (launches, syncs, Python)
+    # or, when wait_s is not 0, for the disk
     write_s: float = 0.0  # writer-thread time in write_shard, summed over threads
     max_units_in_memory: int = 0
 
@@ -224,38 +224,44 @@ class Pipeline:
             self.stats.max_units_in_memory = max(self.stats.max_units_in_memory, self._in_memory)
         return _Assembly(work, layers, scales, self.dtype)
 
-    def submit(self, states: dict[int, torch.Tensor], pieces: list[_Piece]) -> None:
+    def submit(self, states: dict[int, torch.Tensor], pieces: list[_Piece],
+               on_encoded: Callable[[], None] = lambda: None) -> None:
         """Hand over one batch: states {layer id (and FINAL): [B, S, H]} and the sequences to keep. Returns once
         the copies are queued (on a GPU, before they finish); blocks only when no staging buffer is
-        free, i.e. when the collector or the disk is behind."""
+        free, i.e. when the collector or the disk is behind. `on_encoded` is called once the batch's
+        GPU work is queued, before any such wait (the GPU clock's end of the batch)."""
         self.raise_if_failed()
         if not pieces:
+            on_encoded()
             return
-        started = time.perf_counter()
-        staging = self._get(self.free)
-        self.stats.wait_s += time.perf_counter() - started
-        if staging is None:
-            self.raise_if_failed()
-            raise RuntimeError("the pipeline was stopped")
         placed, at = [], 0
         for p in pieces:
             placed.append(dataclasses.replace(p, at=at))
             at += p.length
         if at > self.capacity:  # the config keeps token_budget >= max_length, so never
             raise ValueError(f"a batch keeps {at} tokens, more than the staging buffers' {self.capacity}")
-        self._copy_out(states, placed, staging, at)
+        encoded = self._encode(states, placed)
+        on_encoded()
+        started = time.perf_counter()
+        staging = self._get(self.free)
+        self.stats.wait_s += time.perf_counter() - started
+        if staging is None:
+            self.raise_if_failed()
+            raise RuntimeError("the pipeline was stopped")
+        self._copy_out(encoded, staging, at)
         self.collect_q.put((staging, placed))
 
-    def _copy_out(self, states: dict[int, torch.Tensor], pieces: list[_Piece], staging: _Staging, tokens: int) -> None:
-        """Gather the kept tokens of every layer, encode them, and copy them into `staging`."""
+    def _encode(self, states: dict[int, torch.Tensor], pieces: list[_Piece]) -> list[EncodedStates]:
+        """The kept tokens of every layer, gathered and encoded on the compute stream."""
         first = states[self.layer_ids[0]]
         seq_len = first.shape[1]
         rows = np.concatenate([p.row * seq_len + np.arange(p.length) for p in pieces])
         index = to_device(torch.from_numpy(rows), first.device)  # [T] positions in [B*S]
-        encoded = []
-        for layer_id in self.layer_ids:
-            flat = states[layer_id].reshape(-1, self.hidden).index_select(0, index)  # [B*S, H] -> [T, H]
-            encoded.append(encode_states(flat, self.dtype))
+        return [encode_states(states[i].reshape(-1, self.hidden).index_select(0, index), self.dtype)  # [T, H]
+                for i in self.layer_ids]
+
+    def _copy_out(self, encoded: list[EncodedStates], staging: _Staging, tokens: int) -> None:
+        """Copy the encoded states into `staging` (on a GPU: on the copy stream, then its event)."""
         if self.copy_stream is None:
             self._copy_all(encoded, staging, tokens)
             return
@@ -453,23 +459,27 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class GpuClock:
-    """CUDA events before and after each batch's work on the compute stream: how long the GPU ran the
-    batches, and how long it stood idle between them waiting for the host. Reading them at the end
-    costs one synchronisation; nothing on a CPU."""
+    """CUDA events before and after each batch's work on the compute stream (its forward, then the
+    gather and encoding of its states): how long the GPU ran the batches, and how long it stood idle
+    between them waiting for the host. A wait for the disk falls between batches too; the pipeline
+    counts it apart (`PipelineStats.wait_s`). Reading the events at the end costs one
+    synchronisation; nothing on a CPU."""
 
     def __init__(self, device: torch.device):
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = [] if device.type == "cuda" else None
+        self._start: torch.cuda.Event | None = None
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        if self.marks is None:
-            yield
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end.record()
-        self.marks.append((start, end))
+    def start(self) -> None:
+        if self.marks is not None:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def stop(self) -> None:
+        if self.marks is not None and self._start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.marks.append((self._start, end))
+            self._start = None
 
     def add_to(self, stats: PipelineStats) -> None:
         if not self.marks:
@@ -495,8 +505,8 @@ def run_windows(target, windows: Iterable[list[UnitWork]], pipe: Pipeline, token
                 ids = to_device(pad_right(seqs, pad_id=0), device)  # [B, S]; pads are never kept
                 pieces = [_Piece(assemblies[u], n, row, len(seqs[row]))
                           for row, (u, n) in enumerate(batch) if u in assemblies]
-                with clock.batch():
-                    pipe.submit(_forward(target, ids, token_budget), pieces)  # the states live no longer
+                clock.start()
+                pipe.submit(_forward(target, ids, token_budget), pieces, clock.stop)  # the states live no longer
                 _count(pipe.stats, seqs, ids)
                 on_batch(len(seqs), sum(len(s) for s in seqs))
     clock.add_to(pipe.stats)
