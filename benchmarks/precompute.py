@@ -3,6 +3,8 @@
     python benchmarks/precompute.py                    # GPU: Qwen3-8B shape, ~3K-token sequences (~2-3 min)
     python benchmarks/precompute.py --dir /nvme/tmp    # where the target and the stores go (local disk)
     python benchmarks/precompute.py --quick            # tiny target on the CPU: a smoke run in seconds
+    python benchmarks/precompute.py --profile          # then each row once more under torch.profiler: where
+                                                       # the time goes, (a) and (b) side by side
 
 Printed step by step, with (a) and (b) interleaved --repeats times ((a), (b) bf16, (b) fp8, (a), ...):
 1. the target: a Qwen3Config (hidden 4096, 36 layers, 32 heads, 8 kv heads, head_dim 128,
