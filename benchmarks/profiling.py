@@ -82,7 +82,6 @@ class Timeline:
 
     wall_ms: float
     busy_ms: float = 0.0  # union of kernel intervals, every stream
-    idle_ms: float = 0.0  # wall minus busy: no kernel ran
     gaps: int = 0  # gaps of >= _GAP_MS between kernels
     gaps_ms: float = 0.0
     streams: dict[int, float] = dataclasses.field(default_factory=dict)  # stream -> kernel ms
@@ -130,7 +129,6 @@ def timeline(prof, wall_s: float) -> Timeline:
     ns = lambda e: (int(e.time_range.start * 1e3), int(e.time_range.end * 1e3))  # noqa: E731  (us -> ns)
     out.busy_ms, holes = covered([ns(e) for e in kernels])
     out.gaps, out.gaps_ms = len(holes), sum(hi - lo for lo, hi in holes) / 1e6
-    out.idle_ms = max(0.0, out.wall_ms - out.busy_ms)
     for e in kernels:
         ms, stream = e.time_range.elapsed_us() / 1e3, getattr(e, "device_resource_id", 0)
         out.streams[stream] = out.streams.get(stream, 0.0) + ms
@@ -140,7 +138,8 @@ def timeline(prof, wall_s: float) -> Timeline:
         kind = e.name.split(" (")[0].replace("Memcpy ", "")  # "DtoH", "HtoD", "DtoD"
         key = f"{kind} on stream {getattr(e, 'device_resource_id', 0)}"
         out.memcpy[key] = out.memcpy.get(key, 0.0) + e.time_range.elapsed_us() / 1e3
-    runtime = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    runtime = [e for e in cpu if e.name.startswith("cu")]
     launches: dict[int, int] = defaultdict(int)
     for e in runtime:
         launches[e.thread] += "Launch" in e.name
@@ -149,7 +148,7 @@ def timeline(prof, wall_s: float) -> Timeline:
         if e.thread == main:
             n, ms = out.host.get(e.name, (0, 0.0))
             out.host[e.name] = (n + 1, ms + e.time_range.elapsed_us() / 1e3)
-    mine = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.thread == main]
+    mine = [e for e in cpu if e.thread == main]
     for hole in holes:
         owner = _hole_owner(hole, mine)
         out.hole_owners[owner] = out.hole_owners.get(owner, 0) + 1
@@ -191,12 +190,9 @@ def compare_timelines(named: list[tuple[str, Timeline]], top_kernels: int = 6, w
     row("wall ms", (f"{t.wall_ms:,.1f}" for t in tls))
     row("GPU busy ms (share of wall)", (f"{t.busy_ms:,.1f} ({t.busy_ms / t.wall_ms:.1%})" for t in tls))
     row(f"gaps >= {_GAP_MS:g} ms: count, ms", (f"{t.gaps}, {t.gaps_ms:,.1f}" for t in tls))
-    for label, key in (("kernel ms, busiest stream", 0), ("kernel ms, other streams", 1)):
-        values = []
-        for t in tls:
-            ms = sorted(t.streams.values(), reverse=True)
-            values.append(f"{(ms[0] if ms else 0.0) if key == 0 else sum(ms[1:]):,.1f}")
-        row(label, values)
+    busiest = [max(t.streams.values(), default=0.0) for t in tls]
+    row("kernel ms, busiest stream", (f"{ms:,.1f}" for ms in busiest))
+    row("kernel ms, other streams", (f"{sum(t.streams.values()) - ms:,.1f}" for t, ms in zip(tls, busiest)))
     for key in sorted({k for t in tls for k in t.memcpy}):
         row(f"memcpy {key} ms", (f"{t.memcpy.get(key, 0.0):,.1f}" for t in tls))
     host_calls = sorted({k for t in tls for k, (n, ms) in t.host.items() if ms >= 1.0 or "Sync" in k})
