@@ -13,6 +13,7 @@ importable, Liger-Kernel's LigerFusedLinearCrossEntropyLoss (which applies no pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -37,17 +38,35 @@ def make_inputs(n, h, v, device, dtype, block_weights: bool):
     hidden = torch.randn(n, h, device=device, dtype=dtype, generator=g).requires_grad_(True)
     weight = (torch.randn(v, h, device=device, dtype=dtype, generator=g) * h**-0.5).requires_grad_(False)
     labels = torch.randint(0, v, (n,), device=device, generator=g)
-    weights = torch.ones(n, device=device)
-    if block_weights:
-        k = torch.arange(n, device=device) % BLOCK
-        weights = torch.where(k == 0, 0.0, torch.exp(-(k - 1).clamp(min=0) / default_gamma(BLOCK)))
+    weights = _block_weights(n, device) if block_weights else torch.ones(n, device=device)
     return hidden, weight, labels, weights
 
 
-def ours(backend):
+def _block_weights(n, device) -> torch.Tensor:
+    """DFlash's position weights: 0 at position 0 of each block, then exp(-(k - 1) / gamma)."""
+    k = torch.arange(n, device=device) % BLOCK
+    return torch.where(k == 0, 0.0, torch.exp(-(k - 1).clamp(min=0) / default_gamma(BLOCK)))
+
+
+def ours(backend, launch: dict | None = None):
     def run(hidden, weight, labels, weights):
-        return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend).loss
+        with launch_shape(launch):
+            return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend).loss
     return run
+
+
+@contextlib.contextmanager
+def launch_shape(launch: dict | None):
+    """The row kernel's DEFAULT_LAUNCH updated by `launch` for the duration."""
+    from dflash_common.drafter import loss_triton
+
+    saved = dict(loss_triton.DEFAULT_LAUNCH)
+    loss_triton.DEFAULT_LAUNCH.update(launch or {})
+    try:
+        yield
+    finally:
+        loss_triton.DEFAULT_LAUNCH.clear()
+        loss_triton.DEFAULT_LAUNCH.update(saved)
 
 
 def plain_torch(hidden, weight, labels, weights):
@@ -67,41 +86,94 @@ def liger():
     return run
 
 
-def measure(fn, inputs, reps: int) -> tuple[float, float | None, tuple[float, float]]:
-    """(median ms, peak GiB above the inputs, (lowest, highest) ms) of fn(*inputs).backward()."""
+def time_call(fn, inputs) -> tuple[float, int | None]:
+    """(ms, peak bytes above what was allocated before, None on the CPU) of one fn(*inputs).backward()."""
     hidden = inputs[0]
-    cuda = hidden.is_cuda
-    times, peak = [], 0
-    for i in range(reps + 2):  # two warm-up runs (compilation, allocator)
-        hidden.grad = None
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+    hidden.grad = None
+    if not hidden.is_cuda:
         t0 = time.perf_counter()
         fn(*inputs).backward()
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            elapsed = start.elapsed_time(end)
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        else:
-            elapsed = (time.perf_counter() - t0) * 1e3
-        if i >= 2:
-            times.append(elapsed)
+        hidden.grad = None
+        return (time.perf_counter() - t0) * 1e3, None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*inputs).backward()
+    end.record()
+    torch.cuda.synchronize()
     hidden.grad = None
-    return statistics.median(times), (peak / 2**30 if cuda else None), (min(times), max(times))
+    return start.elapsed_time(end), torch.cuda.max_memory_allocated() - base
 
 
-def rows_for(device) -> list[tuple[str, object, bool]]:
-    backends = ["triton", "torch"] if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
-    rows = [(f"dflash fused [{b}], all rows weighted", ours(b), False) for b in backends]
-    rows += [(f"dflash fused [{b}], block weights (1/16 skipped)", ours(b), True) for b in backends]
+def measure(fn, inputs, reps: int) -> tuple[float, float | None, tuple[float, float]]:
+    """(median ms, peak GiB above the inputs, (lowest, highest) ms) of fn(*inputs).backward(), after two
+    warm-up calls (compilation; one-time allocations such as cuBLAS's workspace are no call's peak)."""
+    for _ in range(2):
+        time_call(fn, inputs)
+    calls = [time_call(fn, inputs) for _ in range(reps)]
+    times = [ms for ms, _ in calls]
+    peak = None if calls[0][1] is None else max(p for _, p in calls) / 2**30
+    return statistics.median(times), peak, (min(times), max(times))
+
+
+def rows_for(device, launches: list[dict]) -> list[tuple[str, object, bool]]:
+    """(label, fn or None when not importable, block weights?) per row; one pair of Triton rows per
+    launch shape named on the command line (or the default's)."""
+    triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    ours_rows = [("triton" + (f", launch {k}" if len(launches) > 1 else ""), "triton", launch)
+                 for k, launch in enumerate(launches or [None], 1)] if triton_ok else []
+    ours_rows.append(("torch", "torch", None))
+    rows = [(f"dflash fused [{name}], all rows weighted", ours(b, launch), False) for name, b, launch in ours_rows]
+    rows += [(f"dflash fused [{name}], block weights (1/16 skipped)", ours(b, launch), True)
+             for name, b, launch in ours_rows]
     rows.append(("plain PyTorch (logits + F.cross_entropy)", plain_torch, False))
     rows.append(("Liger fused linear CE (no token weights)", liger(), False))
     return rows
+
+
+def table(sizes, device, dtype, reps: int, launches: list[dict]) -> None:
+    """Every row of one size on the same inputs, interleaved: two warm-up calls of each row, then
+    rep 1 of every row, rep 2 of every row, ... so drifting clocks reach every row alike."""
+    print(f"| {'loss':<62} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'peak GiB':>9} |")
+    print(f"|{'-' * 64}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
+    for n, h, v in sizes:
+        size = f"{n}, {h}, {v}"
+        hidden, weight, labels, unit = make_inputs(n, h, v, device, dtype, False)
+        block = _block_weights(n, device)
+        rows = rows_for(device, launches)
+        calls: dict[str, list[tuple[float, int | None]]] = {}
+        for label, fn, block_weights in rows:
+            if fn is None:
+                continue
+            inputs = (hidden, weight, labels, block if block_weights else unit)
+            try:
+                for _ in range(2):
+                    time_call(fn, inputs)
+                calls[label] = []
+            except torch.OutOfMemoryError:
+                hidden.grad = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        for _ in range(reps):
+            for label, fn, block_weights in rows:
+                if label in calls:
+                    calls[label].append(time_call(fn, (hidden, weight, labels, block if block_weights else unit)))
+        for label, fn, _ in rows:
+            if fn is None:
+                print(f"| {label:<62} | {size:<20} | {'skipped: liger-kernel not installed':<39} |")
+            elif label not in calls:
+                print(f"| {label:<62} | {size:<20} | {'OOM':>9} | {'':>15} | {'OOM':>9} |")
+            else:
+                times = [ms for ms, _ in calls[label]]
+                peaks = [p for _, p in calls[label]]
+                peak_text = "n/a" if peaks[0] is None else f"{max(peaks) / 2**30:.2f}"
+                print(f"| {label:<62} | {size:<20} | {statistics.median(times):>9.1f} "
+                      f"| {f'{min(times):.1f}-{max(times):.1f}':>15} | {peak_text:>9} |", flush=True)
+        del hidden, weight, labels, unit, block, calls
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def sweep(sizes, device, dtype, reps: int) -> None:
@@ -118,36 +190,139 @@ def sweep(sizes, device, dtype, reps: int) -> None:
         del inputs
 
 
-def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, reps: int = 20) -> None:
-    """The row kernel alone on one logits chunk [rows, vocab] (forward + gradient in place) per
-    (columns per step, warps): ms and GB/s counting its three passes over the chunk (read, read, write)."""
+# launch shapes of the row kernel (keys of loss_triton.DEFAULT_LAUNCH; the rest at their defaults)
+def _shape(block, warps, per_sm=None, lane=True, hints=False, first_back=False, second_back=False, exp2=False,
+           stages=None):
+    return dict(block=block, num_warps=warps, programs_per_sm=per_sm, lane_state=lane, l2_hints=hints,
+                reverse_first=first_back, reverse_second=second_back, exp2=exp2, num_stages=stages)
+
+
+SWEEP_SHAPES = [
+    _shape(4096, 16), _shape(8192, 32), _shape(8192, 32, second_back=True), _shape(4096, 16, first_back=True),
+    _shape(8192, 32, first_back=True), _shape(8192, 32, hints=True, first_back=True),
+    _shape(8192, 32, 1, first_back=True), _shape(8192, 32, 1, hints=True, first_back=True),
+    _shape(8192, 32, first_back=True, second_back=True), _shape(4096, 32, first_back=True),
+    _shape(8192, 16, first_back=True), _shape(16384, 32, first_back=True),
+    _shape(16384, 32, lane=False, first_back=True), _shape(32768, 32, lane=False, first_back=True),
+    _shape(2048, 8, 4, hints=True, first_back=True), _shape(4096, 16, 2, hints=True, first_back=True),
+    _shape(4096, 16, exp2=True), _shape(8192, 32, exp2=True), _shape(8192, 32, first_back=True, exp2=True),
+    _shape(8192, 32, second_back=True, exp2=True), _shape(4096, 16, first_back=True, exp2=True),
+    _shape(16384, 32, lane=False, first_back=True, exp2=True),
+]
+
+
+def launch_spec(shape: dict) -> str:
+    return ",".join(f"{k}={'' if v is None else int(v)}" for k, v in shape.items())
+
+
+def parse_launch(spec: str) -> dict:
+    """A launch_spec() string back into DEFAULT_LAUNCH keys and values."""
+    from dflash_common.drafter import loss_triton
+
+    launch = {}
+    for kv in spec.split(","):
+        key, _, value = kv.partition("=")
+        if key not in loss_triton.DEFAULT_LAUNCH:
+            raise SystemExit(f"--row-kernel: {key!r} is no launch option; known: {sorted(loss_triton.DEFAULT_LAUNCH)}")
+        kind = type(loss_triton.DEFAULT_LAUNCH[key])
+        launch[key] = None if value == "" else bool(int(value)) if kind is bool else int(value)
+    return launch
+
+
+def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_size: int = 4096, reps: int = 20) -> None:
+    """The row kernel alone on one logits chunk [rows, vocab] (forward + gradient in place) per launch
+    shape: ms and GB/s counting its three passes over the chunk (read, read, write). Before each call
+    the chunk is made by the logits matmul into the same buffer, as in the loss, so the kernel finds
+    in L2 what it would find there; the matmul is outside the timing. Each shape's result is checked
+    against the first's. Liger-Kernel's row kernel, launched as its fused linear cross-entropy does,
+    is a row when importable. The last lines rank the three fastest of ours (for --row-kernel)."""
     from dflash_common.drafter.loss_triton import weighted_ce_rows
 
     g = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(rows, vocab, device=device, dtype=dtype, generator=g) * 4
+    h = torch.randn(rows, hidden_size, device=device, dtype=dtype, generator=g) * 4
+    w = torch.randn(vocab, hidden_size, device=device, dtype=dtype, generator=g) * hidden_size**-0.5
+    logits = torch.empty(rows, vocab, device=device, dtype=dtype)
     labels = torch.randint(0, vocab, (rows,), device=device, generator=g)
     weights = torch.ones(rows, device=device)
     moved = 3 * logits.numel() * logits.element_size()
-    print(f"| {'columns/step':>12} | {'warps':>5} | {'ms':>7} | {'GB/s':>7} |")
-    for block, warps in ((4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)):
+
+    def timed(run) -> list[float]:
         times = []
         for i in range(reps + 3):
+            torch.mm(h, w.T, out=logits)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            weighted_ce_rows(logits, labels, weights, True, block=block, num_warps=warps)
+            out = run()
             end.record()
             torch.cuda.synchronize()
             if i >= 3:
                 times.append(start.elapsed_time(end))
+        return times, out
+
+    def line(cells: list[str], times: list[float], note: str = "") -> float:
         ms = statistics.median(times)
-        print(f"| {block:>12} | {warps:>5} | {ms:>7.3f} | {moved / ms / 1e6:>7.0f} |", flush=True)
+        print("| " + " | ".join(cells) + f" | {ms:>7.3f} | {f'{min(times):.3f}-{max(times):.3f}':>13} "
+              f"| {moved / ms / 1e6:>7.0f} |" + note, flush=True)
+        return ms
+
+    print(f"| {'columns/step':>12} | {'warps':>5} | {'programs':>9} | {'state':>5} | {'L2 hints':>8} | {'pass 1':>8} "
+          f"| {'pass 2':>8} | {'exp':>4} | {'stages':>6} | {'ms':>7} | {'spread ms':>13} | {'GB/s':>7} |")
+    ranked, reference = [], None
+    for shape in SWEEP_SHAPES:
+        times, out = timed(lambda shape=shape: weighted_ce_rows(logits, labels, weights, True, **shape))
+        if reference is None:
+            reference = (out[0].clone(), out[1].clone(), logits.clone())
+        ok = (torch.allclose(out[0], reference[0], rtol=1e-5, atol=1e-4) and torch.equal(out[1], reference[1])
+              and torch.allclose(logits.float(), reference[2].float(), rtol=2e-2, atol=1e-6))
+        per_sm = shape["programs_per_sm"]
+        ms = line([f"{shape['block']:>12}", f"{shape['num_warps']:>5}", f"{f'{per_sm}/SM' if per_sm else '1/row':>9}",
+                   f"{'lane' if shape['lane_state'] else 'tile':>5}", f"{'yes' if shape['l2_hints'] else 'no':>8}",
+                   f"{'backward' if shape['reverse_first'] else 'forward':>8}",
+                   f"{'backward' if shape['reverse_second'] else 'forward':>8}", f"{'exp2' if shape['exp2'] else 'exp':>4}",
+                   f"{shape['num_stages'] or '-':>6}"],
+                  times, "" if ok else " MISMATCH")
+        if ok:
+            ranked.append((ms, launch_spec(shape)))
+    liger_rows = _liger_row_kernel(logits, labels)
+    if liger_rows is not None:
+        line([f"{'Liger: ' + liger_rows[0]:<94}"], timed(liger_rows[1])[0])
+    for place, (ms, spec) in enumerate(sorted(ranked)[:3], 1):
+        print(f"rank {place}: {spec} {ms:.3f} ms")
 
 
-def profile(size, device, dtype) -> None:
+def _liger_row_kernel(logits, labels):
+    """(description, call) of Liger-Kernel's cross-entropy row kernel as its fused linear cross-entropy
+    launches it on a chunk (gradient in place, sum reduction, no accuracy), or None when not installed."""
+    try:
+        from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
+    except ImportError:
+        return None
+    rows, vocab = logits.shape
+    block = min(32768, triton_next_power_of_2(vocab))
+    loss = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+
+    def call():
+        liger_cross_entropy_kernel[(rows,)](
+            X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=labels, Y_stride=labels.stride(-1), weight_ptr=None,
+            loss_ptr=loss, z_loss_ptr=None, loss_stride=loss.stride(-1), token_accuracy_ptr=None,
+            token_accuracy_stride=0, predicted_tokens_ptr=None, predicted_tokens_stride=0, n_cols=vocab,
+            n_non_ignore=rows, sum_non_ignore_weight=rows, weight_sum=0.0, ignore_index=-100,
+            lse_square_scale=0.0, label_smoothing=0.0, reduction="sum", softcap=None, RETURN_Z_LOSS=False,
+            RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False, HAS_WEIGHT=False,
+            HAS_SOFTCAPPING=False, HAS_GRADIENTS=True, BLOCK_SIZE=block, num_warps=32)
+        return loss
+    return f"{block} columns/step, 32 warps, 1/row, block reductions", call
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def profile(size, device, dtype, launches: list[dict]) -> None:
     from benchmarks.profiling import kernel_table
 
     n, h, v = size
-    for label, fn, block_weights in rows_for(device):
+    for label, fn, block_weights in rows_for(device, launches):
         if fn is None or label.startswith("plain"):
             continue
         inputs = make_inputs(n, h, v, device, dtype, block_weights)
@@ -168,6 +343,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the kernels of our loss and Liger's (CUDA)")
     parser.add_argument("--kernel-sweep", action="store_true",
                         help="time the row kernel alone per (columns per step, warps) on one chunk (CUDA)")
+    parser.add_argument("--row-kernel", metavar="SPEC", action="append", default=[],
+                        help="a launch shape of the row kernel, as a 'rank' line of --kernel-sweep prints it; "
+                             "repeat it for one pair of Triton rows per shape, side by side")
     parser.add_argument("--sizes", default="all", choices=["all", "first"], help="'first': only N=16384")
     parser.add_argument("--sweep", action="store_true",
                         help="time our Triton loss at several fixed chunk heights (rows) instead of the table")
@@ -176,32 +354,19 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sizes = QUICK_SIZES if args.quick else GOAL_SIZES[:1] if args.sizes == "first" else GOAL_SIZES
     reps = 3 if args.quick else args.reps
+    launches = [parse_launch(spec) for spec in args.row_kernel]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}")
-    print(f"| {'loss':<52} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'peak GiB':>9} |")
-    print(f"|{'-' * 54}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
+    print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}"
+          + ", repeats interleaved across the rows")
+    for k, spec in enumerate(args.row_kernel, 1):
+        print(f"# launch {k}: {spec}")
     if args.sweep:
         return sweep(sizes, device, dtype, reps)
     if args.profile and device.type == "cuda":
-        return profile(sizes[0], device, dtype)
+        return profile(sizes[0], device, dtype, launches)
     if args.kernel_sweep and device.type == "cuda":
         return kernel_sweep(device, dtype)
-    for n, h, v in sizes:
-        for label, fn, block_weights in rows_for(device):
-            size = f"{n}, {h}, {v}"
-            if fn is None:
-                print(f"| {label:<52} | {size:<20} | {'skipped: liger-kernel not installed':<39} |")
-                continue
-            inputs = make_inputs(n, h, v, device, dtype, block_weights)
-            try:
-                ms, peak, (lo, hi) = measure(fn, inputs, reps)
-                peak_text = "n/a" if peak is None else f"{peak:.2f}"
-                print(f"| {label:<52} | {size:<20} | {ms:>9.1f} | {f'{lo:.1f}-{hi:.1f}':>15} | {peak_text:>9} |")
-            except torch.OutOfMemoryError:
-                print(f"| {label:<52} | {size:<20} | {'OOM':>9} | {'':>15} | {'OOM':>9} |")
-            del inputs
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    table(sizes, device, dtype, reps, launches)
 
 
 if __name__ == "__main__":

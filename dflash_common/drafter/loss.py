@@ -128,7 +128,8 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
     m = kept.numel()
     dense = m == n  # no row dropped: slices instead of gathers
     correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-    grad = torch.zeros_like(hidden) if need_grad else None
+    # every row of grad is written when none is dropped; else dropped rows keep a zero gradient
+    grad = (torch.empty_like(hidden) if dense else torch.zeros_like(hidden)) if need_grad else None
     rows_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     # the torch path also holds a float32 copy of the chunk
     per_value = weight.element_size() + (4 if backend == "torch" else 0)
@@ -137,9 +138,12 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
         rows = slice(r0, min(r0 + step, m)) if dense else kept[r0:r0 + step]
         h = hidden[rows].to(weight.dtype)  # [c, H]
         logits = h @ weight.T  # [c, V]; becomes d loss / d logits in place
-        row_loss, row_correct = _weighted_ce(backend, logits, labels[rows].long(), weights[rows].float(), need_grad)
-        rows_loss[rows] = row_loss
-        correct[rows] = row_correct
+        if dense:  # results straight into their rows: no scatter kernels a chunk
+            _weighted_ce(backend, logits, labels[rows].long(), weights[rows].float(), need_grad,
+                         out=(rows_loss[rows], correct[rows]))
+        else:
+            rows_loss[rows], correct[rows] = _weighted_ce(backend, logits, labels[rows].long(),
+                                                          weights[rows].float(), need_grad)
         if need_grad and dense and grad.dtype == logits.dtype:
             torch.mm(logits, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
         elif need_grad:
@@ -148,12 +152,18 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
     return rows_loss, correct, grad
 
 
-def _weighted_ce(backend, logits, labels, weights, compute_grad):
+def _weighted_ce(backend, logits, labels, weights, compute_grad, out=None):
+    """(loss per row, correct per row); with out=(loss [C], correct [C]) they are written there."""
     if backend == "triton":
         from dflash_common.drafter.loss_triton import weighted_ce_rows
 
-        return weighted_ce_rows(logits, labels, weights, compute_grad)
-    return weighted_ce_rows_torch(logits, labels, weights, compute_grad)
+        loss_out, correct_out = out if out is not None else (None, None)
+        return weighted_ce_rows(logits, labels, weights, compute_grad, loss_out=loss_out, correct_out=correct_out)
+    loss, correct = weighted_ce_rows_torch(logits, labels, weights, compute_grad)
+    if out is not None:
+        out[0].copy_(loss)
+        out[1].copy_(correct)
+    return loss, correct
 
 
 def weighted_ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
