@@ -3,8 +3,9 @@
     PYTHONPATH=. python benchmarks/loss.py            # on a GPU: the two sizes of the goal, bf16
     PYTHONPATH=. python benchmarks/loss.py --quick    # CPU smoke run at tiny sizes
 
-Time is the median over repetitions (CUDA events on a GPU); peak memory is the largest allocation
-above what the inputs (hidden, lm_head, labels, weights) already hold, over one forward + backward.
+Time is the median over repetitions (CUDA events on a GPU), the rows' repetitions interleaved in a
+new random order each round; peak memory is the largest allocation above what the inputs (hidden,
+lm_head, labels, weights) already hold, over one forward + backward after two warm-ups.
 Rows: our loss with every row weighted, our loss with DFlash block weights (position 0 of every
 16-token block has weight 0 and is skipped), plain PyTorch (logits + F.cross_entropy) and, when
 importable, Liger-Kernel's LigerFusedLinearCrossEntropyLoss (which applies no per-token weights).
@@ -13,8 +14,8 @@ importable, Liger-Kernel's LigerFusedLinearCrossEntropyLoss (which applies no pe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
+import random
 import statistics
 import sys
 import time
@@ -48,25 +49,10 @@ def _block_weights(n, device) -> torch.Tensor:
     return torch.where(k == 0, 0.0, torch.exp(-(k - 1).clamp(min=0) / default_gamma(BLOCK)))
 
 
-def ours(backend, launch: dict | None = None):
+def ours(backend):
     def run(hidden, weight, labels, weights):
-        with launch_shape(launch):
-            return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend).loss
+        return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend).loss
     return run
-
-
-@contextlib.contextmanager
-def launch_shape(launch: dict | None):
-    """The row kernel's DEFAULT_LAUNCH updated by `launch` for the duration."""
-    from dflash_common.drafter import loss_triton
-
-    saved = dict(loss_triton.DEFAULT_LAUNCH)
-    loss_triton.DEFAULT_LAUNCH.update(launch or {})
-    try:
-        yield
-    finally:
-        loss_triton.DEFAULT_LAUNCH.clear()
-        loss_triton.DEFAULT_LAUNCH.update(saved)
 
 
 def plain_torch(hidden, weight, labels, weights):
@@ -118,31 +104,27 @@ def measure(fn, inputs, reps: int) -> tuple[float, float | None, tuple[float, fl
     return statistics.median(times), peak, (min(times), max(times))
 
 
-def rows_for(device, launches: list[dict]) -> list[tuple[str, object, bool]]:
-    """(label, fn or None when not importable, block weights?) per row; one pair of Triton rows per
-    launch shape named on the command line (or the default's)."""
-    triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    ours_rows = [("triton" + (f", launch {k}" if len(launches) > 1 else ""), "triton", launch)
-                 for k, launch in enumerate(launches or [None], 1)] if triton_ok else []
-    ours_rows.append(("torch", "torch", None))
-    rows = [(f"dflash fused [{name}], all rows weighted", ours(b, launch), False) for name, b, launch in ours_rows]
-    rows += [(f"dflash fused [{name}], block weights (1/16 skipped)", ours(b, launch), True)
-             for name, b, launch in ours_rows]
+def rows_for(device) -> list[tuple[str, object, bool]]:
+    """(label, fn or None when not importable, block weights?) per row."""
+    backends = ["triton", "torch"] if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
+    rows = [(f"dflash fused [{b}], all rows weighted", ours(b), False) for b in backends]
+    rows += [(f"dflash fused [{b}], block weights (1/16 skipped)", ours(b), True) for b in backends]
     rows.append(("plain PyTorch (logits + F.cross_entropy)", plain_torch, False))
     rows.append(("Liger fused linear CE (no token weights)", liger(), False))
     return rows
 
 
-def table(sizes, device, dtype, reps: int, launches: list[dict]) -> None:
+def table(sizes, device, dtype, reps: int) -> None:
     """Every row of one size on the same inputs, interleaved: two warm-up calls of each row, then
-    rep 1 of every row, rep 2 of every row, ... so drifting clocks reach every row alike."""
+    rep 1 of every row, rep 2 of every row, ..., each rep in a new (seeded) random order. A GPU at
+    its power limit runs a call faster after a lighter one, so no row may always follow the same."""
     print(f"| {'loss':<62} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'peak GiB':>9} |")
     print(f"|{'-' * 64}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
     for n, h, v in sizes:
         size = f"{n}, {h}, {v}"
         hidden, weight, labels, unit = make_inputs(n, h, v, device, dtype, False)
         block = _block_weights(n, device)
-        rows = rows_for(device, launches)
+        rows = rows_for(device)
         calls: dict[str, list[tuple[float, int | None]]] = {}
         for label, fn, block_weights in rows:
             if fn is None:
@@ -156,8 +138,9 @@ def table(sizes, device, dtype, reps: int, launches: list[dict]) -> None:
                 hidden.grad = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        order = random.Random(0)
         for _ in range(reps):
-            for label, fn, block_weights in rows:
+            for label, fn, block_weights in order.sample(rows, len(rows)):
                 if label in calls:
                     calls[label].append(time_call(fn, (hidden, weight, labels, block if block_weights else unit)))
         for label, fn, _ in rows:
@@ -190,43 +173,8 @@ def sweep(sizes, device, dtype, reps: int) -> None:
         del inputs
 
 
-# launch shapes of the row kernel (keys of loss_triton.DEFAULT_LAUNCH; the rest at their defaults)
-def _shape(block, warps, per_sm=None, lane=True, hints=False, first_back=False, second_back=False, exp2=False,
-           stages=None):
-    return dict(block=block, num_warps=warps, programs_per_sm=per_sm, lane_state=lane, l2_hints=hints,
-                reverse_first=first_back, reverse_second=second_back, exp2=exp2, num_stages=stages)
-
-
-SWEEP_SHAPES = [
-    _shape(4096, 16), _shape(8192, 32), _shape(8192, 32, second_back=True), _shape(4096, 16, first_back=True),
-    _shape(8192, 32, first_back=True), _shape(8192, 32, hints=True, first_back=True),
-    _shape(8192, 32, 1, first_back=True), _shape(8192, 32, 1, hints=True, first_back=True),
-    _shape(8192, 32, first_back=True, second_back=True), _shape(4096, 32, first_back=True),
-    _shape(8192, 16, first_back=True), _shape(16384, 32, first_back=True),
-    _shape(16384, 32, lane=False, first_back=True), _shape(32768, 32, lane=False, first_back=True),
-    _shape(2048, 8, 4, hints=True, first_back=True), _shape(4096, 16, 2, hints=True, first_back=True),
-    _shape(4096, 16, exp2=True), _shape(8192, 32, exp2=True), _shape(8192, 32, first_back=True, exp2=True),
-    _shape(8192, 32, second_back=True, exp2=True), _shape(4096, 16, first_back=True, exp2=True),
-    _shape(16384, 32, lane=False, first_back=True, exp2=True),
-]
-
-
-def launch_spec(shape: dict) -> str:
-    return ",".join(f"{k}={'' if v is None else int(v)}" for k, v in shape.items())
-
-
-def parse_launch(spec: str) -> dict:
-    """A launch_spec() string back into DEFAULT_LAUNCH keys and values."""
-    from dflash_common.drafter import loss_triton
-
-    launch = {}
-    for kv in spec.split(","):
-        key, _, value = kv.partition("=")
-        if key not in loss_triton.DEFAULT_LAUNCH:
-            raise SystemExit(f"--row-kernel: {key!r} is no launch option; known: {sorted(loss_triton.DEFAULT_LAUNCH)}")
-        kind = type(loss_triton.DEFAULT_LAUNCH[key])
-        launch[key] = None if value == "" else bool(int(value)) if kind is bool else int(value)
-    return launch
+# (columns per step, warps) of the row kernel; its default is loss_triton.MAX_BLOCK / NUM_WARPS
+SWEEP_SHAPES = [(4096, 16), (8192, 16), (8192, 32), (16384, 32), (4096, 32), (16384, 16)]
 
 
 def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_size: int = 4096, reps: int = 20) -> None:
@@ -235,8 +183,8 @@ def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_siz
     the chunk is made by the logits matmul into the same buffer, as in the loss, so the kernel finds
     in L2 what it would find there; the matmul is outside the timing. Each shape's result is checked
     against the first's. Liger-Kernel's row kernel, launched as its fused linear cross-entropy does,
-    is a row when importable. The last lines rank the three fastest of ours (for --row-kernel)."""
-    from dflash_common.drafter.loss_triton import weighted_ce_rows
+    is a row when importable."""
+    from dflash_common.drafter.loss_triton import MAX_BLOCK, NUM_WARPS, weighted_ce_rows
 
     g = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(rows, hidden_size, device=device, dtype=dtype, generator=g) * 4
@@ -246,7 +194,7 @@ def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_siz
     weights = torch.ones(rows, device=device)
     moved = 3 * logits.numel() * logits.element_size()
 
-    def timed(run) -> list[float]:
+    def timed(run) -> tuple[list[float], object]:
         times = []
         for i in range(reps + 3):
             torch.mm(h, w.T, out=logits)
@@ -259,46 +207,36 @@ def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_siz
                 times.append(start.elapsed_time(end))
         return times, out
 
-    def line(cells: list[str], times: list[float], note: str = "") -> float:
+    def line(label: str, times: list[float], note: str = "") -> None:
         ms = statistics.median(times)
-        print("| " + " | ".join(cells) + f" | {ms:>7.3f} | {f'{min(times):.3f}-{max(times):.3f}':>13} "
+        print(f"| {label:<52} | {ms:>7.3f} | {f'{min(times):.3f}-{max(times):.3f}':>13} "
               f"| {moved / ms / 1e6:>7.0f} |" + note, flush=True)
-        return ms
 
-    print(f"| {'columns/step':>12} | {'warps':>5} | {'programs':>9} | {'state':>5} | {'L2 hints':>8} | {'pass 1':>8} "
-          f"| {'pass 2':>8} | {'exp':>4} | {'stages':>6} | {'ms':>7} | {'spread ms':>13} | {'GB/s':>7} |")
-    ranked, reference = [], None
-    for shape in SWEEP_SHAPES:
-        times, out = timed(lambda shape=shape: weighted_ce_rows(logits, labels, weights, True, **shape))
+    print(f"| {'row kernel':<52} | {'ms':>7} | {'spread ms':>13} | {'GB/s':>7} |")
+    reference = None
+    for block, warps in SWEEP_SHAPES:
+        times, out = timed(lambda b=block, w=warps: weighted_ce_rows(logits, labels, weights, True, block=b, num_warps=w))
         if reference is None:
             reference = (out[0].clone(), out[1].clone(), logits.clone())
         ok = (torch.allclose(out[0], reference[0], rtol=1e-5, atol=1e-4) and torch.equal(out[1], reference[1])
               and torch.allclose(logits.float(), reference[2].float(), rtol=2e-2, atol=1e-6))
-        per_sm = shape["programs_per_sm"]
-        ms = line([f"{shape['block']:>12}", f"{shape['num_warps']:>5}", f"{f'{per_sm}/SM' if per_sm else '1/row':>9}",
-                   f"{'lane' if shape['lane_state'] else 'tile':>5}", f"{'yes' if shape['l2_hints'] else 'no':>8}",
-                   f"{'backward' if shape['reverse_first'] else 'forward':>8}",
-                   f"{'backward' if shape['reverse_second'] else 'forward':>8}", f"{'exp2' if shape['exp2'] else 'exp':>4}",
-                   f"{shape['num_stages'] or '-':>6}"],
-                  times, "" if ok else " MISMATCH")
-        if ok:
-            ranked.append((ms, launch_spec(shape)))
+        default = " (default)" if (block, warps) == (MAX_BLOCK, NUM_WARPS) else ""
+        line(f"ours: {block} columns/step, {warps} warps{default}", times, "" if ok else " MISMATCH")
     liger_rows = _liger_row_kernel(logits, labels)
     if liger_rows is not None:
-        line([f"{'Liger: ' + liger_rows[0]:<94}"], timed(liger_rows[1])[0])
-    for place, (ms, spec) in enumerate(sorted(ranked)[:3], 1):
-        print(f"rank {place}: {spec} {ms:.3f} ms")
+        line(f"Liger: {liger_rows[0]}", timed(liger_rows[1])[0])
 
 
 def _liger_row_kernel(logits, labels):
     """(description, call) of Liger-Kernel's cross-entropy row kernel as its fused linear cross-entropy
     launches it on a chunk (gradient in place, sum reduction, no accuracy), or None when not installed."""
     try:
+        import triton
         from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
     except ImportError:
         return None
     rows, vocab = logits.shape
-    block = min(32768, triton_next_power_of_2(vocab))
+    block = min(32768, triton.next_power_of_2(vocab))
     loss = torch.zeros(rows, dtype=torch.float32, device=logits.device)
 
     def call():
@@ -311,18 +249,14 @@ def _liger_row_kernel(logits, labels):
             RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False, HAS_WEIGHT=False,
             HAS_SOFTCAPPING=False, HAS_GRADIENTS=True, BLOCK_SIZE=block, num_warps=32)
         return loss
-    return f"{block} columns/step, 32 warps, 1/row, block reductions", call
+    return f"{block} columns/step, 32 warps", call
 
 
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def profile(size, device, dtype, launches: list[dict]) -> None:
+def profile(size, device, dtype) -> None:
     from benchmarks.profiling import kernel_table
 
     n, h, v = size
-    for label, fn, block_weights in rows_for(device, launches):
+    for label, fn, block_weights in rows_for(device):
         if fn is None or label.startswith("plain"):
             continue
         inputs = make_inputs(n, h, v, device, dtype, block_weights)
@@ -342,10 +276,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="print the kernels of our loss and Liger's (CUDA)")
     parser.add_argument("--kernel-sweep", action="store_true",
-                        help="time the row kernel alone per (columns per step, warps) on one chunk (CUDA)")
-    parser.add_argument("--row-kernel", metavar="SPEC", action="append", default=[],
-                        help="a launch shape of the row kernel, as a 'rank' line of --kernel-sweep prints it; "
-                             "repeat it for one pair of Triton rows per shape, side by side")
+                        help="time the row kernel alone per (columns per step, warps) on one chunk, beside Liger's (CUDA)")
     parser.add_argument("--sizes", default="all", choices=["all", "first"], help="'first': only N=16384")
     parser.add_argument("--sweep", action="store_true",
                         help="time our Triton loss at several fixed chunk heights (rows) instead of the table")
@@ -354,19 +285,16 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sizes = QUICK_SIZES if args.quick else GOAL_SIZES[:1] if args.sizes == "first" else GOAL_SIZES
     reps = 3 if args.quick else args.reps
-    launches = [parse_launch(spec) for spec in args.row_kernel]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}"
           + ", repeats interleaved across the rows")
-    for k, spec in enumerate(args.row_kernel, 1):
-        print(f"# launch {k}: {spec}")
     if args.sweep:
         return sweep(sizes, device, dtype, reps)
     if args.profile and device.type == "cuda":
-        return profile(sizes[0], device, dtype, launches)
+        return profile(sizes[0], device, dtype)
     if args.kernel_sweep and device.type == "cuda":
         return kernel_sweep(device, dtype)
-    table(sizes, device, dtype, reps, launches)
+    table(sizes, device, dtype, reps)
 
 
 if __name__ == "__main__":

@@ -143,4 +143,5 @@ def test_rows_reweighted_after_the_forward_give_the_gradient_of_the_reweighted_o
     got_grad, hidden.grad = hidden.grad, None
     ref = F.cross_entropy(hidden.float() @ weight.float().T, labels, reduction="none", ignore_index=IGNORE_INDEX)
     (w * unit * ref).sum().backward()
-    torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-5, atol=1e-5)
+    # atol as in the tests above: the kernel's e**x is 2**(x log2 e), a float32 rounding away
+    torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-5, atol=1e-4)
