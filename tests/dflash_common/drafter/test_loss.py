@@ -125,7 +125,11 @@ def test_triton_on_the_gpu_matches_the_torch_backend_in_bf16():
         losses.append(out.loss)
         hidden.grad = None
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-2)
-    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+    # the kernel's 2**(x log2 e) and torch's exp may round a bf16 d_logits value one step apart
+    # (2**-8 near 1), and |lm_head| reaches ~4 here: a few elements differ by up to 1.6e-2. A wrong
+    # weight or softmax moves every row, which the mean difference catches.
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=1.6e-2)
+    assert (grads[0] - grads[1]).abs().mean() < 1e-4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
