@@ -6,7 +6,7 @@
 Rows: the hard fused loss (loss.py; 4NVH), then each soft kind (soft_loss.py; the target's logits
 are one more matmul per chunk: 6NVH): 'ce' with greedy labels (what prompt anchors cost with
 targets.soft=none), 'kl', 'tv', 'dspark'. Every row carries DFlash block weights (1 in 16 skipped).
-Time is the median over repetitions (CUDA events on a GPU); peak memory (GPU only) is the largest
+Time is the median over repetitions (CUDA events on a GPU), with their spread; peak memory (GPU only) is the largest
 allocation above the inputs over one forward + backward: it must stay near the hard loss's (no
 [N, V] tensor), since both chunk by the same byte budget.
 """
@@ -49,8 +49,8 @@ def main() -> None:
     sizes, reps = (QUICK_SIZES, 3) if args.quick else (GOAL_SIZES, args.reps)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, {backend}, median of {reps}")
-    print(f"| {'loss':<28} | {'N, H, V':<20} | {'ms':>9} | {'x hard':>7} | {'peak GiB':>9} |")
-    print(f"|{'-' * 30}|{'-' * 22}|{'-' * 11}|{'-' * 9}|{'-' * 11}|")
+    print(f"| {'loss':<28} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'x hard':>7} | {'peak GiB':>9} |")
+    print(f"|{'-' * 30}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 9}|{'-' * 11}|")
     rows = [("hard CE (fused_lm_head_loss)", hard(backend))]
     rows += [(f"soft {kind}", soft(kind, backend)) for kind in ("ce", "kl", "tv", "dspark")]
     for n, h, v in sizes:
@@ -60,13 +60,14 @@ def main() -> None:
         base = None
         for label, fn in rows:
             try:
-                ms, peak = measure(fn, (hidden, weight, labels, weights, teacher, index), reps)
+                ms, peak, (lo, hi) = measure(fn, (hidden, weight, labels, weights, teacher, index), reps)
             except torch.OutOfMemoryError:
-                print(f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {'OOM':>9} | {'':>7} | {'OOM':>9} |")
+                print(f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {'OOM':>9} | {'':>15} | {'':>7} | {'OOM':>9} |")
                 continue
             base = base or ms
             peak_text = "n/a" if peak is None else f"{peak:.2f}"
-            print(f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {ms / base:>7.2f} | {peak_text:>9} |")
+            print(f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {f'{lo:.1f}-{hi:.1f}':>15} "
+                  f"| {ms / base:>7.2f} | {peak_text:>9} |")
         del hidden, weight, teacher
         if device.type == "cuda":
             torch.cuda.empty_cache()
