@@ -44,7 +44,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -91,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="bf16,fp8_e4m3")
     p.add_argument("--compile", default="off,on",
                    help="(b) rows with target.compile off and/or on (its compilation is part of the target load)")
+    p.add_argument("--copy-order", default="next",
+                   help="(b) rows whose batches are copied to the host after the next forward is launched "
+                        "('next', the pipeline's order) and/or as soon as encoded ('now', the order before)")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     p.add_argument("--keep", action="store_true", help="keep the target directory")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of (a) and each (b) row")
@@ -98,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="after the timed repeats, one more (a) and (b) of each row under torch.profiler: where "
                         "the time goes, side by side (GPU busy and idle, copies, syncs, the GIL, kernel times)")
     args = p.parse_args(argv)
+    for flag, value, allowed in (("--compile", args.compile, {"off", "on"}),
+                                 ("--copy-order", args.copy_order, {"next", "now"})):
+        if not value or not set(value.split(",")) <= allowed:
+            p.error(f"{flag} {value!r}: give a comma-separated list of {' and '.join(sorted(allowed))}")
     args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     args.shape = dict(QWEN3_8B)
     if args.quick:
@@ -246,8 +253,22 @@ def profiled_forward_loop(profiles: list) -> Iterator[None]:
         job.run_windows = plain
 
 
-def precompute_row(path: Path, inputs: Path, store: Path, dtype: str, compiled: bool, args) -> dict:
+class Variant(NamedTuple):
+    """One (b) row: the store's dtype, target.compile, and when a batch's copy to the host is queued."""
+
+    dtype: str
+    compiled: bool
+    copy_next: bool = True
+
+    @property
+    def label(self) -> str:
+        return (f"{self.dtype}{', compiled' if self.compiled else ''}"
+                + ("" if self.copy_next else ", copy queued at once"))
+
+
+def precompute_row(path: Path, inputs: Path, store: Path, variant: Variant, args) -> dict:
     """(b): run the precompute job into `store`; its summary holds the timings."""
+    dtype, compiled = variant.dtype, variant.compiled
     overrides = [f"--target.path={path}", f"--data.inputs={json.dumps([str(inputs)])}", f"--store.path={store}",
                  f"--store.dtype={dtype}", f"--data.max_length={args.max_len}", "--data.block_size=16",
                  f"--batching.token_budget={args.token_budget}", "--batching.sort_window_units=1",
@@ -255,9 +276,14 @@ def precompute_row(path: Path, inputs: Path, store: Path, dtype: str, compiled: 
                  f"--run.queue_depth={args.queue_depth}", f"--run.device={args.device}", "--target.dtype=bf16",
                  f"--target.compile={'true' if compiled else 'false'}"]
     from precompute.job import run
+    from precompute.pipeline import Pipeline
 
-    say(f"(b) dflash-precompute, {dtype} states{', compiled target' if compiled else ''} -> {store}")
-    run(load_config(PrecomputeConfig, None, overrides))
+    say(f"(b) dflash-precompute, {variant.label} -> {store}")
+    Pipeline.copy_after_next_forward = variant.copy_next
+    try:
+        run(load_config(PrecomputeConfig, None, overrides))
+    finally:
+        Pipeline.copy_after_next_forward = True
     summary = Store.open(store).summary
     shutil.rmtree(store)
     shutil.rmtree(f"{store}.tokens", ignore_errors=True)
@@ -329,33 +355,34 @@ def run_all(args, root: Path) -> None:
     full = flops(shape, shape["num_hidden_layers"], True, lengths)
     early = flops(shape, max(layer_ids) + 1, False, lengths)
     batches = batches_like_precompute(seqs, args.samples_per_unit, args.token_budget)
-    variants = [(d, c == "on") for d in args.dtypes.split(",") for c in args.compile.split(",")]
+    variants = [Variant(d, c == "on", o == "next") for d in args.dtypes.split(",") for c in args.compile.split(",")
+                for o in args.copy_order.split(",")]
     a_seconds: list[float] = []
-    b_runs: dict[tuple[str, bool], list[dict]] = {v: [] for v in variants}
+    b_runs: dict[Variant, list[dict]] = {v: [] for v in variants}
     for rep in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every row
         say(f"repeat {rep + 1} of {args.repeats}")
         settle_disk()
         a_seconds.append(hf_forward(target, batches, layer_ids, args.device))
-        for dtype, compiled in variants:
+        for variant in variants:
             settle_disk()
-            run = precompute_row(target, root / "inputs.jsonl", root / f"store-{dtype}", dtype, compiled, args)
+            run = precompute_row(target, root / "inputs.jsonl", root / f"store-{variant.dtype}", variant, args)
             s = run["seconds"]
-            say(f"(b) {dtype}{' compiled' if compiled else ''}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
+            say(f"(b) {variant.label}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
                 f"{run['bytes_written'] / 1e9:.2f} GB written, the forward waited {run['disk_wait_s_max_rank']:.2f} s "
                 f"for the disk, the GPU stood idle {run.get('gpu_idle_s_max_rank', 0.0):.2f} s between batches "
                 f"(computed {run.get('gpu_busy_s', 0.0):.2f} s of {s['forward_write']:.2f}), "
                 f"{run['max_units_in_memory']} units in host memory at most")
-            b_runs[(dtype, compiled)].append(run)
+            b_runs[variant].append(run)
     tokens = sum(lengths)
     rows = [("(a) HF forward, output_hidden_states, states on GPU", tokens, a_seconds,
              [full / x / peak for x in a_seconds], [1.0] * len(a_seconds))]
-    for (dtype, compiled), runs in b_runs.items():
+    for variant, runs in b_runs.items():
         secs = [r["seconds"]["forward_write"] for r in runs]
         forwarded = runs[0]["tokens_forwarded"]
-        name = f"(b) dflash-precompute -> store, {dtype}{', compiled' if compiled else ''}"
+        name = f"(b) dflash-precompute -> store, {variant.label}"
         rows.append((name, forwarded, secs, [early / x / peak for x in secs],
                      [(forwarded / x) / (tokens / a) for x, a in zip(secs, a_seconds)]))
-        disk.append((f"store write during (b), {dtype}{', compiled' if compiled else ''} (median)", statistics.median(
+        disk.append((f"store write during (b), {variant.label} (median)", statistics.median(
             r["bytes_written"] / 1e9 / r["seconds"]["forward_write"] for r in runs)))
     report(rows, disk, args)
     if args.profile:
@@ -371,11 +398,11 @@ def profile_rows(target: Path, batches, layer_ids: list[int], variants, root: Pa
     profiles: list = []
     hf_forward(target, batches, layer_ids, args.device, profiles)
     named.append(("(a)", profiles[-1]))
-    for dtype, compiled in variants:
+    for variant in variants:
         settle_disk()
         with profiled_forward_loop(profiles):
-            precompute_row(target, root / "inputs.jsonl", root / f"store-{dtype}", dtype, compiled, args)
-        named.append((f"(b) {dtype}{' compiled' if compiled else ''}", profiles[-1]))
+            precompute_row(target, root / "inputs.jsonl", root / f"store-{variant.dtype}", variant, args)
+        named.append((f"(b) {variant.label}", profiles[-1]))
     print("\nprofile: one more run of each row under torch.profiler ((b): its forward loop, without the last "
           "shard's write after it)")
     compare_timelines(named)

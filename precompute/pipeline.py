@@ -2,8 +2,9 @@
 waits for the disk.
 
     main thread       forward(batch) -> gather the real tokens and encode them on the GPU (bf16 bit
-                      patterns, or fp8 e4m3 + a scale per token: half the bytes to copy) -> copy into
-                      a staging buffer on the copy stream, record an event -> next batch
+                      patterns, or fp8 e4m3 + a scale per token: half the bytes to copy) -> next
+                      batch's forward -> copy the batch before into a staging buffer on the copy
+                      stream, record an event
     collector thread  waits for the event, copies each sequence's rows into its unit's host buffers
                       (sequences in input order, whatever the batching order), gives the staging
                       buffer back; a unit whose last sequence arrived goes to the write queue
@@ -15,9 +16,18 @@ Back-pressure instead of unbounded RAM: the main thread takes a free staging buf
 tokens: torch's pinned allocator would round every request up to a power of two), the collector
 blocks when `run.queue_depth` finished units wait for the `run.writer_threads` writers, and so the
 GPU waits only when the disk cannot keep up (`PipelineStats.wait_s` measures it). Host memory per
-rank, counted in work units' states: at most (STAGING_BUFFERS + 1) windows (the one being computed,
-and those whose last batches are still in staging buffers) + queue_depth + writer_threads, plus
-the staging buffers themselves (`PipelineStats.max_units_in_memory` reports the peak).
+rank, counted in work units' states: at most (STAGING_BUFFERS + 2) windows (the one being computed,
+the one whose last batch waits for its copy, and those whose last batches are still in staging
+buffers) + queue_depth + writer_threads, plus the staging buffers themselves
+(`PipelineStats.max_units_in_memory` reports the peak).
+
+A batch's copy to the host is queued only after the next batch's forward has been launched. The
+model reads a flag back from the GPU at the start of every forward (transformers' packed-sequence
+check, one small device-to-host copy and a sync). Queued behind a batch's states (~0.6 GB in bf16,
+~11 ms on an H200; most likely both copies share a copy engine), that small copy waited for them
+while the GPU had nothing else queued: one gap as long as the copy, every batch. Queued after the
+launch, the states travel while the next forward computes (measured on an H200, docs/benchmarks.md
+"Precompute": gaps of >= 1 ms in the GPU's work 25 (288 ms) -> 3 (4 ms) a run, GPU busy 96% -> 99%).
 
 On a CPU the same code runs without streams or events: the copies are plain copies.
 
@@ -83,7 +93,8 @@ class PipelineStats:
     units_published_elsewhere: int = 0  # computed, but another job published the same unit first
     bytes_written: int = 0  # on disk, published shards of this run
     setup_s: float = 0.0  # allocating (and pinning) the staging buffers, starting the threads
-    wait_s: float = 0.0  # main thread blocked on a free staging buffer: the GPU waited for the disk
+    wait_s: float = 0.0  # main thread blocked on a free staging buffer: the disk was behind (the GPU waits
+    # once such a wait outlasts the batch launched before it)
     gpu_busy_s: float = 0.0  # GPU time from each batch's forward to its states encoded (CUDA events; 0 on a CPU)
     gpu_idle_s: float = 0.0  # GPU time between batches: the GPU waited for the host (launches, syncs, Python)
     # or, when wait_s is not 0, for the disk
@@ -155,6 +166,17 @@ def window_batches(units: Sequence[TokenizedUnit], token_budget: int) -> list[li
     return [[seqs[i] for i in batch] for batch in plan_batches(lengths, token_budget)]
 
 
+@dataclasses.dataclass
+class _Encoded:
+    """A submitted batch whose copy to the host is not queued yet: its kept tokens' encoded states on
+    the GPU, where they land in the staging buffer, and an event recorded once they are encoded."""
+
+    states: list[EncodedStates]
+    pieces: list[_Piece]
+    tokens: int
+    ready: torch.cuda.Event | None
+
+
 class Pipeline:
     """Staging buffers, the collector thread, the write queue and the writer threads of one rank.
 
@@ -163,6 +185,10 @@ class Pipeline:
             pipe.submit(states, pieces)              # after each forward
         stats = pipe.stats                           # after the with block: all shards written
     """
+
+    # False: each batch's copy is queued as soon as it is encoded, before the next forward (the
+    # order before 2026-12-04, kept for `benchmarks/precompute.py --copy-order`, which times both)
+    copy_after_next_forward = True
 
     def __init__(self, writer: StoreWriter, layer_ids: list[int], device: torch.device, staging: list[_Staging],
                  writer_threads: int, queue_depth: int):
@@ -184,6 +210,7 @@ class Pipeline:
         self._lock = threading.Lock()
         self._in_memory = 0
         self._threads: list[threading.Thread] = []  # the collector, then the writers
+        self._pending: _Encoded | None = None  # the last batch submitted, its copy not yet queued
 
     @classmethod
     def start(cls, writer: StoreWriter, *, device: torch.device, capacity_tokens: int, writer_threads: int,
@@ -226,11 +253,13 @@ class Pipeline:
 
     def submit(self, states: dict[int, torch.Tensor], pieces: list[_Piece],
                on_encoded: Callable[[], None] = lambda: None) -> None:
-        """Hand over one batch: states {layer id (and FINAL): [B, S, H]} and the sequences to keep. Returns once
-        the copies are queued (on a GPU, before they finish); blocks only when no staging buffer is
-        free, i.e. when the collector or the disk is behind. `on_encoded` is called once the batch's
-        GPU work is queued, before any such wait (the GPU clock's end of the batch)."""
+        """Hand over one batch: states {layer id (and FINAL): [B, S, H]} and the sequences to keep,
+        right after its forward was launched. Queues the copy of the batch before (see the module
+        docstring), then encodes this one; its copy waits for the next submit or close. Blocks only
+        when no staging buffer is free, i.e. when the collector or the disk is behind. `on_encoded`
+        is called once the batch's GPU work is queued (the GPU clock's end of the batch)."""
         self.raise_if_failed()
+        self._flush()
         if not pieces:
             on_encoded()
             return
@@ -240,16 +269,24 @@ class Pipeline:
             at += p.length
         if at > self.capacity:  # the config keeps token_budget >= max_length, so never
             raise ValueError(f"a batch keeps {at} tokens, more than the staging buffers' {self.capacity}")
-        encoded = self._encode(states, placed)
+        self._pending = _Encoded(self._encode(states, placed), placed, at, _recorded(self.device))
         on_encoded()
+        if not self.copy_after_next_forward:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Queue the pending batch's copy into a free staging buffer and hand it to the collector."""
+        batch, self._pending = self._pending, None
+        if batch is None:
+            return
         started = time.perf_counter()
         staging = self._get(self.free)
         self.stats.wait_s += time.perf_counter() - started
         if staging is None:
             self.raise_if_failed()
             raise RuntimeError("the pipeline was stopped")
-        self._copy_out(encoded, staging, at)
-        self.collect_q.put((staging, placed))
+        self._copy_out(batch, staging)
+        self.collect_q.put((staging, batch.pieces))
 
     def _encode(self, states: dict[int, torch.Tensor], pieces: list[_Piece]) -> list[EncodedStates]:
         """The kept tokens of every layer, gathered and encoded on the compute stream."""
@@ -260,16 +297,17 @@ class Pipeline:
         return [encode_states(states[i].reshape(-1, self.hidden).index_select(0, index), self.dtype)  # [T, H]
                 for i in self.layer_ids]
 
-    def _copy_out(self, encoded: list[EncodedStates], staging: _Staging, tokens: int) -> None:
-        """Copy the encoded states into `staging` (on a GPU: on the copy stream, then its event)."""
+    def _copy_out(self, batch: _Encoded, staging: _Staging) -> None:
+        """Copy a batch's encoded states into `staging` (on a GPU: on the copy stream, once they are
+        encoded, then the staging buffer's event)."""
         if self.copy_stream is None:
-            self._copy_all(encoded, staging, tokens)
+            self._copy_all(batch.states, staging, batch.tokens)
             return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.copy_stream.wait_event(batch.ready)  # not wait_stream: the next forward is queued since
         with torch.cuda.stream(self.copy_stream):
-            self._copy_all(encoded, staging, tokens)
+            self._copy_all(batch.states, staging, batch.tokens)
             staging.event.record(self.copy_stream)
-        for enc in encoded:  # allocated on the compute stream, read by the copy stream
+        for enc in batch.states:  # allocated on the compute stream, read by the copy stream
             enc.data.record_stream(self.copy_stream)
             if enc.scale is not None:
                 enc.scale.record_stream(self.copy_stream)
@@ -286,8 +324,16 @@ class Pipeline:
             raise self.error
 
     def close(self, abort: bool = False) -> None:
-        """Normally: wait until every queued unit is written. `abort`: stop at once (units not yet
-        published are simply computed again by the next run). Re-raises a thread's error."""
+        """Normally: copy the last batch out and wait until every queued unit is written. `abort`:
+        stop at once (units not yet published are simply computed again by the next run).
+        Re-raises a thread's error."""
+        failure = None
+        if not abort:
+            try:
+                self._flush()
+            except BaseException as e:  # noqa: BLE001 - raised once the threads are stopped
+                failure, abort = e, True
+        self._pending = None
         if abort:
             self._stop.set()
         self.collect_q.put(None)
@@ -300,6 +346,9 @@ class Pipeline:
             self.copy_stream.synchronize()  # no copy may still land in a buffer about to be unpinned
         for s in self.staging:
             _release_staging(s)
+        if failure is not None:
+            self.raise_if_failed()  # a thread's error explains the failed copy best
+            raise failure
         if not abort:
             self.raise_if_failed()
 
@@ -430,6 +479,15 @@ def _allocate_staging(layers: int, hidden: int, dtype: str, capacity: int, pin: 
             raise RuntimeError(f"pinning a {total}-byte staging buffer failed (cudaError {err})")
         staging.pinned = True
     return staging
+
+
+def _recorded(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded now on the current (compute) stream; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _event(device: torch.device) -> torch.cuda.Event | None:

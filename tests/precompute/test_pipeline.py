@@ -1,6 +1,6 @@
 """The forward pipeline on the tiny target, in one process: what lands in the store against the full
 model's own hidden states, sequences in input order, fp8, NaN/Inf stopping the run, units with no
-sequence, and the back-pressure that bounds host memory."""
+sequence, the order of forwards and copies, and the back-pressure that bounds host memory."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from dflash_common.store.quant import FP8_ABS_ERROR, FP8_REL_ERROR
 from dflash_common.store.verify import verify_store
 from precompute import job
 from precompute.inputs import resolve_inputs
-from precompute.pipeline import STAGING_BUFFERS, window_batches
+from precompute.pipeline import STAGING_BUFFERS, Pipeline, window_batches
+from precompute.target import CapturedTarget
 from precompute.plan import TokenCache
 
 from precompute_helpers import chat, make_config, write_jsonl
@@ -194,6 +195,39 @@ def test_a_slow_disk_holds_the_forward_back_instead_of_filling_memory(tiny_targe
     job.run(cfg)
     run = Store.open(tmp_path / "store").summary["runs"][0]
     assert run["units_written"] == 12
-    # window being computed + those still in the staging buffers + the queue + the writer
-    assert run["max_units_in_memory"] <= (STAGING_BUFFERS + 1) * 1 + 1 + 1
+    # window being computed + the one whose copy waits + those in the staging buffers + the queue + the writer
+    assert run["max_units_in_memory"] <= (STAGING_BUFFERS + 2) * 1 + 1 + 1
     assert run["disk_wait_s_max_rank"] > 0.1  # the forward waited for the disk
+
+
+@pytest.mark.parametrize("after_next_forward", [True, False])
+def test_a_batchs_copy_is_queued_after_the_next_forward_is_launched(tiny_target, tmp_path, monkeypatch,
+                                                                    after_next_forward):
+    """The model syncs at the start of every forward; a copy queued before it made it wait (module
+    docstring). Each copy goes out after the next batch's forward, the last one at close; the
+    other order is kept for the benchmark. Either way the store holds every unit."""
+    events: list[str] = []
+    real_forward, real_copy = CapturedTarget.forward, Pipeline._copy_all
+
+    def forward(self, input_ids):
+        events.append("forward")
+        return real_forward(self, input_ids)
+
+    def copy_all(encoded, staging, tokens):
+        events.append("copy")
+        return real_copy(encoded, staging, tokens)
+
+    monkeypatch.setattr(CapturedTarget, "forward", forward)
+    monkeypatch.setattr(Pipeline, "_copy_all", staticmethod(copy_all))
+    monkeypatch.setattr(Pipeline, "copy_after_next_forward", after_next_forward)
+    inputs = [write_jsonl(tmp_path / "a.jsonl", [chat(i, answer_len=40) for i in range(8)])]
+    cfg = make_config(tiny_target, inputs, tmp_path / "store", "run.samples_per_unit=2",
+                      "batching.sort_window_units=2", "batching.token_budget=256", "run.progress=false")
+    job.run(cfg)
+    batches = events.count("forward")
+    assert batches >= 4 and events.count("copy") == batches
+    if after_next_forward:
+        assert events == ["forward"] + ["forward", "copy"] * (batches - 1) + ["copy"]
+    else:
+        assert events == ["forward", "copy"] * batches
+    assert len(Store.open(tmp_path / "store").shards) == 4
