@@ -28,6 +28,8 @@ check, one small device-to-host copy and a sync). Queued behind a batch's states
 while the GPU had nothing else queued: one gap as long as the copy, every batch. Queued after the
 launch, the states travel while the next forward computes (measured on an H200, docs/benchmarks.md
 "Precompute": gaps of >= 1 ms in the GPU's work 25 (288 ms) -> 3 (4 ms) a run, GPU busy 96% -> 99%).
+The cost is GPU memory: a batch's encoded states (~0.6 GB in bf16 at a 16K-token budget) now stay on
+the GPU until their copy ends, early in the next forward, instead of being freed before it starts.
 
 On a CPU the same code runs without streams or events: the copies are plain copies.
 
