@@ -26,7 +26,6 @@ the median over every step). The difference is the host's work that back-to-back
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.timing import Spread, wall_times  # noqa: E402
 from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
 from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
 from dflash_common.drafter.model import BlockLayout, DFlashDrafter, DrafterConfig  # noqa: E402
@@ -100,11 +100,6 @@ def train_step(drafter, optimizer, batch, autocast_dtype):
     optimizer.zero_grad(set_to_none=True)
 
 
-def timed_steps(fn, steps: int, warmup: int, cuda: bool) -> float:
-    """Median seconds per call after `warmup` calls."""
-    return statistics.median(step_times(fn, steps, warmup, cuda))
-
-
 def round_time(fn, steps: int, cuda: bool) -> float:
     """Seconds per call of `steps` calls run back to back, as the trainer runs its steps: one sync
     before and one after, so the host prepares a step while the GPU still runs the one before."""
@@ -116,22 +111,6 @@ def round_time(fn, steps: int, cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / steps
-
-
-def step_times(fn, steps: int, warmup: int, cuda: bool) -> list[float]:
-    """Seconds of each call after `warmup` calls, each call synchronised alone (the GPU starts idle
-    and waits for the host's first launches)."""
-    times = []
-    for s in range(warmup + steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        if s >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times
 
 
 def build(cfg: DrafterConfig, device, cuda: bool, compiled: bool):
@@ -175,7 +154,7 @@ def main() -> None:
         def step(drafter=drafter, optimizer=optimizer):
             train_step(drafter, optimizer, batch, torch.bfloat16 if cuda else None)
 
-        step_times(step, 0, args.warmup if not args.quick else 1, cuda)  # warm-up (compilation)
+        wall_times(step, 0, args.warmup if not args.quick else 1, cuda)  # warm-up (compilation)
         variants[name] = (step, drafter)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -185,7 +164,7 @@ def main() -> None:
     for _ in range(repeats):  # interleaved: a slow spell of the shared machine hits every variant
         for name, (step, _) in variants.items():
             times.setdefault(name, []).append(round_time(step, steps, cuda))
-            times.setdefault(f"{name}, synced", []).extend(step_times(step, steps, 0, cuda))
+            times.setdefault(f"{name}, synced", []).extend(wall_times(step, steps, 0, cuda))  # each step synced alone
     flops = step_flops(cfg, batch[2], batch[3], total, n_loss)
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"# drafter training step on {gpu}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
@@ -197,10 +176,10 @@ def main() -> None:
           f"{'MFU':>6} |")
     print(f"|{'-' * 20}|{'-' * 11}|{'-' * 15}|{'-' * 12}|{'-' * 10}|{'-' * 8}|")
     for name in sorted(times, key=lambda n: (n.endswith("synced"), list(variants).index(n.split(",")[0]))):
-        xs = times[name]
-        sec = statistics.median(xs)
+        ms = Spread.of(times[name]).scaled(1e3)
+        sec = ms.median / 1e3
         mfu = f"{flops / sec / (args.peak_tflops * 1e12):.1%}" if cuda else "n/a"
-        print(f"| {name:<18} | {sec * 1e3:>9.1f} | {f'{min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f}':>13} | "
+        print(f"| {name:<18} | {ms.median:>9.1f} | {f'{ms.low:.1f}-{ms.high:.1f}':>13} | "
               f"{total / sec:>10,.0f} | {flops / sec / 1e12:>8.1f} | {mfu:>6} |")
     params = sum(p.numel() for p in next(iter(variants.values()))[1].parameters())
     print(f"parameters {params / 1e6:.1f} M; peak memory "

@@ -8,7 +8,8 @@ per variant of `--objective.*` / `--regularise.*` overrides, against today's rec
 
 Random weights and random context features; each sequence is a 10% prompt and a 90% response, so the
 anchor rules differ only at the end of each response (as in real data). Prints a table: variant,
-median step time, context tok/s, and the ratio to the recipe (1.00 = free).
+median step time with its spread (lowest-highest step), context tok/s, and the ratio of the medians to
+the recipe's (1.00 = free).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.drafter_step import qwen3_8b_drafter, timed_steps, tiny_drafter  # noqa: E402
+from benchmarks.drafter_step import qwen3_8b_drafter, tiny_drafter  # noqa: E402
+from benchmarks.timing import Spread, wall_times  # noqa: E402
 from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.drafter.objective import sample_anchors  # noqa: E402
@@ -51,8 +53,8 @@ def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, de
                        cu.to(device, torch.int32), anchors.to(device), total, 0, 0, {}, 0.0)
 
 
-def time_variant(variant: str, dcfg, args, device) -> float:
-    """Median seconds of one optimiser step under `variant`'s overrides."""
+def time_variant(variant: str, dcfg, args, device) -> Spread:
+    """Seconds of one optimiser step under `variant`'s overrides: median and spread of the steps."""
     cuda = device.type == "cuda"
     # the paper's recipe stated (dflash-train's default weights are D-PACE): each variant's overrides come after
     overrides = [f"--precision.autocast={'bf16' if cuda else 'none'}", "--optim.grad_accum=1",
@@ -73,7 +75,7 @@ def time_variant(variant: str, dcfg, args, device) -> float:
         fresh = DeviceBatch(**{**batch.__dict__, "features": batch.features.clone()})  # noise works in place
         train_step(drafter, drafter, iter([fresh]), optimizer, scheduler, cfg, sums, counts, ema)
 
-    return timed_steps(step, args.steps, args.warmup, cuda)
+    return Spread.of(wall_times(step, args.steps, args.warmup, cuda))
 
 
 def main() -> None:
@@ -96,14 +98,14 @@ def main() -> None:
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"# one optimiser step per lever on {name}: {dcfg.num_hidden_layers} layers, hidden {dcfg.hidden_size}, "
           f"vocab {dcfg.vocab_size}, {args.seqs} x {args.seq_len} tokens, up to {args.anchors} anchors per sequence")
-    print(f"| {'variant':<60} | {'step ms':>8} | {'tok/s':>10} | {'vs recipe':>9} |")
-    print(f"|{'-' * 62}|{'-' * 10}|{'-' * 12}|{'-' * 11}|")
+    print(f"| {'variant':<60} | {'step ms [lowest-highest]':>26} | {'tok/s':>10} | {'vs recipe':>9} |")
+    print(f"|{'-' * 62}|{'-' * 28}|{'-' * 12}|{'-' * 11}|")
     base = None
     for variant in variants:
         seconds = time_variant(variant, dcfg, args, device)
-        base = base or seconds
-        print(f"| {variant or '(recipe)':<60} | {seconds * 1e3:>8.1f} | {args.seqs * args.seq_len / seconds:>10,.0f} "
-              f"| {base / seconds:>9.2f} |")
+        base = base or seconds.median
+        print(f"| {variant or '(recipe)':<60} | {seconds.scaled(1e3).text():>26} "
+              f"| {args.seqs * args.seq_len / seconds.median:>10,.0f} | {base / seconds.median:>9.2f} |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ correctness and speed of right padding (with / without an attention mask) agains
     python benchmarks/precompute_batching.py --device cuda  # same table on a GPU
     python benchmarks/precompute_batching.py --device cuda --qwen3-8b-layers 8  # + the real layer shape
 
-Prints three tables: padding fraction by sort window; per-layout forward time plus the largest
+Prints three tables: padding fraction by sort window; per-layout forward time (median and spread of the repeats) plus the largest
 difference of a sequence's states from its states computed alone (0 = no leak); and the same leak
 check on a hybrid linear-attention target.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.timing import Spread, wall_times  # noqa: E402
 from dflash_common.tiny import TinySpec, build_tiny_target  # noqa: E402
 from precompute.batching import pad_right, padding_fraction, plan_batches  # noqa: E402
 
@@ -89,11 +89,11 @@ def forward_table(model: torch.nn.Module, label: str, device: str, n: int, max_l
             "packed + position ids": lambda: run(input_ids=packed, position_ids=positions),
         }
         print(f"\nforward of {n} sequences ({sum(lengths)} tokens) on {device}, {label}")
-        print(f"{'layout':>26} | {'ms':>8} | {'max |diff| vs alone':>20}")
+        print(f"{'layout':>26} | {'ms [lowest-highest]':>26} | {'max |diff| vs alone':>20}")
         for name, fn in layouts.items():
             out = fn()
-            ms = _time(fn, repeats, device)
-            print(f"{name:>26} | {ms:>8.1f} | {_leak(name, out, alone, lengths):>20.2e}")
+            ms = Spread.of(wall_times(fn, repeats, cuda=device.startswith("cuda"))).scaled(1e3)
+            print(f"{name:>26} | {ms.text():>26} | {_leak(name, out, alone, lengths):>20.2e}")
 
 
 def build_tiny_hybrid(path: Path) -> Path:
@@ -139,17 +139,6 @@ def _leak(name, out, alone, lengths) -> float:
         rows = [out[b, :m] for b, m in enumerate(lengths)]
     return max((r - a).abs().max().item() for r, a in zip(rows, alone))
 
-
-def _time(fn, repeats: int, device: str) -> float:
-    """Median wall time in ms (the median resists other jobs sharing the machine)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
 
 
 def main() -> None:

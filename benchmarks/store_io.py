@@ -8,8 +8,8 @@ included), then reads them with Store.read_shard into preallocated buffers, and 
 exactly the same bytes with one readinto, into the same buffers. "Cold" drops the files' pages with
 posix_fadvise(DONTNEED) first (no root needed; on a VM the host may still cache them). Throughput is
 MB/s of the bytes a read delivers (token arrays + stored states: fp8 delivers half the bytes of
-bf16); each read figure is the best of `--repeat` runs, raw and store runs interleaved. Goal: store
-reads >= 0.8x the raw read.
+bf16); each read figure is the median of `--repeat` runs with their spread (lowest-highest), raw and
+store runs interleaved; the "x raw" ratios are of the medians. Goal: store reads >= 0.8x the raw read.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import Spread  # noqa: E402
 from dflash_common.store import (  # noqa: E402
     ShardPayload, Store, StoreManifest, StoreWriter, buffers_nbytes, carve_buffers,
 )
@@ -47,14 +48,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=2, help="shards per dtype x codec")
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--read-threads", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3, help="read runs per figure (best is reported)")
+    p.add_argument("--repeat", type=int, default=3, help="read runs per figure (the median and spread are reported)")
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--codecs", default=",".join(CODECS))
-    p.add_argument("--verbose", action="store_true", help="print every run, not only the best")
+    p.add_argument("--verbose", action="store_true", help="print every run as it ends")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir under $TMPDIR)")
     args = p.parse_args(argv)
     if args.quick:
-        args.hidden, args.layers, args.tokens, args.shards, args.repeat = 256, 2, 1024, 2, 1
+        args.hidden, args.layers, args.tokens, args.shards, args.repeat = 256, 2, 1024, 2, 2
         args.chunk_tokens = 256
     return args
 
@@ -122,7 +123,7 @@ def write_store(args, path: Path, dtype: str, codec: str) -> float:
 
 
 def measure_reads(args, store: Store, raw_dir: Path, label: str) -> tuple[dict, int]:
-    """Best MB/s of store and raw reads, cold and warm; and the bytes one pass reads."""
+    """MB/s of store and raw reads, cold and warm (every run's, per key); and the bytes one pass reads."""
     specs = store.buffer_specs(store.shards[0])
     nbytes = sum(s.nbytes for s in specs.values())
     slab = np.empty(buffers_nbytes(specs), np.uint8)
@@ -134,7 +135,7 @@ def measure_reads(args, store: Store, raw_dir: Path, label: str) -> tuple[dict, 
         raw_paths.append(raw_dir / f"raw-{s.name}")
         write_raw(raw_paths[-1], views)
     total = nbytes * len(store.shards)
-    best = {"store_cold": 0.0, "store_warm": 0.0, "raw_cold": 0.0, "raw_warm": 0.0}
+    mbps_runs: dict[str, list[float]] = {"store_cold": [], "store_warm": [], "raw_cold": [], "raw_warm": []}
     runs = {
         "store_cold": ([store.path], lambda: [store.read_shard(s.name, out=views) for s in store.shards]),
         "raw_cold": (raw_paths, lambda: read_raw(raw_paths, slab, nbytes)),
@@ -147,22 +148,22 @@ def measure_reads(args, store: Store, raw_dir: Path, label: str) -> tuple[dict, 
                 t = time.perf_counter()
                 read()
                 mbps = total / (time.perf_counter() - t) / 1e6
-                best[key] = max(best[key], mbps)
+                mbps_runs[key].append(mbps)
                 if args.verbose:
                     print(f"  {label} {key}: {mbps:.0f} MB/s", file=sys.stderr)
     for p in raw_paths:
         p.unlink()
-    return best, total
+    return {key: Spread.of(xs) for key, xs in mbps_runs.items()}, total
 
 
 def bench_config(args, root: Path, dtype: str, codec: str) -> dict:
     path = root / f"{dtype}-{codec}"
     write_s = write_store(args, path, dtype, codec)
     with Store.open(path, read_threads=args.read_threads) as store:
-        best, total = measure_reads(args, store, root, f"{dtype} {codec}")
+        reads, total = measure_reads(args, store, root, f"{dtype} {codec}")
         info = store_info(store)
     shutil.rmtree(path)
-    return {"dtype": dtype, "codec": codec, "write": total / write_s / 1e6, **best,
+    return {"dtype": dtype, "codec": codec, "write": total / write_s / 1e6, **reads,
             "bytes_per_token": info["bytes_on_disk"] / info["tokens"], "ratio": info["compression_ratio"]}
 
 
@@ -170,14 +171,16 @@ def print_table(rows, args) -> None:
     print(f"\nmachine: {platform.node()} | {platform.processor() or platform.machine()} | "
           f"{os.cpu_count()} CPUs | torch {torch.__version__}")
     print(f"sizes: H={args.hidden}, {args.layers} layers, {args.shards} shards x {args.tokens} tokens, "
-          f"chunk_tokens={args.chunk_tokens}, read_threads={args.read_threads}, best of {args.repeat}\n")
+          f"chunk_tokens={args.chunk_tokens}, read_threads={args.read_threads}, "
+          f"median [lowest-highest] of {args.repeat} runs\n")
     print("| dtype | codec | write MB/s | read cold MB/s | raw cold MB/s | cold x raw | read warm MB/s "
           "| raw warm MB/s | warm x raw | bytes/token | decoded/disk |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['codec']} | {r['write']:.0f} | {r['store_cold']:.0f} | {r['raw_cold']:.0f} "
-              f"| {r['store_cold'] / r['raw_cold']:.2f} | {r['store_warm']:.0f} | {r['raw_warm']:.0f} "
-              f"| {r['store_warm'] / r['raw_warm']:.2f} | {r['bytes_per_token']:,.0f} | {r['ratio']:.3f} |")
+        sc, rc, sw, rw = (r[k] for k in ("store_cold", "raw_cold", "store_warm", "raw_warm"))
+        print(f"| {r['dtype']} | {r['codec']} | {r['write']:.0f} | {sc.text('.0f')} | {rc.text('.0f')} "
+              f"| {sc.median / rc.median:.2f} | {sw.text('.0f')} | {rw.text('.0f')} "
+              f"| {sw.median / rw.median:.2f} | {r['bytes_per_token']:,.0f} | {r['ratio']:.3f} |")
 
 
 def main(argv=None) -> None:

@@ -7,8 +7,10 @@ In one run, the same drafter trains on the same batches twice:
    store and the store's pages dropped from the page cache (posix_fadvise DONTNEED) first, so shards
    really come from the disk.
 
-It prints tok/s, the data-stall fraction (host time blocked waiting for a batch), cache hits and
-peak GPU memory of each phase, and the ratio from-disk / resident (goal: >= 0.97).
+The two phases alternate `--repeats` times (resident, disk, resident, disk, ...). It prints the median
+tok/s of each phase with its spread (lowest-highest repeat), the median data-stall fraction (host time
+blocked waiting for a batch), the peak GPU memory, the cache hits of the disk phases, and the ratio of
+the medians from-disk / resident (goal: >= 0.97).
 
 The script is self-contained: it writes its own store of random states with a Qwen3-8B-like shape
 (hidden 4096, 5 target layers, vocabulary 151,936, 5 draft layers) through the store API: 18
@@ -28,6 +30,7 @@ import itertools
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.timing import Spread  # noqa: E402
 from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_common.store import ShardPayload, Store, StoreManifest, StoreWriter, encode_states, shard_name  # noqa: E402
@@ -65,6 +69,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--store-gb", type=float, help="size of the synthetic store")
     p.add_argument("--cache-fraction", type=float, default=0.5, help="shard cache size / store size (< 1)")
     p.add_argument("--steps", type=int, help="timed optimiser steps per phase")
+    p.add_argument("--repeats", type=int, help="rounds of (resident, disk) phases (default 3; 2 with --quick)")
     p.add_argument("--reader-threads", type=int, default=8)
     p.add_argument("--gpu-prefetch", type=int, default=1, choices=[0, 1])
     p.add_argument("--resident-batches", type=int, default=None,
@@ -163,6 +168,7 @@ def main() -> None:
     if args.store_gb:
         s["store_gb"] = args.store_gb
     steps = args.steps or s["steps"]
+    repeats = args.repeats or (2 if args.quick else 3)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-train-io-"))
     store_path = workdir / f"store-{'quick' if args.quick else 'full'}-{args.dtype}"
@@ -172,14 +178,14 @@ def main() -> None:
     print(f"store: {len(store.shards)} shards, {human_bytes(store_bytes)} of states ({args.dtype}), "
           f"written in {time.perf_counter() - started:.0f} s")
     try:
-        run(args, s, store, store_path, store_bytes, steps, device)
+        run(args, s, store, store_path, store_bytes, steps, repeats, device)
     finally:
         store.close()
         if not args.keep:
             shutil.rmtree(store_path, ignore_errors=True)
 
 
-def run(args, s, store, store_path, store_bytes, steps, device) -> None:
+def run(args, s, store, store_path, store_bytes, steps, repeats, device) -> None:
     autocast = "bf16" if device.type == "cuda" else "none"
     biggest = max(store.shard_nbytes(i.name, s["layer_ids"]) for i in store.shards)
     cache_bytes = max(args.cache_fraction * store_bytes, 2 * s["window"] * biggest * 1.001)  # the trainer's minimum
@@ -193,35 +199,43 @@ def run(args, s, store, store_path, store_bytes, steps, device) -> None:
     drafter = make_drafter(s, device)
     total = s["warmup"] + steps
 
-    # resident first: the same batches the disk phase will train on, decoded on the device
+    # the same batches the disk phases will train on, decoded on the device once
     data = TrainData.build(cfg, [store], s["layer_ids"], rank=0, world=1, device=device)
     feeder = data.start()
     held = min(total, args.resident_batches or total)
     resident = [dataclasses.replace(next(feeder), data_wait_s=0.0) for _ in range(held)]
     data.close()
-    gpu = timed_phase(drafter, itertools.cycle(resident), cfg, steps, s["warmup"], device)
-    del resident, feeder
+    del feeder
 
-    dropped = drop_page_cache(store_path)
-    data = TrainData.build(cfg, [store], s["layer_ids"], rank=0, world=1, device=device)
-    disk = timed_phase(drafter, data.start(), cfg, steps, s["warmup"], device)
-    stats = data.cache.stats
-    data.close()
+    gpu, disk, dropped, stats = [], [], True, []
+    for _ in range(repeats):  # interleaved: a slow spell of the shared machine hits both phases
+        gpu.append(timed_phase(drafter, itertools.cycle(resident), cfg, steps, s["warmup"], device))
+        dropped &= drop_page_cache(store_path)
+        data = TrainData.build(cfg, [store], s["layer_ids"], rank=0, world=1, device=device)
+        disk.append(timed_phase(drafter, data.start(), cfg, steps, s["warmup"], device))
+        stats.append(data.cache.stats)
+        data.close()
+    report(disk, gpu, stats, dropped, cache_bytes / store_bytes, held, steps, s["batch_tokens"], device)
 
+
+def report(disk: list[dict], gpu: list[dict], stats: list, dropped: bool, cache_share: float, held: int,
+           steps: int, batch_tokens: int, device: torch.device) -> None:
+    disk_tok, gpu_tok = Spread.of([p["tok_s"] for p in disk]), Spread.of([p["tok_s"] for p in gpu])
+    peak = lambda phases: None if phases[0]["peak_gb"] is None else max(p["peak_gb"] for p in phases)
     print()
-    print("| phase | tok/s | data stall | peak GPU memory |")
+    print(f"| phase | tok/s, median [lowest-highest] of {len(disk)} | data stall | peak GPU memory |")
     print("| --- | --- | --- | --- |")
-    print(f"| from disk (cache {cache_bytes / store_bytes:.0%} of the store, page cache "
-          f"{'dropped' if dropped else 'kept'}) | {disk['tok_s']:,.0f} | {disk['stall']:.1%} | "
-          f"{_gb(disk['peak_gb'])} |")
+    print(f"| from disk (cache {cache_share:.0%} of the store, page cache {'dropped' if dropped else 'kept'}) "
+          f"| {disk_tok.text(',.0f')} | {statistics.median(p['stall'] for p in disk):.1%} | {_gb(peak(disk))} |")
     print(f"| resident on the {device.type.upper()} (peak includes {held} resident batches) | "
-          f"{gpu['tok_s']:,.0f} | - | {_gb(gpu['peak_gb'])} |")
+          f"{gpu_tok.text(',.0f')} | - | {_gb(peak(gpu))} |")
     print()
-    ratio = disk["tok_s"] / gpu["tok_s"]
+    ratio = disk_tok.median / gpu_tok.median
     print(f"from disk / resident = {ratio:.3f} (goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
-          f"{steps} steps of {s['batch_tokens']} tokens per phase on {device}")
-    print(f"cache: {stats.hits} hits, {stats.misses} misses, {human_bytes(stats.bytes_read)} read in "
-          f"{stats.read_s:.1f} s of reader time; batches waited {stats.wait_s:.2f} s for shards")
+          f"{steps} steps of {batch_tokens} tokens per phase on {device}")
+    for k, st in enumerate(stats):
+        print(f"cache, disk phase {k + 1}: {st.hits} hits, {st.misses} misses, {human_bytes(st.bytes_read)} read "
+              f"in {st.read_s:.1f} s of reader time; batches waited {st.wait_s:.2f} s for shards")
 
 
 if __name__ == "__main__":
