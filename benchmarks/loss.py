@@ -7,8 +7,10 @@ Time is the median over repetitions (CUDA events on a GPU), the rows' repetition
 new random order each round; peak memory is the largest allocation above what the inputs (hidden,
 lm_head, labels, weights) already hold, over one forward + backward after two warm-ups.
 Rows: our loss with every row weighted, our loss with DFlash block weights (position 0 of every
-16-token block has weight 0 and is skipped), plain PyTorch (logits + F.cross_entropy) and, when
-importable, Liger-Kernel's LigerFusedLinearCrossEntropyLoss (which applies no per-token weights).
+16-token block has weight 0 and is skipped), each by its methods (exact; label odds, one pass over
+the logits; label odds in the logits matmul's epilogue: loss.py), plain PyTorch (logits +
+F.cross_entropy) and, when importable, Liger-Kernel's LigerFusedLinearCrossEntropyLoss (which
+applies no per-token weights).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
+from benchmarks.timing import Spread  # noqa: E402
+from dflash_common.drafter.loss import ODDS_LOG_LIMIT, fused_lm_head_loss  # noqa: E402
 from dflash_common.drafter.objective import default_gamma  # noqa: E402
 
 GOAL_SIZES = [(16384, 4096, 151936), (65536, 5120, 248320)]  # (N, H, V)
@@ -49,9 +52,9 @@ def _block_weights(n, device) -> torch.Tensor:
     return torch.where(k == 0, 0.0, torch.exp(-(k - 1).clamp(min=0) / default_gamma(BLOCK)))
 
 
-def ours(backend):
+def ours(backend, method="exact"):
     def run(hidden, weight, labels, weights):
-        return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend).loss
+        return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend, method=method).loss
     return run
 
 
@@ -104,11 +107,17 @@ def measure(fn, inputs, reps: int) -> tuple[float, float | None, tuple[float, fl
     return statistics.median(times), peak, (min(times), max(times))
 
 
+# (backend, method, label): the exact method keeps the labels of the earlier tables
+WAYS = [("triton", "exact", "triton"), ("triton", "odds", "triton, odds"),
+        ("triton", "odds_epilogue", "triton, odds epilogue"), ("torch", "exact", "torch")]
+
+
 def rows_for(device) -> list[tuple[str, object, bool]]:
     """(label, fn or None when not importable, block weights?) per row."""
-    backends = ["triton", "torch"] if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
-    rows = [(f"dflash fused [{b}], all rows weighted", ours(b), False) for b in backends]
-    rows += [(f"dflash fused [{b}], block weights (1/16 skipped)", ours(b), True) for b in backends]
+    triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    ways = [w for w in WAYS if triton or w[0] == "torch"]
+    rows = [(f"dflash fused [{label}], all rows weighted", ours(b, m), False) for b, m, label in ways]
+    rows += [(f"dflash fused [{label}], block weights (1/16 skipped)", ours(b, m), True) for b, m, label in ways]
     rows.append(("plain PyTorch (logits + F.cross_entropy)", plain_torch, False))
     rows.append(("Liger fused linear CE (no token weights)", liger(), False))
     return rows
@@ -118,8 +127,8 @@ def table(sizes, device, dtype, reps: int) -> None:
     """Every row of one size on the same inputs, interleaved: two warm-up calls of each row, then
     rep 1 of every row, rep 2 of every row, ..., each rep in a new (seeded) random order. A GPU at
     its power limit runs a call faster after a lighter one, so no row may always follow the same."""
-    print(f"| {'loss':<62} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'peak GiB':>9} |")
-    print(f"|{'-' * 64}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
+    print(f"| {'loss':<68} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'peak GiB':>9} |")
+    print(f"|{'-' * 70}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 11}|")
     for n, h, v in sizes:
         size = f"{n}, {h}, {v}"
         hidden, weight, labels, unit = make_inputs(n, h, v, device, dtype, False)
@@ -145,14 +154,14 @@ def table(sizes, device, dtype, reps: int) -> None:
                     calls[label].append(time_call(fn, (hidden, weight, labels, block if block_weights else unit)))
         for label, fn, _ in rows:
             if fn is None:
-                print(f"| {label:<62} | {size:<20} | {'skipped: liger-kernel not installed':<39} |")
+                print(f"| {label:<68} | {size:<20} | {'skipped: liger-kernel not installed':<39} |")
             elif label not in calls:
-                print(f"| {label:<62} | {size:<20} | {'OOM':>9} | {'':>15} | {'OOM':>9} |")
+                print(f"| {label:<68} | {size:<20} | {'OOM':>9} | {'':>15} | {'OOM':>9} |")
             else:
                 times = [ms for ms, _ in calls[label]]
                 peaks = [p for _, p in calls[label]]
                 peak_text = "n/a" if peaks[0] is None else f"{max(peaks) / 2**30:.2f}"
-                print(f"| {label:<62} | {size:<20} | {statistics.median(times):>9.1f} "
+                print(f"| {label:<68} | {size:<20} | {statistics.median(times):>9.1f} "
                       f"| {f'{min(times):.1f}-{max(times):.1f}':>15} | {peak_text:>9} |", flush=True)
         del hidden, weight, labels, unit, block, calls
         if device.type == "cuda":
@@ -225,6 +234,55 @@ def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_siz
     liger_rows = _liger_row_kernel(logits, labels)
     if liger_rows is not None:
         line(f"Liger: {liger_rows[0]}", timed(liger_rows[1])[0])
+    odds_rows(logits, labels, weights, timed, line)
+    epilogue_matmul(h, w, labels, weights, reps)
+
+
+def odds_rows(logits, labels, weights, timed, line) -> None:
+    """The label-odds row kernel on the same chunk: one read and one write (GB/s still counted over
+    the three passes above, so that the columns compare as times); its CE checked against the exact
+    kernel's."""
+    from dflash_common.drafter.loss_triton import label_odds_rows, weighted_ce_rows
+
+    n = logits.shape[0]
+    out = (torch.empty(n, device=logits.device), torch.empty(n, dtype=torch.bool, device=logits.device),
+           torch.empty(n, device=logits.device), torch.empty(n, device=logits.device),
+           torch.empty(n, dtype=torch.bool, device=logits.device))
+    times, _ = timed(lambda: label_odds_rows(logits, labels, weights, True, out, ODDS_LOG_LIMIT))
+    _, (exact, _) = timed(lambda: weighted_ce_rows(logits, labels, weights, False))
+    ok = torch.allclose(out[0], exact, rtol=1e-4, atol=1e-4) and bool(out[4].all())
+    line("ours, label odds: one pass (read, write)", times, "" if ok else " MISMATCH")
+
+
+def epilogue_matmul(h, w, labels, weights, reps: int) -> None:
+    """The logits matmul of one chunk: cuBLAS (h @ W^T into a preallocated buffer, as the loss runs it)
+    beside the Triton matmul that forms the odds in its epilogue (with its label dot and per-row fold;
+    autotuned on the first call), in TFLOP/s of the matmul's 2 C V H."""
+    from dflash_common.drafter.loss_epilogue_triton import _odds_matmul_tuned, odds_matmul
+
+    c, v = h.shape[0], w.shape[0]
+    logits = torch.empty(c, v, device=h.device, dtype=h.dtype)
+    out = (torch.empty(c, device=h.device), torch.empty(c, dtype=torch.bool, device=h.device),
+           torch.empty(c, device=h.device), torch.empty(c, device=h.device),
+           torch.empty(c, dtype=torch.bool, device=h.device))
+    flops = 2 * c * v * h.shape[1]
+    print(f"\n| {'logits matmul of one chunk':<52} | {'ms':>7} | {'spread ms':>13} | {'TFLOP/s':>7} |")
+    for label, run in (("cuBLAS, h @ W^T", lambda: torch.mm(h, w.T, out=logits)),
+                       ("Triton, odds in the epilogue (+ label dot, fold)",
+                        lambda: odds_matmul(h, w, labels, weights, True, out, ODDS_LOG_LIMIT))):
+        run()  # the first call tunes the Triton tiles
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        ms = Spread.of(times)
+        print(f"| {label:<52} | {ms.median:>7.3f} | {f'{ms.low:.3f}-{ms.high:.3f}':>13} "
+              f"| {flops / ms.median / 1e9:>7.0f} |", flush=True)
+    print(f"Triton tiles chosen: {_odds_matmul_tuned.best_config}")
 
 
 def _liger_row_kernel(logits, labels):
@@ -270,6 +328,41 @@ def profile(size, device, dtype) -> None:
         del inputs
 
 
+def precision(device, reps: int = 3) -> None:
+    """Gradient and CE error of each method against float64 on the same bf16-rounded inputs, for rows
+    of every confidence ('typical': random hidden, CE ~3-50 nats) and confident rows (hidden along the
+    label's lm_head row, CE from ~0.1 down to ~1e-30): per row |grad - ref| / |ref|, median and
+    largest over rows, each the median over `reps` seeds."""
+    n, h, v = (64, 64, 2000)
+    ways = [w for w in WAYS if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or w[0] == "torch"]
+    print(f"| {'rows':<10} | {'method':<24} | {'grad rel. err, median':>21} | {'largest':>8} "
+          f"| {'CE abs. err, largest':>20} |")
+    print(f"|{'-' * 12}|{'-' * 26}|{'-' * 23}|{'-' * 10}|{'-' * 22}|")
+    for case in ("typical", "confident"):
+        errors: dict[str, list[tuple[float, float, float]]] = {}
+        for seed in range(reps):
+            g = torch.Generator().manual_seed(seed)
+            weight = (torch.randn(v, h, generator=g) * 0.3).to(device, torch.bfloat16)
+            labels = torch.randint(0, v, (n,), generator=g).to(device)
+            scale = torch.linspace(2, 12, n) if case == "confident" else torch.linspace(0.5, 4, n)
+            base = weight[labels].float().cpu() if case == "confident" else torch.randn(n, h, generator=g)
+            hidden = (base * scale[:, None]).to(device, torch.bfloat16)
+            ref = hidden.double().requires_grad_(True)
+            ce = F.cross_entropy(ref @ weight.double().T, labels, reduction="none")
+            ce.sum().backward()
+            for backend, method, label in ways:
+                x = hidden.clone().requires_grad_(True)
+                unit = torch.ones(n, device=device)
+                out = fused_lm_head_loss(x, weight, labels, unit, backend=backend, method=method)
+                out.loss.backward()
+                rel = (x.grad.double() - ref.grad).norm(dim=1) / ref.grad.norm(dim=1)
+                ce_err = (out.rows.double() - ce.detach()).abs().max().item()
+                errors.setdefault(label, []).append((rel.median().item(), rel.max().item(), ce_err))
+        for label, runs in errors.items():
+            med, most, ce_err = (statistics.median(r[i] for r in runs) for i in range(3))
+            print(f"| {case:<10} | {label:<24} | {med:>21.2e} | {most:>8.2e} | {ce_err:>20.2e} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
@@ -278,6 +371,9 @@ def main() -> None:
     parser.add_argument("--kernel-sweep", action="store_true",
                         help="time the row kernel alone per (columns per step, warps) on one chunk, beside Liger's (CUDA)")
     parser.add_argument("--sizes", default="all", choices=["all", "first"], help="'first': only N=16384")
+    parser.add_argument("--precision", action="store_true",
+                        help="each method's gradient and CE error against float64 (any device; on the CPU the "
+                             "Triton rows need TRITON_INTERPRET=1)")
     parser.add_argument("--sweep", action="store_true",
                         help="time our Triton loss at several fixed chunk heights (rows) instead of the table")
     args = parser.parse_args()
@@ -286,6 +382,10 @@ def main() -> None:
     sizes = QUICK_SIZES if args.quick else GOAL_SIZES[:1] if args.sizes == "first" else GOAL_SIZES
     reps = 3 if args.quick else args.reps
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    if args.precision:
+        print(f"# LM-head loss on {name}: gradient and CE error against float64, bf16 inputs, 64 rows, "
+              f"H=64, V=2000, median over 3 seeds")
+        return precision(device)
     print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}"
           + ", repeats interleaved across the rows")
     if args.sweep:

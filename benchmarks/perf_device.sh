@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The speed benchmarks of one H200 in one command (the device tool's run, < 10 minutes): the GPU tests of
-# the compiled and graph paths first, then generate (columns a-d), one decode step's attention per SDPA
-# backend, the drafter step (eager and compiled at 1 x 3072, compiled at 8 x 3072), loss (row-kernel
-# sweep and the N=16384 table) and precompute ((a) against (b) with target.compile off and on,
-# interleaved). Logs go to $OUT (default /tmp/perf-out).
+# The speed benchmarks of one H200 in one command (the device tool's run, < 10 minutes): the loss first
+# (its GPU tests, the row-kernel sweep with the label-odds kernel and the epilogue matmul against cuBLAS,
+# the N=16384 table of every method beside Liger's), then the GPU tests of the compiled and graph paths,
+# generate (columns a-d), one decode step's attention per SDPA backend, the drafter step (eager and
+# compiled at 1 x 3072, compiled at 8 x 3072) and precompute ((a) against (b) with target.compile off
+# and on, interleaved). Logs go to $OUT (default /tmp/perf-out).
 # Each stage has its own time limit, cut to what is left of DEADLINE_S (default 570), so one that hangs
 # costs only its share and the stages after it still report what time allows.
 #
@@ -26,6 +27,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/machine.txt"
+el "loss (issue 18's open goal first): its GPU tests, the row kernels and the epilogue matmul, the N=16384 table"
+timeout $(limit 90) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/dflash_common/drafter/test_loss.py \
+  > "$OUT/loss_tests.log" 2>&1; tail -3 "$OUT/loss_tests.log"
+timeout $(limit 90) python3 benchmarks/loss.py --kernel-sweep > "$OUT/loss.log" 2>&1
+timeout $(limit 100) python3 benchmarks/loss.py --sizes first --reps 15 >> "$OUT/loss.log" 2>&1
+grep -E "^(\| |Triton)" "$OUT/loss.log"
 el "GPU tests of the compiled and graph paths"
 timeout $(limit 120) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/precompute/test_target.py \
   tests/dflash_common/drafter/test_drafter.py tests/precompute/test_generate.py -k "compiled or cuda_graph" \
@@ -39,9 +46,6 @@ el "drafter step"
 timeout $(limit 100) python3 benchmarks/drafter_step.py --variants eager,compiled --steps 5 --repeats 3 > "$OUT/drafter1.log" 2>&1
 timeout $(limit 90) python3 benchmarks/drafter_step.py --variants compiled --seqs 8 --steps 3 --repeats 1 --warmup 2 \
   > "$OUT/drafter8.log" 2>&1; grep -hE "^\| (compiled|eager)" "$OUT/drafter1.log" "$OUT/drafter8.log"
-el "loss"
-timeout $(limit 60) python3 benchmarks/loss.py --kernel-sweep > "$OUT/loss.log" 2>&1
-timeout $(limit 60) python3 benchmarks/loss.py --sizes first >> "$OUT/loss.log" 2>&1; grep -E "^\| " "$OUT/loss.log"
 el "precompute"
 timeout $(limit 170) python3 benchmarks/precompute.py --dir /tmp/pb --seqs 30 --dtypes bf16 --compile off,on --repeats 3 \
   > "$OUT/precompute.log" 2>&1; tail -7 "$OUT/precompute.log"

@@ -230,6 +230,13 @@ class PrecisionConfig:
         "compiled either way): fused elementwise kernels instead of eager float32 passes; costs a compilation "
         "at the first steps. Ignored on a CPU."
     )
+    loss_method: Literal["exact", "odds", "odds_epilogue"] = option(
+        "exact", "How the fused LM-head loss forms its softmax: 'exact' (against each row's max: a row kernel of "
+        "two passes), 'odds' (against the label's logit: one pass, the label's gradient term in float32; rows "
+        "past 80 nats of CE fall back to exact) or 'odds_epilogue' (the same inside a Triton logits matmul, no "
+        "logits stored; CUDA only). Same objective; docs/design.md and docs/benchmarks.md say what each costs. "
+        "On a CPU, 'odds_epilogue' runs as 'odds'."
+    )
 
 
 @dataclass(frozen=True)

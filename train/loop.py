@@ -248,7 +248,7 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
             loss_sum, weight, c = batch_objective(
                 drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
                 autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
-                targets=cfg.targets, path_weight=o.path_weight)
+                targets=cfg.targets, path_weight=o.path_weight, loss_method=cfg.precision.loss_method)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()

@@ -39,8 +39,8 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
                     gamma: float | None, autocast: str, weights: str = "gamma", dpace_alpha: float = 0.5,
-                    normalise: str = "weight", targets: Any = None,
-                    path_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    normalise: str = "weight", targets: Any = None, path_weight: float = 0.0,
+                    loss_method: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
     `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
@@ -48,7 +48,8 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
     per-row CE and correctness (no second pass). `targets` (train config's TargetsSection) switches on
     soft targets and prompt-anchor labels (the config refuses them with path_weight); with them,
     D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
-    greedy token on a prompt position) while the rows it weighs are the soft kind's loss.
+    greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
+    the hard loss's method (precision.loss_method; 'odds_epilogue' needs CUDA and runs as 'odds' elsewhere).
     Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
     of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
     scalar, counts [2B+2]).
@@ -70,7 +71,10 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
                                     batch.final, teacher_rows(batch.anchors, block_size).flatten(),
                                     soft_kind(targets.soft), targets.temperature)
         else:
-            out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten())
+            if loss_method == "odds_epilogue" and device.type != "cuda":
+                loss_method = "odds"  # the Triton matmul runs on CUDA (and under the tests' interpreter)
+            out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
+                                     method=loss_method)
     correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
     row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
     if weights == "dpace":  # from the drafter's CE to the label (the soft loss's rows are another kind)

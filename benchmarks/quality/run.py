@@ -62,6 +62,10 @@ VARIANTS: dict[str, list[str]] = {
     "dpace+path3": ["--objective.weights=dpace", "--objective.path_weight=3"],
     # not a recipe change: the same drafter with its layers' elementwise parts compiled (fused kernels)
     "dpace+compile": ["--objective.weights=dpace", "--precision.compile=true"],
+    # not a recipe change either: the loss's softmax against the label's logit (one pass over the logits; in the
+    # logits matmul's epilogue): the same objective, other roundings; tau must match dpace's to become the default
+    "dpace+odds": ["--objective.weights=dpace", "--precision.loss_method=odds"],
+    "dpace+odds_epilogue": ["--objective.weights=dpace", "--precision.loss_method=odds_epilogue"],
     "prompt": ["--targets.prompt_anchors=true"],  # anchors on prompt tokens too, labelled by the target's greedy token
     "dpace+prompt": ["--objective.weights=dpace", "--targets.prompt_anchors=true"],
     # the same at fewer rows a step: at most 96 (64) anchors a sequence drawn from prompt and response, where the

@@ -23,6 +23,19 @@ Design (FLOPs first). The lm_head is frozen, so the only gradient is d loss / d 
   gradient by grad_output (in place). 4NVH in all, the minimum with an exact softmax, and the same
   work as Liger-Kernel's fused linear cross-entropy; without a gradient (validation) it is 2NVH.
 
+The label-odds methods (`method='odds'` and `'odds_epilogue'`) take the softmax against each row's
+label instead of its maximum, which needs no pass over the row before the gradient can be written.
+With t = sum over v != y of exp(x_v - x_y) (the odds of each other token against the label y):
+CE = log(1 + t), and d CE / d hidden = (sum_{v != y} odds_v W_v - t W_y) / (1 + t). So per chunk a
+kernel reads the logits once and writes the odds over them (0 at the label) while it sums t; cuBLAS
+forms G = odds @ W; the backward makes w / (1 + t) * G - w t / (1 + t) * W_y of each row (one [N, H]
+pass, where the exact method scales its stored gradient). One read and one write of the chunk
+instead of two reads and a write; 'odds_epilogue' forms the odds inside a Triton logits matmul and
+stores no logits at all (loss_epilogue_triton.py). Precision: the odds are rounded to the weight's
+dtype as the exact method rounds its gradient, and the label's term is exact in float32 (the exact
+method rounds softmax - 1 there). Odds overflow float32 once CE nears 88 nats: rows whose t reaches
+e**80 (CE >= 80) are recomputed by the exact method (one host sync a call, to see whether any).
+
 Rows whose weight is zero or whose label is IGNORE_INDEX are dropped before any matmul (position 0
 of every block is such a row: 1/B of the work). Their `correct` is False.
 
@@ -31,7 +44,8 @@ a byte budget, by default about the size of `hidden` itself (Liger's choice, so 
 in multiples of 512 rows, the heights at which cuBLAS ran fastest on an H200.
 
 Backends: 'triton' (CUDA, or the CPU under TRITON_INTERPRET=1), 'torch' (the same chunks with
-PyTorch ops: CPU and reference), 'auto' (triton on CUDA when importable, else torch).
+PyTorch ops: CPU and reference), 'auto' (triton on CUDA when importable, else torch). Methods:
+'exact' (the two passes above; the default), 'odds' (both backends), 'odds_epilogue' (triton only).
 """
 
 from __future__ import annotations
@@ -43,9 +57,14 @@ import torch
 from dflash_common.drafter.objective import IGNORE_INDEX
 
 Backend = Literal["auto", "triton", "torch"]
+Method = Literal["exact", "odds", "odds_epilogue"]
+METHODS = ("exact", "odds", "odds_epilogue")
 # Rows per chunk are a multiple of this. Measured on an H200 (benchmarks/loss.py --sweep): heights
 # of 512, 1024, 1536, 2048 rows run at full speed, while 640 or 1280 rows run up to 9% slower.
 _ROW_QUANTUM = 512
+# Odds methods: a row whose odds sum t reaches e**80 is recomputed exactly. float32 (and bf16) end at
+# e**88.7; the margin keeps G = odds @ W finite for lm_head entries up to e**8.7 in magnitude.
+ODDS_LOG_LIMIT = 80.0
 
 
 class LossOutput(NamedTuple):
@@ -63,6 +82,7 @@ def fused_lm_head_loss(
     weights: torch.Tensor,
     backend: Backend = "auto",
     chunk_bytes: int | None = None,
+    method: Method = "exact",
 ) -> LossOutput:
     """Weighted CE of hidden [N, H] through the frozen lm_head [V, H]; see the module docstring."""
     if hidden.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
@@ -70,11 +90,16 @@ def fused_lm_head_loss(
     if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
         raise ValueError("labels and weights need one entry per row of hidden")
     backend = resolve_backend(backend, hidden.device)
+    if method not in METHODS:
+        raise ValueError(f"loss method {method!r} unknown; use one of {', '.join(METHODS)}")
+    if method == "odds_epilogue" and backend != "triton":
+        raise ValueError("loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or method 'odds')")
+    spec = _Spec(backend, chunk_bytes, method)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if not need_grad:
-        rows, correct, _ = _chunked_loss(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes, False)
+        rows, correct, _ = _loss_rows(hidden, lm_head_weight.detach(), labels, weights, spec, False)
         return LossOutput(rows.sum(), correct, rows)
-    rows, correct = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels, weights, backend, chunk_bytes)
+    rows, correct = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels, weights, spec)
     return LossOutput(rows.sum(), correct, rows)
 
 
@@ -94,20 +119,40 @@ def _triton_available() -> bool:
     return True
 
 
+class _Spec(NamedTuple):
+    """How the chunks are computed (one object through autograd)."""
+    backend: Literal["triton", "torch"]
+    chunk_bytes: int | None
+    method: Method
+
+
+class _StoredGrad(NamedTuple):
+    """What the forward keeps for the backward. Exact method: values [N, H] is d rows[i] / d hidden[i]
+    row by row. Odds methods: values[i] = sum_{v != y_i} odds_v W_v, and d rows[i] / d hidden[i] =
+    scale[i] * values[i] + label_coef[i] * W[labels[i]] (zero for dropped rows: scale = coef = 0)."""
+    values: torch.Tensor
+    scale: torch.Tensor | None = None
+    label_coef: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+
+
 class _FusedLMHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, backend, chunk_bytes):
-        rows, correct, grad = _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, True)
-        ctx.grad_hidden = grad  # [N, H]: row i is d rows[i] / d hidden[i] (no other row depends on it)
+    def forward(ctx, hidden, weight, labels, weights, spec):
+        rows, correct, grad = _loss_rows(hidden, weight, labels, weights, spec, True)
+        ctx.stored, ctx.backend = grad, spec.backend  # row i of the gradient depends on row i of hidden only
         ctx.mark_non_differentiable(correct)
         return rows, correct
 
     @staticmethod
     def backward(ctx, grad_rows, grad_correct):
-        grad, ctx.grad_hidden = ctx.grad_hidden, None
-        if grad is None:
+        stored, ctx.stored = ctx.stored, None
+        if stored is None:
             raise RuntimeError("fused_lm_head_loss supports one backward pass per forward")
-        return grad.mul_(grad_rows[:, None]), None, None, None, None, None  # in float32, rounded once
+        if stored.scale is None:
+            return stored.values.mul_(grad_rows[:, None]), None, None, None, None  # in float32, rounded once
+        return _odds_grad(stored, grad_rows, ctx.backend), None, None, None, None
 
 
 def chunk_rows(n_rows: int, hidden_size: int, vocab: int, logits_bytes_per_value: int,
@@ -120,6 +165,15 @@ def chunk_rows(n_rows: int, hidden_size: int, vocab: int, logits_bytes_per_value
         return max(1, rows // _ROW_QUANTUM * _ROW_QUANTUM if rows >= _ROW_QUANTUM else rows)
     rows = n_rows * hidden_size * hidden_bytes_per_value / (vocab * logits_bytes_per_value)
     return max(1, round(rows / _ROW_QUANTUM)) * _ROW_QUANTUM
+
+
+def _loss_rows(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
+    """(rows_loss [N], correct [N], _StoredGrad or None) by the spec's method."""
+    if spec.method == "exact":
+        rows, correct, grad = _chunked_loss(hidden, weight, labels, weights, spec.backend, spec.chunk_bytes,
+                                            need_grad)
+        return rows, correct, _StoredGrad(grad) if need_grad else None
+    return _chunked_odds_loss(hidden, weight, labels, weights, spec, need_grad)
 
 
 def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_grad):
@@ -182,3 +236,97 @@ def weighted_ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: 
         if probs is not logits:
             logits.copy_(probs)
     return loss, correct
+
+
+def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
+    """The label-odds methods, chunk by chunk (module docstring): per chunk the odds [c, V] (in
+    place of the logits with 'odds'), then G = odds @ W into the stored gradient's rows."""
+    n, v = hidden.shape[0], weight.shape[0]
+    kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
+    m = kept.numel()
+    dense = m == n
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    # per row: loss, correct, scale, label coefficient, ok (dropped rows: zeros, and ok)
+    out = (torch.zeros(n, **f32), torch.zeros(n, dtype=torch.bool, device=hidden.device), torch.zeros(n, **f32),
+           torch.zeros(n, **f32), torch.ones(n, dtype=torch.bool, device=hidden.device))
+    grad = (torch.empty_like(hidden) if dense else torch.zeros_like(hidden)) if need_grad else None
+    per_value = weight.element_size() + (4 if spec.backend == "torch" else 0)
+    step = chunk_rows(n, hidden.shape[1], v, per_value, hidden.element_size(), spec.chunk_bytes)
+    for r0 in range(0, m, step):
+        rows = slice(r0, min(r0 + step, m)) if dense else kept[r0:r0 + step]
+        h = hidden[rows].to(weight.dtype)  # [c, H]
+        y, w = labels[rows].long(), weights[rows].float()
+        index = None if dense else rows
+        chunk_out = tuple(o[rows] for o in out) if dense else out  # dense: views written in place
+        odds = _odds_rows(spec, h, weight, y, w, need_grad, chunk_out, index)  # [c, V] or None
+        if need_grad and dense and grad.dtype == odds.dtype:
+            torch.mm(odds, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
+        elif need_grad:
+            grad[rows] = (odds @ weight).to(grad.dtype)
+        del odds  # else the next chunk's matmul allocates while this one is alive: two chunks at peak
+    rows_loss, correct, scale, label_coef, ok = out
+    if not bool(ok.all()):  # one host sync: rows whose odds overflow (CE >= 80 nats), done exactly
+        bad = (~ok).nonzero().squeeze(1)
+        b_loss, b_correct, b_grad = _chunked_loss(hidden[bad], weight, labels[bad], weights[bad], spec.backend,
+                                                  spec.chunk_bytes, need_grad)
+        rows_loss[bad], correct[bad] = b_loss, b_correct
+        if need_grad:  # their stored gradient is the exact one: scale 1, no label term
+            grad[bad], scale[bad], label_coef[bad] = b_grad, 1.0, 0.0
+    if not need_grad:
+        return rows_loss, correct, None
+    return rows_loss, correct, _StoredGrad(grad, scale, label_coef, labels, weight)
+
+
+def _odds_rows(spec: _Spec, h, weight, labels, weights, compute_grad, out, index):
+    """One chunk of the odds methods: results into `out` (at rows `index`, or the views given);
+    returns the odds [c, V] when compute_grad."""
+    if spec.method == "odds_epilogue":
+        from dflash_common.drafter.loss_epilogue_triton import odds_matmul
+
+        return odds_matmul(h, weight, labels, weights, compute_grad, out, ODDS_LOG_LIMIT, index)
+    logits = h @ weight.T  # [c, V]; becomes the odds in place
+    if spec.backend == "triton":
+        from dflash_common.drafter.loss_triton import label_odds_rows
+
+        label_odds_rows(logits, labels, weights, compute_grad, out, ODDS_LOG_LIMIT, index)
+    else:
+        results = label_odds_rows_torch(logits, labels, weights, compute_grad)
+        for o, r in zip(out, results):
+            if index is None:
+                o.copy_(r)
+            else:
+                o[index] = r
+    return logits if compute_grad else None
+
+
+def label_odds_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                          compute_grad: bool) -> tuple[torch.Tensor, ...]:
+    """The odds kernels' contract in PyTorch: per row (w * CE, correct, scale, label_coef, ok) of
+    loss_triton.odds_outputs; with compute_grad, logits [C, V] is overwritten by the odds
+    exp(x - x_label), 0 at the label."""
+    x = logits.float()
+    rows = torch.arange(x.shape[0], device=x.device)
+    x_label = x[rows, labels]
+    odds = (x - x_label[:, None]).exp_()
+    odds[rows, labels] = 0.0
+    t = odds.sum(-1)
+    u = 1.0 + t
+    ce = torch.log1p(t)
+    cols = torch.arange(x.shape[1], device=x.device)
+    beat = (x > x_label[:, None]) | ((x == x_label[:, None]) & (cols < labels[:, None]))  # argmax != label
+    if compute_grad:
+        logits.copy_(odds)
+    return ce * weights, ~beat.any(-1), weights / u, -weights * (t / u), torch.log(t) < ODDS_LOG_LIMIT
+
+
+def _odds_grad(stored: _StoredGrad, grad_rows: torch.Tensor, backend: str) -> torch.Tensor:
+    """Row i: grad_rows[i] * (scale[i] * values[i] + label_coef[i] * W[labels[i]]), in place."""
+    if backend == "triton":
+        from dflash_common.drafter.loss_triton import odds_grad
+
+        return odds_grad(stored.values, stored.weight, stored.labels, stored.scale, stored.label_coef, grad_rows)
+    g = grad_rows.float()
+    rows = stored.labels.clamp(min=0)  # dropped rows (IGNORE_INDEX) have label_coef 0
+    value = stored.values.float() * (stored.scale * g)[:, None] + stored.weight[rows].float() * (
+        stored.label_coef * g)[:, None]
+    return stored.values.copy_(value)

@@ -53,11 +53,15 @@ def _close(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-7) for k in a)
 
 
-@pytest.mark.parametrize("normalise", ["weight", "anchors"])
-def test_dpace_loss_and_gradient_equal_the_explicit_objective(two_batches, normalise):
+@pytest.mark.parametrize("normalise, loss_method", [("weight", "exact"), ("anchors", "exact"), ("weight", "odds"),
+                                                     ("weight", "odds_epilogue")])
+def test_dpace_loss_and_gradient_equal_the_explicit_objective(two_batches, normalise, loss_method):
+    # precision.loss_method changes how the softmax is formed, not the objective ('odds_epilogue' is
+    # 'odds' on a CPU)
     _, drafter, (batch, _) = two_batches
     loss, norm, _ = batch_objective(drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=None,
-                                    autocast="none", weights="dpace", dpace_alpha=0.3, normalise=normalise)
+                                    autocast="none", weights="dpace", dpace_alpha=0.3, normalise=normalise,
+                                    loss_method=loss_method)
     got = _grads(drafter, loss / norm)
     ce_sum, w_sum, blocks = _explicit_parts(drafter, batch, "dpace", alpha=0.3)
     want_norm = blocks if normalise == "anchors" else w_sum

@@ -47,7 +47,7 @@ def _curve(run_dir):
 
 # every lever of issue 17 that is not the default, so that resume is proven with them too
 LEVERS = ["--objective.anchors=label", "--objective.weights=gamma", "--objective.normalise=anchors",
-          "--regularise.noise=0.1", "--regularise.ema=0.9"]
+          "--regularise.noise=0.1", "--regularise.ema=0.9", "--precision.loss_method=odds"]
 
 
 @pytest.mark.parametrize("levers", [[], LEVERS], ids=["recipe", "levers"])
