@@ -283,6 +283,9 @@ def epilogue_matmul(h, w, labels, weights, reps: int) -> None:
         print(f"| {label:<52} | {ms.median:>7.3f} | {f'{ms.low:.3f}-{ms.high:.3f}':>13} "
               f"| {flops / ms.median / 1e9:>7.0f} |", flush=True)
     print(f"Triton tiles chosen: {_odds_matmul_tuned.best_config}")
+    for config, ms in (getattr(_odds_matmul_tuned, "configs_timings", None) or {}).items():  # the tuner's own timings
+        ms = ms[0] if isinstance(ms, (list, tuple)) else ms
+        print(f"  tried {config}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
 
 
 def _liger_row_kernel(logits, labels):

@@ -47,7 +47,7 @@ from precompute.plan import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
 
-FORMAT = "dflash-generate/1"
+FORMAT = "dflash-generate/2"  # 2: records' "source" and the unit names name input files without their paths
 MANIFEST = "manifest.json"
 UNIT_STATS = ".units"  # hidden: no reader of the directory ever takes it for input
 DEFAULT_MAX_NEW_TOKENS = 2048

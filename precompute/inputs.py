@@ -62,6 +62,15 @@ class Source:
     def name(self) -> str:
         return self.path if self.split is None else f"{self.path}[{self.split}]"
 
+    @property
+    def label(self) -> str:
+        """How sample ids name this source ("train.jsonl", "ds[test]"): by the file's (or saved
+        dataset's) own name, not by where it lies, as the store's dataset fingerprint names files.
+        Sample ids go into the shard names, so inputs moved or mounted elsewhere (another node, a
+        rerun after a copy) name the same shards, and a resume finds them."""
+        base = os.path.basename(os.path.normpath(self.path))
+        return base if self.split is None else f"{base}[{self.split}]"
+
 
 @dataclasses.dataclass(frozen=True)
 class RawRecord:
@@ -201,7 +210,7 @@ def iter_raw_records(sources: list[Source], skips: SkipLog | None = None) -> Ite
     `unreadable_file` in `skips` and reading goes on with the next source."""
     index = 0
     for source in sources:
-        it = _iter_dataset(source) if source.kind == "dataset" else _iter_jsonl(source.path)
+        it = _iter_dataset(source) if source.kind == "dataset" else _iter_jsonl(source.path, source.label)
         try:
             for source_id, payload in it:
                 yield RawRecord(index, source_id, payload)
@@ -212,16 +221,17 @@ def iter_raw_records(sources: list[Source], skips: SkipLog | None = None) -> Ite
             skips.add(source.name, "unreadable_file", f"reading stopped after {index} records: {e}")
 
 
-def _iter_jsonl(path: str) -> Iterator[tuple[str, bytes | TooLarge]]:
+def _iter_jsonl(path: str, label: str) -> Iterator[tuple[str, bytes | TooLarge]]:
+    """(sample id "label:line", the line) of every line of the file at `path`."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         line_no = 0
         while line := f.readline(MAX_RECORD_BYTES + 1):  # never more than the cap in memory
             line_no += 1
             if len(line) > MAX_RECORD_BYTES and not line.endswith(b"\n"):
-                yield f"{path}:{line_no}", TooLarge(len(line) + _skip_line(f))
+                yield f"{label}:{line_no}", TooLarge(len(line) + _skip_line(f))
             else:
-                yield f"{path}:{line_no}", line
+                yield f"{label}:{line_no}", line
 
 
 def _skip_line(f) -> int:
@@ -245,7 +255,7 @@ def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
     if source.split is not None:
         ds = ds[source.split]
     for row in range(len(ds)):
-        yield f"{source.name}:{row}", _DatasetRow(ds, row)
+        yield f"{source.label}:{row}", _DatasetRow(ds, row)
 
 
 # ---------------------------------------------------------------------------------------- parsing

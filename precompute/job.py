@@ -38,7 +38,7 @@ from dflash_common.cli import UserError, progress_bar, write_run_record
 from dflash_common.dirlock import hold_directory
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
 from dflash_common.fsutil import human_bytes, is_disk_full, os_reason
-from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names
+from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
 from dflash_common.store.format import read_root_attributes
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
@@ -281,6 +281,7 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
     # keeps its shards; names derive from content and state settings, so a name found is this run's shard
     published = set(published_shard_names(cfg.store.path))
+    refuse_other_copies(cfg.store.path, names, published)
     committed = {u for u, name in names.items() if name in published}
     gathered = ranks.gather((summaries, committed, reader_skips.to_dict()))
     plan = make_plan([s for part, _, _ in gathered for s in part], records,
@@ -290,6 +291,18 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
                      reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first),  # read by every rank
                      final_state=manifest.final_state)
     return plan, RankUnits(summaries, names, committed, cache)
+
+
+def refuse_other_copies(store: str, names: dict[int, str], published: set[str]) -> None:
+    """A published shard of one of this rank's units under another name than this run's holds other
+    records (other data, or a store from before sample ids were path-free): writing this run's
+    shard beside it would leave the unit twice in the store, and training would read both."""
+    for name in sorted(published):
+        unit = shard_unit(name)
+        if unit in names and names[unit] != name:
+            raise UserError(f"store {store} already holds work unit {unit} as shard {name}, and this run would "
+                            f"write it as {names[unit]} from other records; precompute into a new store, or remove "
+                            f"the shards this run's inputs did not make.")
 
 
 # ---------------------------------------------------------------------------------------- compute

@@ -61,7 +61,9 @@ from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw
 log = logging.getLogger("dflash")
 
 # Bumped when the tokenization rules change, so caches made by older code are not reused.
-TOKENIZE_VERSION = 2  # 2: no loss on the end of turn of a record cut by length (finish_reason)
+# 2: no loss on the end of turn of a record cut by length (finish_reason); 3: sample ids name a file by
+# its own name, not its path (inputs.Source.label), so shard names no longer change when inputs move
+TOKENIZE_VERSION = 3
 # Extra room the disk must have beyond the projection: zarr metadata, checksums, filesystem blocks.
 DISK_MARGIN = 1.05
 _ID_MASK_BYTES = 5  # int32 token id + uint8 loss mask per token

@@ -24,7 +24,7 @@ crc32c), `quant` (the bf16 / fp8 e4m3 codec), `writer` (staging and publishing),
 
 from dflash_common.store.format import (
     BUFFER_ALIGN, FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, BufferSpec, NonFiniteStatesError, ShardInfo, ShardPayload,
-    StoreCorruptError, StoreError, StoreManifest, StoreMismatchError, check_compatible, shard_name,
+    StoreCorruptError, StoreError, StoreManifest, StoreMismatchError, check_compatible, shard_name, shard_unit,
 )
 from dflash_common.store.quant import decode_states, encode_states
 from dflash_common.store.reader import (
@@ -36,5 +36,5 @@ __all__ = [
     "BUFFER_ALIGN", "FORMAT_NAME", "FORMAT_VERSION", "SHARDS_DIR", "BufferSpec", "NonFiniteStatesError",
     "ShardData", "ShardInfo", "ShardPayload", "Store", "StoreCorruptError", "StoreError", "StoreManifest",
     "StoreMismatchError", "StoreWriter", "buffers_nbytes", "carve_buffers", "check_compatible", "decode_states",
-    "encode_states", "open_stores", "published_shard_names", "shard_name",
+    "encode_states", "open_stores", "published_shard_names", "shard_name", "shard_unit",
 ]

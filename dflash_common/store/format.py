@@ -155,6 +155,12 @@ def shard_name(unit_index: int, digest: str) -> str:
     return f"u{unit_index:08d}-{digest[:16].lower()}"
 
 
+def shard_unit(name: str) -> int | None:
+    """The work unit of a shard named by shard_name, or None for another name."""
+    m = re.fullmatch(r"u(\d{8,})-[0-9a-f]{8,}", name)
+    return int(m.group(1)) if m else None
+
+
 def check_shard_name(name: str) -> None:
     if not _NAME_RE.match(name) or name == "zarr.json":
         raise ValueError(f"shard name {name!r} must be 1-128 of [A-Za-z0-9_.-], not starting with '.' "

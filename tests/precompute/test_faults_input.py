@@ -44,7 +44,7 @@ def test_huge_lines_are_skipped_unread_and_counted_and_line_numbers_stay_right(t
     assert [sid.rsplit(":", 1)[1] for sid, _ in out] == ["1", "2", "3", "4", "5", "6"]
     assert [p is not None for _, p in out] == [True, False, True, False, True, False]
     assert dict(skips.counts) == {"record_too_large": 3}
-    assert skips.examples[0] == (f"{path}:2", "record_too_large",
+    assert skips.examples[0] == ("huge.jsonl:2", "record_too_large",  # the file by its name, not its path
                                  f"a line of {len(huge):,} bytes (more than {MAX_RECORD_BYTES:,})")
 
 
@@ -173,7 +173,7 @@ def test_fuzzed_files_every_line_is_kept_or_skipped_with_its_reason(data, plain,
     fate = {sid: reason for sid, reason, _ in unit.skips.examples}
     kept = set(unit.sample_ids)
     for n, (_, expected) in enumerate(lines, start=1):
-        sid = f"{path}:{n}"
+        sid = f"{path.name}:{n}"  # a sample id names the file, not its path
         if expected in ("kept", "truncated"):
             assert sid in kept, (expected, fate.get(sid), lines[n - 1])
         elif expected != "any":
@@ -211,15 +211,15 @@ def _mixed_bad_input(tmp_path) -> tuple[list[str], list[str], dict[str, str], in
     lines.append(_dumps(chat(60, answer_len=300)))  # longer than data.max_length: truncated, kept
     cut = good[2][: len(good[2]) // 2]  # the file ends inside its last record, without a newline
     path.write_bytes(b"\n".join(lines + [cut]))
-    reasons = {f"{path}:{2 + 2 * i}": reason for i, (_, reason) in enumerate(bad)}
-    reasons[f"{path}:{len(lines) + 1}"] = "malformed_json"
-    keep = [f"{path}:{n}" for n in range(1, len(lines) + 1) if f"{path}:{n}" not in reasons]
+    reasons = {f"{path.name}:{2 + 2 * i}": reason for i, (_, reason) in enumerate(bad)}  # by file name
+    reasons[f"{path.name}:{len(lines) + 1}"] = "malformed_json"
+    keep = [f"{path.name}:{n}" for n in range(1, len(lines) + 1) if f"{path.name}:{n}" not in reasons]
 
     whole = gzip.compress(b"".join(_dumps(chat(100 + i)) + b"\n" for i in range(300)))
     gz = tmp_path / "cut.jsonl.gz"  # a copy cut short: the lines before the cut are read, then it stops
     gz.write_bytes(whole[: len(whole) // 2])
     readable = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(gz.read_bytes()).count(b"\n")
-    keep += [f"{gz}:{n}" for n in range(1, readable + 1)]
+    keep += [f"{gz.name}:{n}" for n in range(1, readable + 1)]
     return [str(path), str(gz)], keep, reasons, len(lines) + 1 + readable
 
 
@@ -258,7 +258,7 @@ def test_an_input_whose_every_record_is_skipped_is_refused_with_the_counts_and_n
         assert caught.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
         assert "every one of the 5 input records" in err
         assert "blank_line 1, malformed_json 1, not_an_object 1, too_few_response_tokens 2" in err
-        assert f"{path}:1: malformed_json; {path}:2: blank_line; {path}:3: too_few_response_tokens" in err
+        assert "bad.jsonl:1: malformed_json; bad.jsonl:2: blank_line; bad.jsonl:3: too_few_response_tokens" in err
         assert not store.exists()  # no empty store left behind
 
     (tmp_path / "empty.jsonl").write_text("")

@@ -277,6 +277,16 @@ def test_a_rerun_resumes_and_gives_the_same_files(chatty_target, inputs, one_ran
         generate.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13"))
 
 
+def test_prompts_moved_elsewhere_resume_their_output(chatty_target, inputs, one_rank, tmp_path):
+    # unit names and records' "source" name the prompt files without their paths
+    moved = [str(shutil.copy(p, tmp_path / Path(p).name)) for p in inputs]
+    out = shutil.copytree(one_rank, tmp_path / "gen")
+    (out / sorted(_files(out))[1]).unlink()
+    generate.run(_cfg(chatty_target, moved, out))
+    assert _files(out) == _files(one_rank)
+    assert json.loads((out / "manifest.json").read_text())["runs"][-1]["units_already_written"] == 4
+
+
 def test_two_gloo_ranks_write_the_files_of_one(chatty_target, inputs, one_rank, tmp_path):
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -53,10 +53,11 @@ def test_three_jsonl_formats_and_source_ids(tmp_path):
     ])
     out, skips = read_all([path])
     assert skips.total == 0
-    assert [sid for _, sid, _ in out] == [f"{path}:{i}" for i in range(1, 5)]
-    assert out[0][2] == Conversation(f"{path}:1", CHAT["messages"])
+    # a sample id names its file by its own name, not its path (shard names must not depend on where inputs lie)
+    assert [sid for _, sid, _ in out] == [f"a.jsonl:{i}" for i in range(1, 5)]
+    assert out[0][2] == Conversation("a.jsonl:1", CHAT["messages"])
     assert [m["role"] for m in out[1][2].messages] == ["system", "user", "assistant"]
-    assert out[2][2] == PreTokenized(f"{path}:3", [1, 2, 3], [0, 1, 1])
+    assert out[2][2] == PreTokenized("a.jsonl:3", [1, 2, 3], [0, 1, 1])
     assert out[3][2].messages == [{"role": "user", "content": "ab"},
                                   {"role": "assistant", "content": "c", "reasoning_content": "think"}]
 
@@ -75,14 +76,14 @@ def test_bad_records_are_skipped_counted_and_the_first_kept(tmp_path):
     ]
     path = write_lines(tmp_path / "bad.jsonl", lines)
     out, skips = read_all([path], report_first=3)
-    assert [sid for _, sid, p in out if p is not None] == [f"{path}:{len(lines)}"]
+    assert [sid for _, sid, p in out if p is not None] == [f"bad.jsonl:{len(lines)}"]
     assert dict(skips.counts) == {
         "malformed_json": 2, "invalid_utf8": 2, "blank_line": 1, "not_an_object": 1, "missing_field": 3,
         "wrong_field_type": 4, "empty_conversation": 1, "no_assistant_turn": 1, "unknown_role": 2,
     }
     assert skips.total == len(lines) - 1
-    assert [e[:2] for e in skips.examples] == [(f"{path}:1", "malformed_json"), (f"{path}:2", "invalid_utf8"),
-                                              (f"{path}:3", "blank_line")]
+    assert [e[:2] for e in skips.examples] == [("bad.jsonl:1", "malformed_json"), ("bad.jsonl:2", "invalid_utf8"),
+                                              ("bad.jsonl:3", "blank_line")]
 
 
 def test_forced_format_requires_its_field():
@@ -130,7 +131,7 @@ def test_truncated_gzip_is_counted_and_reading_goes_on(tmp_path):
     write_lines(tmp_path / "b.jsonl", [CHAT])
     out, skips = read_all([str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.jsonl")])
     assert skips.counts["unreadable_file"] == 1
-    assert out[-1][1] == f"{tmp_path / 'b.jsonl'}:1"
+    assert out[-1][1] == "b.jsonl:1"
 
 
 def test_saved_datasets_and_dataset_dicts(tmp_path):
@@ -143,8 +144,7 @@ def test_saved_datasets_and_dataset_dicts(tmp_path):
     datasets.DatasetDict({"train": ds, "extra": ds.select([0])}).save_to_disk(tmp_path / "dd")
     out, skips = read_all([str(tmp_path / "ds"), str(tmp_path / "dd")])
     assert [sid for _, sid, _ in out] == [
-        f"{tmp_path / 'ds'}:0", f"{tmp_path / 'ds'}:1",
-        f"{tmp_path / 'dd'}[extra]:0", f"{tmp_path / 'dd'}[train]:0", f"{tmp_path / 'dd'}[train]:1",
+        "ds:0", "ds:1", "dd[extra]:0", "dd[train]:0", "dd[train]:1",
     ]
     assert out[0][2].messages == CHAT["messages"]
     assert dict(skips.counts) == {"empty_conversation": 2}
@@ -167,9 +167,9 @@ def test_reading_streams_without_loading_the_file(tmp_path):
     t = threading.Thread(target=writer)
     t.start()
     it = iter_raw_records(resolve_inputs([str(fifo)]))
-    assert next(it).source_id == f"{fifo}:1"
+    assert next(it).source_id == "pipe.jsonl:1"
     first_seen.set()
-    assert next(it).source_id == f"{fifo}:2"
+    assert next(it).source_id == "pipe.jsonl:2"
     t.join(timeout=20)
 
 

@@ -5,6 +5,7 @@ SIGKILLed mid-way must, once rerun, leave the store an uninterrupted job leaves.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_common.cli import UserError
 from dflash_common.store import Store
 from precompute import job
 
@@ -56,6 +58,26 @@ def test_a_rerun_writes_nothing_new(one_rank_bf16, tiny_target, inputs):
     runs = Store.open(one_rank_bf16).summary["runs"]
     assert runs[-1]["units_written"] == 0 and runs[-1]["batches"] == 0 and runs[-1]["units_already_in_store"] == 12
     assert runs[-1]["seconds"]["load_target"] == 0  # nothing to compute: the target is not even loaded
+
+
+def test_inputs_moved_elsewhere_resume_their_store_and_write_nothing(one_rank_bf16, tiny_target, inputs, tmp_path):
+    # sample ids name files without their paths: another mount point, or a copy, names the same shards
+    moved = [str(shutil.copy(p, tmp_path / Path(p).name)) for p in inputs]
+    assert [str(Path(p).parent) for p in moved] != [str(Path(p).parent) for p in inputs]
+    store = shutil.copytree(one_rank_bf16, tmp_path / "store")
+    files = store_files(store)
+    job.run(make_config(tiny_target, moved, store, *job_overrides("bf16")))
+    assert store_files(store) == files
+    assert Store.open(store).summary["runs"][-1]["units_already_in_store"] == 12
+
+
+def test_a_unit_stored_under_another_name_is_refused_not_written_twice(one_rank_bf16, tiny_target, inputs, tmp_path):
+    store = shutil.copytree(one_rank_bf16, tmp_path / "store")
+    first = sorted(p for p in (store / "shards").iterdir() if p.name.startswith("u00000000-"))[0]
+    first.rename(first.with_name("u00000000-" + "0" * 16))  # unit 0 from other records
+    with pytest.raises(UserError, match="already holds work unit 0 as shard u00000000-0000000000000000"):
+        job.run(make_config(tiny_target, inputs, store, *job_overrides("bf16")))
+    assert len(list((store / "shards").glob("u00000000-*"))) == 1  # nothing written beside it
 
 
 def test_a_job_killed_mid_way_resumes_to_the_store_of_an_uninterrupted_job(tiny_target, inputs, tmp_path):

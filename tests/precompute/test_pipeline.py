@@ -134,7 +134,7 @@ def test_nonfinite_states_stop_the_run_naming_the_sample_and_the_shard(tiny_targ
         job.run(cfg)
     message = str(caught.value)
     bad_unit = [n for n in Store.open(tmp_path / "store").shard_names()]
-    assert caught.value.sample_id == f"{inputs[0]}:6" and f"sample {inputs[0]}:6" in message
+    assert caught.value.sample_id == "t.jsonl:6" and "sample t.jsonl:6" in message
     assert "u00000002-" in message and "rerunning the same command resumes" in message
     assert not any(n.startswith("u00000002") for n in bad_unit)  # nothing published for that unit
     assert verify_store(Store.open(tmp_path / "store")).bad == {}
