@@ -281,28 +281,33 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
     # keeps its shards; names derive from content and state settings, so a name found is this run's shard
     published = set(published_shard_names(cfg.store.path))
-    refuse_other_copies(cfg.store.path, names, published)
     committed = {u for u, name in names.items() if name in published}
-    gathered = ranks.gather((summaries, committed, reader_skips.to_dict()))
-    plan = make_plan([s for part, _, _ in gathered for s in part], records,
+    gathered = ranks.gather((summaries, committed, reader_skips.to_dict(), other_copies(names, published)))
+    refuse_other_copies(cfg.store.path, [c for part in gathered for c in part[3]])  # every rank, the same sentence
+    plan = make_plan([s for part, _, _, _ in gathered for s in part], records,
                      samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
                      layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
-                     committed=set().union(*(c for _, c, _ in gathered)), report_first=cfg.data.report_first,
+                     committed=set().union(*(c for _, c, _, _ in gathered)), report_first=cfg.data.report_first,
                      reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first),  # read by every rank
                      final_state=manifest.final_state)
     return plan, RankUnits(summaries, names, committed, cache)
 
 
-def refuse_other_copies(store: str, names: dict[int, str], published: set[str]) -> None:
-    """A published shard of one of this rank's units under another name than this run's holds other
-    records (other data, or a store from before sample ids were path-free): writing this run's
-    shard beside it would leave the unit twice in the store, and training would read both."""
-    for name in sorted(published):
-        unit = shard_unit(name)
-        if unit in names and names[unit] != name:
-            raise UserError(f"store {store} already holds work unit {unit} as shard {name}, and this run would "
-                            f"write it as {names[unit]} from other records; precompute into a new store, or remove "
-                            f"the shards this run's inputs did not make.")
+def other_copies(names: dict[int, str], published: set[str]) -> list[tuple[int, str, str]]:
+    """(unit, published name, this run's name) of each of this rank's units published under another
+    name: a shard made from other records (other data, or by a version whose sample ids carried
+    paths). Writing this run's shard beside it would leave the unit twice, and training reads both."""
+    return [(unit, name, names[unit]) for name in sorted(published)
+            if (unit := shard_unit(name)) in names and names[unit] != name]
+
+
+def refuse_other_copies(store: str, copies: list[tuple[int, str, str]]) -> None:
+    if copies:
+        unit, old, new = min(copies)
+        more = f" (and {len(copies) - 1} more units)" if len(copies) > 1 else ""
+        raise UserError(f"store {store} already holds work unit {unit} as shard {old}{more}, and this run would write "
+                        f"it as {new} from other records; precompute into a new store, or remove the shards this "
+                        f"run's inputs did not make.")
 
 
 # ---------------------------------------------------------------------------------------- compute

@@ -10,7 +10,8 @@ chunk is written once, by the matmul, and read once, by the gradient matmul (cuB
 
 x_label = hidden_i . W[label_i] is needed before the first tile: one float32 dot product a row over
 the same bf16 inputs (label_logits); the matmul's own value of that column differs from it by the
-order of summation only.
+order of summation only. Correctness (argmax == label) is judged on these float32 logits, where the
+other methods judge the logits rounded to bf16: a near-tie may fall the other way.
 
 Tile shapes are chosen per (C, V, H) by triton.autotune on CUDA, among the configurations below; on
 the CPU (TRITON_INTERPRET=1, the tests) one small shape runs, and the tiles are cast to float32 before
