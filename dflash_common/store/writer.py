@@ -131,9 +131,11 @@ class StoreWriter:
         diff = _first_difference(stored, manifest.to_json())
         if diff:
             key, old, new = diff
+            fix = ("the dflash version that made it" if key.endswith("_version")  # no setting brings it back
+                   else "the settings the store was made with")
             raise StoreMismatchError(
                 f"Store {path} was made with {key} = {short_json(old)}, but this run has "
-                f"{key} = {short_json(new)}; use a new store path, or the settings the store was made with.")
+                f"{key} = {short_json(new)}; use a new store path, or {fix}.")
         (path / SHARDS_DIR).mkdir(exist_ok=True)
         if not (path / SHARDS_DIR / "zarr.json").exists():
             _publish_new_file(path / SHARDS_DIR / "zarr.json", group_metadata({}))

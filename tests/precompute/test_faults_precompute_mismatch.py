@@ -60,6 +60,20 @@ def test_a_store_of_another_target_is_refused_and_left_alone(made, tiny_target, 
     assert line.endswith("; use a new store path, or the settings the store was made with."), line
 
 
+def test_a_store_of_an_older_tokenization_is_refused_naming_the_version(made, tiny_target, tmp_path, capsys):
+    # e.g. a store of TOKENIZE_VERSION 2, whose sample ids carried paths: resuming it would write every
+    # unit a second time under its new name
+    inputs, made_store = made
+    store = shutil.copytree(made_store, tmp_path / "store")
+    root = store / "zarr.json"
+    meta = json.loads(root.read_text())
+    meta["attributes"]["precompute"]["tokenize_version"] = 2
+    root.write_text(json.dumps(meta))
+    line = _refused(capsys, cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6), store)
+    assert line == (f"error: Store {store} was made with precompute.tokenize_version = 2, but this run has "
+                    f"precompute.tokenize_version = 3; use a new store path, or the dflash version that made it."), line
+
+
 @pytest.mark.parametrize("damage", ["format_version", "cut_root_metadata"])
 def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(made, tiny_target, tmp_path, capsys, damage):
     inputs, made_store = made
