@@ -112,10 +112,15 @@ WAYS = [("triton", "exact", "triton"), ("triton", "odds", "triton, odds"),
         ("triton", "odds_epilogue", "triton, odds epilogue"), ("torch", "exact", "torch")]
 
 
+def ways_on(device) -> list[tuple[str, str, str]]:
+    """The WAYS this device runs: Triton's on CUDA or under TRITON_INTERPRET=1, torch's everywhere."""
+    triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return [w for w in WAYS if triton or w[0] == "torch"]
+
+
 def rows_for(device) -> list[tuple[str, object, bool]]:
     """(label, fn or None when not importable, block weights?) per row."""
-    triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    ways = [w for w in WAYS if triton or w[0] == "torch"]
+    ways = ways_on(device)
     rows = [(f"dflash fused [{label}], all rows weighted", ours(b, m), False) for b, m, label in ways]
     rows += [(f"dflash fused [{label}], block weights (1/16 skipped)", ours(b, m), True) for b, m, label in ways]
     rows.append(("plain PyTorch (logits + F.cross_entropy)", plain_torch, False))
@@ -337,7 +342,7 @@ def precision(device, reps: int = 3) -> None:
     label's lm_head row, CE from ~0.1 down to ~1e-30): per row |grad - ref| / |ref|, median and
     largest over rows, each the median over `reps` seeds."""
     n, h, v = (64, 64, 2000)
-    ways = [w for w in WAYS if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or w[0] == "torch"]
+    ways = ways_on(device)
     print(f"| {'rows':<10} | {'method':<24} | {'grad rel. err, median':>21} | {'largest':>8} "
           f"| {'CE abs. err, largest':>20} |")
     print(f"|{'-' * 12}|{'-' * 26}|{'-' * 23}|{'-' * 10}|{'-' * 22}|")

@@ -37,3 +37,15 @@ def test_loss_benchmarks_print_median_and_spread_for_every_row(script, labels):
     assert len({m["size"] for m in rows}) == 2
     for m in rows:
         assert float(m["lo"]) <= float(m["ms"]) <= float(m["hi"]) and float(m["ms"]) > 0
+
+
+def test_loss_precision_table_has_both_kinds_of_rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # torch's row only: fast
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "benchmarks/loss.py", "--precision"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = re.compile(r"^\| (typical|confident) +\| torch +\| +([\d.e+-]+) \| +([\d.e+-]+) \| +([\d.e+-]+) \|$")
+    found = {m[1]: [float(x) for x in m.groups()[1:]] for line in out.stdout.splitlines() if (m := row.match(line))}
+    assert set(found) == {"typical", "confident"}
+    assert found["typical"][0] < 2e-2 < found["confident"][0]  # exact's bf16 softmax - 1 on near-certain rows
