@@ -199,23 +199,28 @@ def run(args, s, store, store_path, store_bytes, steps, repeats, device) -> None
     drafter = make_drafter(s, device)
     total = s["warmup"] + steps
 
-    # the same batches the disk phases will train on, decoded on the device once
-    data = TrainData.build(cfg, [store], s["layer_ids"], rank=0, world=1, device=device)
-    feeder = data.start()
     held = min(total, args.resident_batches or total)
-    resident = [dataclasses.replace(next(feeder), data_wait_s=0.0) for _ in range(held)]
-    data.close()
-    del feeder
-
     gpu, disk, dropped, stats = [], [], True, []
     for _ in range(repeats):  # interleaved: a slow spell of the shared machine hits both phases
+        resident = resident_batches(cfg, store, s["layer_ids"], held, device)
         gpu.append(timed_phase(drafter, itertools.cycle(resident), cfg, steps, s["warmup"], device))
+        del resident  # freed before the disk phase, whose peak memory is its own
         dropped &= drop_page_cache(store_path)
         data = TrainData.build(cfg, [store], s["layer_ids"], rank=0, world=1, device=device)
         disk.append(timed_phase(drafter, data.start(), cfg, steps, s["warmup"], device))
         stats.append(data.cache.stats)
         data.close()
     report(disk, gpu, stats, dropped, cache_bytes / store_bytes, held, steps, s["batch_tokens"], device)
+
+
+def resident_batches(cfg, store, layer_ids, held: int, device) -> list:
+    """The first `held` batches of the plan (the ones the disk phase trains on), decoded on the device."""
+    data = TrainData.build(cfg, [store], layer_ids, rank=0, world=1, device=device)
+    feeder = data.start()
+    try:
+        return [dataclasses.replace(next(feeder), data_wait_s=0.0) for _ in range(held)]
+    finally:
+        data.close()
 
 
 def report(disk: list[dict], gpu: list[dict], stats: list, dropped: bool, cache_share: float, held: int,
