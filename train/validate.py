@@ -49,7 +49,7 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
     soft targets and prompt-anchor labels (the config refuses them with path_weight); with them,
     D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
     greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
-    the hard loss's method (precision.loss_method; 'odds_epilogue' needs CUDA and runs as 'odds' elsewhere).
+    the hard loss's method (precision.loss_method; fused_lm_head_loss runs 'odds_epilogue' as 'odds' on a CPU).
     Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
     of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
     scalar, counts [2B+2]).
@@ -71,8 +71,6 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
                                     batch.final, teacher_rows(batch.anchors, block_size).flatten(),
                                     soft_kind(targets.soft), targets.temperature)
         else:
-            if loss_method == "odds_epilogue" and device.type != "cuda":
-                loss_method = "odds"  # the Triton matmul runs on CUDA (and under the tests' interpreter)
             out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
                                      method=loss_method)
     correct = out.correct.view_as(labels)  # [A*B] -> [A, B]

@@ -45,11 +45,13 @@ in multiples of 512 rows, the heights at which cuBLAS ran fastest on an H200.
 
 Backends: 'triton' (CUDA, or the CPU under TRITON_INTERPRET=1), 'torch' (the same chunks with
 PyTorch ops: CPU and reference), 'auto' (triton on CUDA when importable, else torch). Methods:
-'exact' (the two passes above; the default), 'odds' (both backends), 'odds_epilogue' (triton only).
+'exact' (the two passes above; the default), 'odds' (both backends), 'odds_epilogue' (triton; under
+'auto' without Triton it runs as 'odds').
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import torch
@@ -89,11 +91,14 @@ def fused_lm_head_loss(
         raise ValueError(f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match")
     if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
         raise ValueError("labels and weights need one entry per row of hidden")
-    backend = resolve_backend(backend, hidden.device)
     if method not in METHODS:
         raise ValueError(f"loss method {method!r} unknown; use one of {', '.join(METHODS)}")
-    if method == "odds_epilogue" and backend != "triton":
-        raise ValueError("loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or method 'odds')")
+    if method == "odds_epilogue" and resolve_backend(backend, hidden.device) != "triton":
+        if backend != "auto":
+            raise ValueError("loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or method "
+                             "'odds')")
+        method = "odds"  # 'auto' without Triton (a CPU): the same odds, from the torch backend's logits
+    backend = resolve_backend(backend, hidden.device)
     spec = _Spec(backend, chunk_bytes, method)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if not need_grad:
@@ -177,33 +182,58 @@ def _loss_rows(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
 
 
 def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_grad):
+    """The exact method: (loss [N], correct [N], the stored gradient [N, H] or None)."""
+    n = hidden.shape[0]
+    out = (torch.zeros(n, dtype=torch.float32, device=hidden.device),
+           torch.zeros(n, dtype=torch.bool, device=hidden.device))
+
+    def chunk(h, y, w, chunk_out, index):
+        logits = h @ weight.T  # [c, V]; becomes d loss / d logits in place
+        if index is None:  # results straight into their rows: no scatter kernels a chunk
+            _weighted_ce(backend, logits, y, w, need_grad, out=chunk_out)
+        else:
+            _write_rows(chunk_out, _weighted_ce(backend, logits, y, w, need_grad), index)
+        return logits
+
+    grad = _chunk_loop(hidden, weight, labels, weights, backend, chunk_bytes, need_grad, out, chunk)
+    return out[0], out[1], grad
+
+
+def _chunk_loop(hidden, weight, labels, weights, backend, chunk_bytes, need_grad, out, chunk):
+    """The chunks of every method: the kept rows (weight != 0, a label) in chunks of the byte budget.
+    chunk(h [c, H], labels [c], weights [c], chunk_out, index) writes its rows' results into
+    chunk_out (views of those rows of `out` when no row is dropped, index None; else `out` itself, at
+    rows `index`) and returns what the gradient matmul takes, [c, V]. -> the stored gradient [N, H]
+    (rows of dropped rows zero), G = that @ W row by row, or None without a gradient."""
     n, v = hidden.shape[0], weight.shape[0]
     kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
     m = kept.numel()
     dense = m == n  # no row dropped: slices instead of gathers
-    correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     # every row of grad is written when none is dropped; else dropped rows keep a zero gradient
     grad = (torch.empty_like(hidden) if dense else torch.zeros_like(hidden)) if need_grad else None
-    rows_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     # the torch path also holds a float32 copy of the chunk
     per_value = weight.element_size() + (4 if backend == "torch" else 0)
     step = chunk_rows(n, hidden.shape[1], v, per_value, hidden.element_size(), chunk_bytes)
     for r0 in range(0, m, step):
         rows = slice(r0, min(r0 + step, m)) if dense else kept[r0:r0 + step]
-        h = hidden[rows].to(weight.dtype)  # [c, H]
-        logits = h @ weight.T  # [c, V]; becomes d loss / d logits in place
-        if dense:  # results straight into their rows: no scatter kernels a chunk
-            _weighted_ce(backend, logits, labels[rows].long(), weights[rows].float(), need_grad,
-                         out=(rows_loss[rows], correct[rows]))
-        else:
-            rows_loss[rows], correct[rows] = _weighted_ce(backend, logits, labels[rows].long(),
-                                                          weights[rows].float(), need_grad)
-        if need_grad and dense and grad.dtype == logits.dtype:
-            torch.mm(logits, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
+        chunk_out = tuple(o[rows] for o in out) if dense else out
+        d = chunk(hidden[rows].to(weight.dtype), labels[rows].long(), weights[rows].float(), chunk_out,
+                  None if dense else rows)  # [c, V] (or None without a gradient)
+        if need_grad and dense and grad.dtype == d.dtype:
+            torch.mm(d, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
         elif need_grad:
-            grad[rows] = (logits @ weight).to(grad.dtype)
-        del logits  # else the next chunk's matmul allocates while this one is alive: two chunks at peak
-    return rows_loss, correct, grad
+            grad[rows] = (d @ weight).to(grad.dtype)
+        del d  # else the next chunk's matmul allocates while this one is alive: two chunks at peak
+    return grad
+
+
+def _write_rows(out: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...], index) -> None:
+    """Each result into its output: whole (index None: out holds the chunk's rows) or at rows `index`."""
+    for o, r in zip(out, results):
+        if index is None:
+            o.copy_(r)
+        else:
+            o[index] = r
 
 
 def _weighted_ce(backend, logits, labels, weights, compute_grad, out=None):
@@ -215,8 +245,7 @@ def _weighted_ce(backend, logits, labels, weights, compute_grad, out=None):
         return weighted_ce_rows(logits, labels, weights, compute_grad, loss_out=loss_out, correct_out=correct_out)
     loss, correct = weighted_ce_rows_torch(logits, labels, weights, compute_grad)
     if out is not None:
-        out[0].copy_(loss)
-        out[1].copy_(correct)
+        _write_rows(out, (loss, correct), None)
     return loss, correct
 
 
@@ -239,31 +268,11 @@ def weighted_ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: 
 
 
 def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
-    """The label-odds methods, chunk by chunk (module docstring): per chunk the odds [c, V] (in
-    place of the logits with 'odds'), then G = odds @ W into the stored gradient's rows."""
-    n, v = hidden.shape[0], weight.shape[0]
-    kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
-    m = kept.numel()
-    dense = m == n
-    f32 = dict(dtype=torch.float32, device=hidden.device)
-    # per row: loss, correct, scale, label coefficient, ok (dropped rows: zeros, and ok)
-    out = (torch.zeros(n, **f32), torch.zeros(n, dtype=torch.bool, device=hidden.device), torch.zeros(n, **f32),
-           torch.zeros(n, **f32), torch.ones(n, dtype=torch.bool, device=hidden.device))
-    grad = (torch.empty_like(hidden) if dense else torch.zeros_like(hidden)) if need_grad else None
-    per_value = weight.element_size() + (4 if spec.backend == "torch" else 0)
-    step = chunk_rows(n, hidden.shape[1], v, per_value, hidden.element_size(), spec.chunk_bytes)
-    for r0 in range(0, m, step):
-        rows = slice(r0, min(r0 + step, m)) if dense else kept[r0:r0 + step]
-        h = hidden[rows].to(weight.dtype)  # [c, H]
-        y, w = labels[rows].long(), weights[rows].float()
-        index = None if dense else rows
-        chunk_out = tuple(o[rows] for o in out) if dense else out  # dense: views written in place
-        odds = _odds_rows(spec, h, weight, y, w, need_grad, chunk_out, index)  # [c, V] or None
-        if need_grad and dense and grad.dtype == odds.dtype:
-            torch.mm(odds, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
-        elif need_grad:
-            grad[rows] = (odds @ weight).to(grad.dtype)
-        del odds  # else the next chunk's matmul allocates while this one is alive: two chunks at peak
+    """The label-odds methods (module docstring): per chunk the odds [c, V] (in place of the logits
+    with 'odds'), then G = odds @ W into the stored gradient's rows; rows whose odds overflow, exactly."""
+    out = new_odds_results(hidden.shape[0], hidden.device)
+    chunk = functools.partial(_odds_rows, spec, weight, need_grad)
+    grad = _chunk_loop(hidden, weight, labels, weights, spec.backend, spec.chunk_bytes, need_grad, out, chunk)
     rows_loss, correct, scale, label_coef, ok = out
     if not bool(ok.all()):  # one host sync: rows whose odds overflow (CE >= 80 nats), done exactly
         bad = (~ok).nonzero().squeeze(1)
@@ -277,9 +286,17 @@ def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: 
     return rows_loss, correct, _StoredGrad(grad, scale, label_coef, labels, weight)
 
 
-def _odds_rows(spec: _Spec, h, weight, labels, weights, compute_grad, out, index):
-    """One chunk of the odds methods: results into `out` (at rows `index`, or the views given);
-    returns the odds [c, V] when compute_grad."""
+def new_odds_results(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The odds methods' per-row results, as a dropped row keeps them: loss 0, correct False, scale 0,
+    label coefficient 0 (float32, bool, float32, float32 [n]) and ok True (bool [n])."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.zeros(n, **f32), torch.zeros(n, dtype=torch.bool, device=device), torch.zeros(n, **f32),
+            torch.zeros(n, **f32), torch.ones(n, dtype=torch.bool, device=device))
+
+
+def _odds_rows(spec: _Spec, weight, compute_grad, h, labels, weights, out, index):
+    """One chunk of the odds methods (a `chunk` of _chunk_loop): results into `out` (at rows `index`,
+    or the views given); returns the odds [c, V] when compute_grad."""
     if spec.method == "odds_epilogue":
         from dflash_common.drafter.loss_epilogue_triton import odds_matmul
 
@@ -290,12 +307,7 @@ def _odds_rows(spec: _Spec, h, weight, labels, weights, compute_grad, out, index
 
         label_odds_rows(logits, labels, weights, compute_grad, out, ODDS_LOG_LIMIT, index)
     else:
-        results = label_odds_rows_torch(logits, labels, weights, compute_grad)
-        for o, r in zip(out, results):
-            if index is None:
-                o.copy_(r)
-            else:
-                o[index] = r
+        _write_rows(out, label_odds_rows_torch(logits, labels, weights, compute_grad), index)
     return logits if compute_grad else None
 
 

@@ -206,12 +206,17 @@ def test_odds_methods_keep_the_gradient_of_confident_rows_where_the_exact_one_lo
     assert max(errors["torch", "odds"], errors["triton", "odds"], errors["triton", "odds_epilogue"]) < 0.1, errors
 
 
-def test_unknown_method_and_epilogue_without_triton_are_refused():
+def test_unknown_method_and_epilogue_without_triton_are_refused_and_auto_runs_odds():
     hidden, weight, labels, weights = _case(n=12)
     with pytest.raises(ValueError, match="loss method 'fast' unknown"):
         fused_lm_head_loss(hidden, weight, labels, weights, method="fast")
     with pytest.raises(ValueError, match="use backend 'triton'"):
         fused_lm_head_loss(hidden, weight, labels, weights, backend="torch", method="odds_epilogue")
+    # 'auto' on a CPU has no Triton backend to run the epilogue's matmul: the same odds from torch's logits
+    with torch.no_grad():
+        auto = fused_lm_head_loss(hidden, weight, labels, weights, method="odds_epilogue")
+        odds = fused_lm_head_loss(hidden, weight, labels, weights, backend="torch", method="odds")
+    assert torch.equal(auto.rows, odds.rows) and torch.equal(auto.correct, odds.correct)
 
 
 def test_chunk_rows_follow_the_budget():
