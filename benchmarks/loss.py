@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.timing import Spread  # noqa: E402
-from dflash_common.drafter.loss import ODDS_LOG_LIMIT, fused_lm_head_loss  # noqa: E402
+from benchmarks.timing import Spread, cuda_ms  # noqa: E402
+from dflash_common.drafter.loss import ODDS_LOG_LIMIT, fused_lm_head_loss, new_odds_results  # noqa: E402
 from dflash_common.drafter.objective import default_gamma  # noqa: E402
 
 GOAL_SIZES = [(16384, 4096, 151936), (65536, 5120, 248320)]  # (N, H, V)
@@ -212,13 +212,9 @@ def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_siz
         times = []
         for i in range(reps + 3):
             torch.mm(h, w.T, out=logits)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = run()
-            end.record()
-            torch.cuda.synchronize()
+            ms, out = cuda_ms(run)
             if i >= 3:
-                times.append(start.elapsed_time(end))
+                times.append(ms)
         return times, out
 
     def line(label: str, times: list[float], note: str = "") -> None:
@@ -249,10 +245,7 @@ def odds_rows(logits, labels, weights, timed, line) -> None:
     kernel's."""
     from dflash_common.drafter.loss_triton import label_odds_rows, weighted_ce_rows
 
-    n = logits.shape[0]
-    out = (torch.empty(n, device=logits.device), torch.empty(n, dtype=torch.bool, device=logits.device),
-           torch.empty(n, device=logits.device), torch.empty(n, device=logits.device),
-           torch.empty(n, dtype=torch.bool, device=logits.device))
+    out = new_odds_results(logits.shape[0], logits.device)
     times, _ = timed(lambda: label_odds_rows(logits, labels, weights, True, out, ODDS_LOG_LIMIT))
     _, (exact, _) = timed(lambda: weighted_ce_rows(logits, labels, weights, False))
     ok = torch.allclose(out[0], exact, rtol=1e-4, atol=1e-4) and bool(out[4].all())
@@ -267,24 +260,14 @@ def epilogue_matmul(h, w, labels, weights, reps: int) -> None:
 
     c, v = h.shape[0], w.shape[0]
     logits = torch.empty(c, v, device=h.device, dtype=h.dtype)
-    out = (torch.empty(c, device=h.device), torch.empty(c, dtype=torch.bool, device=h.device),
-           torch.empty(c, device=h.device), torch.empty(c, device=h.device),
-           torch.empty(c, dtype=torch.bool, device=h.device))
+    out = new_odds_results(c, h.device)
     flops = 2 * c * v * h.shape[1]
     print(f"\n| {'logits matmul of one chunk':<52} | {'ms':>7} | {'spread ms':>13} | {'TFLOP/s':>7} |")
     for label, run in (("cuBLAS, h @ W^T", lambda: torch.mm(h, w.T, out=logits)),
                        ("Triton, odds in the epilogue (+ label dot, fold)",
                         lambda: odds_matmul(h, w, labels, weights, True, out, ODDS_LOG_LIMIT))):
         run()  # the first call tunes the Triton tiles
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        ms = Spread.of(times)
+        ms = Spread.of([cuda_ms(run)[0] for _ in range(reps)])
         print(f"| {label:<52} | {ms.median:>7.3f} | {f'{ms.low:.3f}-{ms.high:.3f}':>13} "
               f"| {flops / ms.median / 1e9:>7.0f} |", flush=True)
     print(f"Triton tiles chosen: {_odds_matmul_tuned.best_config}")

@@ -55,3 +55,13 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 0, cuda: bo
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def cuda_ms(fn: Callable[[], object]) -> tuple[float, object]:
+    """(milliseconds on the GPU, fn's result) of one call of fn between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), out
