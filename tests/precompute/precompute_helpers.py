@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from dflash_common.config import load_config
@@ -105,7 +106,11 @@ def interrupt_says_what_is_kept(proc: subprocess.Popen, out: Path) -> None:
 
 def kill_process_tree(proc: subprocess.Popen) -> None:
     """SIGKILL `proc` and every process below it, as a preempted node loses them: torchrun starts each
-    worker in a session of its own, so killing torchrun's process group alone would leave them running."""
+    worker in a session of its own, so killing torchrun's process group alone would leave them running.
+    `proc` is stopped first, so that it starts no worker between the listing and the kill, and the call
+    returns once every process of the tree is gone: one killed inside a disk write (an fsync) dies only
+    when the write returns, and holds its file locks until then (a rerun found the store still locked)."""
+    _signal(lambda: os.kill(proc.pid, signal.SIGSTOP))
     tree = [proc.pid, *_descendants(proc.pid)]
     for pgid in dict.fromkeys(_pgid(pid) for pid in tree):
         if pgid is not None and pgid != os.getpgrp():  # never the test's own group
@@ -113,18 +118,33 @@ def kill_process_tree(proc: subprocess.Popen) -> None:
     for pid in tree:  # in a group of its own that another process leads
         _signal(lambda: os.kill(pid, signal.SIGKILL))
     proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    for pid in tree[1:]:
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"process {pid} outlived its SIGKILL by 30 s"
+            time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs or dies; a zombie has closed its files (and released its locks)."""
+    fields = _stat(Path(f"/proc/{pid}"))
+    return fields is not None and fields[0] != b"Z"
+
+
+def _stat(proc_dir: Path) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
+    try:
+        stat = (proc_dir / "stat").read_bytes()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()
 
 
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_bytes()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # after the command name: state, ppid
-            children.setdefault(ppid, []).append(int(entry.name))
+        if entry.name.isdigit() and (fields := _stat(entry)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))  # fields: state, ppid, ...
     out, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])
