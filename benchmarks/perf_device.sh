@@ -28,7 +28,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/machine.txt"
 el "loss (issue 18's open goal first): its GPU tests, the row kernels and the epilogue matmul, the N=16384 table"
-timeout $(limit 90) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/dflash_common/drafter/test_loss.py \
+timeout $(limit 90) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/dflash_common/drafter/loss/test_hard_loss.py \
   > "$OUT/loss_tests.log" 2>&1; tail -3 "$OUT/loss_tests.log"
 timeout $(limit 90) python3 benchmarks/loss.py --kernel-sweep > "$OUT/loss.log" 2>&1
 timeout $(limit 100) python3 benchmarks/loss.py --sizes first --reps 15 >> "$OUT/loss.log" 2>&1
