@@ -111,7 +111,7 @@ def test_the_store_and_the_drafter_have_their_rooms():
     for room in ("format", "chunks", "quant", "writer", "reader", "verify", "cli"):
         assert (ROOT / "dflash_common" / "store" / f"{room}.py").is_file(), room
     drafter = ROOT / "dflash_common" / "drafter"
-    for room in ("model", "layer_ids", "objective", "target_head", "export"):
+    for room in ("config", "model", "attention", "layer_ids", "objective", "target_head", "export"):
         assert (drafter / f"{room}.py").is_file(), room
     for room in ("__init__", "hard", "hard_triton", "epilogue_triton", "soft", "soft_triton"):
         assert (drafter / "loss" / f"{room}.py").is_file(), f"loss/{room}"
