@@ -35,9 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.timing import Spread, wall_times  # noqa: E402
+from dflash_common.drafter.attention import BlockLayout  # noqa: E402
+from dflash_common.drafter.config import DrafterConfig  # noqa: E402
 from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
 from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
-from dflash_common.drafter.model import BlockLayout, DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.drafter.objective import block_labels, sample_anchors  # noqa: E402
 from train.loop import clip_and_step  # noqa: E402
 

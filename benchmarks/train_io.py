@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.timing import Spread  # noqa: E402
 from dflash_common.config import load_config  # noqa: E402
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_common.drafter.config import DrafterConfig  # noqa: E402
+from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.store import ShardPayload, Store, StoreManifest, StoreWriter, encode_states, shard_name  # noqa: E402
 from train.cache import human_bytes  # noqa: E402
 from train.config import TrainConfig  # noqa: E402

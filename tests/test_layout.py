@@ -110,7 +110,12 @@ def test_the_cycle_checker_finds_a_lazy_cycle(tmp_path):
 def test_the_store_and_the_drafter_have_their_rooms():
     for room in ("format", "chunks", "quant", "writer", "reader", "verify", "cli"):
         assert (ROOT / "dflash_common" / "store" / f"{room}.py").is_file(), room
-    for room in ("model", "layer_ids", "objective", "loss", "loss_triton", "target_head", "export"):
-        assert (ROOT / "dflash_common" / "drafter" / f"{room}.py").is_file(), room
+    drafter = ROOT / "dflash_common" / "drafter"
+    for room in ("config", "model", "attention", "layer_ids", "objective", "target_head", "export"):
+        assert (drafter / f"{room}.py").is_file(), room
+    for room in ("__init__", "hard", "hard_triton", "epilogue_triton", "soft", "soft_triton"):
+        assert (drafter / "loss" / f"{room}.py").is_file(), f"loss/{room}"
+    for old in ("loss", "loss_triton", "loss_epilogue_triton", "soft_loss", "soft_loss_triton"):
+        assert not (drafter / f"{old}.py").exists(), f"{old}.py has its room in loss/ now"
     for stage in ("precompute", "train"):
         assert (ROOT / stage / "config.py").is_file(), f"{stage}'s config lives beside its stage"

@@ -31,8 +31,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import UserError, progress_bar, write_run_record
 from dflash_common.config import to_dict
+from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.fsutil import is_disk_full, os_reason

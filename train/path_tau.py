@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from dflash_common.drafter.model import BlockLayout
+from dflash_common.drafter.attention import BlockLayout
 
 # Blocks whose logits [n, B-1, V] are materialised at once (bounds memory at large vocabularies).
 _LOGIT_ELEMENTS = 1 << 26

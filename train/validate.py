@@ -19,11 +19,12 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from dflash_common.drafter.loss import fused_lm_head_loss
+from dflash_common.drafter.loss import (
+    fused_lm_head_loss, greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows,
+)
 from dflash_common.drafter.objective import (
     IGNORE_INDEX, AcceptanceCounts, accepted_drafts, block_labels, dpace_weights, serving_path,
 )
-from dflash_common.drafter.soft_loss import greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows
 from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
 
 

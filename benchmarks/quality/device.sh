@@ -69,7 +69,7 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
   fi
   if [[ ,$STAGES, == *,drafters,* ]]; then
     log "GPU check: the compiled flex kernel without grad on a few blocks (validation's path replay)"
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/dflash_common/drafter/test_drafter.py -k "flex" || exit 1
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/dflash_common/drafter/test_attention.py -k "flex" || exit 1
     LEFT=$(( DEADLINE - $(elapsed) - 90 ))  # the path-tau reports and the packing after it
     log "drafters $VARIANTS x $SEEDS, deadline in $LEFT s"
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage drafters --variants "$VARIANTS" --seeds "$SEEDS" \

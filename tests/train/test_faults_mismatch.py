@@ -13,8 +13,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_common.dirlock import LOCK_FILE  # the holder's pid: rewritten by each run
+from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import save_drafter
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.store import StoreWriter
 from dflash_common.store.cli import main as store_main
 from dflash_common.tiny import MASK_TOKEN, TinySpec, build_tiny_target

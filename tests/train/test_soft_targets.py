@@ -13,9 +13,10 @@ import torch.nn.functional as F
 import train.loop as loop
 from dflash_common.cli import UserError
 from dflash_common.config import load_config
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.config import DrafterConfig
+from dflash_common.drafter.loss import TARGET_ARGMAX, greedy_prompt_labels, teacher_rows
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import IGNORE_INDEX, block_labels, default_gamma
-from dflash_common.drafter.soft_loss import TARGET_ARGMAX, greedy_prompt_labels, teacher_rows
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.store import Store
 from train.config import TrainConfig

@@ -1,10 +1,10 @@
-"""The label-odds loss with its row work inside the logits matmul (loss.py, method 'odds_epilogue').
+"""The label-odds loss with its row work inside the logits matmul (hard.py, method 'odds_epilogue').
 
 A Triton matmul computes a chunk's logits tile by tile, hidden_chunk [C, H] @ W^T; while a tile
 [BM, BN] is still in registers, in float32, it becomes the odds exp(x - x_label) (0 at the label)
 and is stored in the weight's dtype. Per (row, column tile) the kernel also keeps the odds' sum and
 whether a column beats the label; a small kernel folds those per row into the loss, correctness and
-the gradient's coefficients (loss_triton.odds_outputs). The logits themselves are never stored: the
+the gradient's coefficients (hard_triton.odds_outputs). The logits themselves are never stored: the
 chunk is written once, by the matmul, and read once, by the gradient matmul (cuBLAS), where the
 'odds' method also writes the logits and reads them back once more before that.
 
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_common.drafter.loss_triton import LOG2_E, store_odds_outputs
+from dflash_common.drafter.loss.hard_triton import LOG2_E, store_odds_outputs
 
 # (BM, BN, BK, warps, stages): Hopper-sized tiles; BN >= MIN_BN so that the per-tile partial sums fit
 # a buffer of cdiv(V, MIN_BN) columns whatever shape the tuner takes.
@@ -107,7 +107,7 @@ _odds_matmul_tuned = triton.autotune(configs=CONFIGS, key=["tune_m", "N", "K"])(
 @triton.jit
 def _odds_fold_kernel(t_part_ptr, beat_part_ptr, part_stride, n_parts, weights_ptr, index_ptr, loss_ptr, correct_ptr,
                       scale_ptr, label_coef_ptr, ok_ptr, log_limit, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    """Per row: the column tiles' sums and beats folded, then loss_triton's row outputs."""
+    """Per row: the column tiles' sums and beats folded, then hard_triton's row outputs."""
     row = tl.program_id(0).to(tl.int64)
     t_lane = tl.zeros([BLOCK], tl.float32)
     beat_lane = tl.zeros([BLOCK], tl.int32)
@@ -135,7 +135,7 @@ def odds_matmul(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wei
                 compute_grad: bool, out: tuple[torch.Tensor, ...], log_limit: float,
                 index: torch.Tensor | None = None) -> torch.Tensor | None:
     """h [C, H] (rows contiguous), weight [V, H], labels [C] in 0..V-1, weights [C] float32: the same
-    results as loss_triton.label_odds_rows on the logits h @ W^T, into out = (loss, correct, scale,
+    results as hard_triton.label_odds_rows on the logits h @ W^T, into out = (loss, correct, scale,
     label_coef, ok) at rows `index` (or 0..C-1). Returns the odds [C, V] in the weight's dtype (0 at
     each label) when compute_grad, else None (nothing [C, V] is stored)."""
     c, k = h.shape

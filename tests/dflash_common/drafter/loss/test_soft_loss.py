@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_common.drafter.objective import IGNORE_INDEX
-from dflash_common.drafter.soft_loss import TARGET_ARGMAX, soft_chunk_rows, soft_lm_head_loss
+from dflash_common.drafter.loss.soft import TARGET_ARGMAX, soft_chunk_rows, soft_lm_head_loss
 
 BACKENDS = ["torch", "triton"]
 KINDS = ["ce", "kl", "tv", "dspark"]

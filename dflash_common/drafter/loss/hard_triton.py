@@ -1,7 +1,7 @@
 """Triton kernel of the fused LM-head loss: weighted cross-entropy, its gradient with respect to the
 logits (written in place) and argmax correctness, one row of a logits chunk per program.
 
-The matmuls around it (hidden @ W^T before, d_logits @ W after) stay in cuBLAS; see loss.py for the
+The matmuls around it (hidden @ W^T before, d_logits @ W after) stay in cuBLAS; see hard.py for the
 design and why this split costs 4·N·V·H FLOPs. The kernel streams each row twice: an online
 max / sum-exp / argmax pass kept per lane, then (when a gradient is wanted) a pass writing
 w * (softmax - onehot) over the logits in their own dtype. All arithmetic is float32.
@@ -112,7 +112,7 @@ def weighted_ce_rows(
     return loss, correct
 
 
-# ---- the label-odds method (loss.py): one pass over each row, the softmax taken against the label ----
+# ---- the label-odds method (hard.py): one pass over each row, the softmax taken against the label ----
 
 @triton.jit
 def odds_outputs(t, beat, weight, log_limit):
@@ -185,9 +185,9 @@ def label_odds_rows(logits: torch.Tensor, labels: torch.Tensor, weights: torch.T
                     block: int | None = None) -> None:
     """logits [C, V] (rows contiguous), labels [C] in 0..V-1, weights [C] float32. Per row, into
     out = (loss, correct, scale, label_coef, ok) ([N] float32, bool, float32, float32, bool) at rows
-    `index` [C] (or rows 0..C-1 when None): see odds_outputs (log_limit: loss.ODDS_LOG_LIMIT). With
+    `index` [C] (or rows 0..C-1 when None): see odds_outputs (log_limit: hard.ODDS_LOG_LIMIT). With
     compute_grad, logits is overwritten by the odds exp(x - x_label), 0 at the label (the gradient is
-    scale * odds @ W + label_coef * W[label]: loss.py). block: columns per step, by default as
+    scale * odds @ W + label_coef * W[label]: hard.py). block: columns per step, by default as
     weighted_ce_rows."""
     c, v = logits.shape
     if logits.stride(1) != 1:

@@ -31,7 +31,7 @@ kernel reads the logits once and writes the odds over them (0 at the label) whil
 forms G = odds @ W; the backward makes w / (1 + t) * G - w t / (1 + t) * W_y of each row (one [N, H]
 pass, where the exact method scales its stored gradient). One read and one write of the chunk
 instead of two reads and a write; 'odds_epilogue' forms the odds inside a Triton logits matmul and
-stores no logits at all (loss_epilogue_triton.py). Precision: the odds are rounded to the weight's
+stores no logits at all (epilogue_triton.py). Precision: the odds are rounded to the weight's
 dtype as the exact method rounds its gradient, and the label's term is exact in float32 (the exact
 method rounds softmax - 1 there). Odds overflow float32 once CE nears 88 nats: rows whose t reaches
 e**80 (CE >= 80) are recomputed by the exact method (one host sync a call, to see whether any).
@@ -239,7 +239,7 @@ def _write_rows(out: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...]
 def _weighted_ce(backend, logits, labels, weights, compute_grad, out=None):
     """(loss per row, correct per row); with out=(loss [C], correct [C]) they are written there."""
     if backend == "triton":
-        from dflash_common.drafter.loss_triton import weighted_ce_rows
+        from dflash_common.drafter.loss.hard_triton import weighted_ce_rows
 
         loss_out, correct_out = out if out is not None else (None, None)
         return weighted_ce_rows(logits, labels, weights, compute_grad, loss_out=loss_out, correct_out=correct_out)
@@ -298,12 +298,12 @@ def _odds_rows(spec: _Spec, weight, compute_grad, h, labels, weights, out, index
     """One chunk of the odds methods (a `chunk` of _chunk_loop): results into `out` (at rows `index`,
     or the views given); returns the odds [c, V] when compute_grad."""
     if spec.method == "odds_epilogue":
-        from dflash_common.drafter.loss_epilogue_triton import odds_matmul
+        from dflash_common.drafter.loss.epilogue_triton import odds_matmul
 
         return odds_matmul(h, weight, labels, weights, compute_grad, out, ODDS_LOG_LIMIT, index)
     logits = h @ weight.T  # [c, V]; becomes the odds in place
     if spec.backend == "triton":
-        from dflash_common.drafter.loss_triton import label_odds_rows
+        from dflash_common.drafter.loss.hard_triton import label_odds_rows
 
         label_odds_rows(logits, labels, weights, compute_grad, out, ODDS_LOG_LIMIT, index)
     else:
@@ -314,7 +314,7 @@ def _odds_rows(spec: _Spec, weight, compute_grad, h, labels, weights, out, index
 def label_odds_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                           compute_grad: bool) -> tuple[torch.Tensor, ...]:
     """The odds kernels' contract in PyTorch: per row (w * CE, correct, scale, label_coef, ok) of
-    loss_triton.odds_outputs; with compute_grad, logits [C, V] is overwritten by the odds
+    hard_triton.odds_outputs; with compute_grad, logits [C, V] is overwritten by the odds
     exp(x - x_label), 0 at the label."""
     x = logits.float()
     rows = torch.arange(x.shape[0], device=x.device)
@@ -334,7 +334,7 @@ def label_odds_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: t
 def _odds_grad(stored: _StoredGrad, grad_rows: torch.Tensor, backend: str) -> torch.Tensor:
     """Row i: grad_rows[i] * (scale[i] * values[i] + label_coef[i] * W[labels[i]]), in place."""
     if backend == "triton":
-        from dflash_common.drafter.loss_triton import odds_grad
+        from dflash_common.drafter.loss.hard_triton import odds_grad
 
         return odds_grad(stored.values, stored.weight, stored.labels, stored.scale, stored.label_coef, grad_rows)
     g = grad_rows.float()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_common.drafter.loss import (
+from dflash_common.drafter.loss.hard import (
     ODDS_LOG_LIMIT, chunk_rows, fused_lm_head_loss, label_odds_rows_torch, weighted_ce_rows_torch,
 )
 from dflash_common.drafter.objective import IGNORE_INDEX
@@ -84,7 +84,7 @@ def test_bf16_inputs_stay_close_to_the_float32_reference(backend, method):
 
 
 def test_triton_kernel_tiles_the_vocabulary_like_the_torch_rows():
-    from dflash_common.drafter.loss_triton import weighted_ce_rows
+    from dflash_common.drafter.loss.hard_triton import weighted_ce_rows
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 200, generator=g) * 4
@@ -115,7 +115,7 @@ def _odds_out(n):
 
 
 def test_odds_kernel_tiles_the_vocabulary_like_the_torch_rows():
-    from dflash_common.drafter.loss_triton import label_odds_rows
+    from dflash_common.drafter.loss.hard_triton import label_odds_rows
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(7, 200, generator=g) * 4
@@ -146,7 +146,7 @@ def test_odds_kernel_tiles_the_vocabulary_like_the_torch_rows():
 @pytest.mark.parametrize("compute_grad, hidden_size", [(True, 16), (False, 16), (True, 24)],
                          ids=["grad", "no-grad", "partial-k-step"])
 def test_odds_matmul_gives_the_odds_of_the_logits(compute_grad, hidden_size):
-    from dflash_common.drafter.loss_epilogue_triton import odds_matmul
+    from dflash_common.drafter.loss.epilogue_triton import odds_matmul
 
     g = torch.Generator().manual_seed(4)
     # row tiles, column tiles and (hidden 24) the K steps of 16: the last of each partial

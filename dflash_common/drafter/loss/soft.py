@@ -1,5 +1,5 @@
 """Soft targets: the drafter's distribution matched to the target's, through the frozen lm_head, in
-row chunks that never materialise [N, V] logits (the soft twin of loss.py; same design and backends).
+row chunks that never materialise [N, V] logits (the soft twin of hard.py; same design and backends).
 
     soft_lm_head_loss(hidden [N, H], lm_head [V, H], labels [N], weights [N],
                       teacher [M, H], teacher_index [N], kind, temperature)
@@ -40,7 +40,7 @@ from typing import Literal
 
 import torch
 
-from dflash_common.drafter.loss import Backend, LossOutput, chunk_rows, resolve_backend
+from dflash_common.drafter.loss.hard import Backend, LossOutput, chunk_rows, resolve_backend
 from dflash_common.drafter.objective import IGNORE_INDEX
 
 SoftKind = Literal["ce", "kl", "tv", "dspark"]
@@ -163,7 +163,7 @@ def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, 
 
 def _soft_rows(spec: _Spec, logits, target, labels, weights, compute_grad):
     if spec.backend == "triton":
-        from dflash_common.drafter.soft_loss_triton import soft_rows
+        from dflash_common.drafter.loss.soft_triton import soft_rows
 
         return soft_rows(logits, target, labels, weights, spec.mix, spec.temperature, compute_grad)
     return soft_rows_torch(logits, target, labels, weights, spec.mix, spec.temperature, compute_grad)
