@@ -32,9 +32,9 @@ from dflash_common.cli import (
 )
 from dflash_common.drafter.layer_ids import check_layer_ids
 from dflash_common.fsutil import atomic_write_text
-from train.baseline_cache import BaselineCache
-from train.eval_config import EvalConfig, GenerationSection
-from train.spec_decode import (
+from train.eval.baseline_cache import BaselineCache
+from train.eval.config import EvalConfig, GenerationSection
+from train.eval.spec_decode import (
     Decoded, DFlashProposer, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
 )
 
@@ -511,7 +511,7 @@ def finish(report: dict, cfg: EvalConfig) -> dict:
 
 
 def run_vllm(cfg: EvalConfig) -> dict:
-    """The report measured through vLLM (train/vllm_engine.py): the exported drafter served with its
+    """The report measured through vLLM (train/eval/vllm_engine.py): the exported drafter served with its
     target, and the target served alone for the lossless check and the baseline."""
     import tempfile
     from types import SimpleNamespace
@@ -519,7 +519,7 @@ def run_vllm(cfg: EvalConfig) -> dict:
     from transformers import AutoConfig, GenerationConfig
 
     from dflash_common.drafter.export import resolve_drafter_dir
-    from train import vllm_engine
+    from train.eval import vllm_engine
 
     if not vllm_engine.vllm_available():
         raise UserError("--engine vllm needs vLLM importable here; run it from .venv-vllm (make serve-check "
