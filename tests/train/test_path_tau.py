@@ -42,7 +42,7 @@ class Bf16Context:
 def greedy_records(model, tokenizer) -> list[dict]:
     """Demo prompts answered by the target alone (dflash-eval's baseline loop and stop tokens), as
     token records."""
-    from train.eval.run import stop_token_ids
+    from train.eval.load import stop_token_ids
     from train.eval.spec_decode import TargetRunner, target_generate
 
     runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model, tokenizer)
@@ -102,7 +102,9 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
     from dflash_common.config import load_config
     from dflash_common.drafter.export import load_drafter
     from train.eval.config import EvalConfig
-    from train.eval.run import Prompt, attach_target, evaluate_drafter
+    from train.eval.load import attach_target
+    from train.eval.prompts import Prompt
+    from train.eval.run import evaluate_drafter
     from train.validate import path_tau_offline
 
     model, records, store, run, stop = greedy_setup

@@ -18,10 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_common.cli import UserError
 from dflash_common.config import load_config
 from train.eval.config import EvalConfig
-from train.eval.run import (
-    Prompt, PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, format_report, load_prompts,
-    lossless_message, summarize, write_report,
-)
+from train.eval.prompts import Prompt, load_prompts
+from train.eval.report import format_report, lossless_message, write_report
+from train.eval.run import PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, summarize
 from train.eval.spec_decode import (
     GREEDY, Decoded, Sampling, TargetRunner, accept_sampled, sampling_probs, speculative_generate, target_generate,
 )

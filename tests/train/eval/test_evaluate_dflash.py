@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_common.cli import UserError
 from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
 from dflash_common.tiny import MASK_TOKEN
-from train.eval.run import load_proposer, main
+from train.eval.cli import main
+from train.eval.load import load_proposer
 from train.eval.spec_decode import TargetRunner, speculative_generate, target_generate
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
@@ -172,7 +173,7 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
     the leading run of the training forward's correct predictions at that cycle's anchor."""
     from pathlib import Path
 
-    from train.eval.run import load_prompts
+    from train.eval.prompts import load_prompts
     from train.eval.spec_decode import DFlashProposer
 
     root = Path(__file__).resolve().parents[3]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import EVAL_BLOCK
 
-from train.eval.run import main
+from train.eval.cli import main
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
 
