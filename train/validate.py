@@ -1,19 +1,16 @@
 """Validation on held-out sequences: weighted loss, accuracy per block position and the estimated
-acceptance length tau, from the same objective the trainer optimises.
+acceptance length tau, from the same objective the trainer optimises (train/objective.py).
 
-The trainer calls `evaluate_offline` every `validation.every_steps`; `dflash-eval` calls it for its
-offline estimate with a store path, and then reads the same held-out sequences the trainer held out
-(train/plan.py `holdout_split`: fixed by shard names, not by any seed).
+The trainer calls `evaluate_batches` every `validation.every_steps` on its held-out split;
+`dflash-eval --offline` calls it on the same held-out sequences of a store (train/eval/offline.py).
 
-    metrics = evaluate_offline(drafter, "stores/qwen3-8b")            # a store: its held-out split
-    metrics = evaluate_offline(drafter, device_batches)                # batches already on the device
-    metrics["loss"], metrics["acc"], metrics["acc_by_pos"], metrics["tau"]
+    metrics = evaluate_batches(drafter, device_batches, block_size=B)
+    metrics["loss"], metrics["acc"], metrics["acc_by_pos"], metrics["tau"], metrics["path_tau"]
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -21,7 +18,7 @@ import torch.distributed as dist
 
 from dflash_common.drafter.objective import AcceptanceCounts
 from train.objective import batch_objective
-from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
+from train.path_tau import path_counts, replay_batch, summarize_path
 
 
 def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
@@ -70,75 +67,3 @@ def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
     if path:
         out.update(summarize_path(paths))
     return out
-
-
-@torch.no_grad()
-def path_tau_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_size: int | None = None,
-                     max_new_tokens: int | None = None, autocast: str = "none") -> dict[str, Any]:
-    """Path tau alone (train/path_tau.py) over device batches, as dflash-eval would decode their
-    responses with `block_size` and `max_new_tokens`; also each response's cycle lengths ("path_lengths",
-    in batch order) and its prompt's last token ids ("path_prompt_tails"), to match responses to prompts."""
-    paths, lengths, tails = torch.zeros(5, dtype=torch.float64), [], []
-    for batch in batches:
-        got = replay_batch(drafter, batch, block_size=block_size, max_new_tokens=max_new_tokens, autocast=autocast)
-        paths += path_counts(got)
-        lengths += got
-        tails += _prompt_tails(batch)
-    return {**summarize_path(paths), "path_lengths": lengths, "path_prompt_tails": tails}
-
-
-def _prompt_tails(batch: Any, n: int = 16) -> list[list[int]]:
-    """The last `n` token ids before each response of a batch (in the order of response_segments)."""
-    first, _, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, None)
-    ids = batch.input_ids.tolist()
-    return [ids[max(s, f - n):f] for f, s in zip(first.tolist(), seq_start.tolist())]
-
-
-def evaluate_offline(
-    drafter: torch.nn.Module,
-    source: Iterable[Any] | str | Path,
-    *,
-    gamma: float | None = None,
-    max_anchors: int = 512,
-    holdout_sequences: int = 256,
-    holdout_fraction: float = 0.0,
-    batch_tokens: int = 65536,
-    reader_threads: int = 4,
-    autocast: str = "bf16",
-    path: bool = True,
-) -> dict[str, Any]:
-    """The offline estimate of a drafter (frozen embedding and lm_head attached, on its device).
-
-    `source` is an iterable of device batches, or a store directory: then its held-out sequences
-    (the first `holdout_sequences` / `holdout_fraction` by the trainer's rule, with the trainer's
-    defaults) are read, packed into `batch_tokens` batches and given fixed anchors.
-    Returns {"loss", "acc", "acc_by_pos" (k = 1..B-1), "tau", "blocks", "sequences"} and, with `path`,
-    the path tau of those sequences (see `evaluate_batches`).
-    """
-    block_size = drafter.cfg.block_size
-    if not isinstance(source, (str, Path)):
-        return evaluate_batches(drafter, source, block_size=block_size, gamma=gamma, autocast=autocast, path=path)
-    from train.data import heldout_batches
-
-    with heldout_batches(source, drafter.cfg, device=next(drafter.parameters()).device,
-                         max_anchors=max_anchors, holdout_sequences=holdout_sequences,
-                         holdout_fraction=holdout_fraction, batch_tokens=batch_tokens,
-                         reader_threads=reader_threads, autocast=autocast) as batches:
-        return evaluate_batches(drafter, batches, block_size=block_size, gamma=gamma, autocast=autocast, path=path)
-
-
-def path_tau_offline(drafter: torch.nn.Module, store: str | Path, *, block_size: int | None = None,
-                     max_new_tokens: int | None = None, holdout_sequences: int = 256, holdout_fraction: float = 0.0,
-                     batch_tokens: int = 65536, reader_threads: int = 4, autocast: str = "none") -> dict[str, Any]:
-    """Path tau of a store's held-out responses as dflash-eval would decode them (`block_size`,
-    `max_new_tokens`): every held-out sequence with at least 2 response tokens (one cycle), not only
-    those with 2B that training keeps, so it covers the prompts dflash-eval decodes."""
-    from train.data import heldout_batches
-
-    with heldout_batches(store, drafter.cfg, device=next(drafter.parameters()).device, max_anchors=1,
-                         holdout_sequences=holdout_sequences, holdout_fraction=holdout_fraction,
-                         batch_tokens=batch_tokens, reader_threads=reader_threads, autocast=autocast,
-                         min_response=2) as batches:
-        return path_tau_batches(drafter, batches, block_size=block_size, max_new_tokens=max_new_tokens,
-                                autocast=autocast)
-

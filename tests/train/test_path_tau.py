@@ -103,9 +103,9 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
     from dflash_common.drafter.export import load_drafter
     from train.eval.config import EvalConfig
     from train.eval.load import attach_target
+    from train.eval.offline import path_tau_offline
     from train.eval.prompts import Prompt
     from train.eval.run import evaluate_drafter
-    from train.validate import path_tau_offline
 
     model, records, store, run, stop = greedy_setup
     ends = [r["input_ids"][-1] == stop for r in records]

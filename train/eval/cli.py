@@ -11,7 +11,6 @@ from typing import Sequence
 
 from dflash_common.cli import exit_with_error, parse_args, setup_logging, user_errors_exit
 from train.eval.config import EvalConfig
-from train.eval.offline import run_offline
 from train.eval.run import LosslessError, run
 
 
@@ -34,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                         "the target does not run"))})
     setup_logging()
     if args.offline:
+        # the store reader and the trainer's data path are imported for --offline only
+        from train.eval.offline import run_offline
+
         run_offline(cfg)
         return
     try:
