@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         "train": stage("train", "train.cli", "--config", "configs/tiny.toml", f"--store={store}",
                        f"--out={run}"),
         "export": stage("export", "dflash_common.drafter.export", str(run), str(drafter), "--overwrite"),
-        "eval": stage("eval", "train.evaluate", "--config", "configs/tiny.toml", f"--drafter={drafter}",
+        "eval": stage("eval", "train.eval.cli", "--config", "configs/tiny.toml", f"--drafter={drafter}",
                       f"--report={report_path}"),
     }
     info = json.loads(subprocess.run([sys.executable, "-m", "dflash_common.store.cli", "info", str(store), "--json"],

@@ -18,7 +18,7 @@ STAGES = {
     "generate": "precompute.generate_config:GenerateConfig",
     "precompute": "precompute.config:PrecomputeConfig",
     "train": "train.config:TrainConfig",
-    "eval": "train.eval_config:EvalConfig",
+    "eval": "train.eval.config:EvalConfig",
 }
 
 

@@ -119,3 +119,12 @@ def test_the_store_and_the_drafter_have_their_rooms():
         assert not (drafter / f"{old}.py").exists(), f"{old}.py has its room in loss/ now"
     for stage in ("precompute", "train"):
         assert (ROOT / stage / "config.py").is_file(), f"{stage}'s config lives beside its stage"
+
+
+def test_evaluation_is_one_package_and_the_objective_a_training_module():
+    for room in ("cli", "config", "run", "prompts", "load", "spec_decode", "report", "offline", "baseline_cache",
+                 "vllm_engine"):
+        assert (ROOT / "train" / "eval" / f"{room}.py").is_file(), room
+    for moved in ("evaluate", "eval_config", "spec_decode", "vllm_engine", "baseline_cache"):
+        assert not (ROOT / "train" / f"{moved}.py").exists(), f"train/{moved}.py belongs in train/eval/"
+    assert (ROOT / "train" / "objective.py").is_file(), "the step's objective lives in train/objective.py"

@@ -22,7 +22,6 @@ without carrying any generator state.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -479,30 +478,3 @@ class TrainData:
         for cache in (self.cache, self.val_cache):
             if cache is not None:
                 cache.slab.close()
-
-
-@contextlib.contextmanager
-def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchors: int, holdout_sequences: int,
-                    holdout_fraction: float, batch_tokens: int, reader_threads: int, autocast: str,
-                    min_response: int | None = None):
-    """Device batches of a store's held-out sequences, split as the trainer splits them (it drops
-    sequences with fewer than `min_response` response tokens, 2B by default, as training does)."""
-    store = Store.open(store_path, read_threads=reader_threads)
-    layer_ids = list(drafter_cfg.target_layer_ids)
-    shards = scan_stores([store], reader_threads, batch_tokens)
-    min_response = 2 * drafter_cfg.block_size if min_response is None else min_response
-    split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
-    plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
-                    window_shards=1, world=1, grad_accum=1)
-    nbytes, _ = slot_size([store], shards, layer_ids)
-    cache = ShardCache(SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1)
-    host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.block_size, max_anchors=max_anchors)
-    feeder = make_feeder(host, dict, [store], layer_ids, device=device, batch_tokens=batch_tokens,
-                         autocast=autocast, prefetch=0)
-    try:
-        yield feeder
-    finally:
-        feeder.close()
-        cache.close()
-        cache.slab.close()
-        store.close()

@@ -46,10 +46,11 @@ from train.checkpoint import (
 from train.config import TrainConfig
 from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
+from train.objective import batch_objective
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
 from train.report import write_report
 from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
-from train.validate import batch_objective, evaluate_batches, summarize
+from train.validate import evaluate_batches, summarize
 
 log = logging.getLogger("dflash")
 

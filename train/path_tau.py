@@ -2,7 +2,7 @@
 
 When a stored response is the target's own greedy output (as dflash-generate writes it), the target's
 verdict on any draft is known in advance: at every response position its greedy token *is* the stored
-token. So `train/spec_decode.py`'s greedy decoding can be replayed exactly from the stored tokens and
+token. So `train/eval/spec_decode.py`'s greedy decoding can be replayed exactly from the stored tokens and
 features alone:
 
     prefill  -> the first response token r0 at position p (not a cycle)
@@ -60,7 +60,7 @@ _LOGIT_ELEMENTS = 1 << 26
 
 
 def cycle_length(accepted: torch.Tensor, anchor: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Tokens a cycle emits, as train/spec_decode.py's `Decoded.emitted` counts them: the accepted drafts
+    """Tokens a cycle emits, as train/eval/spec_decode.py's `Decoded.emitted` counts them: the accepted drafts
     plus the target's own token, cut where the response ends (its stop token at end - 1, or the length
     limit), so the last cycle counts only what it emits (`acceptance_lengths`, the authors' tau, counts
     it uncut). The one place of the end rule: follow spec_decode's `emitted_lengths` if it changes."""

@@ -261,7 +261,7 @@ def load_target(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_common.chat import ChatTemplate
-    from train.evaluate import stop_token_ids
+    from train.eval.load import stop_token_ids
 
     target = args.work / "target"
     tok = AutoTokenizer.from_pretrained(target)
@@ -313,7 +313,7 @@ def stage_heldout(args) -> None:
     on another device are kept (the manifest says which): dflash-eval must then run there too."""
     import torch
 
-    from train.spec_decode import TargetRunner, target_generate
+    from train.eval.spec_decode import TargetRunner, target_generate
 
     data, want = args.work / "data", data_settings(args)
     want = {k: v for k, v in want.items() if k not in ("device", "train_prompts")}
@@ -370,7 +370,7 @@ def stage_drafters(args) -> None:
 
 def eval_commands(args, out: Path) -> dict[str, list[str]]:
     target, data = args.work / "target", args.work / "data"
-    common = [sys.executable, "-m", "train.evaluate", "--drafter", str(out / "drafter"),
+    common = [sys.executable, "-m", "train.eval.cli", "--drafter", str(out / "drafter"),
               f"--target.path={target}", f"--generation.max_new_tokens={args.max_new_tokens}",
               f"--target.device={'cpu' if args.device == 'cpu' else 'auto'}"]
     return {

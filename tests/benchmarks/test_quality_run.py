@@ -10,7 +10,7 @@ import pytest
 
 from dflash_common.config import load_config
 from train.config import TrainConfig
-from train.eval_config import EvalConfig
+from train.eval.config import EvalConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

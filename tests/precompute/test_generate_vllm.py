@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from train.vllm_engine import ENV, vllm_available
+from train.eval.vllm_engine import ENV, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable here")]
 

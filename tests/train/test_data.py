@@ -13,7 +13,7 @@ from dflash_common.drafter.objective import AcceptanceCounts, sample_anchors
 from dflash_common.store import Store
 from train.config import TrainConfig
 from train.data import TrainData, allocate_cache, scan_stores, seeded_generator
-from train.validate import block_counts
+from train.objective import block_counts
 
 from train_helpers import write_tiny_store
 

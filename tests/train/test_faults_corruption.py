@@ -161,7 +161,7 @@ def test_offline_evaluation_of_a_damaged_store_is_one_sentence(store8, tiny_targ
     from dflash_common.drafter.export import save_drafter
     from dflash_common.drafter.model import DFlashDrafter
     from dflash_common.tiny import MASK_TOKEN
-    from train.evaluate import main as eval_main
+    from train.eval.cli import main as eval_main
 
     path = copy_store(store8, tmp_path / "store")
     for name in shard_names(path):  # whichever shard holds the held-out sequences is damaged

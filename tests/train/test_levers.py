@@ -17,8 +17,8 @@ from grad_helpers import accumulate, setup
 import train.loop as loop
 from dflash_common.drafter.loss import fused_lm_head_loss
 from dflash_common.drafter.objective import IGNORE_INDEX, block_labels, dpace_weights, sample_anchors, serving_path
+from train.objective import batch_objective
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
-from train.validate import batch_objective
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from dflash_common.drafter.target_head import load_target_head
 from train.checkpoint import complete_checkpoints
 from train.cli import main, parse
 from train.config import TrainConfig
+from train.eval.offline import evaluate_offline
 from train.metrics import read_metrics
-from train.validate import evaluate_offline
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ from dflash_common.store import Store
 from train.config import TrainConfig
 from train.data import TrainData
 from train.metrics import read_metrics
-from train.validate import batch_objective
+from train.objective import batch_objective
 
 BLOCK = 4
 

@@ -17,12 +17,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.cli import UserError
 from dflash_common.config import load_config
-from train.eval_config import EvalConfig
-from train.evaluate import (
-    Prompt, PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, format_report, load_prompts,
-    lossless_message, summarize, write_report,
-)
-from train.spec_decode import (
+from train.eval.config import EvalConfig
+from train.eval.prompts import Prompt, load_prompts
+from train.eval.report import format_report, lossless_message, write_report
+from train.eval.run import PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, summarize
+from train.eval.spec_decode import (
     GREEDY, Decoded, Sampling, TargetRunner, accept_sampled, sampling_probs, speculative_generate, target_generate,
 )
 
@@ -394,7 +393,7 @@ def test_decode_prompts_warm_up_does_not_change_results(tiny, runner, prompts):
 def test_shipped_eval_configs_load(name):
     from pathlib import Path
 
-    cfg = load_config(EvalConfig, Path(__file__).resolve().parents[2] / "configs" / name)
+    cfg = load_config(EvalConfig, Path(__file__).resolve().parents[3] / "configs" / name)
     assert cfg.target.path and cfg.prompts.files and cfg.report.path.endswith(".json")
     if name == "tiny.toml":
         assert cfg.target.dtype == "float32" and cfg.check.lossless == "error"
@@ -419,7 +418,7 @@ def test_baseline_cache_decodes_the_target_alone_once_and_keys_on_the_target(tin
     another target (other weight bytes) misses."""
     import shutil
 
-    import train.evaluate as evaluate_module
+    import train.eval.run as evaluate_module
 
     model, tok = tiny
     block, cache = 4, tmp_path / "baseline"

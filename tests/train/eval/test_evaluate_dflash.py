@@ -15,8 +15,9 @@ from dflash_common.cli import UserError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.tiny import MASK_TOKEN
-from train.evaluate import load_proposer, main
-from train.spec_decode import TargetRunner, speculative_generate, target_generate
+from train.eval.cli import main
+from train.eval.load import load_proposer
+from train.eval.spec_decode import TargetRunner, speculative_generate, target_generate
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
 
@@ -75,7 +76,7 @@ def test_untrained_dflash_drafter_is_lossless_with_tau_in_range(model, drafter_d
 def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir, tmp_path, capsys):
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     report = tmp_path / "out" / "eval.json"
     main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
           "--report", str(report), f"--target.path={tiny_target}",
@@ -97,7 +98,7 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
 def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     report = tmp_path / "eval.json"
     main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
           "--report", str(report), f"--target.path={tiny_target}", "--generation.block_size=3",
@@ -173,10 +174,10 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
     the leading run of the training forward's correct predictions at that cycle's anchor."""
     from pathlib import Path
 
-    from train.evaluate import load_prompts
-    from train.spec_decode import DFlashProposer
+    from train.eval.prompts import load_prompts
+    from train.eval.spec_decode import DFlashProposer
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     tok = AutoTokenizer.from_pretrained(tiny_target)
     proposer = DFlashProposer(_briefly_trained_drafter(model, tok, root))
     target = TargetRunner(model, proposer.layer_ids)

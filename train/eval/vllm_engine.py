@@ -1,6 +1,6 @@
 """Speculative decoding through vLLM (`dflash-eval --engine vllm`, `make serve-check`).
 
-vLLM runs in a child process per engine (`python -m train.vllm_engine REQUEST.json RESULT.json`):
+vLLM runs in a child process per engine (`python -m train.eval.vllm_engine REQUEST.json RESULT.json`):
 `LLM(...)` spawns its engine core, so the caller needs a `__main__` guard, and a process holds one
 engine. Prompts are decoded one at a time, greedy, in float32, so that vLLM's cumulative counters
 (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`, read
@@ -8,7 +8,7 @@ with `disable_log_stats=False`) give every prompt's own drafts and accepted toke
 1 + accepted / drafts (its mean over cycles), the pooled tau 1 + sum accepted / sum drafts, and the
 histogram of tokens per cycle follows from the per-position counts (a cycle emits k + 1 tokens when
 exactly k drafts are accepted). vLLM drafts whole blocks and counts every cycle uncut, as the DFlash
-authors' loop (train/spec_decode.py) does, but it ends a prompt sooner: it runs a cycle only while
+authors' loop (train/eval/spec_decode.py) does, but it ends a prompt sooner: it runs a cycle only while
 fewer than max_new_tokens tokens are out (the authors' loop also runs one when exactly that many are)
 and none after a stop token from the prefill. `expected_counters` turns our engine's cycles into the
 counters vLLM must then report.
@@ -115,9 +115,9 @@ def run_engine(request: dict, workdir: Path, name: str, python: str = sys.execut
     req.write_text(json.dumps(request))
     res.unlink(missing_ok=True)
     with open(log, "w") as f:
-        rc = subprocess.run([python, "-m", "train.vllm_engine", str(req), str(res)], stdout=f,
-                            stderr=subprocess.STDOUT, timeout=timeout, cwd=Path(__file__).resolve().parent.parent,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}).returncode
+        rc = subprocess.run([python, "-m", "train.eval.vllm_engine", str(req), str(res)], stdout=f,
+                            stderr=subprocess.STDOUT, timeout=timeout, cwd=Path(__file__).resolve().parents[2],
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}).returncode
     if rc != 0 or not res.is_file():
         tail = log.read_text().strip().splitlines()[-1:] or [""]
         raise RuntimeError(f"vLLM ({name}) failed with exit code {rc}: {tail[0][:300]} (log: {log})")

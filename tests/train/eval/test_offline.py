@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import EVAL_BLOCK
 
-from train.evaluate import main
+from train.eval.cli import main
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
 
@@ -26,7 +26,7 @@ def test_offline_estimate_reads_the_held_out_split_of_the_training_run(tiny_targ
 
     from dflash_common.drafter.export import load_drafter
     from dflash_common.drafter.target_head import load_target_head
-    from train.validate import evaluate_offline
+    from train.eval.offline import evaluate_offline
 
     run_drafter = tmp_path / "run"
     shutil.copytree(drafter_dir, run_drafter)

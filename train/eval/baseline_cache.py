@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_common.fsutil import atomic_write_text
-from train.spec_decode import Decoded, Sampling
+from train.eval.spec_decode import Decoded, Sampling
 
 FORMAT = "dflash-eval-baseline/1"
 
