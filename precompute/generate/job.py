@@ -38,9 +38,9 @@ from dflash_common.chat import ChatMaskError, _guarded
 from dflash_common.cli import UserError, write_run_record
 from dflash_common.fingerprint import target_fingerprint
 from dflash_common.fsutil import atomic_write_text, is_disk_full, os_reason
-from precompute.generate_chats import Chat, parse_chat
-from precompute.generate_config import GenerateConfig
-from precompute.generate_decode import Request, Sampling, TransformersDecoder, VllmDecoder
+from precompute.generate.chats import Chat, parse_chat
+from precompute.generate.config import GenerateConfig
+from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
 from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.job import Ranks, start_ranks
 from precompute.plan import iter_unit_records, num_units
@@ -207,7 +207,7 @@ class RankWork:
 
 
 def unit_name(index: int, records: list[RawRecord], key: str) -> str:
-    from precompute.generate_chats import payload_digest
+    from precompute.generate.chats import payload_digest
 
     h = hashlib.sha256(f"{key}\0unit {index}\0".encode())
     for r in records:
