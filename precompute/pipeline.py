@@ -59,7 +59,7 @@ from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import SHARDS_DIR, NonFiniteStatesError, ShardPayload, StoreWriter
 from dflash_common.store.quant import EncodedStates, encode_states, storage_numpy_dtype
 from precompute.batching import pad_right, plan_batches
-from precompute.plan import TokenizedUnit
+from precompute.tokenizing import TokenizedUnit
 from precompute.target import FINAL
 
 log = logging.getLogger("dflash")

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_common.cli import UserError
-from precompute import plan as P
+from precompute import tokenizing as P
 from precompute.inputs import RawRecord, resolve_inputs
 
 from precompute_helpers import chat, make_config, write_jsonl
