@@ -1,33 +1,14 @@
-"""Work units, their tokens, who computes them, and the plan printed before any GPU work.
+"""The tokens of each work unit: the chat template and the length rules, once, kept in a token cache.
 
-Work units. The input record stream (every line or row of every input, in input order, bad ones
-included) is cut into units of `run.samples_per_unit` consecutive records: unit u holds records
-[u*S, (u+1)*S). Units depend on the input alone, never on the number of ranks. Consecutive units
-form windows of `batching.sort_window_units` (window w = units [w*W, (w+1)*W)), whose samples are
-sorted by length and batched together; rank r computes the windows with w % world_size == r. As a
-window is batched the same way whatever the number of ranks, every sequence runs in the same batch
-and its states are the same bits with 1 rank or 100. Each unit becomes one shard whose name is
-derived from its content (`unit_shard_name`): the unit index, its sample ids, token ids, loss mask,
-and the parts of the configuration that change the states (`state_key`). A rerun computes the same
-names and skips the shards the store already has.
-
-Tokenize once. Applying the chat template is the slow part of reading (a Jinja render per turn).
-The plan needs the token counts, so the plan pass tokenizes each rank's units and keeps the result in
-a token cache (`run.cache_dir`, default `<store.path>.tokens/<key>/unit-XXXXXXXX.npz`, 5 bytes per
+Applying the chat template is the slow part of reading (a Jinja render per turn). The plan needs the
+token counts, so the plan pass tokenizes each rank's units (precompute/units.py) and keeps the result
+in a token cache (`run.cache_dir`, default `<store.path>.tokens/<key>/unit-XXXXXXXX.npz`, 5 bytes per
 token); the forward pass then reads the cache instead of tokenizing again, and a restarted run finds
 the units already tokenized. A `--dry-run` reads the cache where it exists but writes nothing: units
 it does not find are tokenized for the plan's counts and dropped. The cache key hashes the
 tokenizer files, the data options and the input files' sizes and modification times, so changed
 inputs or options never reuse stale tokens. Units can be tokenized by a pool of processes
 (`run.tokenize_workers`).
-
-Disk plan. Bytes per token on disk (H = hidden size, K = number of captured layers):
-    bf16:      K * 2H            (2 bytes per value)
-    fp8_e4m3:  K * (H + 4)       (1 byte per value + a float32 scale per token and layer)
-    + 5                          (int32 token id + uint8 loss mask)
-plus 8 bytes per sample (offsets), before compression (a projection, so an upper bound). The plan
-refuses to start when the bytes still to write, plus a margin, exceed the free space on the store's
-filesystem (`run.force` overrides).
 
 Skip reasons added here (see precompute/inputs.py for the reader's): the chat template's
 (`template_error`, `template_rewrites_history`, `assistant_turn_first`), `token_id_out_of_range`,
@@ -44,59 +25,26 @@ import io
 import json
 import logging
 import multiprocessing
-import shutil
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from dflash_common.chat import ChatMaskError, ChatTemplate
 from dflash_common.cli import UserError
 from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
-from dflash_common.fsutil import atomic_write_bytes, human_bytes
-from dflash_common.store import shard_name
+from dflash_common.fsutil import atomic_write_bytes
 from precompute.config import DataConfig, PrecomputeConfig
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
-
-log = logging.getLogger("dflash")
+from precompute.units import iter_unit_records, num_units, owner
 
 # Bumped when the tokenization rules change, so caches made by older code are not reused.
 # 2: no loss on the end of turn of a record cut by length (finish_reason); 3: sample ids name a file by
 # its own name, not its path (inputs.Source.label), so shard names no longer change when inputs move
 TOKENIZE_VERSION = 3
-# Extra room the disk must have beyond the projection: zarr metadata, checksums, filesystem blocks.
-DISK_MARGIN = 1.05
-_ID_MASK_BYTES = 5  # int32 token id + uint8 loss mask per token
-_OFFSET_BYTES = 8  # int64 offset per sample
 
 
-# ------------------------------------------------------------------------------------ work units
-
-
-def owner(unit: int, world_size: int, units_per_window: int = 1) -> int:
-    """The rank that computes `unit`: the owner of its window (windows go round-robin)."""
-    return (unit // units_per_window) % world_size
-
-
-def num_units(num_records: int, samples_per_unit: int) -> int:
-    return -(-num_records // samples_per_unit)
-
-
-def iter_unit_records(records: Iterator[RawRecord], samples_per_unit: int, rank: int = 0,
-                      world_size: int = 1, units_per_window: int = 1) -> Iterator[tuple[int, list[RawRecord]]]:
-    """Group the record stream into (unit index, records) for the units this rank owns. Records of
-    other ranks' units are passed over without being kept or parsed."""
-    current, batch = -1, []
-    for record in records:
-        unit = record.index // samples_per_unit
-        if unit != current:
-            if batch:
-                yield current, batch
-            current, batch = unit, []
-        if owner(unit, world_size, units_per_window) == rank:
-            batch.append(record)
-    if batch:
-        yield current, batch
+# ------------------------------------------------------------------------------------ tokenized units
 
 
 @dataclasses.dataclass
@@ -390,152 +338,3 @@ def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache_root: str | None) -> di
         for f in cf.as_completed(pending):
             out[f.result().index] = f.result()
     return out
-
-
-# ------------------------------------------------------------------------------------ shard names
-
-
-def state_key(target: Any, layer_ids: list[int], cfg: PrecomputeConfig) -> str:
-    """Hash of every setting that changes the stored states of a given token sequence; `target` is
-    the target's fingerprint (the manifest's `target`)."""
-    key = {"target": target, "layer_ids": sorted(layer_ids), "dtype": cfg.target.dtype,
-           "attn_implementation": cfg.target.attn_implementation, "store_dtype": cfg.store.dtype}
-    if cfg.store.final_state:  # only when set: the names of stores without final states stay as they were
-        key["final_state"] = True
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
-
-def unit_shard_name(unit: int, content_digest: str, state: str) -> str:
-    """The store's name for a unit's shard (`u00000042-<16 hex>`): ordered by input position, with a
-    digest of the state settings and the unit's content (`TokenizedUnit.content_digest`)."""
-    return shard_name(unit, hashlib.sha256((state + content_digest).encode()).hexdigest())
-
-
-# ------------------------------------------------------------------------------------ disk plan
-
-
-def bytes_per_token(hidden_size: int, num_layers: int, store_dtype: str) -> int:
-    per_layer = 2 * hidden_size if store_dtype == "bf16" else hidden_size + 4
-    return num_layers * per_layer + _ID_MASK_BYTES
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What a run will do and need, summed over all ranks' units."""
-
-    records: int
-    units: int
-    samples: int
-    tokens: int
-    response_tokens: int
-    truncated: int
-    skips: SkipLog
-    hidden_size: int
-    layer_ids: list[int]
-    store_dtype: str
-    store_path: str
-    committed_units: int
-    empty_units: list[int]  # units whose records were all skipped: done, with no shard
-    bytes_to_write: int
-    bytes_total: int
-    free_bytes: int
-    final_state: bool = False  # one more [T, H] array per shard: the final normed state
-
-    @property
-    def state_arrays(self) -> int:
-        return len(self.layer_ids) + (1 if self.final_state else 0)
-
-    @property
-    def fits(self) -> bool:
-        return self.bytes_to_write * DISK_MARGIN <= self.free_bytes
-
-    def format(self) -> str:
-        skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(self.skips.counts.items())) or "none"
-        per = bytes_per_token(self.hidden_size, self.state_arrays, self.store_dtype)
-        formula = (f"{self.state_arrays} x 2 x {self.hidden_size}" if self.store_dtype == "bf16"
-                   else f"{self.state_arrays} x ({self.hidden_size} + 4)")
-        lines = [
-            f"plan: {self.records:,} input records -> {self.units:,} work units "
-            f"({self.committed_units:,} already in the store, {len(self.empty_units):,} without a sequence)",
-            f"  samples kept: {self.samples:,}; skipped {self.skips.total:,} ({skipped}); "
-            f"truncated {self.truncated:,}",
-            f"  tokens after templating: {self.tokens:,} (response tokens {self.response_tokens:,})",
-            f"  layers {self.layer_ids}{' + the final state' if self.final_state else ''} x hidden "
-            f"{self.hidden_size} as {self.store_dtype}: "
-            f"{per:,} array bytes/token ({formula} + 5 for id and mask) + 8 per sequence (offsets)",
-            f"  arrays before compression: {human_bytes(self.bytes_total)}, still to write "
-            f"{human_bytes(self.bytes_to_write)} (on disk add shard indexes, checksums and metadata)",
-            f"  free space at {self.store_path}: {human_bytes(self.free_bytes)} -> "
-            + ("enough" if self.fits else f"NOT enough (need {human_bytes(int(self.bytes_to_write * DISK_MARGIN))})"),
-        ]
-        for source_id, reason, detail in self.skips.examples:
-            lines.append(f"  e.g. skipped {source_id}: {reason} ({detail})")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["skips"] = self.skips.to_dict()
-        return out
-
-
-def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: int, hidden_size: int,
-              layer_ids: list[int], store_dtype: str, store_path: str, committed: Collection[int] = (),
-              report_first: int = 5, reader_skips: SkipLog | None = None, final_state: bool = False) -> Plan:
-    """The plan from the unit summaries of all ranks; `committed` holds units the store already has,
-    `reader_skips` the files that could not be read to their end (tokenize_units)."""
-    arrays = len(layer_ids) + (1 if final_state else 0)  # state arrays per token
-    skips, per = SkipLog(report_first), bytes_per_token(hidden_size, arrays, store_dtype)
-    for s in sorted(summaries, key=lambda s: s.index):
-        skips.merge(SkipLog.from_dict(s.skips, report_first))
-    if reader_skips is not None:
-        skips.merge(reader_skips)
-    size = {s.index: s.tokens * per + (s.samples + 1) * _OFFSET_BYTES for s in summaries}
-    return Plan(
-        records=records, units=num_units(records, samples_per_unit),
-        samples=sum(s.samples for s in summaries), tokens=sum(s.tokens for s in summaries),
-        response_tokens=sum(s.response_tokens for s in summaries),
-        truncated=sum(s.truncated for s in summaries), skips=skips, hidden_size=hidden_size,
-        layer_ids=list(layer_ids), store_dtype=store_dtype, store_path=store_path,
-        committed_units=len(committed), empty_units=sorted(s.index for s in summaries if s.samples == 0),
-        bytes_total=sum(size.values()),
-        bytes_to_write=sum(v for u, v in size.items() if u not in committed),
-        free_bytes=free_space(store_path), final_state=final_state,
-    )
-
-
-def free_space(path: str) -> int:
-    """Free bytes on the filesystem that holds `path` (or would, once created)."""
-    p = Path(path).absolute()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def check_disk(plan: Plan, force: bool) -> None:
-    """Refuse to start a run the disk cannot hold, unless forced."""
-    if plan.fits:
-        return
-    if force:
-        log.warning("the store needs ~%s but %s has %s free; going on because run.force is set",
-                    human_bytes(plan.bytes_to_write), plan.store_path, human_bytes(plan.free_bytes))
-        return
-    raise UserError(
-        f"the store needs ~{human_bytes(int(plan.bytes_to_write * DISK_MARGIN))} but {plan.store_path} has "
-        f"{human_bytes(plan.free_bytes)} free; free space, choose store.dtype = 'fp8_e4m3' (half the size), "
-        "or pass --run.force=true.")
-
-
-def check_samples(plan: Plan, input_names: str) -> None:
-    """Refuse a job whose input yields no sequence at all (every record skipped, or none): its store
-    would hold nothing to train from. The sentence counts the skips by reason and names the first few."""
-    if plan.samples:
-        return
-    if not plan.records and not plan.skips.total:
-        raise UserError(f"data.inputs ({input_names}) hold no record; give files with one JSON record per line "
-                        "(or a saved dataset); no store was created.")
-    counts = ", ".join(f"{reason} {n:,}" for reason, n in sorted(plan.skips.counts.items()))
-    first = "; ".join(f"{source_id}: {reason}" for source_id, reason, _ in plan.skips.examples)
-    raise UserError(
-        f"every one of the {plan.records:,} input records of {input_names} was skipped ({counts}), e.g. {first}; "
-        "fix the inputs (or data.format, data.max_length, data.block_size, which decide the skips) and rerun; "
-        "no store was created.")

@@ -114,3 +114,11 @@ def test_the_store_and_the_drafter_have_their_rooms():
         assert (ROOT / "dflash_common" / "drafter" / f"{room}.py").is_file(), room
     for stage in ("precompute", "train"):
         assert (ROOT / stage / "config.py").is_file(), f"{stage}'s config lives beside its stage"
+
+
+def test_generate_and_the_precompute_plan_have_their_rooms():
+    for room in ("cli", "config", "job", "chats", "decode", "attention", "cuda_graph"):
+        assert (ROOT / "precompute" / "generate" / f"{room}.py").is_file(), room
+    assert not sorted((ROOT / "precompute").glob("generate_*.py")), "dflash-generate lives in precompute/generate/"
+    for room in ("units", "tokenizing", "plan"):
+        assert (ROOT / "precompute" / f"{room}.py").is_file(), room

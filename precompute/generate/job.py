@@ -9,7 +9,7 @@
       renamed into place as `u<unit:08d>-<16 hex>.jsonl`
     a barrier -> rank 0 writes manifest.json: key, settings, counts, finish reasons, skips by reason
 
-Work units and windows are those of dflash-precompute (precompute/tokenizing.py): unit u holds input records
+Work units and windows are those of dflash-precompute (precompute/units.py): unit u holds input records
 [u*S, (u+1)*S), windows of `generate.sort_window_units` units go round-robin to the ranks, and a
 window is batched the same way whatever the number of ranks, so the output does not depend on it.
 A shard's name hashes the unit's records and the output's key (target, sampling, turns, template
@@ -43,7 +43,7 @@ from precompute.generate.config import GenerateConfig
 from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
 from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.job import Ranks, start_ranks
-from precompute.tokenizing import iter_unit_records, num_units
+from precompute.units import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
 

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_common.store import Store
 from dflash_common.store.verify import verify_store
-from precompute import tokenizing as P
+from precompute import plan as P
 from precompute.cli import main, parse
 
 ROOT = Path(__file__).resolve().parents[2]
