@@ -96,7 +96,7 @@ def roofline(model, batch: list[list[int]], new_tokens: int, bandwidth: float) -
 
 
 def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
-    from precompute.generate_decode import Request, Sampling, TransformersDecoder
+    from precompute.generate.decode import Request, Sampling, TransformersDecoder
 
     model = build(shape, device, dtype)
     batch = prompts(args.batch, args.prompt_len, model.config.vocab_size)

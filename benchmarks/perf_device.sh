@@ -35,7 +35,7 @@ timeout $(limit 100) python3 benchmarks/loss.py --sizes first --reps 15 >> "$OUT
 grep -E "^(\| |Triton)" "$OUT/loss.log"
 el "GPU tests of the compiled and graph paths"
 timeout $(limit 120) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/precompute/test_target.py \
-  tests/dflash_common/drafter/test_model.py tests/dflash_common/drafter/test_attention.py tests/precompute/test_generate.py \
+  tests/dflash_common/drafter/test_model.py tests/dflash_common/drafter/test_attention.py tests/precompute/generate/test_generate.py \
   -k "compiled or cuda_graph" \
   > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
 el "generate"

@@ -58,7 +58,7 @@ from precompute.batching import pad_right  # noqa: E402
 from precompute.config import PrecomputeConfig  # noqa: E402
 from precompute.inputs import SkipLog  # noqa: E402
 from precompute.pipeline import window_batches  # noqa: E402
-from precompute.plan import TokenizedUnit  # noqa: E402
+from precompute.tokenizing import TokenizedUnit  # noqa: E402
 
 H200_BF16_TFLOPS = 989.0  # dense, no sparsity
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,

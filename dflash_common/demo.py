@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     for old in (generated, store, run, drafter):
         shutil.rmtree(old, ignore_errors=True)
     times = {
-        "generate": stage("generate", "precompute.generate_cli", "--config", "configs/tiny.toml",
+        "generate": stage("generate", "precompute.generate.cli", "--config", "configs/tiny.toml",
                           f"--out={generated}", env=ONE_THREAD),
         "precompute": stage("precompute", "precompute.cli", "--config", "configs/tiny.toml",
                             f"--out={store}", f"--data.inputs={json.dumps([str(generated)])}"),

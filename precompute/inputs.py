@@ -12,7 +12,7 @@ Bad input never stops the run and is never silent: every skipped record is count
     blank_line, invalid_utf8, malformed_json, not_an_object, missing_field, wrong_field_type,
     unknown_role, empty_conversation, no_assistant_turn, unreadable_file, record_too_large
 
-(the chat template and the length rules add theirs; see precompute/plan.py).
+(the chat template and the length rules add theirs; see precompute/tokenizing.py).
 """
 
 from __future__ import annotations

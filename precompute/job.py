@@ -9,7 +9,7 @@
 
 Distribution: one process per GPU under torchrun (LOCAL_RANK picks the GPU; NCCL on GPUs, gloo on
 CPUs), any number of nodes. Windows of `batching.sort_window_units` units go round-robin to the
-ranks (precompute/plan.py), so the set of shards, their names and their bytes do not depend on the
+ranks (precompute/units.py), so the set of shards, their names and their bytes do not depend on the
 number of ranks.
 
 Resume: a unit whose shard is published is done, and so is a unit whose records were all skipped
@@ -43,11 +43,11 @@ from dflash_common.store.format import read_root_attributes
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
-from precompute.plan import (
-    TOKENIZE_VERSION, Plan, TokenCache, UnitSummary, check_disk, check_samples, make_plan, state_key,
-    tokenize_units, tokenizer_identity, unit_shard_name,
-)
+from precompute.plan import Plan, check_disk, check_samples, make_plan, state_key, unit_shard_name
 from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
+from precompute.tokenizing import (
+    TOKENIZE_VERSION, TokenCache, UnitSummary, tokenize_units, tokenizer_identity,
+)
 
 log = logging.getLogger("dflash")
 

@@ -59,8 +59,8 @@ from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import SHARDS_DIR, NonFiniteStatesError, ShardPayload, StoreWriter
 from dflash_common.store.quant import EncodedStates, encode_states, storage_numpy_dtype
 from precompute.batching import pad_right, plan_batches
-from precompute.plan import TokenizedUnit
 from precompute.target import FINAL
+from precompute.tokenizing import TokenizedUnit
 
 log = logging.getLogger("dflash")
 

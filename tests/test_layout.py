@@ -128,3 +128,11 @@ def test_evaluation_is_one_package_and_the_objective_a_training_module():
     for moved in ("evaluate", "eval_config", "spec_decode", "vllm_engine", "baseline_cache"):
         assert not (ROOT / "train" / f"{moved}.py").exists(), f"train/{moved}.py belongs in train/eval/"
     assert (ROOT / "train" / "objective.py").is_file(), "the step's objective lives in train/objective.py"
+
+
+def test_generate_and_the_precompute_plan_have_their_rooms():
+    for room in ("cli", "config", "job", "chats", "decode", "attention", "cuda_graph"):
+        assert (ROOT / "precompute" / "generate" / f"{room}.py").is_file(), room
+    assert not sorted((ROOT / "precompute").glob("generate_*.py")), "dflash-generate lives in precompute/generate/"
+    for room in ("units", "tokenizing", "plan"):
+        assert (ROOT / "precompute" / f"{room}.py").is_file(), room

@@ -221,7 +221,7 @@ def start_generate(args, data: Path) -> subprocess.Popen:
     prompts = data / "train_prompts.jsonl"
     lines = [line for line in (target / "prompts" / "train.jsonl").read_text().splitlines() if line.strip()]
     prompts.write_text("\n".join(lines[:args.train_prompts or None]) + "\n")
-    cmd = [sys.executable, "-m", "precompute.generate_cli", f"--target.path={target}", "--target.dtype=fp32",
+    cmd = [sys.executable, "-m", "precompute.generate.cli", f"--target.path={target}", "--target.dtype=fp32",
            f"--data.inputs={json.dumps([str(prompts)])}", "--sampling.temperature=0",
            f"--sampling.max_new_tokens={args.max_new_tokens}", f"--output.dir={data / 'generated'}",
            "--run.progress=false", f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]

@@ -8,7 +8,7 @@ import pytest
 
 from precompute.config import DataConfig
 from precompute.inputs import RawRecord
-from precompute.plan import UnitTokenizer
+from precompute.tokenizing import UnitTokenizer
 
 from precompute_helpers import chat
 

@@ -22,7 +22,7 @@ from precompute import job
 from precompute.inputs import resolve_inputs
 from precompute.pipeline import STAGING_BUFFERS, Pipeline, window_batches
 from precompute.target import CapturedTarget
-from precompute.plan import TokenCache
+from precompute.tokenizing import TokenCache
 
 from precompute_helpers import chat, make_config, write_jsonl
 

@@ -9,7 +9,7 @@
       renamed into place as `u<unit:08d>-<16 hex>.jsonl`
     a barrier -> rank 0 writes manifest.json: key, settings, counts, finish reasons, skips by reason
 
-Work units and windows are those of dflash-precompute (precompute/plan.py): unit u holds input records
+Work units and windows are those of dflash-precompute (precompute/units.py): unit u holds input records
 [u*S, (u+1)*S), windows of `generate.sort_window_units` units go round-robin to the ranks, and a
 window is batched the same way whatever the number of ranks, so the output does not depend on it.
 A shard's name hashes the unit's records and the output's key (target, sampling, turns, template
@@ -38,12 +38,12 @@ from dflash_common.chat import ChatMaskError, _guarded
 from dflash_common.cli import UserError, write_run_record
 from dflash_common.fingerprint import target_fingerprint
 from dflash_common.fsutil import atomic_write_text, is_disk_full, os_reason
-from precompute.generate_chats import Chat, parse_chat
-from precompute.generate_config import GenerateConfig
-from precompute.generate_decode import Request, Sampling, TransformersDecoder, VllmDecoder
+from precompute.generate.chats import Chat, parse_chat
+from precompute.generate.config import GenerateConfig
+from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
 from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.job import Ranks, start_ranks
-from precompute.plan import iter_unit_records, num_units
+from precompute.units import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
 
@@ -207,7 +207,7 @@ class RankWork:
 
 
 def unit_name(index: int, records: list[RawRecord], key: str) -> str:
-    from precompute.generate_chats import payload_digest
+    from precompute.generate.chats import payload_digest
 
     h = hashlib.sha256(f"{key}\0unit {index}\0".encode())
     for r in records:

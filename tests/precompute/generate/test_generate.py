@@ -16,10 +16,10 @@ import torch
 
 from dflash_common.cli import UserError
 from dflash_common.config import load_config
-from precompute import generate
-from precompute.generate_chats import assistant_message, split_turns
-from precompute.generate_config import GenerateConfig
-from precompute.generate_decode import Request, Sampling, TransformersDecoder, plan_batches
+from precompute.generate import job
+from precompute.generate.chats import assistant_message, split_turns
+from precompute.generate.config import GenerateConfig
+from precompute.generate.decode import Request, Sampling, TransformersDecoder, plan_batches
 from precompute.inputs import resolve_inputs
 
 from precompute_helpers import ROOT, subprocess_env, write_jsonl
@@ -92,7 +92,7 @@ def test_packed_gqa_decode_attention_equals_attention_over_repeated_heads():
     """One query token, 8 query heads over 2 key/value heads, a padding mask per row: the packed
     attention equals softmax(q k^T / sqrt(D) + mask) v with each query head on its own group's cache
     (written out here), and a longer query goes to transformers' sdpa unchanged."""
-    from precompute.generate_decode import packed_gqa_sdpa
+    from precompute.generate.attention import packed_gqa_sdpa
 
     class Attn:
         num_key_value_groups = 4
@@ -114,7 +114,7 @@ def test_packed_gqa_decode_attention_equals_attention_over_repeated_heads():
 def test_decoding_switches_the_attention_only_while_it_runs(tiny_target, monkeypatch):
     """decode_batch runs every one-token step of the (GQA) tiny target through the packed attention
     and leaves the caller's model on sdpa afterwards."""
-    import precompute.generate_decode as D
+    import precompute.generate.attention as D
 
     model, _, prompts = _model(tiny_target)
     calls = []
@@ -233,7 +233,7 @@ def _records(out: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def one_rank(chatty_target, inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("one") / "gen"
-    generate.run(_cfg(chatty_target, inputs, out))
+    job.run(_cfg(chatty_target, inputs, out))
     return out
 
 
@@ -255,7 +255,7 @@ def test_every_input_kind_is_answered_and_bad_records_are_counted(one_rank):
 
 def test_turns_last_keeps_the_history_and_answers_the_final_turn(chatty_target, inputs, one_rank, tmp_path):
     out = tmp_path / "last"
-    generate.run(_cfg(chatty_target, inputs, out, "generate.turns=last"))
+    job.run(_cfg(chatty_target, inputs, out, "generate.turns=last"))
     assert torch.is_grad_enabled()  # the job ran in this process and left autograd as it found it
     last, every = _records(out)["c0"], _records(one_rank)["c0"]
     assert last["generated_turns"] == 1 and last["messages"][2] == {"role": "assistant", "content": "old 0.0"}
@@ -269,12 +269,12 @@ def test_a_rerun_resumes_and_gives_the_same_files(chatty_target, inputs, one_ran
     shutil.copytree(one_rank, out)
     first = sorted(out.glob("u*.jsonl"))[1]
     first.unlink()
-    generate.run(_cfg(chatty_target, inputs, out))
+    job.run(_cfg(chatty_target, inputs, out))
     assert _files(out) == _files(one_rank)
     runs = json.loads((out / "manifest.json").read_text())["runs"]
     assert runs[-1]["units_written"] == 1 and runs[-1]["units_already_written"] == 4
     with pytest.raises(UserError, match="other settings"):
-        generate.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13"))
+        job.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13"))
 
 
 def test_prompts_moved_elsewhere_resume_their_output(chatty_target, inputs, one_rank, tmp_path):
@@ -282,7 +282,7 @@ def test_prompts_moved_elsewhere_resume_their_output(chatty_target, inputs, one_
     moved = [str(shutil.copy(p, tmp_path / Path(p).name)) for p in inputs]
     out = shutil.copytree(one_rank, tmp_path / "gen")
     (out / sorted(_files(out))[1]).unlink()
-    generate.run(_cfg(chatty_target, moved, out))
+    job.run(_cfg(chatty_target, moved, out))
     assert _files(out) == _files(one_rank)
     assert json.loads((out / "manifest.json").read_text())["runs"][-1]["units_already_written"] == 4
 
@@ -290,7 +290,7 @@ def test_prompts_moved_elsewhere_resume_their_output(chatty_target, inputs, one_
 def test_two_gloo_ranks_write_the_files_of_one(chatty_target, inputs, one_rank, tmp_path):
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "precompute.generate_cli", "--out", str(out), f"--target.path={chatty_target}",
+           "-m", "precompute.generate.cli", "--out", str(out), f"--target.path={chatty_target}",
            f"--data.inputs={json.dumps(inputs)}", "--target.dtype=fp32", "--run.device=cpu",
            "--run.samples_per_unit=2", "--generate.sort_window_units=1", "--sampling.max_new_tokens=12"]
     done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
@@ -302,13 +302,13 @@ def test_two_gloo_ranks_write_the_files_of_one(chatty_target, inputs, one_rank, 
 
 def test_cut_answers_are_kept_with_their_reason_or_dropped(tiny_target, inputs, tmp_path):
     keep = tmp_path / "keep"
-    generate.run(_cfg(tiny_target, inputs, keep, "sampling.max_new_tokens=4"))
+    job.run(_cfg(tiny_target, inputs, keep, "sampling.max_new_tokens=4"))
     records = _records(keep)
     cut = {k for k, r in records.items() if r["finish_reason"] == "length"}
     assert len(cut) >= 5 and records["c0"]["finish_reason"] == "length"
     assert records["c0"]["generated_turns"] == 1 and len(records["c0"]["messages"]) == 3  # ends at the cut
     drop = tmp_path / "drop"
-    generate.run(_cfg(tiny_target, inputs, drop, "sampling.max_new_tokens=4", "generate.on_length=drop"))
+    job.run(_cfg(tiny_target, inputs, drop, "sampling.max_new_tokens=4", "generate.on_length=drop"))
     manifest = json.loads((drop / "manifest.json").read_text())
     assert manifest["skips"]["counts"]["cut_by_length"] == len(cut)
     assert _records(drop) == {k: r for k, r in records.items() if k not in cut}
@@ -318,18 +318,18 @@ def test_the_cli_prints_the_plan_and_the_summary_and_precompute_reads_the_output
     out = tmp_path / "cli"
     base = ["--out", str(out), f"--target.path={chatty_target}", f"--data.inputs={json.dumps(inputs)}",
             "--target.dtype=fp32", "--run.device=cpu", "--run.samples_per_unit=2", "--sampling.max_new_tokens=12"]
-    dry = subprocess.run([sys.executable, "-m", "precompute.generate_cli", *base, "--dry-run"], cwd=ROOT,
+    dry = subprocess.run([sys.executable, "-m", "precompute.generate.cli", *base, "--dry-run"], cwd=ROOT,
                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "plan: 10 input records -> 5 work units (0 already in" in dry.stdout and "done:" not in dry.stdout
     assert "prompts to answer: 7; skipped 3 (blank_line 1, malformed_json 1, pre_tokenized 1)" in dry.stdout
     assert "max tokens out: 96 (12 per turn, greedy" in dry.stdout and not list(out.glob("u*.jsonl"))
-    done = subprocess.run([sys.executable, "-m", "precompute.generate_cli", *base], cwd=ROOT, env=subprocess_env(),
+    done = subprocess.run([sys.executable, "-m", "precompute.generate.cli", *base], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "done: 7 conversations (8 turns" in done.stdout and "5 shards written, 0 already there" in done.stdout
     assert [s.path for s in resolve_inputs([str(out)])] == [str(p) for p in sorted(out.glob("u*.jsonl"))]
-    bad = subprocess.run([sys.executable, "-m", "precompute.generate_cli", "--out", str(tmp_path / "x"),
+    bad = subprocess.run([sys.executable, "-m", "precompute.generate.cli", "--out", str(tmp_path / "x"),
                           "--target.path=/nonexistent", "--data.inputs=[\"a\"]"], cwd=ROOT, env=subprocess_env(),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "has no config.json" in bad.stderr

@@ -19,7 +19,7 @@ from train.eval.vllm_engine import ENV, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable here")]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SPEC = dict(num_layers=4, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2, head_dim=64,
             rope_theta=500.0, initializer_range=0.05)
 PROMPTS = ["def add(a, b):", "hello there", "The quick brown fox", "0 1 2 3 4", "import os", "Once upon a time"]
@@ -28,7 +28,7 @@ PROMPTS = ["def add(a, b):", "hello there", "The quick brown fox", "0 1 2 3 4", 
 def _generate(target: Path, prompts: Path, out: Path, backend: str) -> list[dict]:
     env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "precompute.generate_cli", f"--target.path={target}", "--target.dtype=fp32",
+        [sys.executable, "-m", "precompute.generate.cli", f"--target.path={target}", "--target.dtype=fp32",
          f"--data.inputs=['{prompts}']", "--sampling.temperature=0", "--sampling.max_new_tokens=24",
          f"--generate.backend={backend}", f"--output.dir={out}", "--run.device=cpu", "--run.progress=false"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

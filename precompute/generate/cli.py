@@ -3,7 +3,7 @@ the target's own responses), writing JSONL shards that dflash-precompute reads.
 
     dflash-generate --config configs/tiny.toml --out demo/generated
     dflash-generate --config FILE --dry-run                                   # the plan, nothing else
-    torchrun --nproc_per_node=8 -m precompute.generate_cli --config FILE      # one process per GPU
+    torchrun --nproc_per_node=8 -m precompute.generate.cli --config FILE      # one process per GPU
 
 Rerunning the same command resumes: published shards are kept, the rest is generated.
 """
@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from dflash_common.cli import interrupt_says, parse_args, setup_logging, user_errors_exit
-from precompute.generate_config import GenerateConfig
+from precompute.generate.config import GenerateConfig
 
 _FLAGS = {"--dry-run": "--run.dry_run=true"}
 
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging()
     with interrupt_says(lambda: f"the shards already published in {cfg.output.dir} are kept (a shard being "
                         f"written is not visible); rerun the same command to resume."):
-        from precompute.generate import run  # after argument parsing: --help stays fast
+        from precompute.generate.job import run  # after argument parsing: --help stays fast
 
         run(cfg)
 

@@ -15,34 +15,32 @@ fixed buffers updated in place, and the attention mask is a 4D additive mask ove
 cache (the columns of the prompt's padding and of steps not yet taken hold the dtype's minimum; a step
 opens its own column). With `cuda_graphs` (generate.cuda_graphs, on by default; a GPU test checks the
 graph steps give the eager steps' tokens) the step is then captured once per batch as a CUDA graph and
-replayed on CUDA: one launch per token instead of a few hundred kernel launches from Python. Without it the same static step runs
-eagerly (tests compare it with transformers' own loop on a CPU), and where a 4D mask would be wrong or
-unsupported (sliding-window layers, an attention implementation other than sdpa or eager) the steps
-fall back to a 2D mask grown each step. A one-token step of a sdpa target attends through
-`packed_gqa_sdpa`: the query heads of a key/value group read the cache as it is stored, where
-transformers (before 5.24) copies every layer's cache to the query heads' count at every step.
+replayed on CUDA (cuda_graph.py): one launch per token instead of a few hundred kernel launches from
+Python. Without it the same static step runs eagerly (tests compare it with transformers' own loop on
+a CPU), and where a 4D mask would be wrong or unsupported (sliding-window layers, an attention
+implementation other than sdpa or eager) the steps fall back to a 2D mask grown each step. A one-token
+step of a sdpa target attends through `packed_gqa_sdpa` (attention.py): the query heads of a
+key/value group read the cache as it is stored, where transformers (before 5.24) copies every layer's
+cache to the query heads' count at every step.
 With `compile` the parts of every decoder layer are compiled (one graph for all layers, as
 precompute's `target.compile`), fusing the norms and activations of each step; the attention, which
 indexes the cache by its layer number, has only its q/k norms compiled (see compile_decoder_layers).
 
 `VllmDecoder`: `vllm.LLM` offline on token-id prompts, one `SamplingParams(seed=...)` per request
-(temperature 0 is greedy); tests/precompute/test_generate_vllm.py checks its greedy answers against the
-transformers backend in the serving environment (.venv-vllm).
+(temperature 0 is greedy); tests/precompute/generate/test_generate_vllm.py checks its greedy answers
+against the transformers backend in the serving environment (.venv-vllm).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-log = logging.getLogger("dflash")
+from precompute.generate.attention import decode_attention, static_steps_allowed
+from precompute.generate.cuda_graph import CudaGraph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +207,7 @@ class TransformersDecoder:
             return self.forward(input_ids=ids, attention_mask=mask4, position_ids=pos, **{self.cache_kw: cache},
                                 cache_position=slot, use_cache=True).logits[:, -1]
 
-        run = _CudaGraph(forward) if self.cuda_graphs else forward
+        run = CudaGraph(forward) if self.cuda_graphs else forward
 
         def step(nxt: torch.Tensor, column: int) -> torch.Tensor:
             ids.copy_(nxt[:, None])
@@ -225,99 +223,6 @@ class TransformersDecoder:
             if tok in self.stop_ids:
                 return Generated(row[:k], "stop")
         return Generated(row[: self.sampling.max_new_tokens], "length")
-
-
-# The attention decode_batch runs a sdpa target with (transformers' attention-function registry).
-DECODE_ATTENTION = "dflash_decode_sdpa"
-
-
-def packed_gqa_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, except for a one-token query over grouped key/value heads: the
-    query heads that share a key/value head become that head's query rows, [B, Hq, 1, D] ->
-    [B, Hkv, Hq/Hkv, D], so the cache is read as it is stored. transformers (before 5.24) repeats the
-    whole cache to Hq heads first (`repeat_kv`): a copy of every layer's cache at every decode step,
-    29% of the decoder's GPU time on a Qwen3-8B shape. Same values: each query row sees exactly the
-    keys and values of its own head, and the mask ([B, 1, 1, L]) is shared by every head."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    b, heads, q_len, dim = query.shape
-    shared_mask = attention_mask is None or attention_mask.shape[1] == 1
-    if q_len != 1 or groups == 1 or not shared_mask or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    q = query.reshape(b, heads // groups, groups, dim)  # heads h = kv * groups + g, repeat_kv's order
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
-                                         dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
-    return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None  # [B, 1, Hq, D]
-
-
-@contextlib.contextmanager
-def decode_attention(model: Any) -> Iterator[None]:
-    """Inside the block, the model's sdpa attention is `packed_gqa_sdpa` (registered under
-    DECODE_ATTENTION, its masks made as sdpa's); restored after, as the model is the caller's. Every
-    config the model's modules read (a composite model's text config too) is switched."""
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "_attn_implementation", None) == "sdpa"}
-    if not configs:
-        yield
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, packed_gqa_sdpa)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-    for c in configs.values():
-        c._attn_implementation = DECODE_ATTENTION
-    try:
-        yield
-    finally:
-        for c in configs.values():
-            c._attn_implementation = "sdpa"
-
-
-def static_steps_allowed(config: Any) -> bool:
-    """Whether a 4D mask over the whole cache is right for this target: every layer attends to its
-    whole past (no sliding window) and the attention implementation takes an additive 4D mask."""
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = any(t != "full_attention" for t in layer_types) or (
-        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False))
-    return not sliding and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
-
-
-class _CudaGraph:
-    """A decode step over fixed buffers: its first call runs eagerly (the warm-up a capture needs), the
-    second captures it as a CUDA graph, and every call from then on replays the graph; the output is the
-    graph's own tensor (overwritten by the next replay). The warm-up is a real step, never a repeated one:
-    transformers' StaticCache (5.x) advances its own write position on the device at every forward and
-    ignores `cache_position`, so an extra forward would shift every later write by one slot. If the
-    capture fails (an operation of the model that a graph cannot hold), steps run eagerly from then on."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor]):
-        self.fn, self.graph, self.out = fn, None, None
-        self.calls, self.eager = 0, False
-
-    def __call__(self) -> torch.Tensor:
-        self.calls += 1
-        if self.eager:
-            return self.fn()
-        if self.calls == 1:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                out = self.fn()  # step 0, eagerly: lazy initialisation happens outside the capture
-            torch.cuda.current_stream().wait_stream(side)
-            return out
-        if self.graph is None:
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):  # records the step; runs nothing
-                    self.out = self.fn()
-            except RuntimeError as e:
-                log.warning("decode step: CUDA graph capture failed (%s); decoding with eager steps", e)
-                self.eager = True
-                return self.fn()
-            self.graph = graph
-        self.graph.replay()
-        return self.out
 
 
 class VllmDecoder:

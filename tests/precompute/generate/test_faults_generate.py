@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from precompute import generate
-from precompute.generate_cli import main, parse
+from precompute.generate import job
+from precompute.generate.cli import main, parse
 from precompute.inputs import resolve_inputs
 
 from precompute_helpers import ROOT, interrupt_says_what_is_kept, kill_process_tree, subprocess_env, write_jsonl
@@ -49,7 +49,7 @@ def _args(target, inputs, out) -> list[str]:
 def reference(tiny_target, inputs, tmp_path_factory):
     """The output of an uninterrupted run."""
     out = tmp_path_factory.mktemp("gen-reference") / "gen"
-    generate.run(parse(_args(tiny_target, inputs, out)))
+    job.run(parse(_args(tiny_target, inputs, out)))
     assert len(_published(out)) == UNITS
     return out
 
@@ -61,13 +61,13 @@ def _published(out: Path) -> list[str]:
 
 def _sums(out: Path, names: list[str]) -> dict[str, str]:
     """sha256 of the shards `names` and of their per-unit counts."""
-    files = [out / n for n in names] + [out / generate.UNIT_STATS / f"{n}.json" for n in names]
+    files = [out / n for n in names] + [out / job.UNIT_STATS / f"{n}.json" for n in names]
     return {str(f.relative_to(out)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
 
 def _output_files(out: Path) -> dict[str, str]:
     """Every shard and its counts, and the manifest without its log of runs (times, counts of this run)."""
-    manifest = json.loads((out / generate.MANIFEST).read_text())
+    manifest = json.loads((out / job.MANIFEST).read_text())
     manifest.pop("runs")
     return {**_sums(out, _published(out)), "manifest": json.dumps(manifest, sort_keys=True)}
 
@@ -78,7 +78,7 @@ def _identities(out: Path, names: list[str]) -> dict[str, tuple[int, int]]:
 
 
 def _leftovers(out: Path) -> list[str]:
-    return sorted(str(p.relative_to(out)) for d in (out, out / generate.UNIT_STATS) for p in d.glob(".*.tmp-*"))
+    return sorted(str(p.relative_to(out)) for d in (out, out / job.UNIT_STATS) for p in d.glob(".*.tmp-*"))
 
 
 def _nothing_partial_visible(out: Path, reference: Path) -> list[str]:
@@ -98,11 +98,11 @@ def _finishes_as_the_reference(args, out: Path, reference: Path, capsys) -> dict
     assert "done:" in capsys.readouterr().out
     assert _output_files(out) == _output_files(reference)
     assert not _leftovers(out)
-    return json.loads((out / generate.MANIFEST).read_text())["runs"][-1]
+    return json.loads((out / job.MANIFEST).read_text())["runs"][-1]
 
 
 def _start(args, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "precompute.generate_cli", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "precompute.generate.cli", *args], cwd=ROOT,
                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             **popen)
 
@@ -226,8 +226,8 @@ def test_an_injected_full_disk_in_a_shard_then_in_the_manifest(tiny_target, inpu
 
     out = tmp_path / "gen"
     args = _args(tiny_target, inputs, out)
-    record = sum((reference / n).stat().st_size for n in (generate.MANIFEST, "generate.run.toml", "generate.run.json"))
-    units = sum(f.stat().st_size for f in (reference / generate.UNIT_STATS).iterdir()) + \
+    record = sum((reference / n).stat().st_size for n in (job.MANIFEST, "generate.run.toml", "generate.run.json"))
+    units = sum(f.stat().st_size for f in (reference / job.UNIT_STATS).iterdir()) + \
         sum((reference / n).stat().st_size for n in _published(reference))
     monkeypatch.setattr(fsutil, "open", FillingDisk(record + units // 2), raising=False)  # about half the units fit
     _full_disk_sentence(args, out, capsys)
@@ -238,7 +238,7 @@ def test_an_injected_full_disk_in_a_shard_then_in_the_manifest(tiny_target, inpu
     real = fsutil.atomic_write_bytes
 
     def no_space_for_the_manifest(path, data, **k):
-        if Path(path).name == generate.MANIFEST:
+        if Path(path).name == job.MANIFEST:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data, **k)
 
