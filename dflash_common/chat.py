@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

@@ -24,14 +24,11 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import tomli_w
 
 from dflash_common.config import ConfigError, iter_fields, load_config, to_dict
+from dflash_common.errors import UserError
 from dflash_common.fsutil import atomic_write_text
 
 T = TypeVar("T")
 log = logging.getLogger("dflash")
-
-
-class UserError(RuntimeError):
-    """Something the user can fix (bad path, wrong store for this drafter): one sentence, no traceback."""
 
 
 def _fields_help(cls: type) -> str:

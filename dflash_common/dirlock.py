@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 
 LOCK_FILE = ".dflash.lock"
 

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 
 
 # Markers of a directory written by `datasets` save_to_disk (a Dataset, or a DatasetDict of splits).

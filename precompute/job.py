@@ -34,7 +34,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from dflash_common.cli import UserError, progress_bar, write_run_record
+from dflash_common.cli import progress_bar, write_run_record
+
+from dflash_common.errors import UserError
 from dflash_common.dirlock import hold_directory
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
 from dflash_common.fsutil import human_bytes, is_disk_full, os_reason

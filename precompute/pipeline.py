@@ -54,7 +54,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import SHARDS_DIR, NonFiniteStatesError, ShardPayload, StoreWriter
 from dflash_common.store.quant import EncodedStates, encode_states, storage_numpy_dtype

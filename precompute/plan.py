@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Collection
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.fsutil import human_bytes
 from dflash_common.store import shard_name
 from precompute.config import PrecomputeConfig

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
 
 log = logging.getLogger("dflash")

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dflash_common.chat import ChatMaskError, ChatTemplate
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
 from dflash_common.fsutil import atomic_write_bytes
 from precompute.config import DataConfig, PrecomputeConfig

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.drafter.objective import sample_anchors
 from dflash_common.store import Store, StoreCorruptError, carve_buffers
 from train.batch import HostBatch, ShardSlot, raw_dtype
@@ -339,7 +339,7 @@ def allocate_cache(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_i
     n = min(int(cache_gb * 2**30) // nbytes, len(shards))  # more slots than shards would never be used
     min_shards = min(min_shards, len(shards))  # a store smaller than two windows just fits whole
     if n < min_shards:
-        from dflash_common.cli import UserError
+        from dflash_common.errors import UserError
 
         raise UserError(f"data.cache_gb = {cache_gb} (GiB) holds {n} shard(s) of {nbytes / 2**30:.3f} GiB, but "
                         f"the {what} needs {min_shards}; raise data.cache_gb to at least "
@@ -373,7 +373,7 @@ def make_feeder(source, position, stores: Sequence[Store], layer_ids: Sequence[i
 
 def check_final_states(stores: Sequence[Store]) -> None:
     """Soft targets and prompt anchors read the target's final states: every store must hold them."""
-    from dflash_common.cli import UserError
+    from dflash_common.errors import UserError
 
     for store in stores:
         if not store.manifest.final_state:
@@ -384,7 +384,7 @@ def check_final_states(stores: Sequence[Store]) -> None:
 
 def check_stores_agree(stores: Sequence[Store]) -> None:
     """Batches mix stores, so their states must share one hidden size and one storage dtype."""
-    from dflash_common.cli import UserError
+    from dflash_common.errors import UserError
 
     first = stores[0].manifest
     for store in stores[1:]:

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_common.cli import UserError, progress_bar, write_run_record
+from dflash_common.cli import progress_bar, write_run_record
+
+from dflash_common.errors import UserError
 from dflash_common.config import to_dict
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter

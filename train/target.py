@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.fingerprint import DRAFTER_CONFIG_KEYS, head_fingerprint, target_fingerprint, tokenizer_fingerprint
 
 MASK_TOKEN = "<|mask|>"  # the token DFlash adds to the tokenizer (dflash_common/tiny.py has it too)

@@ -30,7 +30,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dflash_common.cli import UserError, setup_logging, user_errors_exit
+from dflash_common.cli import setup_logging, user_errors_exit
+
+from dflash_common.errors import UserError
 from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter

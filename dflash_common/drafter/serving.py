@@ -31,7 +31,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.drafter.config import DrafterConfig
 
 SLIDING = "sliding_attention"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 
 # Where causal LMs keep the input embedding, most common first (plain, multimodal, GPT-2 style).
 EMBED_NAMES = (

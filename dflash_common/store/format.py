@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.store.chunks import check_codec
 from dflash_common.store.quant import EncodedStates, check_storage_dtype
 

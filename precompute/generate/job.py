@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_common.chat import ChatMaskError, _guarded
-from dflash_common.cli import UserError, write_run_record
+from dflash_common.cli import write_run_record
+from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
 from dflash_common.fsutil import atomic_write_text, is_disk_full, os_reason
 from precompute.generate.chats import Chat, parse_chat

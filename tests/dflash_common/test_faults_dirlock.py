@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from dflash_common.dirlock import LOCK_FILE, hold_directory
 

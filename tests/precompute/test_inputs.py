@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from precompute.inputs import (
     BadRecord,
     Conversation,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from precompute import plan as P
 from precompute.tokenizing import UnitSummary
 

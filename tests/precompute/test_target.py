@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from precompute import target as T
 
 

@@ -148,7 +148,7 @@ def test_a_checkpoint_of_another_drafter_is_refused_on_resume_and_as_init(tiny_s
 
 def test_a_checkpoint_of_another_number_of_ranks_is_refused(tiny_store, tiny_target, tmp_path, monkeypatch):
     import train.loop as loop
-    from dflash_common.cli import UserError
+    from dflash_common.errors import UserError
 
     monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)
     run = tmp_path / "run"

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from dflash_common.fingerprint import head_fingerprint
 from train.config import TrainConfig

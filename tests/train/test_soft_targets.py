@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import train.loop as loop
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.loss import TARGET_ARGMAX, greedy_prompt_labels, teacher_rows

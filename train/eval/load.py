@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from train.eval.spec_decode import DFlashProposer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
 from train.data import make_feeder, scan_stores, shard_reader, slot_size, val_batches

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from typing import Sequence
 
 import torch
 
-from dflash_common.cli import UserError, progress_bar
+from dflash_common.cli import progress_bar
+
+from dflash_common.errors import UserError
 from dflash_common.drafter.layer_ids import check_layer_ids
 from train.eval.baseline_cache import BaselineCache
 from train.eval.config import EvalConfig, GenerationSection

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.drafter.export import (
     export, load_drafter, load_weights_into, main, resolve_drafter_dir, save_drafter,
 )

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.drafter import serving
 from dflash_common.drafter.export import export, save_drafter
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from precompute.generate import job
 from precompute.generate.chats import assistant_message, split_turns

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from train.eval.config import EvalConfig
 from train.eval.prompts import Prompt, load_prompts

@@ -11,7 +11,7 @@ import torch
 from conftest import EVAL_BLOCK
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.tiny import MASK_TOKEN
