@@ -29,7 +29,8 @@ from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.drafter.objective import sample_anchors  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.loop import _N, build_optimizer, train_step  # noqa: E402
+from train.loop import _N, train_step  # noqa: E402
+from train.optim import build_optimizer  # noqa: E402
 from train.regularise import WeightAverage  # noqa: E402
 from train.transfer import DeviceBatch  # noqa: E402
 
@@ -65,7 +66,7 @@ def time_variant(variant: str, dcfg, args, device) -> Spread:
     v, h = dcfg.vocab_size, dcfg.hidden_size
     drafter.attach_frozen(torch.randn(v, h, device=device, dtype=torch.bfloat16),
                           torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5)
-    optimizer, scheduler = build_optimizer(cfg, drafter, total=10**6, device=device)
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total=10**6, device=device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
     batch = make_batch(dcfg, args.seqs, args.seq_len, args.anchors, cfg.objective.anchors, device)
     sums = torch.zeros(_N + 1, dtype=torch.float64, device=device)

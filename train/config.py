@@ -194,7 +194,10 @@ class TargetsSection:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = option(6e-4, "Peak learning rate of AdamW.")
+    name: Literal["adamw", "muon"] = option(
+        "adamw", "The optimiser: 'adamw' (the recipe), or 'muon': Muon for the linear layers' weight "
+                 "matrices, AdamW for the rest, at the same lr (train/optim.py).")
+    lr: float = option(6e-4, "Peak learning rate (AdamW's; Muon's update is scaled to match it).")
     weight_decay: float = option(0.0, "AdamW weight decay (the recipe uses none).")
     betas: list[float] = option([0.9, 0.999], "AdamW betas (torch's defaults; the recipe names none).")
     eps: float = option(1e-8, "AdamW epsilon.")
@@ -206,6 +209,7 @@ class OptimConfig:
     max_steps: int | None = option(None, "Stop after this many optimiser steps (the schedule spans them).")
     grad_accum: int = option(1, "Micro-batches per optimiser step on each rank; the step's loss is their "
                                 "token-weighted whole, as one batch holding them all.")
+    muon_momentum: float = option(0.95, "Muon's momentum (optim.name = 'muon'; Muon's own default).")
 
     def __post_init__(self):
         check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}.")
@@ -218,6 +222,7 @@ class OptimConfig:
         check(self.epochs >= 1, f"optim.epochs must be >= 1, got {self.epochs}.")
         check(self.max_steps is None or self.max_steps >= 1, f"optim.max_steps must be >= 1, got {self.max_steps}.")
         check(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}.")
+        check(0 <= self.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}.")
 
 
 @dataclass(frozen=True)

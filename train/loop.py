@@ -49,6 +49,7 @@ from train.config import TrainConfig
 from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.objective import batch_objective
+from train.optim import build_optimizer
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
 from train.report import write_report
 from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
@@ -124,26 +125,6 @@ def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -
     if cfg.precision.compile and device.type == "cuda":
         drafter.compile_regions()
     return drafter
-
-
-def lr_factor(step: int, total: int, warmup_fraction: float, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr after `step` optimiser steps: linear warmup, then cosine (or flat)."""
-    warmup = math.ceil(warmup_fraction * total)
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(cfg: TrainConfig, drafter: DFlashDrafter, total: int, device: torch.device):
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, o.warmup_fraction, o.schedule, o.min_lr_ratio))
-    return optimizer, scheduler
 
 
 def total_steps(cfg: TrainConfig, data: TrainData) -> int:
@@ -347,7 +328,7 @@ def setup(cfg: TrainConfig) -> Run:
     drafter = build_drafter(cfg, dcfg, d.device)
     data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
     total = total_steps(cfg, data)
-    optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total, d.device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
     start, position = resume(from_path, d, drafter, optimizer, scheduler, ema)
     model = drafter

@@ -55,6 +55,8 @@ VARIANTS: dict[str, list[str]] = {
     "ema": ["--regularise.ema=0.99"],  # ~100-step average (a run is ~500 steps)
     "noise": ["--regularise.noise=0.1"],
     "dpace+lr2x": ["--objective.weights=dpace", "--optim.lr=1.2e-3"],
+    # Muon for the linear layers' matrices (AdamW for the rest), at the recipe's lr (RMS-matched update)
+    "dpace+muon": ["--objective.weights=dpace", "--optim.name=muon"],
     "dpace+lr2x+label": ["--objective.weights=dpace", "--optim.lr=1.2e-3", "--objective.anchors=label"],
     "dpace+norm_anchors": ["--objective.weights=dpace", "--objective.normalise=anchors"],
     # blocks on greedy serving's path (anchors after a rejection) weigh 1 + path_weight times

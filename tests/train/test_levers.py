@@ -18,6 +18,7 @@ import train.loop as loop
 from dflash_common.drafter.loss import fused_lm_head_loss
 from dflash_common.drafter.objective import IGNORE_INDEX, block_labels, dpace_weights, sample_anchors, serving_path
 from train.objective import batch_objective
+from train.optim import build_optimizer
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
 
 
@@ -253,7 +254,7 @@ def test_noise_changes_training_steps_but_never_validation(tiny_store, tiny_targ
 def test_ema_equals_the_running_average_written_out(two_batches):
     cfg, drafter, batches = two_batches
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_accum=1))
-    optimizer, scheduler = loop.build_optimizer(cfg, drafter, total=10, device=torch.device("cpu"))
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total=10, device=torch.device("cpu"))
     start = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     ema = WeightAverage(drafter, 0.8)
     want = dict(start)
