@@ -23,7 +23,8 @@ DEADLINE=${1:-560}
 STAGES=${2:-target,data,drafters}
 VARIANTS=${3:-baseline,dpace}
 SEEDS=${4:-0,1,2}
-TRAIN_PROMPTS=${5:-5000}
+TRAIN_PROMPTS=${5:-}   # default: the regime's (run.py REGIMES)
+REGIME=${REGIME:-small}  # small | rich (run.py --regime)
 OUT=${OUT:-/tmp/quality-out}
 W=${QUALITY_WORK:-/tmp/quality}
 mkdir -p "$OUT" "$W"
@@ -42,8 +43,8 @@ done
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   nproc; } > "$OUT/machine.txt" 2>&1
 # QUALITY_EXTRA=--tiny and TARGET_ARGS= run this script's plumbing on a CPU in minutes
-COMMON=(--work "$W" --train-prompts "$TRAIN_PROMPTS" --eval-prompts 200 --max-new-tokens 128 ${QUALITY_EXTRA:-})
-TARGET_ARGS=${TARGET_ARGS---compile --steps 1500 --corpus-mb 100}
+COMMON=(--work "$W" --regime "$REGIME" ${TRAIN_PROMPTS:+--train-prompts "$TRAIN_PROMPTS"} --eval-prompts 200
+        --max-new-tokens 128 ${QUALITY_EXTRA:-})
 pack() {  # pack NAME PATHS... (relative to $W) -> $OUT/NAME.tgz.part-*
   local name=$1; shift
   rm -f "$OUT/$name".tgz.part-*
@@ -56,8 +57,8 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
 {
   if [[ ,$STAGES, == *,target,* ]]; then
     log "target"
-    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage target \
-      --target-args "$TARGET_ARGS" || exit 1
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage target ${TARGET_ARGS+--target-args "$TARGET_ARGS"} \
+      || exit 1
   fi
   if [[ ,$STAGES, == *,data,* ]]; then
     log "data"

@@ -90,6 +90,22 @@ RECIPE = ["--drafter.block_size=16", "--drafter.depth=3", "--optim.epochs=6", "-
           "--data.batch_tokens=16384", "--data.cache_gb=5", "--data.holdout_sequences=256",
           "--validation.every_steps=500", "--checkpoint.every_steps=1000", "--log.every_steps=50",
           "--log.progress=false"]
+# Two regimes (--regime). "small": the 8.4M-parameter target, 5,000 training prompts, 6 epochs at 450
+# steps: a drafter that sees its data six times memorises it (held-out loss far above training loss).
+# "rich": a stronger target (~36M parameters: hidden 512, 8 heads, SwiGLU 2048, 8 layers, so the DFlash
+# layer ids stay [1..5]) on twice the corpus, ~5x the answer tokens (24,000 prompts), the same 450 steps
+# of 16K tokens, which are then ~1.1 passes over the data: the regime real drafter training is in
+# (~1B tokens, few epochs), where levers that regularise cannot pass for levers that learn. Its store is
+# fp8 (half the disk of bf16, equal tau: docs/benchmarks.md) to fit the device's 64 GiB disk.
+REGIMES: dict[str, dict] = {
+    "small": {"target_args": "--compile --steps 1500 --corpus-mb 100", "train_prompts": 5000,
+              "store_dtype": "bf16", "recipe": []},
+    "rich": {"target_args": "--compile --hidden 512 --heads 8 --kv-heads 4 --intermediate 2048 --steps 1500 "
+                            "--corpus-mb 200 --train-prompts 24000 --context-chars 400",
+             "train_prompts": 24000, "store_dtype": "fp8_e4m3",
+             "recipe": ["--optim.epochs=2", "--optim.max_steps=450"]},
+}
+
 TINY_RECIPE = ["--drafter.block_size=8", "--drafter.depth=1", "--optim.epochs=2", "--optim.lr=3e-3",
                "--objective.weights=gamma",
                "--data.batch_tokens=2048", "--data.cache_gb=0.05", "--data.holdout_sequences=8",
@@ -107,7 +123,7 @@ TINY_TARGET = ["--device", "cpu", "--corpus-mb", "2", "--bpe-train-mb", "2", "--
 
 def settings(args) -> dict:
     """What the cached artefacts depend on (not the variants or seeds, which have their own run dirs)."""
-    return {"tiny": args.tiny, "seed": args.target_seed, "max_new_tokens": args.max_new_tokens,
+    return {"tiny": args.tiny, "regime": args.regime, "seed": args.target_seed, "max_new_tokens": args.max_new_tokens,
             "eval_prompts": args.eval_prompts, "train_prompts": args.train_prompts, "device": args.device}
 
 
@@ -174,7 +190,8 @@ def stage_target(args) -> None:
     cmd += TINY_TARGET if args.tiny else ["--device", args.device]
     if args.target_minutes and not args.tiny:  # else target.py's own step count (or --target-args')
         cmd += ["--minutes", str(args.target_minutes)]
-    cmd += args.target_args.split()
+    cmd += (args.target_args if args.target_args is not None else
+            "" if args.tiny else REGIMES[args.regime]["target_args"]).split()
     run_one(cmd, args.work / "logs" / "target.log")
 
 
@@ -275,7 +292,8 @@ def load_target(args):
 def precompute(args, records: Path, store: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "precompute.cli", "--out", str(store), f"--target.path={args.work / 'target'}",
            f"--store.final_state={'true' if store.name == 'train' else 'false'}",  # soft-target variants
-           f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32", "--store.dtype=bf16",
+           f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32",
+           f"--store.dtype={'bf16' if args.tiny else REGIMES[args.regime]['store_dtype']}",
            "--data.block_size=2", "--data.max_length=4096", "--run.progress=false",
            f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]
     if args.tiny:
@@ -347,7 +365,7 @@ def train_command(args, variant: str, seed: int) -> list[str]:
     return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(args.work / 'stores' / 'train')])}",
             f"--run.target={args.work / 'target'}", f"--run.out_dir={out}", f"--run.seed={seed}",
             f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}",
-            *(TINY_RECIPE if args.tiny else RECIPE), *VARIANTS[variant]]
+            *(TINY_RECIPE if args.tiny else RECIPE + REGIMES[args.regime]["recipe"]), *VARIANTS[variant]]
 
 
 def stage_drafters(args) -> None:
@@ -512,10 +530,15 @@ def parse(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--target-seed", type=int, default=0)
     p.add_argument("--target-minutes", type=float, default=0, help="target training time (0: its --steps)")
-    p.add_argument("--train-prompts", type=int, default=0, help="training prompts answered (0: all)")
+    p.add_argument("--train-prompts", type=int, default=None,
+                   help="training prompts answered (default: the regime's; 0: all)")
     p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts (dflash-eval and path tau)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit, generation and eval")
-    p.add_argument("--target-args", default="", help="more target.py arguments, e.g. '--compile --steps 2000'")
+    p.add_argument("--regime", default="small", choices=sorted(REGIMES),
+                   help="small: today's 8.4M target, 5,000 prompts, 6 epochs; rich: a ~36M target, 24,000 "
+                        "prompts, ~1 epoch at the same steps (REGIMES in this file)")
+    p.add_argument("--target-args", default=None,
+                   help="target.py arguments instead of the regime's, e.g. '--compile --steps 2000'")
     p.add_argument("--train-data", default="generate", choices=["generate", "hf"],
                    help="training answers by dflash-generate (text conversations, re-tokenised by precompute) "
                         "or by batched HF generate (token records); generate falls back to hf if it fails")
@@ -534,6 +557,8 @@ def parse(argv=None):
     if unknown:
         p.error(f"unknown variant(s) {unknown}; define them in VARIANTS in {__file__}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    if args.train_prompts is None:
+        args.train_prompts = REGIMES[args.regime]["train_prompts"]
     args.evals = [e for e in args.evals.split(",") if e]
     if set(args.evals) - {"offline_heldout", "eval", "offline_train"}:
         p.error(f"--evals: unknown report(s) {sorted(set(args.evals) - {'offline_heldout', 'eval', 'offline_train'})}")
