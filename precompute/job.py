@@ -41,6 +41,7 @@ from dflash_common.dirlock import hold_directory
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
 from dflash_common.fsutil import human_bytes, is_disk_full, os_reason
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
+from dflash_common.store.contents import disk_bytes, precompute_record
 from dflash_common.store.format import read_root_attributes
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
@@ -181,7 +182,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     ranks.from_main(lambda: hold.take(cfg))  # a new store: from here on
     writer = StoreWriter.create_or_open(store_path, manifest)
     if ranks.main:
-        write_run_record(store_path.parent, cfg, name=f"{store_path.name}.precompute")
+        write_run_record(store_path.parent, cfg, name=precompute_record(store_path).stem)
     planned = time.perf_counter()
     stats, load_s = _compute(cfg, ranks, layer_ids, writer, mine)
     done = time.perf_counter()
@@ -192,7 +193,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
                    "forward_write": done - planned - load_s - stats.setup_s, "total": done - started}
         summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)
         writer.write_summary(summary)
-        print(format_summary(summary), flush=True)
+        print(format_summary(summary, disk_bytes(store_path)), flush=True)
     return store_path
 
 
@@ -286,12 +287,15 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     committed = {u for u, name in names.items() if name in published}
     gathered = ranks.gather((summaries, committed, reader_skips.to_dict(), other_copies(names, published)))
     refuse_other_copies(cfg.store.path, [c for part in gathered for c in part[3]])  # every rank, the same sentence
-    plan = make_plan([s for part, _, _, _ in gathered for s in part], records,
+    everyone = [s for part, _, _, _ in gathered for s in part]
+    plan = make_plan(everyone, records,
                      samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
                      layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
                      committed=set().union(*(c for _, c, _, _ in gathered)), report_first=cfg.data.report_first,
                      reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first),  # read by every rank
-                     final_state=manifest.final_state)
+                     final_state=manifest.final_state,
+                     shards=[unit_shard_name(s.index, s.digest, state)
+                             for s in everyone if s.samples])
     return plan, RankUnits(summaries, names, committed, cache)
 
 
@@ -351,9 +355,9 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: 
                            writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
             ProgressBar(total, pipe, ranks, cfg.run.progress) as on_batch:
         run_windows(target, _load_windows(units, windows), pipe, cfg.batching.token_budget, on_batch)
-    log.info("%d shards written (%s on disk) from %s tokens in %d batches; waited %.1f s for the disk",
-             pipe.stats.units_written, human_bytes(pipe.stats.bytes_written), f"{pipe.stats.tokens:,}",
-             pipe.stats.batches, pipe.stats.wait_s)
+    log.info("%d shards written from %s tokens in %d batches; waited %.1f s for the disk",
+             pipe.stats.units_written, f"{pipe.stats.tokens:,}", pipe.stats.batches,
+             pipe.stats.wait_s)
     return pipe.stats, load_s
 
 
@@ -426,7 +430,8 @@ def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, floa
     runs = list((previous or {}).get("runs", [])) + [this_run]
     return {"records": plan.records, "units": plan.units, "samples": plan.samples, "tokens": plan.tokens,
             "response_tokens": plan.response_tokens, "truncated": plan.truncated, "skips": plan.skips.to_dict(),
-            "empty_units": plan.empty_units, "bytes_projected": plan.bytes_total, "runs": runs}
+            "empty_units": plan.empty_units, "shards": list(plan.shards),
+            "bytes_projected": plan.bytes_total, "runs": runs}
 
 
 def _elsewhere(run: dict[str, Any]) -> str:
@@ -434,7 +439,9 @@ def _elsewhere(run: dict[str, Any]) -> str:
     return f", {n:,} published meanwhile by another job (its copy kept)" if n else ""
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def format_summary(summary: dict[str, Any], disk: int | None = None) -> str:
+    """The summary's lines; `disk`, the store's bytes on disk (contents.disk_bytes, the size
+    `dflash-store info` prints), once the summary is written."""
     run = summary["runs"][-1]
     skips = ", ".join(f"{k} {v:,}" for k, v in summary["skips"]["counts"].items()) or "none"
     s = run["seconds"]
@@ -442,14 +449,19 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in {summary['units']:,} work units "
         f"({len(summary['empty_units']):,} without a sequence)",
         f"  skipped records: {skips}; truncated {summary['truncated']:,}",
-        f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])} on disk), "
+        f"  this run: {run['units_written']:,} shards written, "
         f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
         f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s "
         f"on {run['world_size']} rank(s)",
         f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
         f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
         f"{run['disk_wait_s_max_rank']:.1f} s" + _gpu_idle(run),
-    ])
+    ] + ([] if disk is None else [_store_line(summary, disk)]))
+
+
+def _store_line(summary: dict[str, Any], disk: int) -> str:
+    return (f"  store: {len(summary['shards']):,} shards, {human_bytes(disk)} on disk ({disk:,} B, "
+            "as dflash-store info counts it)")
 
 
 def _gpu_idle(run: dict[str, Any]) -> str:

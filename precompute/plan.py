@@ -89,6 +89,9 @@ class Plan:
     bytes_total: int
     free_bytes: int
     final_state: bool = False  # one more [T, H] array per shard: the final normed state
+    # every shard the finished store holds (units with sequences): the summary lists them, so a
+    # shard lost later is named by verify, info and train
+    shards: tuple[str, ...] = ()
 
     @property
     def state_arrays(self) -> int:
@@ -129,9 +132,11 @@ class Plan:
 
 def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: int, hidden_size: int,
               layer_ids: list[int], store_dtype: str, store_path: str, committed: Collection[int] = (),
-              report_first: int = 5, reader_skips: SkipLog | None = None, final_state: bool = False) -> Plan:
+              report_first: int = 5, reader_skips: SkipLog | None = None, final_state: bool = False,
+              shards: Collection[str] = ()) -> Plan:
     """The plan from the unit summaries of all ranks; `committed` holds units the store already has,
-    `reader_skips` the files that could not be read to their end (tokenize_units)."""
+    `reader_skips` the files that could not be read to their end (tokenize_units), `shards` the
+    names of all units' shards."""
     arrays = len(layer_ids) + (1 if final_state else 0)  # state arrays per token
     skips, per = SkipLog(report_first), bytes_per_token(hidden_size, arrays, store_dtype)
     for s in sorted(summaries, key=lambda s: s.index):
@@ -148,7 +153,7 @@ def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: i
         committed_units=len(committed), empty_units=sorted(s.index for s in summaries if s.samples == 0),
         bytes_total=sum(size.values()),
         bytes_to_write=sum(v for u, v in size.items() if u not in committed),
-        free_bytes=free_space(store_path), final_state=final_state,
+        free_bytes=free_space(store_path), final_state=final_state, shards=tuple(sorted(shards)),
     )
 
 

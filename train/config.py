@@ -52,9 +52,11 @@ class DataConfig:
     )
     on_bad_shard: Literal["stop", "skip"] = option(
         "stop",
-        "What a corrupt shard (a failed checksum, a cut or missing file, missing metadata) does: 'stop' ends "
-        "the run with one sentence naming it (delete it, rerun dflash-precompute, rerun to resume); 'skip' "
-        "trains on without its sequences, logging it and counting it in the metrics (bad_shards).",
+        "What a corrupt shard (a failed checksum, a cut or missing file, missing metadata) or a "
+        "missing one (listed in the store's summary, gone from the store) does: 'stop' ends the "
+        "run with one sentence naming it (delete a corrupt one, rerun dflash-precompute, rerun to "
+        "resume); 'skip' trains on without its sequences, logging it (a corrupt one is also "
+        "counted in the metrics, bad_shards).",
     )
 
     def __post_init__(self):

@@ -34,7 +34,8 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from dflash_common.errors import UserError
 from dflash_common.drafter.objective import sample_anchors
-from dflash_common.store import Store, StoreCorruptError, carve_buffers
+from dflash_common.store import Store, StoreCorruptError, StoreError, carve_buffers
+from dflash_common.store.contents import incomplete_sentence, missing_sentence, store_contents
 from train.batch import HostBatch, ShardSlot, raw_dtype
 from train.cache import Handle, ShardCache, SlotSlab
 from train.plan import DataPlan, EpochPlan, ShardMeta, holdout_split, rng
@@ -77,6 +78,25 @@ class BadShards:
 
     def found_while_reading(self) -> int:
         return len(self.skipped) - self.at_scan
+
+
+def check_contents(stores: Sequence[Store], policy: str = "stop", option: str = "") -> None:
+    """Each store against its summary. A shard the summary lists but the store lacks stops the run
+    naming it and the fix (`policy` 'stop'; `option`, formatted with the number of shards present,
+    names the setting that trains without it), or is left out with a warning ('skip'). A store
+    without a summary (dflash-precompute still writing it, or stopped) is read as it is, with a
+    warning."""
+    for store in stores:
+        contents = store_contents(store)
+        if contents.status == "incomplete":
+            log.warning("%s; reading the %d shard(s) it has", incomplete_sentence(store.path),
+                        contents.shards)
+        elif contents.missing and policy == "stop":
+            fix = option.format(present=contents.shards)
+            raise StoreError(missing_sentence(store.path, contents) + fix + ".")
+        elif contents.missing:
+            log.warning("%s; training on the %d shard(s) there (data.on_bad_shard = skip)",
+                        missing_sentence(store.path, contents), contents.shards)
 
 
 def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int,
@@ -420,6 +440,8 @@ class TrainData:
         final = cfg.targets.needs_final_state
         if final:
             check_final_states(stores)
+        check_contents(stores, d.on_bad_shard,
+                       ', or set data.on_bad_shard = "skip" to train on the {present} shards there')
         bad = BadShards(d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it')
         shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
         split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,

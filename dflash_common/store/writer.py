@@ -31,6 +31,7 @@ from dflash_common.store.format import (
     read_json, read_root_attributes, scale_array, short_json,
 )
 from dflash_common.store.quant import LOGICAL_DTYPE_NAMES, EncodedStates, nonfinite_rows, storage_numpy_dtype
+from dflash_common.store.reader import Store
 
 
 def _publish_new_file(path: Path, data: bytes) -> bool:
@@ -127,6 +128,7 @@ class StoreWriter:
             _publish_new_file(root_meta, group_metadata(manifest.to_json()))
         attrs = read_root_attributes(path)
         StoreManifest.from_json(attrs, where=f"store {path}")  # refuses other formats and versions
+        Store.open(path).close()  # a hand-edited root zarr.json is named as such, not as settings
         stored = {k: v for k, v in attrs.items() if k != "summary"}
         diff = _first_difference(stored, manifest.to_json())
         if diff:

@@ -46,8 +46,9 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
 
 def _one_figure_one_value(out: str, store: Path) -> None:
     """The plan's sizes are the store's: the arrays (what a read returns) in the same figure in the plan
-    and in `dflash-store info`, which names its other size (files on disk, metadata included) apart;
-    binary units only; no compression ratio for codec none."""
+    and in `dflash-store info`, which names its other size (files on disk, metadata included) apart,
+    and precompute's last line gives that size too; binary units only; no compression ratio for
+    codec none."""
     import re
 
     from dflash_common.store.cli import format_info
@@ -58,8 +59,10 @@ def _one_figure_one_value(out: str, store: Path) -> None:
     assert re.search(rf"arrays \(decoded\)\s+{re.escape(planned)}: 645 array bytes/token \+ 8 per sequence",
                      info_text), (planned, info_text)
     assert "645 array bytes/token (5 x 2 x 64 + 5 for id and mask) + 8 per sequence" in out
-    assert re.search(r"on disk\s+[\d.,]+ [KMG]iB \([\d,]+ B, [\d.,]+ bytes/token\), incl\. shard indexes", info_text)
-    assert re.search(r"shards written \([\d.,]+ [KMG]iB on disk\)", out)
+    disk = re.search(r"on disk\s+([\d.,]+ [KMG]iB) \(([\d,]+ B), [\d.,]+ bytes/token\), "
+                     r"incl\. shard indexes", info_text)
+    assert disk, info_text
+    assert f"{disk.group(1)} on disk ({disk.group(2)}, as dflash-store info counts it)" in out, out
     assert "compression" not in info_text  # codec none
     assert not re.search(r"\d (KB|MB|GB|TB)\b", out + info_text)
 

@@ -22,7 +22,9 @@ import torch
 from dflash_common.errors import UserError
 from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
-from train.data import make_feeder, scan_stores, shard_reader, slot_size, val_batches
+from train.data import (
+    check_contents, make_feeder, scan_stores, shard_reader, slot_size, val_batches,
+)
 from train.eval.config import EvalConfig
 from train.eval.load import check_model_dir, load_dflash, resolve_device
 from train.eval.report import format_offline, write_report
@@ -167,6 +169,7 @@ def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchor
     sequences with fewer than `min_response` response tokens, 2B by default, as training does)."""
     store = Store.open(store_path, read_threads=reader_threads)
     layer_ids = list(drafter_cfg.target_layer_ids)
+    check_contents([store])  # a shard missing from the store stops it, as it stops training
     shards = scan_stores([store], reader_threads, batch_tokens)
     min_response = 2 * drafter_cfg.block_size if min_response is None else min_response
     split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
