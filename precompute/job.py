@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -37,12 +38,13 @@ import torch.distributed as dist
 from dflash_common.cli import progress_bar, write_run_record
 
 from dflash_common.errors import UserError
-from dflash_common.dirlock import hold_directory
+from dflash_common.dirlock import LOCK_FILE, hold_directory
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
-from dflash_common.fsutil import human_bytes, is_disk_full, os_reason
+from dflash_common.fsutil import check_writable, first_missing, human_bytes, is_disk_full, os_reason
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
 from dflash_common.store.contents import disk_bytes, precompute_record
 from dflash_common.store.format import read_root_attributes
+from dflash_common.store.writer import check_store_place
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
@@ -124,6 +126,7 @@ def start_ranks(device_choice: str) -> Ranks:
 
 def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
+    check_outputs(cfg)
     ranks = start_ranks(cfg.run.device)
     try:
         with contextlib.ExitStack() as stack:
@@ -147,15 +150,18 @@ def run(cfg: PrecomputeConfig) -> Path:
 class StoreHold:
     """Rank 0's hold on the store for the rest of the job (its other ranks share it): a second job
     into the store is refused before it writes anything. An existing store is held from the start,
-    a new one from just before it is created (a refused or dry run leaves no directory behind)."""
+    a new one (or an empty directory) from just before it is created (a refused or dry run leaves
+    nothing behind)."""
 
     stack: contextlib.ExitStack
     held: bool = False
 
     def take(self, cfg: PrecomputeConfig, existing_only: bool = False) -> None:
         path = _store_path(cfg)
+        # early, only a store (or one being made) is held: no lock file lands in a user's directory
+        begun = (path / "zarr.json").is_file() or (path / LOCK_FILE).is_file()
         if self.held or cfg.run.dry_run or (path.exists() and not path.is_dir()) or \
-                (existing_only and not path.is_dir()):
+                (existing_only and not begun):
             return  # a dry run writes nothing; a file: create_or_open says so
         self.stack.enter_context(hold_directory(path, "store", "wait for that dflash-precompute to end (or stop "
                                                 "it), then rerun this command: it resumes"))
@@ -168,15 +174,21 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     text_config = read_text_config(_target_path(cfg))
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
     sources = resolve_inputs(cfg.data.inputs)
-    manifest = ranks.from_main(lambda: adopt_stored_identity(
-        store_path, build_manifest(cfg, sources, layer_ids, text_config.hidden_size)))
+    manifest, fresh_cache = ranks.from_main(
+        lambda: identity(cfg, store_path, sources, layer_ids, text_config.hidden_size))
+    check_store_place(store_path)  # a file or another directory: refused before any work
     if (store_path / "zarr.json").is_file():
         StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
-    plan, mine = make_job_plan(cfg, ranks, sources, manifest)
-    if ranks.main:
-        print(plan.format(), flush=True)
-    ranks.from_main(lambda: check_samples(plan, ", ".join(cfg.data.inputs)))
-    ranks.from_main(lambda: check_disk(plan, cfg.run.force))
+    try:
+        plan, mine = make_job_plan(cfg, ranks, sources, manifest)
+        if ranks.main:
+            print(plan.format(), flush=True)
+        ranks.from_main(lambda: check_samples(plan, ", ".join(cfg.data.inputs)))
+        ranks.from_main(lambda: check_disk(plan, cfg.run.force))
+    except UserError:
+        if ranks.main and fresh_cache is not None:  # a refused run leaves nothing it created
+            shutil.rmtree(fresh_cache, ignore_errors=True)
+        raise
     if cfg.run.dry_run:
         return store_path
     ranks.from_main(lambda: hold.take(cfg))  # a new store: from here on
@@ -195,6 +207,28 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
         writer.write_summary(summary)
         print(format_summary(summary, disk_bytes(store_path)), flush=True)
     return store_path
+
+
+def check_outputs(cfg: PrecomputeConfig) -> None:
+    """The store, what is written beside it (the run record, the token cache) and run.cache_dir must
+    be writable: one sentence before any work, a dry run included (its plan must not call a place it
+    cannot write 'enough')."""
+    fix = "pass --out a new directory or a dflash store, on a writable filesystem"
+    check_writable(_store_path(cfg), "store.path", fix, beside=True)
+    if cfg.run.cache_dir:
+        check_writable(cfg.run.cache_dir, "run.cache_dir",
+                       "pass a writable directory, or leave it unset")
+
+
+def identity(cfg: PrecomputeConfig, store_path: Path, sources: list[Source], layer_ids: list[int],
+             hidden_size: int) -> tuple[StoreManifest, Path | None]:
+    """Rank 0: the store's manifest, and the top directory of the token cache this run will create
+    (None when it exists), found before any rank can write the cache."""
+    manifest = build_manifest(cfg, sources, layer_ids, hidden_size)
+    manifest = adopt_stored_identity(store_path, manifest)
+    tokenizer = {"tokenizer": manifest.tokenizer,
+                 "chat_template_sha256": manifest.chat_template_sha256}
+    return manifest, first_missing(TokenCache.for_config(cfg, sources, tokenizer).root)
 
 
 def _store_path(cfg: PrecomputeConfig) -> Path:

@@ -38,7 +38,7 @@ from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
-from dflash_common.fsutil import is_disk_full, os_reason
+from dflash_common.fsutil import check_writable, is_disk_full, os_reason
 from dflash_common.store import Store, check_compatible
 from dflash_common.store import open_stores as open_store_paths
 from train.cache import CacheStats, human_bytes
@@ -462,6 +462,7 @@ def stop_agreed(stop: StopRequest, d: Dist) -> bool:
 
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
+    check_writable(cfg.run.out_dir, "run.out_dir", "pass --out a directory on a writable disk")
     try:
         with _own_run_directory(cfg):
             return _run(cfg)

@@ -30,13 +30,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dflash_common.cli import setup_logging, user_errors_exit
+from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 
 from dflash_common.errors import UserError
 from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
-from dflash_common.fsutil import fsync_tree, publish_dir, temp_sibling
+from dflash_common.fsutil import check_writable, fsync_tree, publish_dir, temp_sibling
 
 log = logging.getLogger("dflash")
 
@@ -218,6 +218,9 @@ def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.b
            overwrite: bool = False) -> Path:
     """Write the drafter behind `source` to `out_dir` in the released layout."""
     check_not_source(Path(source), Path(out_dir))
+    # written aside beside OUT_DIR and renamed into place: its parent must take both
+    check_writable(out_dir, "OUT_DIR", "export to a directory on a writable filesystem",
+                   directory=False)
     from dflash_common.drafter import serving
 
     drafter, cfg = load_drafter(source)
@@ -234,11 +237,18 @@ def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.b
     return Path(out_dir)
 
 
+EXAMPLES = """examples:
+  dflash-export runs/exp1 drafters/exp1                  # the newest complete checkpoint, bf16
+  dflash-export runs/exp1/step-4000 drafters/exp1-4k --dtype fp32
+  dflash-export runs/exp1 drafters/exp1 --overwrite      # replace an earlier export of it"""
+
+
 @user_errors_exit
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dflash-export",
         description="Write a trained drafter as config.json + model.safetensors, the layout SGLang and vLLM load.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                         help="run directory (newest complete step), step-N checkpoint, or drafter directory")

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_common.cli import setup_logging, user_errors_exit
+from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 from dflash_common.fsutil import human_bytes
 from dflash_common.store import Store
 from dflash_common.store.contents import (
@@ -113,7 +113,7 @@ def _print_missing(path: str, contents: StoreContents) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-store", description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(prog="dflash-store", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -133,7 +133,10 @@ class GenRunConfig:
     )
     device: str = option("auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'.")
     progress: bool = option(True, "Progress bar on rank 0 (prompts/s, generated tok/s, ETA) when on a terminal.")
-    dry_run: bool = option(False, "Print the plan (prompts, skips, tokens in, max tokens out) and stop.")
+    dry_run: bool = option(
+        False, "Check the target, the inputs and the output directory, print the plan (prompts, "
+        "skips, tokens in, max tokens out) and stop; writes nothing and loads no weights."
+    )
 
     def __post_init__(self) -> None:
         check(self.samples_per_unit >= 1, f"run.samples_per_unit must be >= 1, got {self.samples_per_unit}.")

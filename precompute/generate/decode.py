@@ -70,7 +70,7 @@ class Generated:
     finish_reason: str  # "stop" | "length"
 
 
-OnTokens = Callable[[int], None]  # called with the number of tokens generated since its last call
+OnTokens = Callable[[int], None]  # answer tokens (no end-of-turn token) since its last call
 SYNC_EVERY = 8  # decode steps between two looks of the host at the device (stop check, progress)
 
 
@@ -169,8 +169,9 @@ class TransformersDecoder:
             nxt = sample_next(logits, self.sampling, gens).to(self.device)
             nxt = torch.where(done, self.pad_id, nxt)  # [B]; finished rows only pad
             tokens.append(nxt)
-            live += (~done).sum()
-            done = done | torch.isin(nxt, stop)
+            stopped = torch.isin(nxt, stop)
+            live += (~(done | stopped)).sum()  # answer tokens: no end-of-turn token (_finish)
+            done = done | stopped
             # the host looks at the device only every SYNC_EVERY steps: between two looks the CPU queues
             # the next steps' kernels while the GPU runs (finished rows decode a few pads meanwhile)
             if t == n_new - 1 or (t + 1) % SYNC_EVERY == 0:
@@ -255,5 +256,5 @@ class VllmDecoder:
                 toks = toks[:-1]
             result.append(Generated(toks, "length" if c.finish_reason == "length" else "stop"))
             if on_tokens is not None:
-                on_tokens(len(c.token_ids))
+                on_tokens(len(toks))  # answer tokens, as the transformers decoder counts them
         return result

@@ -1,9 +1,13 @@
 """One `dflash-generate` job, on every rank: the target answers the input conversations again.
 
+    the output directory must be writable, the inputs must exist (each one sentence, before all)
     rank 0 resolves the sampling settings and fingerprints the target -> the output's key, checked
-      against an existing manifest.json (another target's answers are never mixed in), every rank agrees
+      against an existing manifest.json (another target's answers are never mixed in: the refusal
+      names the settings that differ), every rank agrees
     every rank reads the whole input, parses the records of its windows of work units and renders
-      their first prompts -> the plan (prompts, skips, tokens in, max tokens out), printed by rank 0
+      their first prompts -> the plan (prompts, skips, tokens in, max tokens out), printed by
+      rank 0; --dry-run stops here, having written nothing
+    rank 0 creates the output directory (or takes over one without answers) and its manifest
     every rank loads the target and runs its windows, round by round (turn 1 of every conversation of
       the window, then turn 2 of those that have one, ...); each finished unit is written aside and
       renamed into place as `u<unit:08d>-<16 hex>.jsonl`
@@ -38,7 +42,7 @@ from dflash_common.chat import ChatMaskError, _guarded
 from dflash_common.cli import write_run_record
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
-from dflash_common.fsutil import atomic_write_text, is_disk_full, os_reason
+from dflash_common.fsutil import atomic_write_text, check_writable, is_disk_full, os_reason
 from precompute.generate.chats import Chat, parse_chat
 from precompute.generate.config import GenerateConfig
 from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
@@ -60,6 +64,7 @@ def run(cfg: GenerateConfig) -> Path:
         raise UserError("output.dir is not set; pass --out DIR (a new or an existing output directory).")
     if not cfg.target.path.strip():
         raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
+    check_writable(cfg.output.dir, "output.dir", "pass --out a directory on a writable filesystem")
     ranks = start_ranks(cfg.run.device)
     try:
         out = _run(cfg, ranks)
@@ -77,18 +82,21 @@ def run(cfg: GenerateConfig) -> Path:
 
 
 def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
+    """Everything a refusal or a dry run needs is read first; the output directory is written only
+    once the plan is made (a refused or dry run leaves nothing behind)."""
     started = time.perf_counter()
     out = Path(cfg.output.dir)
     tokenizer = load_tokenizer(cfg.target.path)
-    sampling, stop_ids = resolve_sampling(cfg, tokenizer)
-    settings = ranks.from_main(lambda: open_output(cfg, out, sampling))
     sources = resolve_inputs(cfg.data.inputs)
+    sampling, stop_ids = resolve_sampling(cfg, tokenizer)
+    settings = ranks.from_main(lambda: check_output(out, output_settings(cfg, sampling)))
     work = plan_work(cfg, ranks, sources, tokenizer, settings["key"])
     plan = gather_plan(ranks, work, sampling, cfg.run.samples_per_unit)
     if ranks.main:
         print(format_plan(plan, cfg), flush=True)
     if cfg.run.dry_run:
         return out
+    ranks.from_main(lambda: claim_output(out, settings))
     if ranks.main:
         write_run_record(out, cfg, name="generate.run")
     planned = time.perf_counter()
@@ -161,23 +169,70 @@ def output_settings(cfg: GenerateConfig, sampling: Sampling) -> dict[str, Any]:
     return {"key": key, "settings": settings, "target_fingerprint": fp}
 
 
-def open_output(cfg: GenerateConfig, out: Path, sampling: Sampling) -> dict[str, Any]:
-    """Create the output directory (or check an existing one holds answers made the same way), remove
-    what writes cut by a kill left behind, and write the manifest's settings before any answer."""
-    settings = output_settings(cfg, sampling)
-    manifest = out / MANIFEST
-    if manifest.is_file():
-        old = json.loads(manifest.read_text())
-        if old.get("key") != settings["key"]:
-            raise UserError(f"output.dir {out} holds answers made with other settings or another target "
-                            f"(manifest key {str(old.get('key'))[:12]} != {settings['key'][:12]}); choose a new "
-                            "output.dir or rerun with the settings of its manifest.json.")
+def check_output(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Refuse an output directory whose answers were made otherwise, naming the settings that
+    differ; writes nothing. A directory without answers (only a manifest, e.g. of an older dry run)
+    is taken over by `claim_output`, whatever its manifest says."""
+    if not any(out.glob("u*.jsonl")):
         return settings
-    (out / UNIT_STATS).mkdir(parents=True, exist_ok=True)
-    if any(out.glob("u*.jsonl")):
+    manifest = out / MANIFEST
+    if not manifest.is_file():
         raise UserError(f"output.dir {out} holds shards but no {MANIFEST}; choose a new output.dir.")
-    atomic_write_text(manifest, json.dumps({**settings, "runs": []}, indent=2))
+    try:
+        old = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"output.dir {out} holds answers but its {MANIFEST} cannot be read ({e}); "
+                        "choose a new output.dir.") from e
+    if old.get("key") != settings["key"]:
+        differ = settings_that_differ(old.get("settings") or {}, settings["settings"])
+        keys = f"manifest key {str(old.get('key'))[:12]} != {settings['key'][:12]}"
+        raise UserError(f"output.dir {out} holds answers made with other settings: "
+                        f"{', '.join(differ) or keys}; choose a new output.dir, or rerun with the "
+                        f"settings of its {MANIFEST}.")
     return settings
+
+
+# The manifest's settings by the names a user sets them; the target's hashes stand for its files.
+_SETTING_NAMES = {"target.config_sha256": "the target's config_sha256",
+                  "target.weights_sha256": "the target's weights_sha256",
+                  "samples_per_unit": "run.samples_per_unit",
+                  "format": "the dflash-generate format"}
+
+
+def settings_that_differ(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`name (old -> new)` for each setting two manifests disagree on (hashes cut to 12 digits)."""
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        items: dict[str, Any] = {}
+        for key, value in tree.items():
+            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value
+                         else {prefix + key: value})
+        return items
+
+    def said(key: str, value: Any) -> str:
+        if value is None:
+            return "unset"
+        return str(value)[:12] if key.endswith("sha256") else json.dumps(value)
+
+    a, b = flat(old), flat(new)
+    keys = sorted(set(a) | set(b), key=lambda k: (not k.startswith("target."), k))
+    return [f"{_SETTING_NAMES.get(k, k)} ({said(k, a.get(k))} -> {said(k, b.get(k))})"
+            for k in keys if a.get(k) != b.get(k)]
+
+
+def claim_output(out: Path, settings: dict[str, Any]) -> None:
+    """Create the output directory (or take over one without answers), remove what writes cut by a
+    kill left behind, and write the manifest's settings before any answer."""
+    (out / UNIT_STATS).mkdir(parents=True, exist_ok=True)
+    manifest = out / MANIFEST
+    try:
+        same = json.loads(manifest.read_text()).get("key") == settings["key"]
+    except (OSError, ValueError):
+        same = False
+    if not same:  # new, or without answers (check_output): counts of absent shards go
+        for stale in (out / UNIT_STATS).glob("*.json"):
+            stale.unlink()
+        atomic_write_text(manifest, json.dumps({**settings, "runs": []}, indent=2))
+    remove_leftovers(out)
 
 
 def remove_leftovers(out: Path) -> None:
@@ -238,8 +293,6 @@ def plan_work(cfg: GenerateConfig, ranks: Ranks, sources, tokenizer: Any, key: s
                 render_next(c, tokenizer, cfg, skips)
             chats = [c for c in chats if c.prompt is not None]
         units.append(Unit(u, name, (out / name).is_file(), len(recs), chats, skips))
-    if ranks.main:
-        remove_leftovers(out)
     return RankWork(units, count[0], reader_skips)
 
 
@@ -487,6 +540,7 @@ def format_summary(m: dict[str, Any]) -> str:
         f"{c.get('generated_tokens', 0):,} generated tokens) in {m['units']:,} shards; finish reasons: {reasons}",
         f"  skipped records: {skips}",
         f"  this run: {run['units_written']:,} shards written, {run['units_already_written']:,} already there; "
-        f"{run['tokens_generated']:,} tokens at {run['generated_tokens_per_s']:,.0f} tok/s on "
+        f"{run['tokens_generated']:,} tokens generated at "
+        f"{run['generated_tokens_per_s']:,.0f} tok/s on "
         f"{run['world_size']} rank(s) in {run['seconds']:.1f} s",
     ])

@@ -110,10 +110,15 @@ def test_an_unknown_key_in_a_toml_file_names_the_file_and_the_line(tmp_path):
     inline.write_text('steps = 3\ninner = { lr = 1e-3, lrr = 2 }\n')
     section_typo = tmp_path / "typo.toml"
     section_typo.write_text('steps = 3\n\n[innr]\nlr = 1e-3\n')
-    cases = [(Staged, staged, f"Unknown config key 'lrr' in table [train.inner] of {staged}, line 7;"),
-             (Outer, plain, f"Unknown config key 'dtyp' in table [inner] of {plain}, line 3;"),
-             (Outer, inline, f"Unknown config key 'lrr' in table [inner] of {inline}, line 2;"),
-             (Outer, section_typo, f"Unknown config key 'innr' at the top level of {section_typo}, line 3;")]
+    hint = "(did you mean '{}'?);"
+    cases = [(Staged, staged, f"Unknown config key 'lrr' in table [train.inner] of {staged}, "
+              "line 7 " + hint.format("lr")),
+             (Outer, plain, f"Unknown config key 'dtyp' in table [inner] of {plain}, line 3 "
+              + hint.format("dtype")),
+             (Outer, inline, f"Unknown config key 'lrr' in table [inner] of {inline}, line 2 "
+              + hint.format("lr")),
+             (Outer, section_typo, f"Unknown config key 'innr' at the top level of {section_typo}, "
+              "line 3 " + hint.format("inner"))]
     for cls, path, start in cases:
         with pytest.raises(ConfigError) as caught:
             load_config(cls, path)

@@ -87,6 +87,43 @@ def test_a_disk_too_small_is_refused_in_one_sentence(tiny_target, tmp_path, caps
     main(_tiny_args(tiny_target, tmp_path / "store", "--force", "--dry-run"))  # forced: goes on
 
 
+def test_a_refused_run_leaves_nothing_it_created(tiny_target, tmp_path, capsys, monkeypatch):
+    """Refused after the plan (a disk too small) or before it (a directory holding other files): no
+    lock file in the user's directory, no token cache beside it, no store; the user's files stay."""
+    monkeypatch.setattr(P, "free_space", lambda path: 1_000_000)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir()
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep")
+    for out, says in [(mine, "--run.force=true"), (tmp_path / "new", "--run.force=true"),
+                      (theirs, "is a non-empty directory that is not a dflash store")]:
+        with pytest.raises(SystemExit) as caught:
+            main(_tiny_args(tiny_target, out))
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and says in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "theirs"]  # no <dir>.tokens/
+    assert list(mine.iterdir()) == [] and [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    cache = tmp_path / "cache"
+    cache.mkdir()  # run.cache_dir given: only what this run made in it goes
+    with pytest.raises(SystemExit):
+        main(_tiny_args(tiny_target, mine, f"--run.cache_dir={cache}"))
+    assert list(cache.iterdir()) == [] and list(mine.iterdir()) == []
+
+
+def test_out_naming_a_file_is_one_sentence(tiny_target, tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("keep")
+    cases = [(file, f"store.path {file} is a file, not a directory; pass --out a new directory"),
+             (file / "s", f"store.path {file / 's'} cannot be created: {file} is a file;")]
+    for out, says in cases:
+        for extra in ([], ["--dry-run"]):
+            with pytest.raises(SystemExit) as caught:
+                main(_tiny_args(tiny_target, out, *extra))
+            err = capsys.readouterr().err
+            assert caught.value.code == 2 and err.count("\n") == 1 and says in err, err
+    assert file.read_text() == "keep" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_a_missing_target_says_how_to_build_the_tiny_one(tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
         main(_tiny_args(tmp_path / "nowhere", tmp_path / "store"))
