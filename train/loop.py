@@ -495,11 +495,12 @@ def run(cfg: TrainConfig) -> Path:
 
 def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     """Rank 0 holds the run directory for the whole run: a second dflash-train into it is refused
-    before it reads a checkpoint (the other ranks of this job share rank 0's hold)."""
+    before it reads a checkpoint (the other ranks of this job share rank 0's hold). A run refused
+    before it wrote anything leaves no lock file, nor a directory it made."""
     if int(os.environ.get("RANK", "0")) != 0:
         return contextlib.nullcontext()
-    return hold_directory(cfg.run.out_dir, "run directory",
-                          "wait for that run to end (or stop it), or train into another directory (--out)")
+    fix = "wait for that run to end (or stop it), or train into another directory (--out)"
+    return hold_directory(cfg.run.out_dir, "run directory", fix, tidy=True)
 
 
 def _run(cfg: TrainConfig) -> Path:
