@@ -293,7 +293,9 @@ class Window:
         sums, counts, (hits, misses, read, bad_read) = both[:_N + 1], both[_N + 1:-4], both[-4:].tolist()
         figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
         steps = max(1.0, float(sums[_N]))
-        record = {"kind": "train", "step": step, "epoch": epoch, "loss": figures["loss"], "acc": figures["acc"],
+        record = {"kind": "train", "step": step,
+                  "epoch": epoch + 1,  # from 1: the last step of a 4-epoch run is in epoch 4
+                  "loss": figures["loss"], "acc": figures["acc"],
                   "acc_by_pos": figures["acc_by_pos"], "tau": figures["tau"], "lr": lr,
                   "grad_norm": float(sums[_GNORM]) / steps,
                   "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
@@ -478,7 +480,11 @@ def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 def _run(cfg: TrainConfig) -> Path:
     r = setup(cfg)
-    metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.dist.main else None
+    metrics = None
+    if r.dist.main:
+        epochs = r.cfg.optim.epochs if r.cfg.optim.max_steps is None else None  # else steps rule
+        metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start, epochs=epochs,
+                                every_steps=r.cfg.log.every_steps)
     try:
         saved, stopped = train(r, metrics)
     except BaseException:  # e.g. a corrupt shard under data.on_bad_shard = stop: what is saved stays

@@ -142,6 +142,11 @@ def test_settings_of_how_the_run_is_carried_out_take_their_new_values(
     assert any(
         m.startswith("resuming from") and "log.every_steps (1 -> 4)" in m for m in caplog.messages
     )
+    # the first line after the resume means steps 3 and 4 only, and says so
+    assert any(
+        m.startswith("step 4/4 (mean of 2 steps since the resume) | ep 1 | ")
+        for m in caplog.messages
+    )
 
     a = load_file(straight / "step-4" / "drafter" / "model.safetensors")
     b = load_file(run / "step-4" / "drafter" / "model.safetensors")
