@@ -81,7 +81,9 @@ def checkpoint_to_resume(
     path = latest_checkpoint(out) if cfg.checkpoint.resume else None
     if path is None:
         return None, {}
-    saved = read_drafter_config(path / "drafter")
+    saved = read_drafter_config(
+        path / "drafter", fix=f"delete {path} to resume from an older checkpoint"
+    )
     differ = [
         f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)
     ]
@@ -165,9 +167,8 @@ def discard_earlier_run(out: Path) -> None:
         ", ".join(p.name for p in found),
     )
     for path in found:
-        (path / COMPLETE).unlink(
-            missing_ok=True
-        )  # first: a crash mid-delete leaves nothing complete
+        # the marker first: a crash mid-delete leaves nothing that looks complete
+        (path / COMPLETE).unlink(missing_ok=True)
         shutil.rmtree(path)
 
 

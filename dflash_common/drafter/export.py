@@ -155,15 +155,17 @@ def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.T
     return read_drafter_config(directory), _read_weights(directory)
 
 
-def read_drafter_config(directory: str | Path) -> DrafterConfig:
+def read_drafter_config(directory: str | Path, fix: str | None = None) -> DrafterConfig:
     """The config of drafter directory `directory`, refused in one sentence naming the key when its
     config.json lacks a key, or says other than the record its weights were saved with (a hand
-    edit: shifted layer ids or a removed block_size would load, and serve, another drafter)."""
+    edit: shifted layer ids or a removed block_size would load, and serve, another drafter).
+    `fix` ends each sentence (default: export the drafter again from its run)."""
+    fix = fix or _REEXPORT
     path = Path(directory) / CONFIG_FILE
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not a readable JSON file ({e}); {_REEXPORT}.") from e
+        raise UserError(f"{path} is not a readable JSON file ({e}); {fix}.") from e
     record = trained_record(directory)
     try:
         cfg = DrafterConfig.from_config_json(raw)
@@ -174,11 +176,11 @@ def read_drafter_config(directory: str | Path) -> DrafterConfig:
                             f"checkpoint format, docs/serving.md).") from e
         values = ", ".join(f"`{k}: {json.dumps(_value(record, k))}`" for k in e.keys)
         raise UserError(f"{path} lacks {_keys(e.keys)}; put back {values} (saved with its "
-                        f"weights), or {_REEXPORT}.") from e
+                        f"weights), or {fix}.") from e
     except (ConfigError, KeyError, ValueError, TypeError) as e:
         raise UserError(f"{path} is not a valid DFlash drafter config: {e}") from e
     if record is not None:
-        _check_against_record(path, raw, cfg, record)
+        _check_against_record(path, raw, cfg, record, fix)
     return cfg
 
 
@@ -208,7 +210,8 @@ def trained_record(directory: str | Path) -> dict | None:
         return None
 
 
-def _check_against_record(path: Path, raw: dict, cfg: DrafterConfig, record: dict) -> None:
+def _check_against_record(path: Path, raw: dict, cfg: DrafterConfig, record: dict,
+                          fix: str) -> None:
     trained = DrafterConfig.from_config_json(record)
     differ = [f for f in _fields(cfg)
               if f not in _INFORMATIONAL and getattr(cfg, f) != getattr(trained, f)]
@@ -225,7 +228,7 @@ def _check_against_record(path: Path, raw: dict, cfg: DrafterConfig, record: dic
                         f"with {was}")
     values = "values" if len(said) > 1 else "value"
     raise UserError(f"{path} {'; it '.join(said)} (the record saved with model.safetensors); put "
-                    f"back the trained {values}, or {_REEXPORT}.")
+                    f"back the trained {values}, or {fix}.")
 
 
 def _value(data: dict, dotted: str):

@@ -199,3 +199,20 @@ def test_a_schedule_of_another_length_is_refused(tiny_store, tiny_target, tmp_pa
         "optimiser steps, but the stores now give 5 with its settings"
     )
     assert "--checkpoint.resume=false" in str(e.value)
+
+
+def test_a_checkpoint_with_a_hand_edited_drafter_config_is_not_resumed(
+    tiny_store, tiny_target, tmp_path, monkeypatch, capsys
+):
+    run = tmp_path / "run"
+    _stopped_after_step_2(tiny_store, tiny_target, run, monkeypatch)
+    config_path = run / "step-2" / "drafter" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["block_size"]  # reads as 16: this block-4 drafter would resume as another
+    config_path.write_text(json.dumps(config))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_main(train_args(tiny_store, tiny_target, run, *STEPS))
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and line.startswith(f"error: {config_path} lacks `block_size`")
+    assert line.endswith(f"delete {run / 'step-2'} to resume from an older checkpoint.")
