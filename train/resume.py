@@ -24,7 +24,7 @@ from typing import Any
 
 from dflash_common.config import to_dict
 from dflash_common.drafter.config import DrafterConfig
-from dflash_common.drafter.export import read_drafter_config
+from dflash_common.drafter.record import read_drafter_config
 from dflash_common.errors import UserError
 from train.checkpoint import COMPLETE, complete_checkpoints, latest_checkpoint
 from train.config import TrainConfig

@@ -239,7 +239,7 @@ def lint_drafter_dir(path) -> list[Finding]:
 
     from dflash_common.drafter.model import DFlashDrafter
 
-    from dflash_common.drafter.export import read_drafter_config, trained_record
+    from dflash_common.drafter.record import read_drafter_config, trained_record
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
