@@ -283,10 +283,12 @@ def run_record(cfg: Any) -> dict[str, Any]:
             "argv": sys.argv}
 
 
-def write_run_record(directory: str | Path, cfg: Any, name: str = "run") -> None:
-    """Write `<name>.toml` (the resolved config, loadable with --config) and `<name>.json` (versions)."""
+def write_run_record(directory: str | Path, cfg: Any, name: str = "run",
+                     extra: dict[str, Any] | None = None) -> None:
+    """Write `<name>.toml` (the resolved config, loadable with --config) and `<name>.json`
+    (versions, and `extra`: what else the stage records, e.g. a training run's resumes)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    record = run_record(cfg)
+    record = {**run_record(cfg), **(extra or {})}
     atomic_write_text(directory / f"{name}.toml", tomli_w.dumps(record["config"]))
     atomic_write_text(directory / f"{name}.json", json.dumps(record, indent=2, default=str))

@@ -250,7 +250,11 @@ class PrecisionConfig:
 class CheckpointConfig:
     every_steps: int = option(1000, "Save a checkpoint every this many optimiser steps (and at the end).")
     keep_last: int = option(3, "Complete checkpoints kept; older ones are deleted.")
-    resume: bool = option(True, "Resume from the newest complete checkpoint in run.out_dir, if any.")
+    resume: bool = option(
+        True, "Resume from the newest complete checkpoint in run.out_dir, if any (settings that "
+        "define what is trained must then be its own); false starts the run over there, removing "
+        "the earlier run's checkpoints and final drafter."
+    )
 
     def __post_init__(self):
         check(self.every_steps >= 1, f"checkpoint.every_steps must be >= 1, got {self.every_steps}.")

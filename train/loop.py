@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -32,7 +31,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dflash_common.cli import progress_bar, write_run_record
 
 from dflash_common.errors import UserError
-from dflash_common.config import to_dict
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter
@@ -52,6 +50,7 @@ from train.objective import batch_objective
 from train.optim import build_optimizer
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
 from train.report import write_report
+from train.resume import checkpoint_to_resume, discard_earlier_run, new_run_hint, resume_record
 from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
 from train.validate import evaluate_batches, summarize
 
@@ -275,7 +274,9 @@ class Window:
         sums, counts, (hits, misses, read, bad_read) = both[:_N + 1], both[_N + 1:-4], both[-4:].tolist()
         figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
         steps = max(1.0, float(sums[_N]))
-        record = {"kind": "train", "step": step, "epoch": epoch, "loss": figures["loss"], "acc": figures["acc"],
+        record = {"kind": "train", "step": step,
+                  "epoch": epoch + 1,  # from 1: the last step of a 4-epoch run is in epoch 4
+                  "loss": figures["loss"], "acc": figures["acc"],
                   "acc_by_pos": figures["acc_by_pos"], "tau": figures["tau"], "lr": lr,
                   "grad_norm": float(sums[_GNORM]) / steps,
                   "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
@@ -314,23 +315,31 @@ class Run:
 
 
 def setup(cfg: TrainConfig) -> Run:
+    """Everything the loop needs, every check passed before the run directory is written to."""
     d = setup_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
     stores = open_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
     verdict = check_stores(stores, dcfg, cfg.run.target)
-    from_path = checkpoint_to_resume(cfg, out, dcfg)
+    from_path, changed = checkpoint_to_resume(cfg, out, dcfg)
     if d.main:
         log.info("%s", verdict)
-        out.mkdir(parents=True, exist_ok=True)
-        remove_stale_saves(out)
-        write_run_record(out, cfg, name="run")
     drafter = build_drafter(cfg, dcfg, d.device)
     data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg.optim, drafter, total, d.device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
-    start, position = resume(from_path, d, drafter, optimizer, scheduler, ema)
+    start, position = resume(from_path, d, drafter, optimizer, scheduler, ema, total=total, out=out)
+    if d.main:
+        if changed:
+            log.warning("resuming from %s with new values of settings that do not change what is "
+                        "trained (recorded in run.json): %s", from_path,
+                        ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in changed.items()))
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_saves(out)
+        if not cfg.checkpoint.resume:
+            discard_earlier_run(out)
+        write_run_record(out, cfg, name="run", extra=resume_record(out, from_path, changed))
     model = drafter
     if d.world > 1:
         model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
@@ -338,58 +347,24 @@ def setup(cfg: TrainConfig) -> Run:
     return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position, ema)
 
 
-def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Path | None:
-    """The newest complete checkpoint of the run directory, if resuming; one sentence when it holds
-    another drafter than this config makes (before anything of this run is written)."""
-    path = latest_checkpoint(out) if cfg.checkpoint.resume else None
-    if path is None:
-        return None
-    try:
-        saved = DrafterConfig.from_config_json(json.loads((path / "drafter" / "config.json").read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
-        raise UserError(f"checkpoint {path} has no readable drafter/config.json ({e}); delete {path} to resume "
-                        f"from an older one, or start a new run directory (--out).") from e
-    differ = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)]
-    if differ:
-        detail = ", ".join(f"{f} = {getattr(saved, f)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3])
-        raise UserError(f"cannot resume from {path}: it holds another drafter ({detail}); resume with the settings "
-                        f"of {path / 'run.toml'}, or start a new run directory (--out).")
-    _warn_of_changed_settings(path, cfg)
-    return path
-
-
-def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
-    """Settings other than the drafter's may change on resume (more steps, another log interval), but
-    the optimiser and schedule go on from the checkpoint's state: say what differs."""
-    import tomllib
-
-    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-        out = {}
-        for key, value in tree.items():
-            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-        return out
-
-    try:
-        before = flat(tomllib.loads((path / "run.toml").read_text()))
-    except (OSError, ValueError):
-        return
-    now = flat(to_dict(cfg))
-    changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k != "run.out_dir"]
-    if changed:
-        log.warning("resuming from %s with settings that differ from the run that wrote it: %s", path,
-                    ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:8]))
-
-
 def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
-           ema: WeightAverage | None = None) -> tuple[int, dict | None]:
+           ema: WeightAverage | None = None, *, total: int | None = None,
+           out: Path | None = None) -> tuple[int, dict | None]:
     """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An EMA
-    missing from the checkpoint (it was written without regularise.ema) restarts from its weights."""
+    missing from the checkpoint (it was written without regularise.ema) restarts from its weights.
+    A schedule of another length than `total` (the stores' shards changed since) is refused."""
     if path is None:
         return 0, None
     trainer_state, ranks = load_checkpoint(path)
     if len(ranks) != d.world:
         raise UserError(f"{path} was written by {len(ranks)} rank(s) but this run has {d.world}; resume with "
                         f"{len(ranks)}, or start a new run directory (--out).")
+    scheduled = trainer_state.get("total_steps")
+    if total is not None and scheduled is not None and scheduled != total:
+        raise UserError(f"cannot resume from {path}: its learning-rate schedule spans {scheduled} "
+                        f"optimiser steps, but the stores now give {total} with its settings "
+                        f"(their shards changed since); resume with the stores it trained on, or "
+                        f"{new_run_hint(out or path.parent)}.")
     load_weights_into(drafter, path / "drafter")
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
@@ -477,16 +452,21 @@ def run(cfg: TrainConfig) -> Path:
 
 def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     """Rank 0 holds the run directory for the whole run: a second dflash-train into it is refused
-    before it reads a checkpoint (the other ranks of this job share rank 0's hold)."""
+    before it reads a checkpoint (the other ranks of this job share rank 0's hold). A run refused
+    before it wrote anything leaves no lock file, nor a directory it made."""
     if int(os.environ.get("RANK", "0")) != 0:
         return contextlib.nullcontext()
-    return hold_directory(cfg.run.out_dir, "run directory",
-                          "wait for that run to end (or stop it), or train into another directory (--out)")
+    fix = "wait for that run to end (or stop it), or train into another directory (--out)"
+    return hold_directory(cfg.run.out_dir, "run directory", fix, tidy=True)
 
 
 def _run(cfg: TrainConfig) -> Path:
     r = setup(cfg)
-    metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.dist.main else None
+    metrics = None
+    if r.dist.main:
+        epochs = r.cfg.optim.epochs if r.cfg.optim.max_steps is None else None  # else steps rule
+        metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start, epochs=epochs,
+                                every_steps=r.cfg.log.every_steps)
     try:
         saved, stopped = train(r, metrics)
     except BaseException:  # e.g. a corrupt shard under data.on_bad_shard = stop: what is saved stays

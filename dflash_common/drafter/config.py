@@ -14,6 +14,20 @@ from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Keys a config.json must hold (and dflash_config's target_layer_ids and mask_token_id, also read
+# top-level); every other key has a default, the released format's or the engines'.
+REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "vocab_size", "num_target_layers")
+
+
+class MissingKeyError(ConfigError):
+    """A config.json without a key it must hold: `keys` names each (dotted below dflash_config)."""
+
+    def __init__(self, keys: list[str]):
+        named = ", ".join(f"`{k}`" for k in keys)
+        super().__init__(f"config.json lacks {named}; add {'it' if len(keys) == 1 else 'them'} "
+                         "(see the released checkpoint format, docs/serving.md).")
+        self.keys = keys
 
 
 @dataclass(frozen=True)
@@ -220,10 +234,11 @@ class DrafterConfig:
         def dflash_value(name: str):
             return dflash.get(name, data.get(name))
 
-        for name, value in (("target_layer_ids", dflash_value("target_layer_ids")),
-                            ("mask_token_id", dflash_value("mask_token_id")),
-                            ("num_target_layers", data.get("num_target_layers"))):
-            check(value is not None, f"config.json has no {name}; add it (see the released checkpoint format).")
+        missing = [k for k in REQUIRED_KEYS if data.get(k) is None]
+        missing += [f"dflash_config.{k}" for k in ("target_layer_ids", "mask_token_id")
+                    if dflash_value(k) is None]
+        if missing:
+            raise MissingKeyError(missing)
         depth = int(data["num_hidden_layers"])
         sliding = "sliding_attention" in (data.get("layer_types") or [])
         sliding_causal = _sliding_causal_from_config(data, sliding)

@@ -13,6 +13,9 @@ Training checkpoints already hold the drafter in this layout, in float32:
 step), one step directory, or a drafter directory, and writes OUT_DIR aside and renames it into
 place. Loading refuses any weight whose name or shape the config does not expect, and any expected
 weight that is missing: engines drop such weights silently, we do not.
+
+model.safetensors also carries, in its metadata, the config.json it was saved with, so a config.json
+edited by hand afterwards is refused by every loader of ours, naming the key (record.py).
 """
 
 from __future__ import annotations
@@ -33,15 +36,13 @@ from safetensors.torch import save_file
 from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 
 from dflash_common.errors import UserError
-from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.record import CONFIG_FILE, RECORD_KEY, WEIGHTS_FILE, read_drafter_config
 from dflash_common.fsutil import check_writable, fsync_tree, publish_dir, temp_sibling
 
 log = logging.getLogger("dflash")
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 DRAFTER_SUBDIR = "drafter"  # step-N/drafter/ in a training checkpoint
 COMPLETE_MARKER = "COMPLETE"  # step-N/COMPLETE, written last by the trainer
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -73,7 +74,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     tmp.mkdir()
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # the config travels inside the weights file too: a hand-edited config.json is then found
+        save_file(state, str(tmp / WEIGHTS_FILE),
+                  metadata={"format": "pt", RECORD_KEY: json.dumps(config)})
         fsync_tree(tmp)
         _publish(tmp, out_dir)
     finally:
@@ -146,11 +149,7 @@ def resolve_drafter_dir(path: str | Path) -> Path:
 def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """(config, weights by name) of the drafter behind `path` (see resolve_drafter_dir)."""
     directory = resolve_drafter_dir(path)
-    try:
-        cfg = DrafterConfig.from_config_json(json.loads((directory / CONFIG_FILE).read_text()))
-    except (ConfigError, KeyError, ValueError, TypeError) as e:
-        raise UserError(f"{directory / CONFIG_FILE} is not a valid DFlash drafter config: {e}") from e
-    return cfg, _read_weights(directory)
+    return read_drafter_config(directory), _read_weights(directory)
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -239,11 +239,19 @@ def lint_drafter_dir(path) -> list[Finding]:
 
     from dflash_common.drafter.model import DFlashDrafter
 
+    from dflash_common.drafter.record import read_drafter_config, trained_record
+
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         found = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
-    cfg = DrafterConfig.from_config_json(config)
+    own = []
+    try:  # config.json against the record saved with the weights (a hand edit), keys it lacks
+        read_drafter_config(path)
+    except UserError as e:
+        own.append(Finding("both", "error", str(e)))
+    record = trained_record(path)  # what was trained, as the weights say; else config.json's word
+    cfg = DrafterConfig.from_config_json(record if record is not None else config)
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).state_dict().items()}
-    return lint_config(cfg, config) + lint_weights(expected, found)
+    return own + lint_config(cfg, config) + lint_weights(expected, found)

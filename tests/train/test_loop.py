@@ -107,6 +107,19 @@ def _check_the_average_is_resumed_and_exported(straight: Path, stopped: Path, av
     assert all(torch.equal(final[k], average[k].to(torch.bfloat16)) for k in average)
 
 
+def test_epochs_count_from_one_and_the_last_step_is_in_the_last(tiny_store, tiny_target, tmp_path,
+                                                                 monkeypatch, caplog):
+    monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)  # not under test (and slow)
+    caplog.set_level("INFO", logger="dflash")
+    loop.run(_cfg(*_args(tiny_store, tiny_target, tmp_path / "run", "--optim.epochs=2",
+                         "--validation.every_steps=0", "--checkpoint.every_steps=1000")))
+    train = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert train[0]["epoch"] == 1 and train[-1]["epoch"] == 2
+    assert {r["epoch"] for r in train} == {1, 2}
+    last = [m for m in caplog.messages if m.startswith(f"step {train[-1]['step']}/")]
+    assert last and f"/{train[-1]['step']} | ep 2/2 | " in last[0] and "mem n/a (no GPU)" in last[0]
+
+
 def _store_fingerprint(path: Path) -> dict[str, tuple[str, int]]:
     return {str(p.relative_to(path)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
             for p in sorted(path.rglob("*")) if p.is_file()}

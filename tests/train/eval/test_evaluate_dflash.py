@@ -122,6 +122,23 @@ def test_drafter_for_another_target_is_refused_in_one_sentence(tiny_target_2laye
     assert "Loading weights" not in err, "the target is not loaded for a drafter that does not fit"
 
 
+def test_a_drafter_with_a_hand_edited_config_is_refused_before_decoding(tiny_target, drafter_dir, tmp_path, capsys):
+    """A config.json whose block_size was removed would decode a block-4 drafter at 16: refused, naming it."""
+    import shutil
+
+    edited = shutil.copytree(drafter_dir, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    del config["block_size"]
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        main([f"--target.path={tiny_target}", "--drafter", str(edited), "--prompts.files=data/tiny-prompts.jsonl",
+              "--report", str(tmp_path / "eval.json")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "Traceback" not in err
+    assert f"lacks `block_size`, which reads as 16, where its weights were trained with {BLOCK}" in err
+    assert not (tmp_path / "eval.json").exists()
+
+
 def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([f"--target.path={tiny_target}", "--drafter", str(tmp_path / "nope"),
