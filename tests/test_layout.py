@@ -136,3 +136,10 @@ def test_generate_and_the_precompute_plan_have_their_rooms():
     assert not sorted((ROOT / "precompute").glob("generate_*.py")), "dflash-generate lives in precompute/generate/"
     for room in ("units", "tokenizing", "plan"):
         assert (ROOT / "precompute" / f"{room}.py").is_file(), room
+
+
+def test_test_files_have_unique_names():
+    """tests/ has no __init__.py files: pytest imports each test module by its file name, so two of
+    one name in different folders break the collection of both."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert not {n for n in names if names.count(n) > 1}
