@@ -155,11 +155,13 @@ def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int],
         segments.append((slot_of[shard], src, dst, n))
         lengths.append(n)
         dst += n
+    # the dtypes of train/transfer.py's DeviceBatch; the mask travels as int64 0/1 beside the others
     input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
-    loss_mask = torch.from_numpy(np.concatenate(mask).astype(np.int64))
+    response = torch.from_numpy(np.concatenate(mask).astype(bool))
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    anchor_mask = torch.ones_like(loss_mask) if prompt_anchors else loss_mask
-    anchors = sample_anchors(anchor_mask, cu, block_size, max_anchors, generator, anchor_rule).long()
+    anchor_mask = torch.ones_like(response) if prompt_anchors else response
+    anchors = sample_anchors(anchor_mask, cu, block_size, max_anchors, generator, anchor_rule)
+    loss_mask = response.long()
     return HostBatch(epoch, index, input_ids, loss_mask, cu, anchors, segments, shards, handles)
 
 

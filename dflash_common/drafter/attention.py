@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
+from dflash_common.drafter.packed import sequence_index
+
 # flex_attention's default sparse tile (rows x columns of the score matrix per BlockMask entry).
 FLEX_TILE = 128
 
@@ -47,12 +49,12 @@ class BlockLayout:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, anchors: torch.Tensor, total: int, block_size: int) -> "BlockLayout":
-        cu = cu_seqlens.to(anchors.device, torch.long)
-        anchors = anchors.long()
+        """cu_seqlens int64 [N+1] and anchors int64 [A] (dflash_common/drafter/packed.py)."""
         tokens = torch.arange(total, device=anchors.device)
-        seq_of_token = torch.searchsorted(cu, tokens, right=True) - 1  # [T]
-        seq_of_anchor = torch.searchsorted(cu, anchors, right=True) - 1  # [A]
-        return cls(anchors, cu[seq_of_anchor], tokens - cu[seq_of_token], total, block_size)
+        seq_of_token = sequence_index(cu_seqlens, tokens)  # [T]
+        seq_of_anchor = sequence_index(cu_seqlens, anchors)  # [A]
+        starts = cu_seqlens[seq_of_anchor]
+        return cls(anchors, starts, tokens - cu_seqlens[seq_of_token], total, block_size)
 
     def block_positions(self) -> torch.Tensor:
         """[A, B] absolute positions anchor..anchor+B-1 within each block's sequence."""
