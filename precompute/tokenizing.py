@@ -34,7 +34,7 @@ from dflash_common.chat import ChatMaskError, ChatTemplate
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
 from dflash_common.fsutil import atomic_write_bytes
-from precompute.config import DataConfig, PrecomputeConfig
+from precompute.config import DataSection, PrecomputeConfig
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
 from precompute.units import iter_unit_records, num_units, owner
 
@@ -119,13 +119,13 @@ class UnitSummary:
 class UnitTokenizer:
     """Records of a unit -> TokenizedUnit, applying the chat template and the length rules."""
 
-    def __init__(self, chat: ChatTemplate, data: DataConfig, vocab_size: int):
+    def __init__(self, chat: ChatTemplate, data: DataSection, vocab_size: int):
         self.chat = chat
         self.data = data
         self.vocab_size = vocab_size
 
     @classmethod
-    def from_target(cls, target_path: str, data: DataConfig) -> "UnitTokenizer":
+    def from_target(cls, target_path: str, data: DataSection) -> "UnitTokenizer":
         from transformers import AutoTokenizer
 
         from precompute.target import read_text_config
@@ -308,7 +308,7 @@ class _RecordCounter:
 _WORKER: UnitTokenizer | None = None
 
 
-def _worker_init(target_path: str, data: DataConfig) -> None:
+def _worker_init(target_path: str, data: DataSection) -> None:
     global _WORKER
     logging.getLogger("dflash").setLevel(logging.ERROR)  # the main process logs the summary
     _WORKER = UnitTokenizer.from_target(target_path, data)

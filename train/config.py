@@ -18,7 +18,7 @@ from dflash_common.config import check, option, section
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataSection:
     stores: list[str] = option([], "Store directories written by dflash-precompute; at least one (or --store).")
     weights: list[float] | None = option(
         None,
@@ -151,7 +151,7 @@ class ObjectiveSection:
 
 
 @dataclass(frozen=True)
-class RegulariseConfig:
+class RegulariseSection:
     noise: float = option(
         0.0, "Gaussian noise added to the context features while training (never in validation), with a "
         "standard deviation of this times each token's per-layer feature RMS; 0 = none."
@@ -167,7 +167,7 @@ class RegulariseConfig:
 
 
 @dataclass(frozen=True)
-class TargetsSection:
+class SoftTargetsSection:
     soft: Literal["none", "kl", "tv", "dspark"] = option(
         "none",
         "Match the target's distribution softmax(lm_head(final state)) instead of only its token: 'kl' = "
@@ -193,7 +193,7 @@ class TargetsSection:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
+class OptimSection:
     lr: float = option(6e-4, "Peak learning rate of AdamW.")
     weight_decay: float = option(0.0, "AdamW weight decay (the recipe uses none).")
     betas: list[float] = option([0.9, 0.999], "AdamW betas (torch's defaults; the recipe names none).")
@@ -221,7 +221,7 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
+class PrecisionSection:
     autocast: Literal["bf16", "none"] = option(
         "bf16", "Compute dtype of forward and loss; weights, gradients and AdamW state stay fp32 either way."
     )
@@ -240,7 +240,7 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointSection:
     every_steps: int = option(1000, "Save a checkpoint every this many optimiser steps (and at the end).")
     keep_last: int = option(3, "Complete checkpoints kept; older ones are deleted.")
     resume: bool = option(True, "Resume from the newest complete checkpoint in run.out_dir, if any.")
@@ -251,7 +251,7 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class LogConfig:
+class LogSection:
     every_steps: int = option(10, "Print and record metrics every this many optimiser steps.")
     tensorboard: bool = option(True, "Also write TensorBoard event files into the run directory.")
     progress: bool = option(True, "Show a progress bar (on rank 0).")
@@ -261,7 +261,7 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
-class ValidationConfig:
+class ValidationSection:
     every_steps: int = option(1000, "Evaluate the held-out sequences every this many steps; 0 = only at the end.")
 
     def __post_init__(self):
@@ -269,7 +269,7 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunSection:
     out_dir: str = option("runs/dflash", "Run directory: checkpoints, metrics, report, final drafter.")
     seed: int = option(0, "Seed of the initial weights, the data order and the anchors.")
     target: str | None = option(
@@ -285,19 +285,24 @@ class RunConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     STAGE: ClassVar[str] = "train"  # its table in a config file that holds several stages
-    data: DataConfig = section(DataConfig, "Stores, shard cache, batching and held-out data.")
+    data: DataSection = section(DataSection, "Stores, shard cache, batching and held-out data.")
     drafter: DrafterSection = section(DrafterSection, "Shape of the drafter being trained.")
-    objective: ObjectiveSection = section(ObjectiveSection, "The DFlash objective: anchors and loss weights.")
-    regularise: RegulariseConfig = section(RegulariseConfig, "Regularisers for small data: feature noise, EMA.")
-    targets: TargetsSection = section(
-        TargetsSection, "What the drafter is taught from the target's final state: soft targets, prompt anchors."
+    objective: ObjectiveSection = section(
+        ObjectiveSection, "The DFlash objective: anchors and loss weights."
     )
-    optim: OptimConfig = section(OptimConfig, "AdamW and the learning-rate schedule.")
-    precision: PrecisionConfig = section(PrecisionConfig, "Mixed precision.")
-    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
-    log: LogConfig = section(LogConfig, "Console, JSONL and TensorBoard metrics.")
-    validation: ValidationConfig = section(ValidationConfig, "Validation on held-out sequences.")
-    run: RunConfig = section(RunConfig, "Run directory, seed and target.")
+    regularise: RegulariseSection = section(
+        RegulariseSection, "Regularisers for small data: feature noise, EMA."
+    )
+    targets: SoftTargetsSection = section(
+        SoftTargetsSection,
+        "What the drafter is taught from the target's final state: soft targets, prompt anchors.",
+    )
+    optim: OptimSection = section(OptimSection, "AdamW and the learning-rate schedule.")
+    precision: PrecisionSection = section(PrecisionSection, "Mixed precision.")
+    checkpoint: CheckpointSection = section(CheckpointSection, "Checkpoints and resume.")
+    log: LogSection = section(LogSection, "Console, JSONL and TensorBoard metrics.")
+    validation: ValidationSection = section(ValidationSection, "Validation on held-out sequences.")
+    run: RunSection = section(RunSection, "Run directory, seed and target.")
 
     def __post_init__(self):
         t = self.targets
