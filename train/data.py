@@ -37,6 +37,7 @@ from dflash_common.drafter.objective import sample_anchors
 from dflash_common.store import Store, StoreCorruptError, carve_buffers
 from train.batch import HostBatch, ShardSlot, raw_dtype
 from train.cache import Handle, ShardCache, SlotSlab
+from train.config import TrainConfig
 from train.plan import DataPlan, EpochPlan, ShardMeta, holdout_split, rng
 
 log = logging.getLogger("dflash")
@@ -414,9 +415,9 @@ class TrainData:
         self.feeder = None
 
     @classmethod
-    def build(cls, cfg, stores: Sequence[Store], layer_ids: Sequence[int], *, rank: int, world: int,
-              device: torch.device) -> "TrainData":
-        """`cfg` is the TrainConfig; `layer_ids` the drafter's target_layer_ids (their order is kept)."""
+    def build(cls, cfg: TrainConfig, stores: Sequence[Store], layer_ids: Sequence[int], *,
+              rank: int, world: int, device: torch.device) -> "TrainData":
+        """`layer_ids`: the drafter's target_layer_ids (their order is kept)."""
         d = cfg.data
         check_stores_agree(stores)
         final = cfg.targets.needs_final_state

@@ -54,8 +54,10 @@ from typing import Any
 import torch
 
 from dflash_common.drafter.attention import BlockLayout
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import response_starts
 from dflash_common.drafter.packed import sequence_index
+from train.transfer import DeviceBatch
 
 # Blocks whose logits [n, B-1, V] are materialised at once (bounds memory at large vocabularies).
 _LOGIT_ELEMENTS = 1 << 26
@@ -87,7 +89,7 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
     return first, end, seq_start
 
 
-def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
+def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor) -> torch.Tensor:
     """Block hidden states [n, b, H] -> greedy drafts [n, b-1] (position 0 is the anchor)."""
     n, b, _ = hidden.shape
     rows = max(1, _LOGIT_ELEMENTS // max(1, (b - 1) * drafter.cfg.vocab_size))
@@ -96,8 +98,8 @@ def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_tokens: int | None = None,
-                 autocast: str = "none") -> list[list[int]]:
+def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int | None = None,
+                 max_new_tokens: int | None = None, autocast: str = "none") -> list[list[int]]:
     """Greedy speculative decoding of every response of a device batch (features, input_ids, loss_mask,
     cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
     emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -110,7 +113,7 @@ class DrafterConfig:
     @classmethod
     def from_target(
         cls,
-        target_config: Any,
+        target_config: PretrainedConfig | Mapping[str, Any],
         *,
         mask_token_id: int,
         depth: int = 5,
