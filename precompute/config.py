@@ -114,8 +114,9 @@ class BatchingSection:
     )
     sort_window_units: int = option(
         4,
-        "Samples of this many consecutive work units are sorted by length together before batching: "
-        "larger means less padding and more host memory for states of unfinished units.",
+        "Samples of this many consecutive work units (a sort window, computed whole by one rank) "
+        "are sorted by length together before batching: larger means less padding and more host "
+        "memory for states of unfinished units.",
     )
 
     def __post_init__(self) -> None:

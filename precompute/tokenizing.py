@@ -264,8 +264,8 @@ def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCac
 
     -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
     counter = _RecordCounter(iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips))
-    window = cfg.batching.sort_window_units
-    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, window)
+    per_sort_window = cfg.batching.sort_window_units
+    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, per_sort_window)
     todo = ((u, recs) for u, recs in units if not cache.has(u) or _stale(cache, u, recs))
     root = str(cache.root) if write_cache else None
     if cfg.run.tokenize_workers > 0:
@@ -274,7 +274,7 @@ def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCac
         tokenizer = UnitTokenizer.from_target(cfg.target.path, cfg.data)
         fresh = {u: _tokenize_one(tokenizer, u, recs, root) for u, recs in todo}
     total_units = num_units(counter.count, cfg.run.samples_per_unit)
-    mine = [u for u in range(total_units) if owner(u, world_size, window) == rank]
+    mine = [u for u in range(total_units) if owner(u, world_size, per_sort_window) == rank]
     return [fresh[u] if u in fresh else cache.load(u).summary() for u in mine], counter.count
 
 

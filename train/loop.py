@@ -276,7 +276,7 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
     return info, world / weight_sum.clamp(min=1e-9)
 
 
-class Window:
+class LogInterval:
     """The figures of the steps since the last logging step, kept on the device (no per-step sync)."""
 
     def __init__(self, device: torch.device, block_size: int):
@@ -291,10 +291,13 @@ class Window:
         self.started = time.perf_counter()
 
     def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int, bad: BadShards) -> dict[str, Any]:
-        """Sum the window over ranks (one collective), make the logging step's record, start a new window."""
+        """Sum the interval's figures over ranks (one collective), make the logging step's record,
+        start the next interval."""
         now = (cache.hits, cache.misses, cache.bytes_read)
-        window = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]  # ranks read apart
-        both = torch.cat([self.sums, self.counts, torch.tensor(window, dtype=torch.float64, device=self.device)])
+        # ranks read apart: each its own cache counters since the last logging step
+        reads = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]
+        reads_t = torch.tensor(reads, dtype=torch.float64, device=self.device)
+        both = torch.cat([self.sums, self.counts, reads_t])
         if dist.is_initialized():
             dist.all_reduce(both)
         both = both.cpu()
@@ -530,7 +533,7 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     cfg, main = r.cfg, r.dist.main
-    window = Window(r.dist.device, r.drafter.cfg.block_size)
+    interval = LogInterval(r.dist.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
     bar = progress_bar(total=r.total, initial=r.start, enabled=main and cfg.log.progress,
@@ -538,23 +541,24 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     with StopRequest() as stop, logging_redirect_tqdm():
         for step in range(r.start + 1, r.total + 1):
             info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, cfg,
-                              window.sums, window.counts, r.ema)
+                              interval.sums, interval.counts, r.ema)
             bar.update(1)
             last = step == r.total
             if step % cfg.log.every_steps == 0 or last:
-                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world, r.data.bad)
+                record = interval.record(step, info.epoch, info.lr, r.data.cache.stats,
+                                         r.dist.world, r.data.bad)
                 if metrics is not None:
                     metrics.write(record)
             if (cfg.validation.every_steps and step % cfg.validation.every_steps == 0) or last:
                 validate(r, step, metrics)
-                window.restart_clock()
+                interval.restart_clock()
             # ranks agree only at log steps
             if r.dist.world == 1 or step % cfg.log.every_steps == 0 or last:
                 stopped = stop.signum if stop_agreed(stop, r.dist) else None
             if step % cfg.checkpoint.every_steps == 0 or last or stopped:
                 checkpoint(r, step, info.position)
                 saved = step
-                window.restart_clock()
+                interval.restart_clock()
             if stopped:
                 break
     bar.close()

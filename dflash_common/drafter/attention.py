@@ -5,10 +5,10 @@ The training forward runs many blocks of many packed sequences at once under a s
 from the anchors: a block's queries see the context of their own sequence strictly before the
 anchor, their own block and nothing else. Inside the block a `full_attention` layer is
 bidirectional and a `sliding_attention` layer is causal (k_pos <= q_pos), with its keys capped
-by the window (`q_pos - k_pos < sliding_window`): the rule vLLM (`_dflash_layer_causal`), SGLang
-(sliding layers are DECODER attention) and the DFlash authors serve such layers by.
+by the sliding window (`q_pos - k_pos < sliding_window`): the rule vLLM (`_dflash_layer_causal`),
+SGLang (sliding layers are DECODER attention) and the DFlash authors serve such layers by.
 
-Backends, each an `Attend` over the layer's mode (window, causal):
+Backends, each an `Attend` over the layer's mode (sliding window, causal):
 - flex (`block_attend` on the GPU): `flex_attention` with a BlockMask whose tile tables are computed
   from the intervals each query row sees (never a dense [Q, KV] mask), compiled on the GPU.
 - chunked (`block_attend` on the CPU): SDPA over chunks of query rows, masks from the same intervals.
@@ -61,10 +61,10 @@ class BlockLayout:
         offsets = torch.arange(self.block_size, device=self.anchors.device)
         return self.positions[self.anchors][:, None] + offsets
 
-    def mask_mod(self, window: int | None, causal: bool = False):
+    def mask_mod(self, sliding_window: int | None, causal: bool = False):
         """flex_attention mask_mod: context of the same sequence strictly before the anchor and the
-        own block, bidirectionally or (`causal`) up to the query; with a window, q_pos - k_pos < window
-        (and k_pos - q_pos < window when bidirectional)."""
+        own block, bidirectionally or (`causal`) up to the query; with a sliding window,
+        q_pos - k_pos < sliding_window (and k_pos - q_pos < sliding_window when bidirectional)."""
         anchors, starts, b = self.anchors, self.starts, self.block_size
         # first key column of each block's own keys, as a tensor: a compiled kernel then does not
         # specialise on the batch's token count
@@ -76,16 +76,18 @@ class BlockLayout:
             in_ctx = (kv >= starts[j]) & (kv < anchor)  # kv < anchor < T: a context column
             rel = kv - block0[j]  # offset inside block j's keys
             in_block = (rel >= 0) & (rel < b)
-            if window is not None:
-                in_ctx = in_ctx & (anchor + k - kv < window)
-                in_block = in_block & (k - rel < window) & (causal or rel - k < window)
+            if sliding_window is not None:
+                in_ctx = in_ctx & (anchor + k - kv < sliding_window)
+                in_block = (in_block & (k - rel < sliding_window)
+                            & (causal or rel - k < sliding_window))
             if causal:
                 in_block = in_block & (rel <= k)  # a sliding layer's block: the query and what precedes it
             return in_ctx | in_block
 
         return visible
 
-    def row_intervals(self, window: int | None, causal: bool = False) -> tuple[torch.Tensor, ...]:
+    def row_intervals(self, sliding_window: int | None,
+                      causal: bool = False) -> tuple[torch.Tensor, ...]:
         """Per query row, the key columns it sees as two half-open intervals (context, block):
         (ctx_lo, ctx_hi, blk_lo, blk_hi), each [A*B]; the same set as `mask_mod`."""
         b = self.block_size
@@ -94,23 +96,26 @@ class BlockLayout:
         block0 = self.total + torch.arange(self.anchors.shape[0], device=k.device)[:, None] * b  # [A, 1]
         ctx_lo, ctx_hi = start.expand(-1, b), anchor.expand(-1, b)
         blk_lo, blk_hi = block0.expand(-1, b), (block0 + b).expand(-1, b)
-        if window is not None:
-            ctx_lo = torch.maximum(ctx_lo, anchor + k - window + 1)
-            blk_lo = block0 + (k - window + 1).clamp(min=0)
-            blk_hi = block0 + (k + window).clamp(max=b)
+        if sliding_window is not None:
+            ctx_lo = torch.maximum(ctx_lo, anchor + k - sliding_window + 1)
+            blk_lo = block0 + (k - sliding_window + 1).clamp(min=0)
+            blk_hi = block0 + (k + sliding_window).clamp(max=b)
         if causal:
             blk_hi = torch.minimum(blk_hi, block0 + k + 1)
         return tuple(x.flatten() for x in (ctx_lo, ctx_hi, blk_lo, blk_hi))
 
-    def block_mask(self, window: int | None, causal: bool = False, tile: int = FLEX_TILE) -> BlockMask:
+    def block_mask(self, sliding_window: int | None, causal: bool = False,
+                   tile: int = FLEX_TILE) -> BlockMask:
         """The sparse BlockMask, its tile tables computed from `row_intervals` in chunks of rows
         (no dense [Q, KV] mask is ever built)."""
         q_len = self.anchors.shape[0] * self.block_size
         kv_len = self.total + q_len
-        partial, full = _tile_tables(self.row_intervals(window, causal), q_len, kv_len, tile)
+        intervals = self.row_intervals(sliding_window, causal)
+        partial, full = _tile_tables(intervals, q_len, kv_len, tile)
         return BlockMask.from_kv_blocks(
             *_tables_to_indices(partial), *_tables_to_indices(full),
-            BLOCK_SIZE=tile, mask_mod=self.mask_mod(window, causal), seq_lengths=(q_len, kv_len),
+            BLOCK_SIZE=tile, mask_mod=self.mask_mod(sliding_window, causal),
+            seq_lengths=(q_len, kv_len),
         )
 
 
@@ -247,13 +252,14 @@ def dense_attend(context_len: int, block_len: int, head_dim: int) -> Attend:
     whole context and block for full layers; for sliding layers, causally within the window."""
 
     def attend(q, k, v, mode):
-        (window, causal), mask = mode, None
-        if window is not None or causal:
+        (sliding_window, causal), mask = mode, None
+        if sliding_window is not None or causal:
             q_pos = context_len + torch.arange(block_len, device=q.device)[:, None]
             k_pos = torch.arange(context_len + block_len, device=q.device)[None, :]
             mask = torch.ones(block_len, context_len + block_len, dtype=torch.bool, device=q.device)  # [b, L+b]
-            if window is not None:
-                mask = (q_pos - k_pos < window) & (causal | (k_pos - q_pos < window))
+            if sliding_window is not None:
+                mask = ((q_pos - k_pos < sliding_window)
+                        & (causal | (k_pos - q_pos < sliding_window)))
             if causal:
                 mask = mask & (k_pos <= q_pos)
         out = F.scaled_dot_product_attention(

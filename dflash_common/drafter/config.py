@@ -92,7 +92,7 @@ class DrafterConfig:
         """K, the number of concatenated target layers fed to `fc`."""
         return len(self.target_layer_ids)
 
-    def window(self, layer: int) -> int | None:
+    def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of draft layer `layer`, None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
@@ -102,7 +102,7 @@ class DrafterConfig:
 
     def layer_mode(self, layer: int) -> tuple[int | None, bool]:
         """(sliding window or None, causal inside the block) of draft layer `layer`."""
-        return self.window(layer), self.causal(layer)
+        return self.layer_sliding_window(layer), self.causal(layer)
 
     def layer_causality(self) -> tuple[bool, ...]:
         """Per draft layer, the causality it trains and drafts with (what a loader must read back)."""

@@ -174,7 +174,7 @@ def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchor
     min_response = 2 * drafter_cfg.block_size if min_response is None else min_response
     split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
     plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
-                    window_shards=1, world=1, grad_accum=1)
+                    shuffle_window_shards=1, world=1, grad_accum=1)
     nbytes, _ = slot_size([store], shards, layer_ids)
     cache = ShardCache(SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1)
     host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.block_size, max_anchors=max_anchors)
