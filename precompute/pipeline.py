@@ -24,11 +24,11 @@ staging buffers) + queue_depth + writer_threads, plus the staging buffers themse
 A batch's copy to the host is queued only after the next batch's forward has been launched. The
 model reads a flag back from the GPU at the start of every forward (transformers' packed-sequence
 check, one small device-to-host copy and a sync). Queued behind a batch's states (~0.6 GB in bf16,
-~11 ms on an H200; most likely both copies share a copy engine), that small copy waited for them
-while the GPU had nothing else queued: one gap as long as the copy, every batch. Queued after the
+~11 ms on an H200; most likely both copies share a copy engine), that small copy would wait for them
+while the GPU has nothing else queued: one gap as long as the copy, every batch. Queued after the
 launch, the states travel while the next forward computes (measured on an H200, docs/benchmarks.md
 "Precompute": gaps of >= 1 ms in the GPU's work 25 (288 ms) -> 3 (4 ms) a run, GPU busy 96% -> 99%).
-The cost is GPU memory: a batch's encoded states (~0.6 GB in bf16 at a 16K-token budget) now stay on
+The cost is GPU memory: a batch's encoded states (~0.6 GB in bf16 at a 16K-token budget) stay on
 the GPU until their copy ends, early in the next forward, instead of being freed before it starts.
 
 On a CPU the same code runs without streams or events: the copies are plain copies.
@@ -190,8 +190,8 @@ class Pipeline:
         stats = pipe.stats                           # after the with block: all shards written
     """
 
-    # False: each batch's copy is queued as soon as it is encoded, before the next forward (the
-    # order before 2026-12-04, kept for `benchmarks/precompute.py --copy-order`, which times both)
+    # False: each batch's copy is queued as soon as it is encoded, before the next forward; kept so
+    # that `benchmarks/precompute.py --copy-order` can time both orders
     copy_after_next_forward = True
 
     def __init__(self, writer: StoreWriter, layer_ids: list[int], device: torch.device, staging: list[_Staging],

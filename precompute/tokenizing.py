@@ -38,9 +38,8 @@ from precompute.config import DataSection, PrecomputeConfig
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
 from precompute.units import iter_unit_records, num_units, owner
 
-# Bumped when the tokenization rules change, so caches made by older code are not reused.
-# 2: no loss on the end of turn of a record cut by length (finish_reason); 3: sample ids name a file by
-# its own name, not its path (inputs.Source.label), so shard names no longer change when inputs move
+# Part of the token cache's key: raised whenever the tokenization rules change (which tokens, loss
+# mask, sample ids), so a cache made under other rules is never read back.
 TOKENIZE_VERSION = 3
 
 

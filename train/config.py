@@ -1,10 +1,10 @@
 """The configuration tree of `dflash-train`: data, drafter, objective, optimiser, precision,
 checkpoints, logging, validation and the run itself.
 
-Defaults are the published DFlash recipe (AdamW lr 6e-4, weight decay 0, grad clip 1.0, cosine schedule
-with 4% warmup, 6 epochs, block size 16, up to 512 anchors per sequence, 5 draft layers; batches of
-65,536 packed tokens as the seed pipeline used) but for one change measured on the quality benchmark:
-D-PACE position weights instead of the exp(-(k-1)/gamma) decay (`objective.weights`).
+Defaults are the published DFlash recipe (AdamW lr 6e-4, weight decay 0, grad clip 1.0, cosine
+schedule with 4% warmup, 6 epochs, block size 16, up to 512 anchors per sequence, 5 draft layers;
+batches of 65,536 packed tokens) but for D-PACE position weights instead of the exp(-(k-1)/gamma)
+decay (`objective.weights`), which reach a higher tau on the quality benchmark (docs/benchmarks.md).
 
     cfg = load_config(TrainConfig, "configs/tiny.toml", ["--optim.lr=3e-4"])
 """
@@ -32,8 +32,7 @@ class DataSection:
     reader_threads: int = option(4, "Threads reading shards from disk into the cache ahead of need, per rank.")
     batch_tokens: int = option(
         65536,
-        "Token budget of one packed micro-batch (the seed pipeline used 65,536); a longer sequence is "
-        "truncated to it.",
+        "Token budget of one packed micro-batch; a longer sequence is truncated to it.",
     )
     window_shards: int = option(
         4, "Shards whose sequences are shuffled and packed together (the shuffle window, per rank); consecutive "

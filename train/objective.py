@@ -75,7 +75,7 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
         w = dpace_weights(ce.detach().view_as(labels), valid, dpace_alpha)
         row_scale = w
     block_w = None
-    if path_weight:  # 0 leaves the objective as it was, bit for bit
+    if path_weight:  # 0: the objective without serving-path weights, bit for bit
         on_path = serving_path(batch.anchors, accepted_drafts(correct, valid), batch.loss_mask, batch.cu_seqlens)
         block_w = 1.0 + path_weight * on_path.float()  # [A], detached: from argmax correctness
         w = w * block_w[:, None]

@@ -163,10 +163,9 @@ def _tables_to_indices(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 _compiled_flex: Callable | None = None
 # Always the main flex kernel: without grad and with fewer than 128 query rows (a few blocks, e.g. the
 # last rounds of a path-tau replay), inductor picks its flex-decoding kernel, which finds no valid
-# config for our BlockMask under dynamic shapes (NoValidChoicesError, torch 2.11 on an H200).
+# config for our BlockMask under dynamic shapes (it raises NoValidChoicesError).
 # Not ROWS_GUARANTEED_SAFE: the padding rows of the last query tile see no key, and without the
-# kernel's guard their NaNs reach every key's gradient (every drafter trained with it on an H200
-# had NaN loss from its first step).
+# kernel's guard their NaNs reach every key's gradient (the loss is NaN from the first step).
 _FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 

@@ -41,7 +41,7 @@ of every block is such a row: 1/B of the work). Their `correct` is False.
 
 Memory: the stored gradient ([N, H], hidden's dtype) plus one logits chunk. The chunk height follows
 a byte budget, by default about the size of `hidden` itself (Liger's choice, so the peak matches it),
-in multiples of 512 rows, the heights at which cuBLAS ran fastest on an H200.
+in multiples of 512 rows, the heights at which cuBLAS runs fastest on an H200.
 
 Backends: 'triton' (CUDA, or the CPU under TRITON_INTERPRET=1), 'torch' (the same chunks with
 PyTorch ops: CPU and reference), 'auto' (triton on CUDA when importable, else torch). Methods:
