@@ -66,6 +66,10 @@ class BlockLayout:
         own block, bidirectionally or (`causal`) up to the query; with a sliding window,
         q_pos - k_pos < sliding_window (and k_pos - q_pos < sliding_window when bidirectional)."""
         anchors, starts, b = self.anchors, self.starts, self.block_size
+        # the closure reads it as `window`: under the name `sliding_window` inductor's C++ flex
+        # template for the CPU emits code that does not compile (torch 2.13: `cur_kvSplitSize4`
+        # undeclared)
+        window = sliding_window
         # first key column of each block's own keys, as a tensor: a compiled kernel then does not
         # specialise on the batch's token count
         block0 = self.total + torch.arange(anchors.shape[0], device=anchors.device) * b  # [A]
@@ -76,10 +80,9 @@ class BlockLayout:
             in_ctx = (kv >= starts[j]) & (kv < anchor)  # kv < anchor < T: a context column
             rel = kv - block0[j]  # offset inside block j's keys
             in_block = (rel >= 0) & (rel < b)
-            if sliding_window is not None:
-                in_ctx = in_ctx & (anchor + k - kv < sliding_window)
-                in_block = (in_block & (k - rel < sliding_window)
-                            & (causal or rel - k < sliding_window))
+            if window is not None:
+                in_ctx = in_ctx & (anchor + k - kv < window)
+                in_block = in_block & (k - rel < window) & (causal or rel - k < window)
             if causal:
                 in_block = in_block & (rel <= k)  # a sliding layer's block: the query and what precedes it
             return in_ctx | in_block
