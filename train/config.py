@@ -85,8 +85,8 @@ class DrafterSection:
         None, "Attention kind per draft layer ('full_attention' or 'sliding_attention'); none = all full."
     )
     sliding_window: int | None = option(
-        None, "Sliding window of sliding_attention layers, in tokens: a query sees the keys of at most "
-        "this many positions, its own included (2048 on Qwen3.6)."
+        None, "Sliding window of sliding_attention layers, in tokens: a query sees the keys of "
+        "at most this many positions, its own included (2048 on Qwen3.6)."
     )
     init_from: str | None = option(
         None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "

@@ -153,8 +153,8 @@ class DeviceFeeder:
             buf.decoded.record(compute)
         ids, mask, anchors, cu = host.split_small(small)
         self._release_finished()
-        return DeviceBatch(features, ids, mask.bool(), cu, anchors, t, host.epoch, host.index, position,
-                           waited, final)
+        return DeviceBatch(features, ids, mask.bool(), cu, anchors, t, host.epoch, host.index,
+                           position, waited, final)
 
     def _release_finished(self) -> None:
         """Give back the cache slots of every batch whose copies have completed."""

@@ -89,8 +89,8 @@ class GenerateSection:
     )
     max_batch_size: int = option(256, "Most sequences decoded together.")
     sort_window_units: int = option(
-        4, "Prompts of this many consecutive work units (a sort window, answered whole by one rank) "
-        "are sorted by length together before batching."
+        4, "Prompts of this many consecutive work units (a sort window, answered whole by one "
+        "rank) are sorted by length together before batching."
     )
     backend: Literal["transformers", "vllm"] = option(
         "transformers", "'transformers' (batched, static KV cache, embedded) or 'vllm' (vllm.LLM offline, "
