@@ -51,7 +51,7 @@ def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, de
     anchors = sample_anchors(loss_mask, cu, cfg.block_size, anchors_per_seq, g, rule)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return DeviceBatch(features.to(device, dtype), input_ids.to(device), loss_mask.to(device),
-                       cu.to(device, torch.int32), anchors.to(device), total, 0, 0, {}, 0.0)
+                       cu.to(device), anchors.to(device), total, 0, 0, {}, 0.0)
 
 
 def time_variant(variant: str, dcfg, args, device) -> Spread:

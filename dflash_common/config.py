@@ -6,7 +6,7 @@ the command line sets any of them last. Help text comes from each field's `help`
 `--help`, the generated configuration reference (docs/config.md) and the code cannot drift apart.
 
     @dataclass(frozen=True)
-    class OptimConfig:
+    class OptimSection:
         lr: float = option(6e-4, "Peak learning rate of AdamW.")
 
     cfg = load_config(TrainConfig, "configs/tiny.toml", ["--optim.lr=3e-4"])

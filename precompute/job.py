@@ -1,20 +1,20 @@
 """One `dflash-precompute` job, on every rank: manifest, plan, target, pipeline, summary.
 
     rank 0 fingerprints the target, tokenizer and inputs once -> the manifest, sent to every rank
-    every rank tokenizes its windows of work units (or finds them in the token cache)
+    every rank tokenizes its sort windows of work units (or finds them in the token cache)
     the ranks' unit summaries are gathered -> the plan (samples, tokens, bytes, free space), printed
       by rank 0; rank 0 decides whether the disk is big enough, every rank obeys; --dry-run stops here
-    every rank loads the target (truncated) and runs its windows through the pipeline
+    every rank loads the target (truncated) and runs its sort windows through the pipeline
     the ranks' statistics are gathered (a barrier) -> rank 0 writes the summary into the store
 
 Distribution: one process per GPU under torchrun (LOCAL_RANK picks the GPU; NCCL on GPUs, gloo on
-CPUs), any number of nodes. Windows of `batching.sort_window_units` units go round-robin to the
+CPUs), any number of nodes. Sort windows of `batching.sort_window_units` units go round-robin to the
 ranks (precompute/units.py), so the set of shards, their names and their bytes do not depend on the
 number of ranks.
 
 Resume: a unit whose shard is published is done, and so is a unit whose records were all skipped
 (it has no sequences, hence no shard; the summary lists it under `empty_units`, and every rerun
-knows it from the token cache without running anything). A window is computed when any of its
+knows it from the token cache without running anything). A sort window is computed when any of its
 units is not done, and then whole, so that its batches, and therefore the bits of the units it
 writes, are those of an uninterrupted run; units already published are not written again. A job
 killed at any point resumes by running the same command.
@@ -47,7 +47,7 @@ from dflash_common.store.format import read_root_attributes
 from dflash_common.store.writer import check_store_place
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
-from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
+from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_sort_windows
 from precompute.plan import Plan, check_disk, check_samples, make_plan, state_key, unit_shard_name
 from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
 from precompute.tokenizing import (
@@ -56,8 +56,8 @@ from precompute.tokenizing import (
 
 log = logging.getLogger("dflash")
 
-# The last collective waits for the slowest rank's last window; a failed rank ends the job through
-# torchrun long before, so a long timeout costs nothing.
+# The last collective waits for the slowest rank's last sort window; a failed rank ends the job
+# through torchrun long before, so a long timeout costs nothing.
 _COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
 
 
@@ -353,31 +353,32 @@ def refuse_other_copies(store: str, copies: list[tuple[int, str, str]]) -> None:
 # ---------------------------------------------------------------------------------------- compute
 
 
-def my_windows(units: RankUnits, window_size: int) -> list[list[int]]:
-    """This rank's windows (unit indices) that hold a unit still to write."""
-    windows: dict[int, list[int]] = {}
+def my_sort_windows(units: RankUnits, units_per_sort_window: int) -> list[list[int]]:
+    """This rank's sort windows (unit indices) that hold a unit still to write."""
+    sort_windows: dict[int, list[int]] = {}
     for s in units.summaries:
-        windows.setdefault(s.index // window_size, []).append(s.index)
+        sort_windows.setdefault(s.index // units_per_sort_window, []).append(s.index)
     todo = lambda u: u in units.names and u not in units.committed  # noqa: E731
-    return [w for _, w in sorted(windows.items()) if any(todo(u) for u in w)]
+    return [w for _, w in sorted(sort_windows.items()) if any(todo(u) for u in w)]
 
 
-def _load_windows(units: RankUnits, windows: list[list[int]]) -> Iterator[list[UnitWork]]:
-    """Each window's units from the token cache, loaded when the window comes up."""
-    for window in windows:
+def _load_sort_windows(units: RankUnits, sort_windows: list[list[int]]) -> Iterator[list[UnitWork]]:
+    """Each sort window's units from the token cache, loaded when the sort window comes up."""
+    for sort_window in sort_windows:
         yield [UnitWork(units.cache.load(u), None if u in units.committed else units.names.get(u))
-               for u in window]
+               for u in sort_window]
 
 
 def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: StoreWriter,
              units: RankUnits) -> tuple[PipelineStats, float]:
-    """Load the target and run this rank's windows -> (statistics, seconds spent loading)."""
-    windows = my_windows(units, cfg.batching.sort_window_units)
+    """Load the target and run this rank's sort windows -> (statistics, seconds spent loading)."""
+    sort_windows = my_sort_windows(units, cfg.batching.sort_window_units)
     samples = {s.index: s.samples for s in units.summaries}
-    total = sum(samples[u] for w in windows for u in w)
-    log.info("%d windows of %d work units to compute (%d samples); %d units of this rank already in the store",
-             len(windows), sum(len(w) for w in windows), total, len(units.committed))
-    if not windows:
+    total = sum(samples[u] for w in sort_windows for u in w)
+    log.info("%d sort windows of %d work units to compute (%d samples); %d units of this rank "
+             "already in the store", len(sort_windows), sum(len(w) for w in sort_windows), total,
+             len(units.committed))
+    if not sort_windows:
         return PipelineStats(), 0.0  # nothing left here: the target is not even loaded
     started = time.perf_counter()
     target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
@@ -388,7 +389,8 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: 
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,
                            writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
             ProgressBar(total, pipe, ranks, cfg.run.progress) as on_batch:
-        run_windows(target, _load_windows(units, windows), pipe, cfg.batching.token_budget, on_batch)
+        run_sort_windows(target, _load_sort_windows(units, sort_windows), pipe,
+                         cfg.batching.token_budget, on_batch)
     log.info("%d shards written from %s tokens in %d batches; waited %.1f s for the disk",
              pipe.stats.units_written, f"{pipe.stats.tokens:,}", pipe.stats.batches,
              pipe.stats.wait_s)

@@ -49,7 +49,8 @@ def state_key(target: Any, layer_ids: list[int], cfg: PrecomputeConfig) -> str:
     the target's fingerprint (the manifest's `target`)."""
     key = {"target": target, "layer_ids": sorted(layer_ids), "dtype": cfg.target.dtype,
            "attn_implementation": cfg.target.attn_implementation, "store_dtype": cfg.store.dtype}
-    if cfg.store.final_state:  # only when set: the names of stores without final states stay as they were
+    # only when set, so a store without final states names its shards as if the option did not exist
+    if cfg.store.final_state:
         key["final_state"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 

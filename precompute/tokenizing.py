@@ -34,13 +34,12 @@ from dflash_common.chat import ChatMaskError, ChatTemplate
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
 from dflash_common.fsutil import atomic_write_bytes
-from precompute.config import DataConfig, PrecomputeConfig
+from precompute.config import DataSection, PrecomputeConfig
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
 from precompute.units import iter_unit_records, num_units, owner
 
-# Bumped when the tokenization rules change, so caches made by older code are not reused.
-# 2: no loss on the end of turn of a record cut by length (finish_reason); 3: sample ids name a file by
-# its own name, not its path (inputs.Source.label), so shard names no longer change when inputs move
+# Part of the token cache's key: raised whenever the tokenization rules change (which tokens, loss
+# mask, sample ids), so a cache made under other rules is never read back.
 TOKENIZE_VERSION = 3
 
 
@@ -119,13 +118,13 @@ class UnitSummary:
 class UnitTokenizer:
     """Records of a unit -> TokenizedUnit, applying the chat template and the length rules."""
 
-    def __init__(self, chat: ChatTemplate, data: DataConfig, vocab_size: int):
+    def __init__(self, chat: ChatTemplate, data: DataSection, vocab_size: int):
         self.chat = chat
         self.data = data
         self.vocab_size = vocab_size
 
     @classmethod
-    def from_target(cls, target_path: str, data: DataConfig) -> "UnitTokenizer":
+    def from_target(cls, target_path: str, data: DataSection) -> "UnitTokenizer":
         from transformers import AutoTokenizer
 
         from precompute.target import read_text_config
@@ -264,8 +263,8 @@ def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCac
 
     -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
     counter = _RecordCounter(iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips))
-    window = cfg.batching.sort_window_units
-    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, window)
+    per_sort_window = cfg.batching.sort_window_units
+    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, per_sort_window)
     todo = ((u, recs) for u, recs in units if not cache.has(u) or _stale(cache, u, recs))
     root = str(cache.root) if write_cache else None
     if cfg.run.tokenize_workers > 0:
@@ -274,7 +273,7 @@ def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCac
         tokenizer = UnitTokenizer.from_target(cfg.target.path, cfg.data)
         fresh = {u: _tokenize_one(tokenizer, u, recs, root) for u, recs in todo}
     total_units = num_units(counter.count, cfg.run.samples_per_unit)
-    mine = [u for u in range(total_units) if owner(u, world_size, window) == rank]
+    mine = [u for u in range(total_units) if owner(u, world_size, per_sort_window) == rank]
     return [fresh[u] if u in fresh else cache.load(u).summary() for u in mine], counter.count
 
 
@@ -308,7 +307,7 @@ class _RecordCounter:
 _WORKER: UnitTokenizer | None = None
 
 
-def _worker_init(target_path: str, data: DataConfig) -> None:
+def _worker_init(target_path: str, data: DataSection) -> None:
     global _WORKER
     logging.getLogger("dflash").setLevel(logging.ERROR)  # the main process logs the summary
     _WORKER = UnitTokenizer.from_target(target_path, data)

@@ -91,12 +91,15 @@ def open_stores(cfg: TrainConfig) -> list[Store]:
 
 def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     """The drafter's config, from the target's config and the [drafter] section."""
-    d = cfg.drafter
-    layer_ids = d.layer_ids if d.layer_ids is not None else list(stores[0].manifest.layer_ids)
+    shape = cfg.drafter
+    layer_ids = shape.layer_ids
+    if layer_ids is None:
+        layer_ids = list(stores[0].manifest.layer_ids)
     return DrafterConfig.from_target(
-        target_config(cfg.run.target), mask_token_id=mask_token_id(cfg.run.target, d.mask_token_id),
-        depth=d.depth, block_size=d.block_size, layer_ids=layer_ids, layer_types=d.layer_types,
-        sliding_window=d.sliding_window)
+        target_config(cfg.run.target),
+        mask_token_id=mask_token_id(cfg.run.target, shape.mask_token_id),
+        depth=shape.depth, block_size=shape.block_size, layer_ids=layer_ids,
+        layer_types=shape.layer_types, sliding_window=shape.sliding_window)
 
 
 def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
@@ -216,7 +219,7 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
 def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: torch.Tensor,
                 counts: torch.Tensor) -> tuple[StepInfo, torch.Tensor]:
     """accumulate_gradients without the final scaling: (info, the factor the gradients are to take)."""
-    accum, o = cfg.optim.grad_accum, cfg.objective
+    accum, objective = cfg.optim.grad_accum, cfg.objective
     rank = dist.get_rank() if dist.is_initialized() else 0
     weight_sum = torch.zeros((), dtype=torch.float64, device=sums.device)  # this step's, on this rank
     for micro in range(accum):
@@ -229,17 +232,19 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
         last = micro == accum - 1
         sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
         with sync:
-            loss_sum, weight, c = batch_objective(
-                drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
-                autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
-                targets=cfg.targets, path_weight=o.path_weight, loss_method=cfg.precision.loss_method)
+            loss_sum, weight, batch_counts = batch_objective(
+                drafter, model, batch, block_size=drafter.cfg.block_size, gamma=objective.gamma,
+                autocast=cfg.precision.autocast, weights=objective.weights,
+                dpace_alpha=objective.dpace_alpha, normalise=objective.normalise,
+                targets=cfg.targets, path_weight=objective.path_weight,
+                loss_method=cfg.precision.loss_method)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
         sums[_WEIGHT] += weight.double()
         sums[_TOKENS] += batch.tokens
         sums[_WAIT] += batch.data_wait_s
-        counts += c
+        counts += batch_counts
         info = StepInfo(batch.epoch, batch.position)
         del batch  # free its features before the next batch is decoded: one batch on the GPU
     world = 1
@@ -249,7 +254,7 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
     return info, world / weight_sum.clamp(min=1e-9)
 
 
-class Window:
+class LogInterval:
     """The figures of the steps since the last logging step, kept on the device (no per-step sync)."""
 
     def __init__(self, device: torch.device, block_size: int):
@@ -264,10 +269,13 @@ class Window:
         self.started = time.perf_counter()
 
     def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int, bad: BadShards) -> dict[str, Any]:
-        """Sum the window over ranks (one collective), make the logging step's record, start a new window."""
+        """Sum the interval's figures over ranks (one collective), make the logging step's record,
+        start the next interval."""
         now = (cache.hits, cache.misses, cache.bytes_read)
-        window = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]  # ranks read apart
-        both = torch.cat([self.sums, self.counts, torch.tensor(window, dtype=torch.float64, device=self.device)])
+        # ranks read apart: each its own cache counters since the last logging step
+        reads = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]
+        reads_t = torch.tensor(reads, dtype=torch.float64, device=self.device)
+        both = torch.cat([self.sums, self.counts, reads_t])
         if dist.is_initialized():
             dist.all_reduce(both)
         both = both.cpu()
@@ -307,7 +315,7 @@ class Run:
     model: torch.nn.Module  # the drafter, or its DDP wrapper
     data: TrainData
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     total: int
     start: int  # optimiser steps already done (resume)
     position: dict[str, Any] | None  # data position to resume from
@@ -316,21 +324,21 @@ class Run:
 
 def setup(cfg: TrainConfig) -> Run:
     """Everything the loop needs, every check passed before the run directory is written to."""
-    d = setup_distributed(cfg.run.device)
+    proc = setup_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
     stores = open_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
     verdict = check_stores(stores, dcfg, cfg.run.target)
     from_path, changed = checkpoint_to_resume(cfg, out, dcfg)
-    if d.main:
+    if proc.main:
         log.info("%s", verdict)
-    drafter = build_drafter(cfg, dcfg, d.device)
-    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
+    drafter = build_drafter(cfg, dcfg, proc.device)
+    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=proc.rank, world=proc.world, device=proc.device)
     total = total_steps(cfg, data)
-    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total, d.device)
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total, proc.device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
-    start, position = resume(from_path, d, drafter, optimizer, scheduler, ema, total=total, out=out)
-    if d.main:
+    start, position = resume(from_path, proc, drafter, optimizer, scheduler, ema, total=total, out=out)
+    if proc.main:
         if changed:
             log.warning("resuming from %s with new values of settings that do not change what is "
                         "trained (recorded in run.json): %s", from_path,
@@ -341,13 +349,14 @@ def setup(cfg: TrainConfig) -> Run:
             discard_earlier_run(out)
         write_run_record(out, cfg, name="run", extra=resume_record(out, from_path, changed))
     model = drafter
-    if d.world > 1:
-        model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+    if proc.world > 1:
+        model = DDP(drafter, device_ids=[proc.device.index] if proc.device.type == "cuda" else None,
                     broadcast_buffers=False)  # no buffers; the frozen head is a plain attribute
-    return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position, ema)
+    return Run(cfg, proc, out, drafter, model, data, optimizer, scheduler, total, start, position,
+               ema)
 
 
-def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
+def resume(path: Path | None, proc: Dist, drafter, optimizer, scheduler,
            ema: WeightAverage | None = None, *, total: int | None = None,
            out: Path | None = None) -> tuple[int, dict | None]:
     """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An EMA
@@ -356,8 +365,8 @@ def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
     if path is None:
         return 0, None
     trainer_state, ranks = load_checkpoint(path)
-    if len(ranks) != d.world:
-        raise UserError(f"{path} was written by {len(ranks)} rank(s) but this run has {d.world}; resume with "
+    if len(ranks) != proc.world:
+        raise UserError(f"{path} was written by {len(ranks)} rank(s) but this run has {proc.world}; resume with "
                         f"{len(ranks)}, or start a new run directory (--out).")
     scheduled = trainer_state.get("total_steps")
     if total is not None and scheduled is not None and scheduled != total:
@@ -369,10 +378,10 @@ def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
     _resume_average(path, trainer_state.get("trained_weights"), drafter, ema)
-    set_rng_state(ranks[d.rank]["rng"])
-    if d.main:
+    set_rng_state(ranks[proc.rank]["rng"])
+    if proc.main:
         log.info("resuming from %s (step %d)", path, trainer_state["step"])
-    return int(trainer_state["step"]), ranks[d.rank]["data"]
+    return int(trainer_state["step"]), ranks[proc.rank]["data"]
 
 
 def _resume_average(path: Path, trained: dict[str, torch.Tensor] | None, drafter, ema: WeightAverage | None) -> None:
@@ -426,11 +435,11 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     return record
 
 
-def stop_agreed(stop: StopRequest, d: Dist) -> bool:
+def stop_agreed(stop: StopRequest, proc: Dist) -> bool:
     """Whether any rank was asked to stop (all ranks must leave the loop at the same step)."""
-    if d.world == 1:
+    if proc.world == 1:
         return stop.requested
-    flag = torch.tensor([1.0 if stop.requested else 0.0], device=d.device)
+    flag = torch.tensor([1.0 if stop.requested else 0.0], device=proc.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -481,30 +490,33 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     """The loop: -> (last step saved, the signal that stopped it early or None)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    c, main = r.cfg, r.dist.main
-    window = Window(r.dist.device, r.drafter.cfg.block_size)
+    cfg, main = r.cfg, r.dist.main
+    interval = LogInterval(r.dist.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
-    bar = progress_bar(total=r.total, initial=r.start, enabled=main and c.log.progress, unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=r.total, initial=r.start, enabled=main and cfg.log.progress,
+                       unit="step", dynamic_ncols=True)
     with StopRequest() as stop, logging_redirect_tqdm():
         for step in range(r.start + 1, r.total + 1):
-            info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, c, window.sums, window.counts,
-                              r.ema)
+            info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, cfg,
+                              interval.sums, interval.counts, r.ema)
             bar.update(1)
             last = step == r.total
-            if step % c.log.every_steps == 0 or last:
-                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world, r.data.bad)
+            if step % cfg.log.every_steps == 0 or last:
+                record = interval.record(step, info.epoch, info.lr, r.data.cache.stats,
+                                         r.dist.world, r.data.bad)
                 if metrics is not None:
                     metrics.write(record)
-            if (c.validation.every_steps and step % c.validation.every_steps == 0) or last:
+            if (cfg.validation.every_steps and step % cfg.validation.every_steps == 0) or last:
                 validate(r, step, metrics)
-                window.restart_clock()
-            if r.dist.world == 1 or step % c.log.every_steps == 0 or last:  # ranks agree only at log steps
+                interval.restart_clock()
+            # ranks agree only at log steps
+            if r.dist.world == 1 or step % cfg.log.every_steps == 0 or last:
                 stopped = stop.signum if stop_agreed(stop, r.dist) else None
-            if step % c.checkpoint.every_steps == 0 or last or stopped:
+            if step % cfg.checkpoint.every_steps == 0 or last or stopped:
                 checkpoint(r, step, info.position)
                 saved = step
-                window.restart_clock()
+                interval.restart_clock()
             if stopped:
                 break
     bar.close()

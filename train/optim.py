@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.config import OptimConfig
+from train.config import OptimSection
 
 
 def lr_factor(step: int, total: int, warmup_fraction: float, schedule: str, min_ratio: float) -> float:
@@ -74,7 +74,7 @@ def muon_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramet
     return [p for p in params if id(p) in matrices], [p for p in params if id(p) not in matrices]
 
 
-def build_optimizer(o: OptimConfig, model: nn.Module, total: int, device: torch.device):
+def build_optimizer(o: OptimSection, model: nn.Module, total: int, device: torch.device):
     """(optimiser, LambdaLR scheduler) for the trainable parameters of `model` over `total` steps."""
     fused = device.type == "cuda"
     if o.name == "adamw":

@@ -6,10 +6,13 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import DRAFTER_CONFIG_KEYS, head_fingerprint, target_fingerprint, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    from dflash_common.store import StoreManifest
 
 MASK_TOKEN = "<|mask|>"  # the token DFlash adds to the tokenizer (dflash_common/tiny.py has it too)
 
@@ -55,7 +58,7 @@ def mask_token_id(path: str | None, configured: int | None) -> int:
     return int(token_id)
 
 
-def check_same_target(manifest: Any, store: str | Path, path: str | None) -> None:
+def check_same_target(manifest: StoreManifest, store: str | Path, path: str | None) -> None:
     """Refuse a run.target other than the store's target: its embedding/lm_head (what the drafter is
     trained and served with) or the config fields the drafter copies differ. Content, not names:
     a copy in a directory of another name passes. Stores without a `target_head` record (older

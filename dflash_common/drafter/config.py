@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -103,7 +106,7 @@ class DrafterConfig:
         """K, the number of concatenated target layers fed to `fc`."""
         return len(self.target_layer_ids)
 
-    def window(self, layer: int) -> int | None:
+    def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of draft layer `layer`, None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
@@ -113,7 +116,7 @@ class DrafterConfig:
 
     def layer_mode(self, layer: int) -> tuple[int | None, bool]:
         """(sliding window or None, causal inside the block) of draft layer `layer`."""
-        return self.window(layer), self.causal(layer)
+        return self.layer_sliding_window(layer), self.causal(layer)
 
     def layer_causality(self) -> tuple[bool, ...]:
         """Per draft layer, the causality it trains and drafts with (what a loader must read back)."""
@@ -124,7 +127,7 @@ class DrafterConfig:
     @classmethod
     def from_target(
         cls,
-        target_config: Any,
+        target_config: PretrainedConfig | Mapping[str, Any],
         *,
         mask_token_id: int,
         depth: int = 5,

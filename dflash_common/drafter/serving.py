@@ -71,13 +71,13 @@ def sglang_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
     return bool(types) and types[layer] == SLIDING
 
 
-def vllm_window(config: Mapping[str, Any], layer: int) -> int | None:
+def vllm_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
     types, dflash = config.get("layer_types"), config.get("dflash_config") or {}
     sliding = types[layer] == SLIDING if types else bool(dflash.get("use_swa"))
     return dflash.get("swa_window_size", config.get("sliding_window")) if sliding else None
 
 
-def sglang_window(config: Mapping[str, Any], layer: int) -> int | None:
+def sglang_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
     """As an HF window (SGLang stores window_left = window - 1)."""
     types = _text(config).get("layer_types", config.get("layer_types"))
     if not types or types[layer] != SLIDING:
@@ -120,7 +120,8 @@ def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
 def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     """Every way vLLM or SGLang would read `config` (the config.json dict) differently from the
     drafter `cfg` that was trained, plus what a user must know to serve it."""
-    found = _causality_findings(cfg, config) + _window_findings(cfg, config) + _id_findings(cfg, config)
+    found = (_causality_findings(cfg, config) + _sliding_window_findings(cfg, config)
+             + _id_findings(cfg, config))
     found += _rope_findings(cfg, config)
     mixed = len(set(cfg.layer_types)) > 1
     if mixed:
@@ -141,10 +142,10 @@ def _causality_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[F
     return out
 
 
-def _window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
-    trained = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+def _sliding_window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    trained = [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)]
     out = []
-    for loader, read in (("vllm", vllm_window), ("sglang", sglang_window)):
+    for loader, read in (("vllm", vllm_sliding_window), ("sglang", sglang_sliding_window)):
         got = [read(config, i) for i in range(cfg.num_hidden_layers)]
         if got != trained:
             out.append(Finding(loader, "error", f"would read sliding windows {got}, trained {trained}."))

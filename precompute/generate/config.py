@@ -13,7 +13,7 @@ from dflash_common.config import check, option, section
 
 
 @dataclass(frozen=True)
-class GenTargetConfig:
+class TargetSection:
     path: str = option(
         "", "Local directory of the target checkpoint (config.json, weights, tokenizer, generation_config.json)."
     )
@@ -27,7 +27,7 @@ class GenTargetConfig:
 
 
 @dataclass(frozen=True)
-class GenDataConfig:
+class DataSection:
     inputs: list[str] = option(
         [],
         "Input files, globs or directories, as dflash-precompute reads them (OpenAI 'messages', ShareGPT "
@@ -53,7 +53,7 @@ class GenDataConfig:
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
+class SamplingSection:
     temperature: float | None = option(
         None, "Sampling temperature; 0 is greedy. Unset: the target's generation_config.json (greedy when it "
         "does not sample)."
@@ -75,7 +75,7 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
-class GenerateOptions:
+class GenerateSection:
     turns: Literal["all", "last"] = option(
         "all", "'all': every assistant turn is replaced by the target's answer given its own conversation so "
         "far; 'last': only the final assistant turn (a conversation ending with a user turn gets one answer)."
@@ -89,7 +89,8 @@ class GenerateOptions:
     )
     max_batch_size: int = option(256, "Most sequences decoded together.")
     sort_window_units: int = option(
-        4, "Prompts of this many consecutive work units are sorted by length together before batching."
+        4, "Prompts of this many consecutive work units (a sort window, answered whole by one "
+        "rank) are sorted by length together before batching."
     )
     backend: Literal["transformers", "vllm"] = option(
         "transformers", "'transformers' (batched, static KV cache, embedded) or 'vllm' (vllm.LLM offline, "
@@ -118,7 +119,7 @@ class GenerateOptions:
 
 
 @dataclass(frozen=True)
-class GenOutputConfig:
+class OutputSection:
     dir: str = option(
         "", "Output directory: one JSONL shard per work unit plus manifest.json; dflash-precompute reads it as "
         "data.inputs. A rerun resumes it."
@@ -126,7 +127,7 @@ class GenOutputConfig:
 
 
 @dataclass(frozen=True)
-class GenRunConfig:
+class RunSection:
     samples_per_unit: int = option(
         256, "Input records per work unit (= per output shard), counted before filtering, so units never "
         "depend on the number of ranks."
@@ -147,9 +148,17 @@ class GenRunConfig:
 @dataclass(frozen=True)
 class GenerateConfig:
     STAGE: ClassVar[str] = "generate"  # its table in a config file that holds several stages
-    target: GenTargetConfig = section(GenTargetConfig, "The target that answers.")
-    data: GenDataConfig = section(GenDataConfig, "Input conversations or prompts and the chat template.")
-    sampling: SamplingConfig = section(SamplingConfig, "Decoding: greedy or sampled, length of each turn.")
-    generate: GenerateOptions = section(GenerateOptions, "Which turns, cut turns, batching, backend.")
-    output: GenOutputConfig = section(GenOutputConfig, "Where the regenerated conversations are written.")
-    run: GenRunConfig = section(GenRunConfig, "Work units, devices, progress, dry run.")
+    target: TargetSection = section(TargetSection, "The target that answers.")
+    data: DataSection = section(
+        DataSection, "Input conversations or prompts and the chat template."
+    )
+    sampling: SamplingSection = section(
+        SamplingSection, "Decoding: greedy or sampled, length of each turn."
+    )
+    generate: GenerateSection = section(
+        GenerateSection, "Which turns, cut turns, batching, backend."
+    )
+    output: OutputSection = section(
+        OutputSection, "Where the regenerated conversations are written."
+    )
+    run: RunSection = section(RunSection, "Work units, devices, progress, dry run.")

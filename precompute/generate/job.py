@@ -4,22 +4,23 @@
     rank 0 resolves the sampling settings and fingerprints the target -> the output's key, checked
       against an existing manifest.json (another target's answers are never mixed in: the refusal
       names the settings that differ), every rank agrees
-    every rank reads the whole input, parses the records of its windows of work units and renders
-      their first prompts -> the plan (prompts, skips, tokens in, max tokens out), printed by
-      rank 0; --dry-run stops here, having written nothing
+    every rank reads the whole input, parses the records of its sort windows of work units and
+      renders their first prompts -> the plan (prompts, skips, tokens in, max tokens out), printed
+      by rank 0; --dry-run stops here, having written nothing
     rank 0 creates the output directory (or takes over one without answers) and its manifest
-    every rank loads the target and runs its windows, round by round (turn 1 of every conversation of
-      the window, then turn 2 of those that have one, ...); each finished unit is written aside and
-      renamed into place as `u<unit:08d>-<16 hex>.jsonl`
+    every rank loads the target and runs its sort windows, round by round (turn 1 of every
+      conversation of the sort window, then turn 2 of those that have one, ...); each finished
+      unit is written aside and renamed into place as `u<unit:08d>-<16 hex>.jsonl`
     a barrier -> rank 0 writes manifest.json: key, settings, counts, finish reasons, skips by reason
 
-Work units and windows are those of dflash-precompute (precompute/units.py): unit u holds input records
-[u*S, (u+1)*S), windows of `generate.sort_window_units` units go round-robin to the ranks, and a
-window is batched the same way whatever the number of ranks, so the output does not depend on it.
-A shard's name hashes the unit's records and the output's key (target, sampling, turns, template
-options), so a rerun finds the shards already published and skips them; a window is computed whole
-when any of its units is missing (the same batches as an uninterrupted run), its published units are
-not written again. Per-unit counts sit in `.units/<shard>.json`, written before the shard's rename.
+Work units and sort windows are those of dflash-precompute (precompute/units.py): unit u holds
+input records [u*S, (u+1)*S), sort windows of `generate.sort_window_units` units go round-robin to
+the ranks, and a sort window is batched the same way whatever the number of ranks, so the output
+does not depend on it. A shard's name hashes the unit's records and the output's key (target,
+sampling, turns, template options), so a rerun finds the shards already published and skips them; a
+sort window is computed whole when any of its units is missing (the same batches as an
+uninterrupted run), its published units are not written again. Per-unit counts sit in
+`.units/<shard>.json`, written before the shard's rename.
 
 dflash-precompute reads the directory as input (`data.inputs = [DIR]`: its *.jsonl files, never
 manifest.json nor hidden files).
@@ -100,7 +101,7 @@ def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
     if ranks.main:
         write_run_record(out, cfg, name="generate.run")
     planned = time.perf_counter()
-    stats = generate_windows(cfg, ranks, work, tokenizer, sampling, stop_ids)
+    stats = generate_sort_windows(cfg, ranks, work, tokenizer, sampling, stop_ids)
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
         manifest = write_manifest(out, settings, plan["names"], plan, everyone, time.perf_counter() - planned,
@@ -272,8 +273,9 @@ def unit_name(index: int, records: list[RawRecord], key: str) -> str:
 
 
 def plan_work(cfg: GenerateConfig, ranks: Ranks, sources, tokenizer: Any, key: str) -> RankWork:
-    """Name this rank's units, and parse the records of its windows that hold a unit still to write."""
-    reader_skips, window = SkipLog(cfg.data.report_first), cfg.generate.sort_window_units
+    """Name this rank's units, and parse the records of its sort windows that hold a unit still to
+    write."""
+    reader_skips, per_sort_window = SkipLog(cfg.data.report_first), cfg.generate.sort_window_units
     out, count = Path(cfg.output.dir), [0]
 
     def counted():
@@ -281,13 +283,14 @@ def plan_work(cfg: GenerateConfig, ranks: Ranks, sources, tokenizer: Any, key: s
             count[0] = r.index + 1
             yield r
 
-    grouped = list(iter_unit_records(counted(), cfg.run.samples_per_unit, ranks.rank, ranks.world, window))
+    grouped = list(iter_unit_records(counted(), cfg.run.samples_per_unit, ranks.rank, ranks.world,
+                                     per_sort_window))
     named = [(u, recs, unit_name(u, recs, key)) for u, recs in grouped]
-    todo_windows = {u // window for u, _, name in named if not (out / name).is_file()}
+    todo_sort_windows = {u // per_sort_window for u, _, name in named if not (out / name).is_file()}
     units = []
     for u, recs, name in named:
         skips, chats = SkipLog(cfg.data.report_first), []
-        if u // window in todo_windows:
+        if u // per_sort_window in todo_sort_windows:
             chats = [c for c in (_chat_or_skip(r, cfg, skips) for r in recs) if c is not None]
             for c in chats:
                 render_next(c, tokenizer, cfg, skips)
@@ -341,7 +344,7 @@ def gather_plan(ranks: Ranks, work: RankWork, sampling: Sampling, samples_per_un
             skips.merge(SkipLog.from_dict(x["skips"]))
     skips.merge(work.reader_skips)
     todo = [x for x in units if not x["published"]]
-    turns = sum(x["turns"] for x in units if x["prompts"])  # of every window computed
+    turns = sum(x["turns"] for x in units if x["prompts"])  # of every sort window computed
     return {"records": work.records, "units": num_units(work.records, samples_per_unit),
             "published": len(units) - len(todo), "prompts": sum(x["prompts"] for x in todo),
             "prompts_run": sum(x["prompts"] for x in units), "turns": turns,
@@ -358,7 +361,7 @@ def format_plan(plan: dict[str, Any], cfg: GenerateConfig) -> str:
         f"in {cfg.output.dir})",
         f"  prompts to answer: {plan['prompts']:,}; skipped {plan['skips'].total:,} ({skipped})",
         f"  turns to generate: up to {plan['turns']:,} ({cfg.generate.turns} turns, {plan['prompts_run']:,} "
-        f"conversations in the windows run); tokens in (first prompts): {plan['tokens_in']:,}",
+        f"conversations in the sort windows run); tokens in (first prompts): {plan['tokens_in']:,}",
         f"  max tokens out: {plan['max_tokens_out']:,} ({s.max_new_tokens:,} per turn, {how}; backend "
         f"{cfg.generate.backend})",
     ]
@@ -400,25 +403,27 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
                                cuda_graphs=cfg.generate.cuda_graphs)
 
 
-def generate_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any, sampling: Sampling,
-                     stop_ids: set[int]) -> GenStats:
-    """Load the target and answer this rank's windows that hold a unit still to write."""
-    window = cfg.generate.sort_window_units
-    windows: dict[int, list[Unit]] = {}
+def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any,
+                          sampling: Sampling, stop_ids: set[int]) -> GenStats:
+    """Load the target and answer this rank's sort windows that hold a unit still to write."""
+    per_sort_window = cfg.generate.sort_window_units
+    sort_windows: dict[int, list[Unit]] = {}
     for u in work.units:
-        if any(not x.published for x in work.units if x.index // window == u.index // window):
-            windows.setdefault(u.index // window, []).append(u)
+        w = u.index // per_sort_window
+        if any(not x.published for x in work.units if x.index // per_sort_window == w):
+            sort_windows.setdefault(w, []).append(u)
     stats = GenStats()
-    todo = sum(len(c.segments) + 1 for us in windows.values() for u in us for c in u.chats)
-    log.info("%d windows to generate (%d turns at most); %d units of this rank already written",
-             len(windows), todo, sum(u.published for u in work.units))
-    if not windows:
+    todo = sum(len(c.segments) + 1 for us in sort_windows.values() for u in us for c in u.chats)
+    log.info("%d sort windows to generate (%d turns at most); %d units of this rank already "
+             "written", len(sort_windows), todo, sum(u.published for u in work.units))
+    if not sort_windows:
         return stats
     decoder = build_decoder(cfg, ranks, tokenizer, sampling, stop_ids)
     started = time.perf_counter()
     with Progress(todo, ranks, cfg.run.progress) as progress:
-        for _, units in sorted(windows.items()):
-            answer_window([c for u in units for c in u.chats], decoder, tokenizer, cfg, sampling, progress, units)
+        for _, units in sorted(sort_windows.items()):
+            chats = [c for u in units for c in u.chats]
+            answer_sort_window(chats, decoder, tokenizer, cfg, sampling, progress, units)
             for u in units:
                 if not u.published:
                     write_unit(Path(cfg.output.dir), u, cfg.generate.on_length)
@@ -428,9 +433,10 @@ def generate_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenize
     return stats
 
 
-def answer_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: GenerateConfig, sampling: Sampling,
-                  progress: "Progress", units: list[Unit]) -> None:
-    """Every turn of the window's conversations: one round per turn, each round batched together."""
+def answer_sort_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: GenerateConfig,
+                       sampling: Sampling, progress: "Progress", units: list[Unit]) -> None:
+    """Every turn of the sort window's conversations: one round per turn, each round batched
+    together."""
     skips_of = {id(c): u.skips for u in units for c in u.chats}
     pending = [c for c in chats if c.prompt is not None]
     while pending:

@@ -124,7 +124,7 @@ def test_serving_path_equals_a_loop_over_the_positions(max_anchors):
         anchors = sample_anchors(mask, cu, block, max_anchors, g, "label" if trial % 2 else "block")
         accepted = torch.randint(0, block, (anchors.numel(),), generator=g)
         accepted = torch.where(torch.rand(anchors.numel(), generator=g) < 0.3, 0, accepted)  # many rejections at 1
-        got = serving_path(anchors, accepted, mask, cu.int())
+        got = serving_path(anchors, accepted, mask, cu)
         want = _path_by_loop(anchors, accepted, mask, cu)
         assert got.tolist() == want, trial
         on_off[0] += sum(want)

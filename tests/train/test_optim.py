@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from train.config import OptimConfig
+from train.config import OptimSection
 from train.optim import MuonAdamW, build_optimizer, lr_factor, muon_matrices
 
 
@@ -54,7 +54,7 @@ def test_muon_takes_the_linear_matrices_and_adamw_the_rest():
 def test_muon_steps_every_parameter_and_follows_the_schedule():
     net = _Net()
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
-    o = OptimConfig(name="muon", lr=1e-2, warmup_fraction=0.5)
+    o = OptimSection(name="muon", lr=1e-2, warmup_fraction=0.5)
     optimizer, scheduler = build_optimizer(o, net, total=4, device=torch.device("cpu"))
     assert isinstance(optimizer, MuonAdamW)
     _step(net, optimizer, scheduler, 0)
@@ -67,7 +67,7 @@ def test_a_muon_update_is_orthogonalised():
     """One step from zero momentum moves a matrix by lr * scale * NS(grad): its singular values are
     all near one scale (Newton-Schulz flattens them), where the gradient's are spread out."""
     net = _Net()
-    o = OptimConfig(name="muon", lr=1.0, warmup_fraction=0.0, schedule="constant")
+    o = OptimSection(name="muon", lr=1.0, warmup_fraction=0.0, schedule="constant")
     optimizer, scheduler = build_optimizer(o, net, total=10, device=torch.device("cpu"))
     w = net.a.weight.detach().clone()
     ids = torch.arange(10)
@@ -81,7 +81,7 @@ def test_a_muon_update_is_orthogonalised():
 
 def test_muon_state_round_trips_so_a_resume_repeats_the_next_step():
     a = _Net()
-    o = OptimConfig(name="muon", lr=1e-2)
+    o = OptimSection(name="muon", lr=1e-2)
     opt_a, sched_a = build_optimizer(o, a, total=10, device=torch.device("cpu"))
     for seed in range(3):
         _step(a, opt_a, sched_a, seed)
@@ -98,6 +98,6 @@ def test_muon_state_round_trips_so_a_resume_repeats_the_next_step():
 
 def test_adamw_is_the_recipe_over_every_trainable_weight():
     net = _Net()
-    optimizer, _ = build_optimizer(OptimConfig(), net, total=10, device=torch.device("cpu"))
+    optimizer, _ = build_optimizer(OptimSection(), net, total=10, device=torch.device("cpu"))
     assert type(optimizer) is torch.optim.AdamW
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(net.parameters()))

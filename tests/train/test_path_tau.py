@@ -149,7 +149,8 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
 def test_response_segments_split_turns_and_sequences():
     from train.path_tau import response_segments
 
-    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1])  # seq 0: 0..4 ends inside a run; seq 1: 5..10
+    # seq 0: 0..4 ends inside a run; seq 1: 5..10
+    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1]).bool()
     cu = torch.tensor([0, 5, 11])
     first, end, start = response_segments(mask, cu, None)
     assert first.tolist() == [1, 4, 5, 10] and end.tolist() == [3, 5, 9, 11] and start.tolist() == [0, 0, 5, 5]

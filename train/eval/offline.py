@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.errors import UserError
 from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
@@ -30,6 +31,7 @@ from train.eval.load import check_model_dir, load_dflash, resolve_device
 from train.eval.report import format_offline, write_report
 from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
 from train.plan import DataPlan, holdout_split
+from train.transfer import DeviceBatch
 from train.validate import evaluate_batches
 
 # What the offline estimate takes from the training run's run.toml: its held-out split, and how its
@@ -95,8 +97,9 @@ def run_offline(cfg: EvalConfig) -> dict:
 
 
 @torch.no_grad()
-def path_tau_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_size: int | None = None,
-                     max_new_tokens: int | None = None, autocast: str = "none") -> dict[str, Any]:
+def path_tau_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *,
+                     block_size: int | None = None, max_new_tokens: int | None = None,
+                     autocast: str = "none") -> dict[str, Any]:
     """Path tau alone (train/path_tau.py) over device batches, as dflash-eval would decode their
     responses with `block_size` and `max_new_tokens`; also each response's cycle lengths ("path_lengths",
     in batch order) and its prompt's last token ids ("path_prompt_tails"), to match responses to prompts."""
@@ -109,7 +112,7 @@ def path_tau_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
     return {**summarize_path(paths), "path_lengths": lengths, "path_prompt_tails": tails}
 
 
-def _prompt_tails(batch: Any, n: int = 16) -> list[list[int]]:
+def _prompt_tails(batch: DeviceBatch, n: int = 16) -> list[list[int]]:
     """The last `n` token ids before each response of a batch (in the order of response_segments)."""
     first, _, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, None)
     ids = batch.input_ids.tolist()
@@ -117,8 +120,8 @@ def _prompt_tails(batch: Any, n: int = 16) -> list[list[int]]:
 
 
 def evaluate_offline(
-    drafter: torch.nn.Module,
-    source: Iterable[Any] | str | Path,
+    drafter: DFlashDrafter,
+    source: Iterable[DeviceBatch] | str | Path,
     *,
     gamma: float | None = None,
     max_anchors: int = 512,
@@ -174,7 +177,7 @@ def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchor
     min_response = 2 * drafter_cfg.block_size if min_response is None else min_response
     split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
     plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
-                    window_shards=1, world=1, grad_accum=1)
+                    shuffle_window_shards=1, world=1, grad_accum=1)
     nbytes, _ = slot_size([store], shards, layer_ids)
     cache = ShardCache(SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1)
     host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.block_size, max_anchors=max_anchors)

@@ -1,7 +1,7 @@
 """Soft targets: the drafter's distribution matched to the target's, through the frozen lm_head, in
 row chunks that never materialise [N, V] logits (the soft twin of hard.py; same design and backends).
 
-    soft_lm_head_loss(hidden [N, H], lm_head [V, H], labels [N], weights [N],
+    soft_lm_head_loss(hidden [N, H], lm_head [V, H], labels int64 [N], weights [N],
                       teacher [M, H], teacher_index [N], kind, temperature)
         -> LossOutput(loss = sum_i w_i * loss_kind(row i)  (float32 scalar, grad wrt hidden),
                       correct = argmax == label  [N] bool,
@@ -60,15 +60,15 @@ def teacher_rows(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[A, B] packed positions of the final states that give the target's distribution of each block
     row: a + k - 1 for the token at a + k (k = 0 is never a prediction; clamped to stay in range)."""
     k = torch.arange(block_size, device=anchors.device)
-    return (anchors.long()[:, None] + k - 1).clamp(min=0)
+    return (anchors[:, None] + k - 1).clamp(min=0)
 
 
 def greedy_prompt_labels(labels: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """labels [A, B] (from block_labels with every position valid) -> the same, with every label
     outside the loss mask (prompt tokens) replaced by TARGET_ARGMAX: the target's own greedy token."""
     k = torch.arange(labels.shape[1], device=labels.device)
-    pos = (anchors.long()[:, None] + k).clamp(max=loss_mask.shape[0] - 1)  # [A, B]
-    prompt = (labels != IGNORE_INDEX) & ~loss_mask.bool()[pos]
+    pos = (anchors[:, None] + k).clamp(max=loss_mask.shape[0] - 1)  # [A, B]
+    prompt = (labels != IGNORE_INDEX) & ~loss_mask[pos]
     return torch.where(prompt, TARGET_ARGMAX, labels)
 
 
@@ -149,7 +149,7 @@ def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, 
         rows = kept[r0:r0 + step]
         logits = hidden[rows].to(weight.dtype) @ weight.T  # [c, V]; becomes d loss / d logits in place
         target = teacher[teacher_index[rows]].to(weight.dtype) @ weight.T  # [c, V], the target's logits
-        row_loss, row_correct, row_ce = _soft_rows(spec, logits, target, labels[rows].long(),
+        row_loss, row_correct, row_ce = _soft_rows(spec, logits, target, labels[rows],
                                                    weights[rows].float(), need_grad)
         del target
         rows_loss[rows] = row_loss

@@ -54,7 +54,7 @@ def test_proposer_drafts_what_the_training_forward_predicts(model, drafter_dir, 
     proposer.propose(feats[:first], seq[first], first, BLOCK - 1)
     drafts = proposer.propose(feats[first:second], seq[second], second, BLOCK - 1)
     with torch.inference_mode():
-        cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+        cu = torch.tensor([0, len(seq)])
         hidden = drafter(feats, torch.tensor(seq), cu, torch.tensor([second]))  # [1, B, H]
         expected = drafter.logits(hidden[0, 1:]).argmax(-1)
     assert drafts.tolist() == expected.tolist()
@@ -164,8 +164,8 @@ def _briefly_trained_drafter(model, tok, root, steps=60):
     for step in range(steps):
         pick = torch.randperm(len(records), generator=gen)[:8].tolist()
         ids = torch.tensor(sum((records[i]["input_ids"] for i in pick), []))
-        mask = torch.tensor(sum((records[i]["loss_mask"] for i in pick), []))
-        cu = torch.tensor([0] + [len(records[i]["input_ids"]) for i in pick]).cumsum(0).int()
+        mask = torch.tensor(sum((records[i]["loss_mask"] for i in pick), [])).bool()
+        cu = torch.tensor([0] + [len(records[i]["input_ids"]) for i in pick]).cumsum(0)
         pos = torch.arange(len(ids))
         end = cu[torch.searchsorted(cu, pos, right=True)]  # [T] end of each position's sequence
         # anchors: a third of the response positions with a whole block left (the rest next steps)
@@ -206,7 +206,7 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
         anchors = (len(prompt.ids) + torch.tensor([0] + out.acceptance_lengths[:-1]).cumsum(0)).tolist()
         with torch.inference_mode():
             feats = torch.cat(_layers(model, seq, proposer.layer_ids), -1)
-            cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+            cu = torch.tensor([0, len(seq)])
             hidden = proposer.drafter(feats, torch.tensor(seq), cu, torch.tensor(anchors))
             predicted = proposer.drafter.logits(hidden[:, 1:]).argmax(-1)  # [cycles, B-1]
         for a, n, row in zip(anchors, out.acceptance_lengths, predicted.tolist()):
