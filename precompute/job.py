@@ -26,120 +26,40 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from dflash_common.cli import progress_bar, write_run_record
-
-from dflash_common.errors import UserError
 from dflash_common.dirlock import hold_directory
+from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
+from dflash_common.errors import UserError
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
-from dflash_common.fsutil import human_bytes, is_disk_full, os_reason
+from dflash_common.fsutil import human_bytes
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
 from dflash_common.store.format import read_root_attributes
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import Plan, check_disk, check_samples, make_plan, state_key, unit_shard_name
-from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
+from precompute.target import load_target, read_text_config, resolve_layer_ids
 from precompute.tokenizing import (
     TOKENIZE_VERSION, TokenCache, UnitSummary, tokenize_units, tokenizer_identity,
 )
 
 log = logging.getLogger("dflash")
 
-# The last collective waits for the slowest rank's last window; a failed rank ends the job through
-# torchrun long before, so a long timeout costs nothing.
-_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranks:
-    """This process's place in the job (world 1 without torchrun)."""
-
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank."""
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def from_main(self, fn: Callable[[], Any]) -> Any:
-        """Rank 0 runs `fn`; every rank returns its result or raises its error."""
-        if self.world == 1:
-            return fn()
-        box: list[Any] = [None]
-        if self.main:
-            try:
-                box[0] = (True, fn())
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                box[0] = (False, e)
-        dist.broadcast_object_list(box, src=0)
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-    def finished(self) -> None:
-        """Every rank's work is done: wait for the others, so that no rank tears its process group down
-        while another still talks to it (seen under gloo: the other rank aborted after its work, "terminate
-        called without an active exception", exit -6). Not on an error path: a rank that failed must not
-        wait for ranks still working."""
-        if self.world > 1 and dist.is_initialized():
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def start_ranks(device_choice: str) -> Ranks:
-    """Join torchrun's process group if there is one; pick this rank's device."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = resolve_device(device_choice)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=_COLLECTIVE_TIMEOUT,
-                                device_id=device if cuda else None)
-    return Ranks(rank, world, device)
-
-
 def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
-    ranks = start_ranks(cfg.run.device)
-    try:
-        with contextlib.ExitStack() as stack:
-            hold = StoreHold(stack)
-            ranks.from_main(lambda: hold.take(cfg, existing_only=True))
-            store = _run(cfg, ranks, hold)
-            ranks.finished()
-            return store
-    except UserError:
-        raise
-    except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
-        if not is_disk_full(e):
-            raise
-        raise UserError(f"the filesystem of {cfg.store.path} is full ({os_reason(e)}); free space and rerun the "
-                        "same command: published shards are kept and the job resumes.") from e
-    finally:
-        ranks.close()
+    full = (lambda why: f"the filesystem of {cfg.store.path} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes.")
+    with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks, \
+            contextlib.ExitStack() as stack:
+        hold = StoreHold(stack)
+        ranks.from_main(lambda: hold.take(cfg, existing_only=True))
+        return _run(cfg, ranks, hold)
 
 
 @dataclasses.dataclass

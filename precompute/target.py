@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -73,19 +72,6 @@ def truncated_config(text_config: Any, num_layers: int) -> Any:
     cut.num_hidden_layers = num_layers
     cut.use_cache = False
     return cut
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; 'cuda' without an
-    index is this rank's GPU too (a device with an index: streams and set_device need one)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"run.device = {name!r} but no CUDA GPU is visible; use 'cpu' or 'auto'.")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
 
 
 class CapturedTarget:

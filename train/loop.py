@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -31,14 +30,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import progress_bar, write_run_record
 
-from dflash_common.errors import UserError
 from dflash_common.config import to_dict
+from dflash_common.dist import Ranks, run_on_ranks
+from dflash_common.errors import UserError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
-from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import Store, check_compatible
 from dflash_common.store import open_stores as open_store_paths
 from train.cache import CacheStats, human_bytes
@@ -55,32 +54,6 @@ from train.target import check_same_target, mask_token_id, target_config, tokeni
 from train.validate import evaluate_batches, summarize
 
 log = logging.getLogger("dflash")
-
-
-@dataclasses.dataclass(frozen=True)
-class Dist:
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(choice: str) -> Dist:
-    """One process per GPU under torchrun (NCCL), or per CPU process (gloo); a single process otherwise."""
-    cuda = torch.cuda.is_available() and choice != "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("run.device = cuda but no CUDA device is visible; use run.device=auto or cpu.")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Dist(rank, world, device)
 
 
 def open_stores(cfg: TrainConfig) -> list[Store]:
@@ -319,7 +292,7 @@ class Run:
     """What the loop works with, built by `setup`."""
 
     cfg: TrainConfig
-    dist: Dist
+    ranks: Ranks
     out: Path
     drafter: DFlashDrafter
     model: torch.nn.Module  # the drafter, or its DDP wrapper
@@ -332,8 +305,7 @@ class Run:
     ema: WeightAverage | None = None  # the weights' moving average (regularise.ema > 0)
 
 
-def setup(cfg: TrainConfig) -> Run:
-    d = setup_distributed(cfg.run.device)
+def setup(cfg: TrainConfig, d: Ranks) -> Run:
     out = Path(cfg.run.out_dir)
     stores = open_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
@@ -399,7 +371,7 @@ def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
                     ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:8]))
 
 
-def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
+def resume(path: Path | None, d: Ranks, drafter, optimizer, scheduler,
            ema: WeightAverage | None = None) -> tuple[int, dict | None]:
     """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An EMA
     missing from the checkpoint (it was written without regularise.ema) restarts from its weights."""
@@ -435,13 +407,9 @@ def _resume_average(path: Path, trained: dict[str, torch.Tensor] | None, drafter
 
 def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
     """Save step-N/ (rank 0 writes; every rank contributes its data position and RNG states)."""
-    mine = {"data": position, "rng": rng_state()}
-    ranks = [mine]
-    if r.dist.world > 1:
-        ranks = [None] * r.dist.world
-        dist.all_gather_object(ranks, mine)
+    ranks = r.ranks.gather({"data": position, "rng": rng_state()})
     path = Path(r.out) / f"step-{step}"
-    if r.dist.main:
+    if r.ranks.main:
         trainer_state = {"step": step, "optimizer": r.optimizer.state_dict(),
                          "scheduler": r.scheduler.state_dict(), "total_steps": r.total}
         if r.ema is not None:  # drafter/ holds the average (what validation measured and export takes)
@@ -452,8 +420,7 @@ def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
                                    trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
                                    keep_last=r.cfg.checkpoint.keep_last)
         write_report(r.out)
-    if r.dist.world > 1:
-        dist.barrier()
+    r.ranks.barrier()
     return path
 
 
@@ -470,41 +437,30 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     return record
 
 
-def stop_agreed(stop: StopRequest, d: Dist) -> bool:
-    """Whether any rank was asked to stop (all ranks must leave the loop at the same step)."""
-    if d.world == 1:
-        return stop.requested
-    flag = torch.tensor([1.0 if stop.requested else 0.0], device=d.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
-    try:
-        with _own_run_directory(cfg):
-            return _run(cfg)
-    except Exception as e:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
-        if not is_disk_full(e):
-            raise
+
+    def full(why: str) -> str:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
         latest = latest_checkpoint(cfg.run.out_dir)
-        raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({os_reason(e)}); free "
-                        f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
-                        f"{latest or 'the start'}.") from e
+        return (f"no space left on the filesystem of {cfg.run.out_dir} ({why}); free space (or lower "
+                f"checkpoint.keep_last) and rerun the same command: it resumes from {latest or 'the start'}.")
+
+    with run_on_ranks(cfg.run.device, full_disk=full) as ranks, _own_run_directory(cfg, ranks):
+        return _run(cfg, ranks)
 
 
-def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+def _own_run_directory(cfg: TrainConfig, ranks: Ranks) -> contextlib.AbstractContextManager:
     """Rank 0 holds the run directory for the whole run: a second dflash-train into it is refused
     before it reads a checkpoint (the other ranks of this job share rank 0's hold)."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not ranks.main:
         return contextlib.nullcontext()
     return hold_directory(cfg.run.out_dir, "run directory",
                           "wait for that run to end (or stop it), or train into another directory (--out)")
 
 
-def _run(cfg: TrainConfig) -> Path:
-    r = setup(cfg)
-    metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.dist.main else None
+def _run(cfg: TrainConfig, ranks: Ranks) -> Path:
+    r = setup(cfg, ranks)
+    metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.ranks.main else None
     try:
         saved, stopped = train(r, metrics)
     except BaseException:  # e.g. a corrupt shard under data.on_bad_shard = stop: what is saved stays
@@ -519,8 +475,8 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     """The loop: -> (last step saved, the signal that stopped it early or None)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    c, main = r.cfg, r.dist.main
-    window = Window(r.dist.device, r.drafter.cfg.block_size)
+    c, main = r.cfg, r.ranks.main
+    window = Window(r.ranks.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
     bar = progress_bar(total=r.total, initial=r.start, enabled=main and c.log.progress, unit="step", dynamic_ncols=True)
@@ -531,14 +487,14 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
             bar.update(1)
             last = step == r.total
             if step % c.log.every_steps == 0 or last:
-                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world, r.data.bad)
+                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.ranks.world, r.data.bad)
                 if metrics is not None:
                     metrics.write(record)
             if (c.validation.every_steps and step % c.validation.every_steps == 0) or last:
                 validate(r, step, metrics)
                 window.restart_clock()
-            if r.dist.world == 1 or step % c.log.every_steps == 0 or last:  # ranks agree only at log steps
-                stopped = stop.signum if stop_agreed(stop, r.dist) else None
+            if r.ranks.world == 1 or step % c.log.every_steps == 0 or last:  # ranks agree only at log steps
+                stopped = stop.signum if r.ranks.any(stop.requested) else None
             if step % c.checkpoint.every_steps == 0 or last or stopped:
                 checkpoint(r, step, info.position)
                 saved = step
@@ -561,7 +517,7 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
     r.data.close()
     if metrics is not None:
         metrics.close()
-    if r.dist.main:
+    if r.ranks.main:
         ckpt = r.out / f"step-{saved}"
         if stopped:
             log.info("stopped by %s after step %d; checkpoint saved in %s; run the same command again "
@@ -572,7 +528,4 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
             write_report(r.out)
             log.info("done: %d steps; drafter in %s, checkpoint in %s, report %s", saved, r.out / "drafter", ckpt,
                      r.out / "report.png")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     return r.out

@@ -36,14 +36,14 @@ from typing import Any
 
 from dflash_common.chat import ChatMaskError, _guarded
 from dflash_common.cli import write_run_record
+from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
-from dflash_common.fsutil import atomic_write_text, is_disk_full, os_reason
+from dflash_common.fsutil import atomic_write_text
 from precompute.generate.chats import Chat, parse_chat
 from precompute.generate.config import GenerateConfig
 from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
 from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
-from precompute.job import Ranks, start_ranks
 from precompute.units import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
@@ -60,20 +60,10 @@ def run(cfg: GenerateConfig) -> Path:
         raise UserError("output.dir is not set; pass --out DIR (a new or an existing output directory).")
     if not cfg.target.path.strip():
         raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
-    ranks = start_ranks(cfg.run.device)
-    try:
-        out = _run(cfg, ranks)
-        ranks.finished()
-        return out
-    except UserError:
-        raise
-    except Exception as e:
-        if not is_disk_full(e):
-            raise
-        raise UserError(f"the filesystem of {cfg.output.dir} is full ({os_reason(e)}); free space and rerun the "
-                        "same command: published shards are kept and the job resumes.") from e
-    finally:
-        ranks.close()
+    full = (lambda why: f"the filesystem of {cfg.output.dir} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes.")
+    with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks:
+        return _run(cfg, ranks)
 
 
 def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:

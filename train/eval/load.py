@@ -8,19 +8,11 @@ from pathlib import Path
 
 import torch
 
+from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
 from train.eval.spec_decode import DFlashProposer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"target.device = {name!r} but no CUDA GPU is visible; use 'auto' or 'cpu'.")
-    return device
 
 
 def load_target(path: str, dtype: str, device: str, attn_implementation: str):
@@ -29,7 +21,7 @@ def load_target(path: str, dtype: str, device: str, attn_implementation: str):
 
     check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
-    return model.to(resolve_device(device)).eval()
+    return model.to(resolve_device(device, "target.device")).eval()
 
 
 def load_tokenizer(path: str):

@@ -19,12 +19,13 @@ from typing import Any, Iterable
 
 import torch
 
+from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
 from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
 from train.data import make_feeder, scan_stores, shard_reader, slot_size, val_batches
 from train.eval.config import EvalConfig
-from train.eval.load import check_model_dir, load_dflash, resolve_device
+from train.eval.load import check_model_dir, load_dflash
 from train.eval.report import format_offline, write_report
 from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
 from train.plan import DataPlan, holdout_split
@@ -64,7 +65,7 @@ def run_offline(cfg: EvalConfig) -> dict:
     if not cfg.offline.store:
         raise UserError("--offline needs a store: pass --store PATH (a store written by dflash-precompute).")
     check_model_dir(cfg.target.path)
-    device = resolve_device(cfg.target.device)
+    device = resolve_device(cfg.target.device, "target.device")
     bf16 = cfg.target.dtype == "bfloat16"  # the trainer's precision: fp32 weights, bf16 autocast
     drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), device, torch.float32)
     head = load_target_head(cfg.target.path, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)

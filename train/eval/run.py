@@ -26,12 +26,13 @@ import torch
 
 from dflash_common.cli import progress_bar
 
+from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
 from dflash_common.drafter.layer_ids import check_layer_ids
 from train.eval.baseline_cache import BaselineCache
 from train.eval.config import EvalConfig, GenerationSection
 from train.eval.load import (
-    DTYPES, attach_target, load_dflash, load_target, load_tokenizer, resolve_device, stop_token_ids,
+    DTYPES, attach_target, load_dflash, load_target, load_tokenizer, stop_token_ids,
 )
 from train.eval.prompts import Prompt, load_prompts, render_chat
 from train.eval.report import format_report, lossless_message, write_report
@@ -264,7 +265,7 @@ def run(cfg: EvalConfig) -> dict:
     from transformers import AutoConfig
 
     drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path),
-                          resolve_device(cfg.target.device), DTYPES[cfg.target.dtype])
+                          resolve_device(cfg.target.device, "target.device"), DTYPES[cfg.target.dtype])
     model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device, cfg.target.attn_implementation)
     proposer = attach_target(drafter, model)
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
