@@ -66,9 +66,9 @@ class ChatTemplate:
 
     @classmethod
     def from_pretrained(cls, path: str, template_kwargs: dict[str, Any] | None = None) -> "ChatTemplate":
-        from transformers import AutoTokenizer
+        from dflash_common.hf import load_tokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path), template_kwargs)
+        return cls(load_tokenizer(path), template_kwargs)
 
     def tokenize(self, messages: list[dict[str, Any]], last_turn_cut: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """-> input_ids int32 [T], loss_mask uint8 [T] (1 on assistant tokens).

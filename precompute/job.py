@@ -38,13 +38,14 @@ from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
 from dflash_common.fsutil import human_bytes
+from dflash_common.hf import load_text_config
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
 from dflash_common.store.format import read_root_attributes
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
 from precompute.plan import Plan, check_disk, check_samples, make_plan, state_key, unit_shard_name
-from precompute.target import load_target, read_text_config, resolve_layer_ids
+from precompute.target import load_target, resolve_layer_ids
 from precompute.tokenizing import (
     TOKENIZE_VERSION, TokenCache, UnitSummary, tokenize_units, tokenizer_identity,
 )
@@ -84,14 +85,14 @@ class StoreHold:
 def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     started = time.perf_counter()
     store_path = _store_path(cfg)
-    text_config = read_text_config(_target_path(cfg))
+    text_config = load_text_config(_target_path(cfg))  # read once, passed on
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
     sources = resolve_inputs(cfg.data.inputs)
     manifest = ranks.from_main(lambda: adopt_stored_identity(
         store_path, build_manifest(cfg, sources, layer_ids, text_config.hidden_size)))
     if (store_path / "zarr.json").is_file():
         StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
-    plan, mine = make_job_plan(cfg, ranks, sources, manifest)
+    plan, mine = make_job_plan(cfg, ranks, sources, manifest, text_config.vocab_size)
     if ranks.main:
         print(plan.format(), flush=True)
     ranks.from_main(lambda: check_samples(plan, ", ".join(cfg.data.inputs)))
@@ -103,7 +104,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     if ranks.main:
         write_run_record(store_path.parent, cfg, name=f"{store_path.name}.precompute")
     planned = time.perf_counter()
-    stats, load_s = _compute(cfg, ranks, layer_ids, writer, mine)
+    stats, load_s = _compute(cfg, ranks, text_config, layer_ids, writer, mine)
     done = time.perf_counter()
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
@@ -190,14 +191,15 @@ class RankUnits:
 
 
 def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
-                  manifest: StoreManifest) -> tuple[Plan, RankUnits]:
+                  manifest: StoreManifest, vocab_size: int) -> tuple[Plan, RankUnits]:
     """Tokenize this rank's units (once: the token cache), find the published ones, and gather the
-    plan of the whole job from every rank."""
+    plan of the whole job from every rank. `vocab_size`: the target's embedding rows."""
     cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
                                                  "chat_template_sha256": manifest.chat_template_sha256})
     reader_skips = SkipLog(cfg.data.report_first)
     summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips,
-                                        write_cache=not cfg.run.dry_run)  # a dry run writes nothing
+                                        write_cache=not cfg.run.dry_run,  # a dry run writes nothing
+                                        vocab_size=vocab_size)
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
     # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
@@ -251,8 +253,8 @@ def _load_windows(units: RankUnits, windows: list[list[int]]) -> Iterator[list[U
                for u in window]
 
 
-def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: StoreWriter,
-             units: RankUnits) -> tuple[PipelineStats, float]:
+def _compute(cfg: PrecomputeConfig, ranks: Ranks, text_config: Any, layer_ids: list[int],
+             writer: StoreWriter, units: RankUnits) -> tuple[PipelineStats, float]:
     """Load the target and run this rank's windows -> (statistics, seconds spent loading)."""
     windows = my_windows(units, cfg.batching.sort_window_units)
     samples = {s.index: s.samples for s in units.summaries}
@@ -264,7 +266,8 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: 
     started = time.perf_counter()
     target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
                          attn_implementation=cfg.target.attn_implementation, device=ranks.device,
-                         final_state=cfg.store.final_state, compile=cfg.target.compile)
+                         final_state=cfg.store.final_state, compile=cfg.target.compile,
+                         text_config=text_config)
     load_s = time.perf_counter() - started
     with _cpu_core_for_writers(ranks.device), \
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
+from dflash_common.hf import dtype_name
 from precompute.generate.attention import decode_attention, static_steps_allowed
 from precompute.generate.cuda_graph import CudaGraph
 
@@ -110,8 +111,9 @@ def sample_next(logits: torch.Tensor, s: Sampling, generators: list[torch.Genera
 class TransformersDecoder:
     """Batched decoding over a transformers causal LM with a static KV cache."""
 
-    def __init__(self, model: Any, stop_ids: set[int], pad_id: int, sampling: Sampling, token_budget: int,
-                 max_batch: int, compile: bool = False, cuda_graphs: bool = False):
+    def __init__(self, model: Any, stop_ids: Collection[int], pad_id: int, sampling: Sampling,
+                 token_budget: int, max_batch: int, compile: bool = False,
+                 cuda_graphs: bool = False):
         self.model = model
         self.stop_ids = sorted(stop_ids)
         self.pad_id = pad_id
@@ -228,16 +230,15 @@ class TransformersDecoder:
 class VllmDecoder:
     """`vllm.LLM` offline: the whole request list at once (vLLM batches and schedules itself)."""
 
-    def __init__(self, target_path: str, dtype: str, sampling: Sampling, stop_ids: set[int],
+    def __init__(self, target_path: str, dtype: str, sampling: Sampling, stop_ids: Collection[int],
                  tensor_parallel: int = 1):
         import vllm
 
         self.vllm = vllm
         self.sampling = sampling
         self.stop_ids = sorted(stop_ids)
-        dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-        self.llm = vllm.LLM(model=target_path, dtype=dtypes[dtype], tensor_parallel_size=tensor_parallel,
-                            seed=sampling.seed, enable_prefix_caching=True)
+        self.llm = vllm.LLM(model=target_path, dtype=dtype_name(dtype), seed=sampling.seed,
+                            tensor_parallel_size=tensor_parallel, enable_prefix_caching=True)
 
     def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
         s = self.sampling

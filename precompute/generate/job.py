@@ -40,6 +40,7 @@ from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
 from dflash_common.fsutil import atomic_write_text
+from dflash_common.hf import generation_config, load_causal_lm, load_tokenizer, stop_token_ids
 from precompute.generate.chats import Chat, parse_chat
 from precompute.generate.config import GenerateConfig
 from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
@@ -94,39 +95,17 @@ def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
 # ---------------------------------------------------------------------------------------- settings
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    if not (Path(path) / "config.json").is_file():
-        raise UserError(f"target.path {path} has no config.json; point it at a local checkpoint directory.")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"target.path {path} has no usable tokenizer ({e}).") from e
-
-
-def _generation_config(path: str) -> dict[str, Any]:
-    file = Path(path) / "generation_config.json"
-    try:
-        return json.loads(file.read_text()) if file.is_file() else {}
-    except ValueError as e:
-        raise UserError(f"{file} is not valid JSON ({e}); fix or remove it.") from e
-
-
-def resolve_sampling(cfg: GenerateConfig, tokenizer: Any) -> tuple[Sampling, set[int]]:
+def resolve_sampling(cfg: GenerateConfig, tokenizer: Any) -> tuple[Sampling, frozenset[int]]:
     """Settings left unset come from the target's generation_config.json (greedy when it does not
     sample); the stop ids are the tokenizer's eos and generation_config's eos_token_id."""
-    gen, s = _generation_config(cfg.target.path), cfg.sampling
+    gen, s = generation_config(cfg.target.path), cfg.sampling
     samples = bool(gen.get("do_sample", False))
     temperature = s.temperature if s.temperature is not None else (float(gen.get("temperature", 1.0)) if samples
                                                                     else 0.0)
     top_p = s.top_p if s.top_p is not None else (float(gen.get("top_p", 1.0)) if samples else 1.0)
     top_k = s.top_k if s.top_k is not None else (int(gen.get("top_k", 0) or 0) if samples else 0)
     max_new = s.max_new_tokens or int(gen.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
-    eos = gen.get("eos_token_id")
-    stop = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-    if tokenizer.eos_token_id is not None:
-        stop.add(int(tokenizer.eos_token_id))
+    stop = stop_token_ids(gen, tokenizer)
     if not stop:
         raise UserError(f"target.path {cfg.target.path} names no end-of-turn token (tokenizer eos or "
                         "generation_config.json eos_token_id); add one.")
@@ -316,7 +295,8 @@ class GenStats:
     seconds: float = 0.0
 
 
-def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling, stop_ids: set[int]):
+def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling,
+                  stop_ids: frozenset[int]):
     if cfg.generate.backend == "vllm":
         try:
             import vllm  # noqa: F401
@@ -324,13 +304,8 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
             raise UserError("generate.backend = 'vllm' but vllm is not installed here; install it or use "
                             "--generate.backend=transformers.") from None
         return VllmDecoder(cfg.target.path, cfg.target.dtype, sampling, stop_ids, cfg.generate.vllm_tensor_parallel)
-    from transformers import AutoModelForCausalLM
-
-    from precompute.target import DTYPES
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
-                                                 attn_implementation=cfg.target.attn_implementation)
-    model = model.to(ranks.device).eval()
+    model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype,
+                           attn_implementation=cfg.target.attn_implementation, device=ranks.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     return TransformersDecoder(model, stop_ids, pad, sampling, cfg.generate.token_budget,
                                cfg.generate.max_batch_size, compile=cfg.generate.compile,
@@ -338,7 +313,7 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
 
 
 def generate_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any, sampling: Sampling,
-                     stop_ids: set[int]) -> GenStats:
+                     stop_ids: frozenset[int]) -> GenStats:
     """Load the target and answer this rank's windows that hold a unit still to write."""
     window = cfg.generate.sort_window_units
     windows: dict[int, list[Unit]] = {}

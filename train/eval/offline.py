@@ -21,11 +21,12 @@ import torch
 
 from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
+from dflash_common.hf import check_model_dir, load_text_config
 from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
 from train.data import make_feeder, scan_stores, shard_reader, slot_size, val_batches
 from train.eval.config import EvalConfig
-from train.eval.load import check_model_dir, load_dflash
+from train.eval.load import load_dflash
 from train.eval.report import format_offline, write_report
 from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
 from train.plan import DataPlan, holdout_split
@@ -58,8 +59,6 @@ def run_offline(cfg: EvalConfig) -> dict:
     replayed from the stored responses with generation.block_size and generation.max_new_tokens
     (train/path_tau.py; what dflash-eval measures when the responses are the target's greedy output).
     The target never runs; only its embedding and lm_head are read from target.path."""
-    from transformers import AutoConfig
-
     from dflash_common.drafter.target_head import load_target_head
 
     if not cfg.offline.store:
@@ -67,7 +66,8 @@ def run_offline(cfg: EvalConfig) -> dict:
     check_model_dir(cfg.target.path)
     device = resolve_device(cfg.target.device, "target.device")
     bf16 = cfg.target.dtype == "bfloat16"  # the trainer's precision: fp32 weights, bf16 autocast
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), device, torch.float32)
+    text_config = load_text_config(cfg.target.path)
+    drafter = load_dflash(cfg.drafter.path, text_config, device, torch.float32)
     head = load_target_head(cfg.target.path, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
     drafter.attach_frozen(head.embed, head.lm_head)
     settings = _training_run_settings(cfg.drafter.path)

@@ -28,12 +28,14 @@ from dflash_common.cli import progress_bar
 
 from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
+from dflash_common.hf import (
+    generation_config, load_causal_lm, load_text_config, load_tokenizer, stop_token_ids,
+    torch_dtype,
+)
 from dflash_common.drafter.layer_ids import check_layer_ids
 from train.eval.baseline_cache import BaselineCache
 from train.eval.config import EvalConfig, GenerationSection
-from train.eval.load import (
-    DTYPES, attach_target, load_dflash, load_target, load_tokenizer, stop_token_ids,
-)
+from train.eval.load import attach_target, load_dflash
 from train.eval.prompts import Prompt, load_prompts, render_chat
 from train.eval.report import format_report, lossless_message, write_report
 from train.eval.spec_decode import (
@@ -241,7 +243,7 @@ def evaluate_drafter(model, tokenizer, drafter: Drafter, cfg: EvalConfig, prompt
         raise UserError(
             f"the drafter does not fit this target: {e}; evaluate it on the target it was trained for.") from e
     s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
-                      stop_token_ids(model, tokenizer))
+                      stop_token_ids(model.generation_config, tokenizer))
     target = TargetRunner(model, drafter.layer_ids)
     if cfg.check.baseline and cfg.check.baseline_cache:
         s = dataclasses.replace(s, baseline_cache=BaselineCache.open(
@@ -262,11 +264,11 @@ def run(cfg: EvalConfig) -> dict:
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     # the drafter first: one that does not fit is refused before a large target is loaded
-    from transformers import AutoConfig
-
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path),
-                          resolve_device(cfg.target.device, "target.device"), DTYPES[cfg.target.dtype])
-    model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device, cfg.target.attn_implementation)
+    device = resolve_device(cfg.target.device, "target.device")
+    drafter = load_dflash(cfg.drafter.path, load_text_config(cfg.target.path), device,
+                          torch_dtype(cfg.target.dtype))
+    model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype, device=device,
+                           attn_implementation=cfg.target.attn_implementation)
     proposer = attach_target(drafter, model)
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
              cfg.generation.block_size or proposer.block_size)
@@ -297,9 +299,6 @@ def run_vllm(cfg: EvalConfig) -> dict:
     """The report measured through vLLM (train/eval/vllm_engine.py): the exported drafter served with its
     target, and the target served alone for the lossless check and the baseline."""
     import tempfile
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, GenerationConfig
 
     from dflash_common.drafter.export import resolve_drafter_dir
     from train.eval import vllm_engine
@@ -314,15 +313,11 @@ def run_vllm(cfg: EvalConfig) -> dict:
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     if any(p.ids is None for p in prompts):
         raise UserError("--engine vllm takes single-turn prompts; drop the 'turns' lines or use --engine transformers.")
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), torch.device("cpu"),
+    drafter = load_dflash(cfg.drafter.path, load_text_config(cfg.target.path), torch.device("cpu"),
                           torch.float32)  # refused here, in one sentence, unless made for this target
     block = cfg.generation.block_size or drafter.cfg.block_size
-    try:
-        generation = GenerationConfig.from_pretrained(cfg.target.path)
-    except OSError:
-        generation = None
-    stops = [] if cfg.generation.ignore_eos else sorted(stop_token_ids(SimpleNamespace(generation_config=generation),
-                                                                       tokenizer))
+    stops = sorted(stop_token_ids(generation_config(cfg.target.path), tokenizer))
+    stops = [] if cfg.generation.ignore_eos else stops
     request = {"target": str(Path(cfg.target.path).resolve()), "prompts": [p.ids for p in prompts],
                "max_new_tokens": cfg.generation.max_new_tokens, "stop_ids": stops,
                "max_model_len": max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block}
