@@ -34,8 +34,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash_common.chat import ChatMaskError, _guarded
+from dflash_common.chat import ChatMaskError, run_template
 from dflash_common.cli import write_run_record
+from dflash_common.conversations import BadRecord
 from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
@@ -44,7 +45,7 @@ from dflash_common.hf import generation_config, load_causal_lm, load_tokenizer, 
 from precompute.generate.chats import Chat, parse_chat
 from precompute.generate.config import GenerateConfig
 from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
-from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
+from precompute.inputs import RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.units import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
@@ -226,7 +227,7 @@ def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog)
     messages = chat.next_messages()
     extra = {"tools": chat.tools} if chat.tools else {}
     try:
-        text = _guarded(lambda: tokenizer.apply_chat_template(
+        text = run_template(lambda: tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **extra, **cfg.data.chat_template_kwargs))
     except ChatMaskError as e:
         skips.add(chat.source_id, e.reason, e.detail)

@@ -329,10 +329,11 @@ def test_prompt_files_of_every_kind(tiny, tmp_path):
 @pytest.mark.parametrize(
     "line, fragment",
     [("not json", ":2 is not valid JSON"), ('{"text": "x"}', ":2: found none of"),
-     ('{"conversations": [{"from": "bot", "value": "x"}]}', "unknown ShareGPT role"),
+     ('{"conversations": [{"from": "bot", "value": "x"}]}', r"role 'bot' \(known: system, .*human"),
      ('{"messages": [{"role": "assistant", "content": "x"}]}', "no message before its reply"),
-     ('{"messages": [{"role": "user"}]}', "needs a string 'role' and a string 'content'"),
-     ('{"conversations": [{"from": "human", "content": "x"}]}', "needs a string 'from' and a string 'value'"),
+     ('{"messages": [{"role": "user"}]}', r"needs a string 'content' \(missing_field\); fix"),
+     ('{"conversations": [{"from": "human", "content": "x"}]}', "turn 0 needs a string 'value'"),
+     ('{"messages": [{"role": "wizard", "content": "x"}]}', "turn 0 has role 'wizard'"),
      ('[1, 2]', "must be a JSON object")],
 )
 def test_bad_prompt_lines_name_file_and_line(tiny, tmp_path, line, fragment):
