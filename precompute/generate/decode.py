@@ -40,23 +40,9 @@ from typing import Any, Callable, Collection, Sequence
 import torch
 
 from dflash_common.hf import dtype_name
+from dflash_common.sampling import Sampling, sampling_probs
 from precompute.generate.attention import decode_attention, static_steps_allowed
 from precompute.generate.cuda_graph import CudaGraph
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Resolved sampling settings (none unset)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    max_new_tokens: int
-    seed: int
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +80,8 @@ def sample_next(logits: torch.Tensor, s: Sampling, generators: list[torch.Genera
     """[B, V] logits -> [B] next token ids: argmax, or a draw per row from its own generator."""
     if s.greedy:
         return logits.argmax(-1)
-    logits = logits.float() / s.temperature
-    if 0 < s.top_k < logits.shape[-1]:
-        kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if s.top_p < 1:
-        sorted_p, idx = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > s.top_p  # keep the smallest prefix holding top_p
-        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
-    probs = probs.cpu()  # per-row CPU generators: a draw is the same on any device and in any batch
+    # per-row CPU generators: a draw is the same on any device and in any batch
+    probs = sampling_probs(logits, s).cpu()
     assert generators is not None
     return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
 

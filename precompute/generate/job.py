@@ -42,9 +42,10 @@ from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
 from dflash_common.fsutil import atomic_write_text
 from dflash_common.hf import generation_config, load_causal_lm, load_tokenizer, stop_token_ids
+from dflash_common.sampling import Sampling
 from precompute.generate.chats import Chat, parse_chat
 from precompute.generate.config import GenerateConfig
-from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
+from precompute.generate.decode import Request, TransformersDecoder, VllmDecoder
 from precompute.inputs import RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.units import iter_unit_records, num_units
 

@@ -28,6 +28,7 @@ from dflash_common.cli import progress_bar
 
 from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
+from dflash_common.sampling import Sampling
 from dflash_common.hf import (
     generation_config, load_causal_lm, load_text_config, load_tokenizer, stop_token_ids,
     torch_dtype,
@@ -39,7 +40,7 @@ from train.eval.load import attach_target, load_dflash
 from train.eval.prompts import Prompt, load_prompts, render_chat
 from train.eval.report import format_report, lossless_message, write_report
 from train.eval.spec_decode import (
-    Decoded, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
+    Decoded, Drafter, TargetRunner, speculative_generate, target_generate,
 )
 
 log = logging.getLogger("dflash")
@@ -83,13 +84,12 @@ class PromptResult:
 
 @dataclass(frozen=True)
 class Settings:
-    """How every prompt is decoded (resolved from the config and the drafter)."""
+    """How every prompt is decoded (resolved from the config and the drafter); prompt i draws with
+    a generator of seed `sampling.seed + i`."""
 
     block_size: int
-    max_new_tokens: int
-    sampling: Sampling
+    sampling: Sampling  # the distribution, the token limit and the seed
     stop_ids: frozenset[int]
-    seed: int
     baseline: bool  # also decode with the target alone
     check_lossless: bool  # greedy, with a baseline to compare against
     baseline_cache: BaselineCache | None = None  # the target-alone decodes of earlier evaluations
@@ -97,13 +97,11 @@ class Settings:
 
 def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, block_size: int,
                   stop_ids: frozenset[int]) -> Settings:
-    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k)
+    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k, gen.max_new_tokens, gen.seed)
     return Settings(
         block_size=gen.block_size or block_size,
-        max_new_tokens=gen.max_new_tokens,
         sampling=sampling,
         stop_ids=frozenset() if gen.ignore_eos else stop_ids,
-        seed=gen.seed,
         baseline=baseline,
         check_lossless=sampling.greedy and baseline and check_lossless != "off",
     )
@@ -124,20 +122,21 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int], s: Settings,
                index: int) -> PromptResult:
     """Speculative decoding of one prompt, then (optionally) the target alone, and the comparison."""
+    limit, seed = s.sampling.max_new_tokens, s.sampling.seed + index
     spec = speculative_generate(
-        target, drafter, ids, block_size=s.block_size, max_new_tokens=s.max_new_tokens,
-        stop_ids=s.stop_ids, sampling=s.sampling, generator=_generator(target.device, s.seed + index),
+        target, drafter, ids, block_size=s.block_size, max_new_tokens=limit, stop_ids=s.stop_ids,
+        sampling=s.sampling, generator=_generator(target.device, seed),
     )
     base = None
     if s.baseline:
         cache, key = s.baseline_cache, None
         if cache is not None:
-            key = cache.key(ids, s.max_new_tokens, s.sampling, s.seed + index, s.stop_ids)
+            key = cache.key(ids, limit, s.sampling, seed, s.stop_ids)
             base = cache.get(key)
         if base is None:
             base = target_generate(
-                target, ids, max_new_tokens=s.max_new_tokens, stop_ids=s.stop_ids, sampling=s.sampling,
-                generator=_generator(target.device, s.seed + index),
+                target, ids, max_new_tokens=limit, stop_ids=s.stop_ids, sampling=s.sampling,
+                generator=_generator(target.device, seed),
             )
             if cache is not None:
                 cache.put(key, base)
@@ -147,8 +146,9 @@ def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int]
 
 def _warm_up(target: TargetRunner, drafter: Drafter, ids: list[int], s: Settings) -> None:
     """One short decode of each kind, untimed: kernels and allocators are set up before the clock runs."""
-    short = dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, 2 * s.block_size))
-    decode_one(target, drafter, "warm-up", ids, short, index=0)
+    limit = min(s.sampling.max_new_tokens, 2 * s.block_size)
+    short = dataclasses.replace(s.sampling, max_new_tokens=limit)
+    decode_one(target, drafter, "warm-up", ids, dataclasses.replace(s, sampling=short), index=0)
 
 
 def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt], s: Settings, *,

@@ -16,10 +16,11 @@ import torch
 
 from dflash_common.errors import UserError
 from dflash_common.config import load_config
+from dflash_common.sampling import Sampling
 from precompute.generate import job
 from precompute.generate.chats import assistant_message, split_turns
 from precompute.generate.config import GenerateConfig
-from precompute.generate.decode import Request, Sampling, TransformersDecoder, plan_batches
+from precompute.generate.decode import Request, TransformersDecoder, plan_batches
 from precompute.inputs import resolve_inputs
 
 from precompute_helpers import ROOT, subprocess_env, write_jsonl
