@@ -107,8 +107,9 @@ class Ranks:
             dist.destroy_process_group()
 
 
-def start_ranks(device_choice: str, field: str = "run.device",
-                timeout: datetime.timedelta | None = None) -> Ranks:
+def start_ranks(
+    device_choice: str, field: str = "run.device", timeout: datetime.timedelta | None = None
+) -> Ranks:
     """Join torchrun's process group if there is one (`timeout`: of its collectives, None for
     torch's default); pick this rank's device (`resolve_device`)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -118,14 +119,20 @@ def start_ranks(device_choice: str, field: str = "run.device",
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
-                                device_id=device if cuda else None)
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None
+        )
     return Ranks(rank, world, device)
 
 
 @contextlib.contextmanager
-def run_on_ranks(device_choice: str, *, full_disk: Callable[[str], str], field: str = "run.device",
-                 timeout: datetime.timedelta | None = None) -> Iterator[Ranks]:
+def run_on_ranks(
+    device_choice: str,
+    *,
+    full_disk: Callable[[str], str],
+    field: str = "run.device",
+    timeout: datetime.timedelta | None = None,
+) -> Iterator[Ranks]:
     """The ranks of a job, for the block's work: started on entry; on leaving, every rank waits
     for the others (`Ranks.finished`), and the process group is closed whatever happened. A full
     disk met in the block (by the job's files, its records or its summary) ends it with the

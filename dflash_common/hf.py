@@ -20,8 +20,14 @@ from dflash_common.errors import UserError
 
 # Every spelling a config may use today: the short names of precompute, generate and export
 # (bf16), the torch names of dflash-eval and config.json's `torch_dtype` (bfloat16).
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -40,9 +46,11 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 def check_model_dir(path: str | Path | None, field: str = "target.path") -> Path:
     """`path` as a Path when it is a model directory (it holds config.json); else one sentence."""
     if not path or not (Path(path) / "config.json").is_file():
-        raise UserError(f"{field} {str(path or '')!r} has no config.json; point it at a local "
-                        "checkpoint directory (the demo's tiny target is built with "
-                        f"`python -m dflash_common.tiny {path or 'DIR'}`).")
+        raise UserError(
+            f"{field} {str(path or '')!r} has no config.json; point it at a local "
+            "checkpoint directory (the demo's tiny target is built with "
+            f"`python -m dflash_common.tiny {path or 'DIR'}`)."
+        )
     return Path(path)
 
 
@@ -76,8 +84,10 @@ def load_tokenizer(path: str | Path, field: str = "target.path") -> Any:
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise UserError(f"{field} {path} has no usable tokenizer ({e}); the directory needs its "
-                        "tokenizer files.") from e
+        raise UserError(
+            f"{field} {path} has no usable tokenizer ({e}); the directory needs its "
+            "tokenizer files."
+        ) from e
 
 
 def generation_config(path: str | Path, field: str = "target.path") -> dict[str, Any]:
@@ -98,24 +108,34 @@ def stop_token_ids(generation: Mapping[str, Any] | Any, tokenizer: Any) -> froze
     """The ids that end a turn: the generation config's eos_token_id (an id or a list; `generation`
     is `generation_config(path)` or a loaded model's `generation_config`) and the tokenizer's eos (a
     chat model's end of turn, Qwen3's <|im_end|>)."""
-    eos = generation.get("eos_token_id") if isinstance(generation, Mapping) else \
-        getattr(generation, "eos_token_id", None)
+    eos = (
+        generation.get("eos_token_id")
+        if isinstance(generation, Mapping)
+        else getattr(generation, "eos_token_id", None)
+    )
     ids = {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
 
 
-def load_causal_lm(path: str | Path, *, dtype: str, device: torch.device,
-                   attn_implementation: str | None = None, field: str = "target.path") -> Any:
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: str,
+    device: torch.device,
+    attn_implementation: str | None = None,
+    field: str = "target.path",
+) -> Any:
     """The model at `path` with its LM head (transformers AutoModelForCausalLM), in eval mode on
     `device`; `attn_implementation` None is transformers' choice."""
     from transformers import AutoModelForCausalLM
 
     check_model_dir(path, field)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
-                                                     attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(dtype), attn_implementation=attn_implementation
+        )
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"{field} {path} could not be loaded ({e}).") from e
     return model.to(device).eval()

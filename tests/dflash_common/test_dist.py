@@ -65,8 +65,13 @@ def test_a_full_disk_in_the_block_is_one_sentence_and_other_errors_pass(monkeypa
 def _two_ranks(rank: int, port: int, results) -> None:
     import os
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     with run_on_ranks("cpu", full_disk=_full) as ranks:
         gathered = ranks.gather(f"from {ranks.rank}")

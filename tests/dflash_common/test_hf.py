@@ -13,8 +13,11 @@ from dflash_common.errors import UserError
 
 
 def test_one_dtype_table_takes_every_spelling_of_every_stage():
-    for short, long, dtype in (("bf16", "bfloat16", torch.bfloat16), ("fp16", "float16", torch.float16),
-                               ("fp32", "float32", torch.float32)):
+    for short, long, dtype in (
+        ("bf16", "bfloat16", torch.bfloat16),
+        ("fp16", "float16", torch.float16),
+        ("fp32", "float32", torch.float32),
+    ):
         assert hf.torch_dtype(short) is hf.torch_dtype(long) is dtype
         assert hf.dtype_name(short) == hf.dtype_name(long) == hf.dtype_name(dtype) == long
     with pytest.raises(UserError, match="dtype 'f32' is not one of bf16, bfloat16"):
@@ -22,7 +25,9 @@ def test_one_dtype_table_takes_every_spelling_of_every_stage():
 
 
 def test_a_directory_without_config_json_is_one_sentence_naming_the_field(tmp_path):
-    with pytest.raises(UserError, match=f"^run.target '{tmp_path}' has no config.json; point it at"):
+    with pytest.raises(
+        UserError, match=f"^run.target '{tmp_path}' has no config.json; point it at"
+    ):
         hf.check_model_dir(tmp_path, "run.target")
     with pytest.raises(UserError, match="^target.path '' has no config.json"):
         hf.load_tokenizer("")
@@ -55,7 +60,7 @@ def test_a_directory_without_a_tokenizer_or_weights_is_one_sentence(tiny_target,
 
 
 def _copy_target(tiny_target, dest, eos):
-    """The tiny target without generation_config.json, its config.json's eos_token_id set to `eos`."""
+    """The tiny target without generation_config.json, its config.json's eos_token_id `eos`."""
     shutil.copytree(tiny_target, dest)
     (dest / "generation_config.json").unlink(missing_ok=True)
     config = json.loads((dest / "config.json").read_text())
@@ -74,8 +79,14 @@ def test_stop_ids_are_the_generation_configs_and_the_tokenizers(tiny_target, tmp
     assert hf.generation_config(target) == {"eos_token_id": 7}
     model = hf.load_causal_lm(target, dtype="fp32", device=torch.device("cpu"))
     from_file = hf.stop_token_ids(hf.generation_config(target), tokenizer)
-    assert from_file == hf.stop_token_ids(model.generation_config, tokenizer) == {7, tokenizer.eos_token_id}
-    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [8, 9], "do_sample": True}))
+    assert (
+        from_file
+        == hf.stop_token_ids(model.generation_config, tokenizer)
+        == {7, tokenizer.eos_token_id}
+    )
+    (target / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [8, 9], "do_sample": True})
+    )
     assert hf.generation_config(target) == {"eos_token_id": [8, 9], "do_sample": True}
     (target / "generation_config.json").write_text("{")
     with pytest.raises(UserError, match="generation_config.json is not valid JSON"):
