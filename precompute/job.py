@@ -28,11 +28,11 @@ import datetime
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
-from dflash_common.cli import progress_bar, write_run_record
+from dflash_common.cli import RateBar, write_run_record
 from dflash_common.dirlock import hold_directory
 from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
@@ -272,8 +272,11 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, text_config: Any, layer_ids: l
     with _cpu_core_for_writers(ranks.device), \
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,
                            writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
-            ProgressBar(total, pipe, ranks, cfg.run.progress) as on_batch:
-        run_windows(target, _load_windows(units, windows), pipe, cfg.batching.token_budget, on_batch)
+            RateBar(total, unit="sample", desc=ranks.label("precompute"),
+                    enabled=cfg.run.progress and ranks.main,
+                    note=lambda: f"{human_bytes(pipe.stats.bytes_written)} written") as bar:
+        run_windows(target, _load_windows(units, windows), pipe, cfg.batching.token_budget,
+                    bar.update)
     log.info("%d shards written (%s on disk) from %s tokens in %d batches; waited %.1f s for the disk",
              pipe.stats.units_written, human_bytes(pipe.stats.bytes_written), f"{pipe.stats.tokens:,}",
              pipe.stats.batches, pipe.stats.wait_s)
@@ -293,37 +296,6 @@ def _cpu_core_for_writers(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-class ProgressBar:
-    """tqdm on rank 0, on a terminal only: samples, tokens/s and bytes written by this rank, ETA."""
-
-    def __init__(self, total: int, pipe: Pipeline, ranks: Ranks, enabled: bool):
-        self.total = total
-        self.pipe = pipe
-        self.ranks = ranks
-        self.enabled = enabled and ranks.main
-        self.bar = None
-        self.tokens = 0
-        self.started = time.perf_counter()
-
-    def __enter__(self) -> Callable[[int, int], None]:
-        if self.enabled:
-            desc = "precompute" if self.ranks.world == 1 else f"precompute, rank 0 of {self.ranks.world}"
-            self.bar = progress_bar(total=self.total, unit="sample", desc=desc, dynamic_ncols=True)
-        return self.update
-
-    def update(self, sequences: int, tokens: int) -> None:
-        self.tokens += tokens
-        if self.bar is not None:
-            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {human_bytes(self.pipe.stats.bytes_written)} written",
-                                     refresh=False)
-            self.bar.update(sequences)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------- summary

@@ -30,9 +30,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import progress_bar, write_run_record
 
-from dflash_common.config import to_dict
+from dflash_common.config import ConfigError, load_config, to_dict
 from dflash_common.dist import Ranks, run_on_ranks
 from dflash_common.errors import UserError
+from dflash_common.fsutil import human_bytes
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter
@@ -40,7 +41,7 @@ from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.store import Store, check_compatible
 from dflash_common.store import open_stores as open_store_paths
-from train.cache import CacheStats, human_bytes
+from train.cache import CacheStats
 from train.checkpoint import (
     StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
 )
@@ -352,7 +353,6 @@ def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Pa
 def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
     """Settings other than the drafter's may change on resume (more steps, another log interval), but
     the optimiser and schedule go on from the checkpoint's state: say what differs."""
-    import tomllib
 
     def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
         out = {}
@@ -360,9 +360,9 @@ def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
             out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
         return out
 
-    try:
-        before = flat(tomllib.loads((path / "run.toml").read_text()))
-    except (OSError, ValueError):
+    try:  # through the config loader: keys added since are their defaults, not differences
+        before = flat(to_dict(load_config(TrainConfig, path / "run.toml")))
+    except ConfigError:  # none, or one this version no longer reads: nothing to compare
         return
     now = flat(to_dict(cfg))
     changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k != "run.out_dir"]

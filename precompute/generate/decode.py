@@ -61,8 +61,11 @@ OnTokens = Callable[[int], None]  # called with the number of tokens generated s
 SYNC_EVERY = 8  # decode steps between two looks of the host at the device (stop check, progress)
 
 
-def plan_batches(lengths: Sequence[int], max_new_tokens: int, token_budget: int, max_batch: int) -> list[list[int]]:
-    """Indices of requests grouped into batches, longest prompts first (sorted: little padding)."""
+def batch_requests(lengths: Sequence[int], max_new_tokens: int, token_budget: int,
+                   max_batch: int) -> list[list[int]]:
+    """Indices of requests (their prompt `lengths`) grouped into decode batches, longest prompts
+    first (sorted: little padding), each within `token_budget` counted as batch size x (longest
+    prompt + max_new_tokens), the KV cache it allocates, and `max_batch` requests."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
@@ -112,7 +115,8 @@ class TransformersDecoder:
     def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
         out: list[Generated | None] = [None] * len(requests)
         lengths = [len(r.prompt) for r in requests]
-        for batch in plan_batches(lengths, self.sampling.max_new_tokens, self.token_budget, self.max_batch):
+        n_new = self.sampling.max_new_tokens
+        for batch in batch_requests(lengths, n_new, self.token_budget, self.max_batch):
             for i, g in zip(batch, self.decode_batch([requests[i] for i in batch], on_tokens)):
                 out[i] = g
         return out  # type: ignore[return-value]

@@ -28,14 +28,13 @@ import datetime
 import hashlib
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from dflash_common.chat import ChatMaskError, run_template
-from dflash_common.cli import write_run_record
+from dflash_common.cli import RateBar, write_run_record
 from dflash_common.conversations import BadRecord
 from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
@@ -330,29 +329,31 @@ def generate_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenize
         return stats
     decoder = build_decoder(cfg, ranks, tokenizer, sampling, stop_ids)
     started = time.perf_counter()
-    with Progress(todo, ranks, cfg.run.progress) as progress:
+    bar = RateBar(todo, unit="prompt", desc=ranks.label("generate"), rate="generated tok/s",
+                  enabled=cfg.run.progress and ranks.main)
+    with bar as progress:
         for _, units in sorted(windows.items()):
             answer_window([c for u in units for c in u.chats], decoder, tokenizer, cfg, sampling, progress, units)
             for u in units:
                 if not u.published:
                     write_unit(Path(cfg.output.dir), u, cfg.generate.on_length)
                     stats.units_written += 1
-    stats.turns, stats.tokens_generated = progress.turns, progress.tokens
+    stats.turns, stats.tokens_generated = progress.done, progress.tokens
     stats.seconds = time.perf_counter() - started
     return stats
 
 
 def answer_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: GenerateConfig, sampling: Sampling,
-                  progress: "Progress", units: list[Unit]) -> None:
+                  progress: RateBar, units: list[Unit]) -> None:
     """Every turn of the window's conversations: one round per turn, each round batched together."""
     skips_of = {id(c): u.skips for u in units for c in u.chats}
     pending = [c for c in chats if c.prompt is not None]
     while pending:
         requests = [Request(c.prompt, c.request_seed(sampling.seed)) for c in pending]  # type: ignore[arg-type]
-        answers = decoder.generate(requests, progress.on_tokens)
+        answers = decoder.generate(requests, progress.add_tokens)
         for chat, ans in zip(pending, answers):
             chat.answer(tokenizer.decode(ans.tokens, skip_special_tokens=False), ans.finish_reason, len(ans.tokens))
-            progress.turn_done()
+            progress.update(1)
             if chat.pending:
                 render_next(chat, tokenizer, cfg, skips_of[id(chat)])
             else:
@@ -377,38 +378,6 @@ def write_unit(out: Path, unit: Unit, on_length: str) -> None:
              "skips": unit.skips.to_dict()}
     atomic_write_text(out / UNIT_STATS / f"{unit.name}.json", json.dumps(stats))
     atomic_write_text(out / unit.name, "".join(lines))
-
-
-class Progress:
-    """tqdm on rank 0 when on a terminal: turns answered, turns/s, generated tok/s, ETA."""
-
-    def __init__(self, total: int, ranks: Ranks, enabled: bool):
-        self.total, self.ranks = total, ranks
-        self.enabled = enabled and ranks.main and sys.stderr.isatty()
-        self.bar, self.turns, self.tokens = None, 0, 0
-        self.started = time.perf_counter()
-
-    def __enter__(self) -> "Progress":
-        if self.enabled:
-            from tqdm import tqdm
-
-            desc = "generate" if self.ranks.world == 1 else f"generate, rank 0 of {self.ranks.world}"
-            self.bar = tqdm(total=self.total, unit="prompt", desc=desc, dynamic_ncols=True)
-        return self
-
-    def on_tokens(self, n: int) -> None:
-        self.tokens += n
-
-    def turn_done(self) -> None:
-        self.turns += 1
-        if self.bar is not None:
-            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
-            self.bar.set_postfix_str(f"{rate:,.0f} generated tok/s", refresh=False)
-            self.bar.update(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------- manifest

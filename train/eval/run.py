@@ -38,7 +38,9 @@ from train.eval.baseline_cache import BaselineCache
 from train.eval.config import EvalConfig, GenerationSection
 from train.eval.load import attach_target, load_dflash
 from train.eval.prompts import Prompt, load_prompts, render_chat
-from train.eval.report import format_report, lossless_message, write_report
+from train.eval.report import (
+    first_mismatch, format_report, lossless_message, mismatch_entry, write_report,
+)
 from train.eval.spec_decode import (
     Decoded, Drafter, TargetRunner, speculative_generate, target_generate,
 )
@@ -105,14 +107,6 @@ def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, b
         baseline=baseline,
         check_lossless=sampling.greedy and baseline and check_lossless != "off",
     )
-
-
-def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (or where one ends early); None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -188,11 +182,8 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
     counts = [lengths.count(n) for n in range(1, s.block_size + 1)]
     spec_tpot = _mean([r.spec.time_per_token for r in results])
     base_tpot = _mean([r.target.time_per_token for r in results]) if s.baseline else None
-    mismatches = [{"prompt": r.name, "new_token_index": r.first_mismatch,
-                   "position": r.prompt_tokens + r.first_mismatch,
-                   "speculative": _token_at(r.spec.tokens, r.first_mismatch),
-                   "target": _token_at(r.target.tokens, r.first_mismatch)}
-                  for r in results if r.first_mismatch is not None]
+    mismatches = [mismatch_entry(r.name, r.prompt_tokens, r.first_mismatch, r.spec.tokens,
+                                 r.target.tokens) for r in results if r.first_mismatch is not None]
     return {
         "tau": _mean(taus),
         # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs the same
@@ -216,10 +207,6 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
                      "mismatches": mismatches},
         "prompts": [_prompt_entry(r) for r in results],
     }
-
-
-def _token_at(tokens: Sequence[int], i: int) -> int | None:
-    return tokens[i] if i < len(tokens) else None
 
 
 def _prompt_entry(r: PromptResult) -> dict:

@@ -19,8 +19,8 @@ from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from train.eval.config import EvalConfig
 from train.eval.prompts import Prompt, load_prompts
-from train.eval.report import format_report, lossless_message, write_report
-from train.eval.run import PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, summarize
+from train.eval.report import first_mismatch, format_report, lossless_message, write_report
+from train.eval.run import PromptResult, Settings, decode_prompts, evaluate_drafter, summarize
 from dflash_common.sampling import Sampling
 from train.eval.spec_decode import (
     Decoded, TargetRunner, accept_sampled, speculative_generate, target_generate,
