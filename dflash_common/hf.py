@@ -43,6 +43,12 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return str(torch_dtype(dtype) if isinstance(dtype, str) else dtype).removeprefix("torch.")
 
 
+def text_fields(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's fields of a config.json dict: a composite checkpoint (a vision-language
+    model) nests them under `text_config`."""
+    return config.get("text_config") or config
+
+
 def check_model_dir(path: str | Path | None, field: str = "target.path") -> Path:
     """`path` as a Path when it is a model directory (it holds config.json); else one sentence."""
     if not path or not (Path(path) / "config.json").is_file():
@@ -96,7 +102,7 @@ def generation_config(path: str | Path, field: str = "target.path") -> dict[str,
     file = check_model_dir(path, field) / "generation_config.json"
     if not file.is_file():
         config = read_config_json(path, field)
-        eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+        eos = config.get("eos_token_id", text_fields(config).get("eos_token_id"))
         return {} if eos is None else {"eos_token_id": eos}
     try:
         return json.loads(file.read_text())

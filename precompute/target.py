@@ -167,7 +167,7 @@ def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "
     compiled = compile and torch.device(device).type == "cuda"
     if compiled:
         compile_decoder_layers(model)
-        _warm_up(model, torch.device(device))
+        _compile_now(model, torch.device(device))
     log.info("target %s: %d of %d decoder layers loaded%s, capturing layer ids %s%s", path, config.num_hidden_layers,
              num_layers, " (their parts compiled)" if compiled else "", ids,
              " and the final normed state" if final_state else "")
@@ -198,7 +198,7 @@ def compile_decoder_layers(model: nn.Module, kv_cache: bool = False) -> int:
 
 
 @torch.inference_mode()
-def _warm_up(model: nn.Module, device: torch.device) -> None:
+def _compile_now(model: nn.Module, device: torch.device) -> None:
     """Compile now, at load time (logged apart from the batches): a forward of one row and one of two
     (dynamic shapes still specialise a size of 1), on a few tokens."""
     started = time.perf_counter()

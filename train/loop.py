@@ -40,7 +40,7 @@ from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.store import Store, check_compatible
-from dflash_common.store import open_stores as open_store_paths
+from dflash_common.store import open_stores
 from train.cache import CacheStats
 from train.checkpoint import (
     StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
@@ -50,17 +50,17 @@ from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.objective import batch_objective
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
-from train.report import write_report
+from train.report import draw_report
 from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
-from train.validate import evaluate_batches, summarize
+from train.validate import evaluate_batches, summarize_sums
 
 log = logging.getLogger("dflash")
 
 
-def open_stores(cfg: TrainConfig) -> list[Store]:
+def open_train_stores(cfg: TrainConfig) -> list[Store]:
     if not cfg.data.stores:
         raise UserError("No store given; pass --store PATH (repeatable) or set data.stores in the config.")
-    return open_store_paths(cfg.data.stores, read_threads=cfg.data.reader_threads)
+    return open_stores(cfg.data.stores, read_threads=cfg.data.reader_threads)
 
 
 def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
@@ -266,7 +266,7 @@ class Window:
             dist.all_reduce(both)
         both = both.cpu()
         sums, counts, (hits, misses, read, bad_read) = both[:_N + 1], both[_N + 1:-4], both[-4:].tolist()
-        figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
+        figures = summarize_sums(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
         steps = max(1.0, float(sums[_N]))
         record = {"kind": "train", "step": step, "epoch": epoch, "loss": figures["loss"], "acc": figures["acc"],
                   "acc_by_pos": figures["acc_by_pos"], "tau": figures["tau"], "lr": lr,
@@ -308,7 +308,7 @@ class Run:
 
 def setup(cfg: TrainConfig, d: Ranks) -> Run:
     out = Path(cfg.run.out_dir)
-    stores = open_stores(cfg)
+    stores = open_train_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
     verdict = check_stores(stores, dcfg, cfg.run.target)
     from_path = checkpoint_to_resume(cfg, out, dcfg)
@@ -419,7 +419,7 @@ def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
                                    save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
                                    trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
                                    keep_last=r.cfg.checkpoint.keep_last)
-        write_report(r.out)
+        draw_report(r.out)
     r.ranks.barrier()
     return path
 
@@ -525,7 +525,7 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
         else:
             with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # the average, if kept
                 save_drafter(r.drafter, r.out / "drafter", dtype=torch.bfloat16, overwrite=True)  # as served
-            write_report(r.out)
+            draw_report(r.out)
             log.info("done: %d steps; drafter in %s, checkpoint in %s, report %s", saved, r.out / "drafter", ckpt,
                      r.out / "report.png")
     return r.out

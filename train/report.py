@@ -23,7 +23,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [r["step"] for r in records], [r[key] for r in records]
 
 
-def write_report(run_dir: str | Path, title: str | None = None) -> Path | None:
+def draw_report(run_dir: str | Path, title: str | None = None) -> Path | None:
     """Draw the run's curves into run_dir/report.png (atomically); None if there is nothing to draw yet."""
     import matplotlib
 
@@ -75,4 +75,4 @@ def _by_position(ax, train: list[dict[str, Any]], val: list[dict[str, Any]]) -> 
 
 
 if __name__ == "__main__":
-    print(write_report(sys.argv[1]))
+    print(draw_report(sys.argv[1]))

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
+from dflash_common.hf import text_fields
 
 ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -246,8 +247,7 @@ class DrafterConfig:
 
 def _target_text_config(target_config: Any) -> dict[str, Any]:
     data = target_config if isinstance(target_config, Mapping) else target_config.to_dict()
-    # multimodal targets keep the language model's fields under text_config
-    return dict(data.get("text_config") or data) if "hidden_size" not in data else dict(data)
+    return dict(data if "hidden_size" in data else text_fields(data))
 
 
 def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_common.errors import UserError
-from dflash_common.hf import read_config_json
+from dflash_common.hf import read_config_json, text_fields
 
 # Where causal LMs keep the input embedding, most common first (plain, multimodal, GPT-2 style).
 EMBED_NAMES = (
@@ -45,7 +45,7 @@ def load_target_head(
     """Read the target's embedding and lm_head ([V, H] each) from `target_dir`'s safetensors."""
     target_dir = Path(target_dir)
     config = read_config_json(target_dir, "target")
-    text = config.get("text_config") or config
+    text = text_fields(config)
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     where = _tensor_files(target_dir)
     embed_name = _first_present(EMBED_NAMES, where)

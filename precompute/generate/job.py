@@ -89,7 +89,7 @@ def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
     if ranks.main:
         manifest = write_manifest(out, settings, plan["names"], plan, everyone, time.perf_counter() - planned,
                                   time.perf_counter() - started, ranks.world)
-        print(format_summary(manifest), flush=True)
+        print(format_manifest(manifest), flush=True)
     return out
 
 
@@ -413,7 +413,7 @@ def write_manifest(out: Path, settings: dict[str, Any], names: list[str], plan: 
     return manifest
 
 
-def format_summary(m: dict[str, Any]) -> str:
+def format_manifest(m: dict[str, Any]) -> str:
     run = m["runs"][-1]
     c = m["counts"]
     skips = ", ".join(f"{k} {v:,}" for k, v in m["skips"]["counts"].items()) or "none"

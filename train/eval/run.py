@@ -247,7 +247,7 @@ def run(cfg: EvalConfig) -> dict:
     """Load the target and the drafter, decode every prompt, write and print the report; a failed
     lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
     if cfg.target.engine == "vllm":
-        return finish(run_vllm(cfg), cfg)
+        return finish_report(run_vllm(cfg), cfg)
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     # the drafter first: one that does not fit is refused before a large target is loaded
@@ -260,10 +260,10 @@ def run(cfg: EvalConfig) -> dict:
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
              cfg.generation.block_size or proposer.block_size)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
-    return finish(report, cfg)
+    return finish_report(report, cfg)
 
 
-def finish(report: dict, cfg: EvalConfig) -> dict:
+def finish_report(report: dict, cfg: EvalConfig) -> dict:
     """Write and print the report; raise `LosslessError` on a failed check (`check.lossless = 'error'`)."""
     report["drafter"] = cfg.drafter.path
     report["target"] = cfg.target.path
