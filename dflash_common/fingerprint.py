@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash_common.hf import text_fields
+from dflash_common.hf import check_model_dir, read_config_json, text_fields
 
 SAMPLE_BLOCKS = 16  # blocks hashed per weight file: enough to catch any fine-tune, ~1 MiB of reads
 SAMPLE_BLOCK_BYTES = 64 * 1024
@@ -70,11 +70,8 @@ def weights_sha256(model_dir: str | Path) -> str | None:
 
 def target_fingerprint(model_dir: str | Path, name: str | None = None) -> dict[str, Any]:
     """What identifies a target checkpoint directory (config.json + weight files)."""
-    model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory")
-    raw = config_path.read_bytes()
+    model_dir = check_model_dir(model_dir, "target")
+    raw = (model_dir / "config.json").read_bytes()  # hashed as stored
     text = text_fields(json.loads(raw))
     return {
         "name": name if name is not None else model_dir.name,
@@ -100,8 +97,7 @@ def head_fingerprint(model_dir: str | Path) -> dict[str, Any]:
 
     from dflash_common.drafter.target_head import load_target_head
 
-    model_dir = Path(model_dir)
-    text = text_fields(json.loads((model_dir / "config.json").read_text()))
+    text = text_fields(read_config_json(model_dir, "target"))
     head = load_target_head(model_dir)  # as stored: no cast
     h = hashlib.sha256()
     for name, tensor in [("embed", head.embed)] + ([] if head.tied else [("lm_head", head.lm_head)]):
