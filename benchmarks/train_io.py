@@ -45,7 +45,7 @@ from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.config import DrafterConfig  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.store import ShardPayload, Store, StoreManifest, StoreWriter, encode_states, shard_name  # noqa: E402
-from train.cache import human_bytes  # noqa: E402
+from dflash_common.fsutil import human_bytes  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import TrainData  # noqa: E402
 from train.loop import _N, _TOKENS, _WAIT, train_step  # noqa: E402

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import typing
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -217,6 +218,45 @@ def progress_bar(iterable: Any = None, *, enabled: bool = True, **kwargs: Any) -
     from tqdm import tqdm
 
     return tqdm(iterable, disable=None if enabled else True, **kwargs)
+
+
+class RateBar:
+    """A `progress_bar` of things done (samples, turns) with the rate of tokens they make, for a job
+    of ranks (drawn where `enabled`: rank 0; on a terminal only). It counts whether it draws or not.
+
+        with RateBar(total, unit="sample", desc="precompute", enabled=ranks.main) as bar:
+            bar.update(done=8, tokens=4096)      # or bar.add_tokens(n) as they come, bar.update(1)
+    """
+
+    def __init__(self, total: int, *, unit: str, desc: str, enabled: bool = True,
+                 rate: str = "tok/s", note: Callable[[], str] | None = None):
+        self.total, self.unit, self.desc, self.enabled = total, unit, desc, enabled
+        self.rate, self.note = rate, note  # the rate's name; `note()`: more text after it
+        self.bar: Any = None
+        self.done = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> "RateBar":
+        if self.enabled:
+            self.bar = progress_bar(total=self.total, unit=self.unit, desc=self.desc,
+                                    dynamic_ncols=True)
+        return self
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+    def update(self, done: int, tokens: int = 0) -> None:
+        self.done += done
+        self.tokens += tokens
+        if self.bar is not None:
+            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
+            note = f", {self.note()}" if self.note is not None else ""
+            self.bar.set_postfix_str(f"{rate:,.0f} {self.rate}{note}", refresh=False)
+            self.bar.update(done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def library_bars_follow_the_terminal() -> None:

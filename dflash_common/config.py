@@ -366,3 +366,12 @@ def check(condition: bool, message: str) -> None:
     """For __post_init__: raise ConfigError(message) unless condition holds."""
     if not condition:
         raise ConfigError(message)
+
+
+def check_device(device: str, field: str, index: bool = True) -> None:
+    """For __post_init__: `device` is a name dflash_common.dist.resolve_device takes: 'auto', 'cpu',
+    'cuda' and, where `index`, 'cuda:N'."""
+    names = "'auto', 'cpu' or 'cuda[:N]'" if index else "'auto', 'cpu' or 'cuda'"
+    indexed = index and re.fullmatch(r"cuda:\d+", device) is not None
+    ok = device in ("auto", "cpu", "cuda") or indexed
+    check(ok, f"{field} = {device!r} must be {names}.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 
 @dataclass(frozen=True)
@@ -154,8 +154,7 @@ class RunSection:
         check(self.tokenize_workers >= 0, f"run.tokenize_workers must be >= 0, got {self.tokenize_workers}.")
         check(self.writer_threads >= 1, f"run.writer_threads must be >= 1, got {self.writer_threads}.")
         check(self.queue_depth >= 1, f"run.queue_depth must be >= 1, got {self.queue_depth}.")
-        check(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-              f"run.device = {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'.")
+        check_device(self.device, "run.device")
 
 
 @dataclass(frozen=True)

@@ -26,21 +26,20 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
-from dflash_common.cli import progress_bar, write_run_record
-
-from dflash_common.errors import UserError
+from dflash_common.cli import RateBar, write_run_record
 from dflash_common.dirlock import LOCK_FILE, hold_directory
+from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
+from dflash_common.errors import UserError
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
-from dflash_common.fsutil import check_writable, first_missing, human_bytes, is_disk_full, os_reason
+from dflash_common.fsutil import check_writable, first_missing, human_bytes
+from dflash_common.hf import load_text_config
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
 from dflash_common.store.contents import disk_bytes, precompute_record
 from dflash_common.store.format import read_root_attributes
@@ -49,101 +48,23 @@ from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_sort_windows
 from precompute.plan import Plan, check_disk, check_samples, make_plan, state_key, unit_shard_name
-from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
+from precompute.target import load_target, resolve_layer_ids
 from precompute.tokenizing import (
     TOKENIZE_VERSION, TokenCache, UnitSummary, tokenize_units, tokenizer_identity,
 )
 
 log = logging.getLogger("dflash")
 
-# The last collective waits for the slowest rank's last sort window; a failed rank ends the job
-# through torchrun long before, so a long timeout costs nothing.
-_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranks:
-    """This process's place in the job (world 1 without torchrun)."""
-
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank."""
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def from_main(self, fn: Callable[[], Any]) -> Any:
-        """Rank 0 runs `fn`; every rank returns its result or raises its error."""
-        if self.world == 1:
-            return fn()
-        box: list[Any] = [None]
-        if self.main:
-            try:
-                box[0] = (True, fn())
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                box[0] = (False, e)
-        dist.broadcast_object_list(box, src=0)
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-    def finished(self) -> None:
-        """Every rank's work is done: wait for the others, so that no rank tears its process group down
-        while another still talks to it (seen under gloo: the other rank aborted after its work, "terminate
-        called without an active exception", exit -6). Not on an error path: a rank that failed must not
-        wait for ranks still working."""
-        if self.world > 1 and dist.is_initialized():
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def start_ranks(device_choice: str) -> Ranks:
-    """Join torchrun's process group if there is one; pick this rank's device."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = resolve_device(device_choice)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=_COLLECTIVE_TIMEOUT,
-                                device_id=device if cuda else None)
-    return Ranks(rank, world, device)
-
-
 def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
-    check_outputs(cfg)
-    ranks = start_ranks(cfg.run.device)
-    try:
-        with contextlib.ExitStack() as stack:
-            hold = StoreHold(stack)
-            ranks.from_main(lambda: hold.take(cfg, existing_only=True))
-            store = _run(cfg, ranks, hold)
-            ranks.finished()
-            return store
-    except UserError:
-        raise
-    except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
-        if not is_disk_full(e):
-            raise
-        raise UserError(f"the filesystem of {cfg.store.path} is full ({os_reason(e)}); free space and rerun the "
-                        "same command: published shards are kept and the job resumes.") from e
-    finally:
-        ranks.close()
+    check_store_outputs(cfg)
+    full = (lambda why: f"the filesystem of {cfg.store.path} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes.")
+    with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks, \
+            contextlib.ExitStack() as stack:
+        hold = StoreHold(stack)
+        ranks.from_main(lambda: hold.take(cfg, existing_only=True))
+        return _run(cfg, ranks, hold)
 
 
 @dataclasses.dataclass
@@ -171,7 +92,7 @@ class StoreHold:
 def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     started = time.perf_counter()
     store_path = _store_path(cfg)
-    text_config = read_text_config(_target_path(cfg))
+    text_config = load_text_config(_target_path(cfg))  # read once, passed on
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
     sources = resolve_inputs(cfg.data.inputs)
     manifest, fresh_cache = ranks.from_main(
@@ -180,7 +101,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     if (store_path / "zarr.json").is_file():
         StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
     try:
-        plan, mine = make_job_plan(cfg, ranks, sources, manifest)
+        plan, mine = make_job_plan(cfg, ranks, sources, manifest, text_config.vocab_size)
         if ranks.main:
             print(plan.format(), flush=True)
         ranks.from_main(lambda: check_samples(plan, ", ".join(cfg.data.inputs)))
@@ -196,7 +117,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     if ranks.main:
         write_run_record(store_path.parent, cfg, name=precompute_record(store_path).stem)
     planned = time.perf_counter()
-    stats, load_s = _compute(cfg, ranks, layer_ids, writer, mine)
+    stats, load_s = _compute(cfg, ranks, text_config, layer_ids, writer, mine)
     done = time.perf_counter()
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
@@ -209,7 +130,7 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     return store_path
 
 
-def check_outputs(cfg: PrecomputeConfig) -> None:
+def check_store_outputs(cfg: PrecomputeConfig) -> None:
     """The store, what is written beside it (the run record, the token cache) and run.cache_dir must
     be writable: one sentence before any work, a dry run included (its plan must not call a place it
     cannot write 'enough')."""
@@ -305,14 +226,15 @@ class RankUnits:
 
 
 def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
-                  manifest: StoreManifest) -> tuple[Plan, RankUnits]:
+                  manifest: StoreManifest, vocab_size: int) -> tuple[Plan, RankUnits]:
     """Tokenize this rank's units (once: the token cache), find the published ones, and gather the
-    plan of the whole job from every rank."""
+    plan of the whole job from every rank. `vocab_size`: the target's embedding rows."""
     cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
                                                  "chat_template_sha256": manifest.chat_template_sha256})
     reader_skips = SkipLog(cfg.data.report_first)
     summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips,
-                                        write_cache=not cfg.run.dry_run)  # a dry run writes nothing
+                                        write_cache=not cfg.run.dry_run,  # a dry run writes nothing
+                                        vocab_size=vocab_size)
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
     # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
@@ -369,8 +291,8 @@ def _load_sort_windows(units: RankUnits, sort_windows: list[list[int]]) -> Itera
                for u in sort_window]
 
 
-def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: StoreWriter,
-             units: RankUnits) -> tuple[PipelineStats, float]:
+def _compute(cfg: PrecomputeConfig, ranks: Ranks, text_config: Any, layer_ids: list[int],
+             writer: StoreWriter, units: RankUnits) -> tuple[PipelineStats, float]:
     """Load the target and run this rank's sort windows -> (statistics, seconds spent loading)."""
     sort_windows = my_sort_windows(units, cfg.batching.sort_window_units)
     samples = {s.index: s.samples for s in units.summaries}
@@ -383,14 +305,17 @@ def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: 
     started = time.perf_counter()
     target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
                          attn_implementation=cfg.target.attn_implementation, device=ranks.device,
-                         final_state=cfg.store.final_state, compile=cfg.target.compile)
+                         final_state=cfg.store.final_state, compile=cfg.target.compile,
+                         text_config=text_config)
     load_s = time.perf_counter() - started
     with _cpu_core_for_writers(ranks.device), \
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,
                            writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
-            ProgressBar(total, pipe, ranks, cfg.run.progress) as on_batch:
+            RateBar(total, unit="sample", desc=ranks.label("precompute"),
+                    enabled=cfg.run.progress and ranks.main,
+                    note=lambda: f"{human_bytes(pipe.stats.bytes_written)} written") as bar:
         run_sort_windows(target, _load_sort_windows(units, sort_windows), pipe,
-                         cfg.batching.token_budget, on_batch)
+                         cfg.batching.token_budget, bar.update)
     log.info("%d shards written from %s tokens in %d batches; waited %.1f s for the disk",
              pipe.stats.units_written, f"{pipe.stats.tokens:,}", pipe.stats.batches,
              pipe.stats.wait_s)
@@ -410,37 +335,6 @@ def _cpu_core_for_writers(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-class ProgressBar:
-    """tqdm on rank 0, on a terminal only: samples, tokens/s and bytes written by this rank, ETA."""
-
-    def __init__(self, total: int, pipe: Pipeline, ranks: Ranks, enabled: bool):
-        self.total = total
-        self.pipe = pipe
-        self.ranks = ranks
-        self.enabled = enabled and ranks.main
-        self.bar = None
-        self.tokens = 0
-        self.started = time.perf_counter()
-
-    def __enter__(self) -> Callable[[int, int], None]:
-        if self.enabled:
-            desc = "precompute" if self.ranks.world == 1 else f"precompute, rank 0 of {self.ranks.world}"
-            self.bar = progress_bar(total=self.total, unit="sample", desc=desc, dynamic_ncols=True)
-        return self.update
-
-    def update(self, sequences: int, tokens: int) -> None:
-        self.tokens += tokens
-        if self.bar is not None:
-            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {human_bytes(self.pipe.stats.bytes_written)} written",
-                                     refresh=False)
-            self.bar.update(sequences)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------- summary

@@ -461,8 +461,8 @@ def _allocate_staging(layers: int, hidden: int, dtype: str, capacity: int, pin: 
     """One page-aligned host buffer: per layer [capacity, H] stored bits (+ float32 [capacity] scales)."""
     item = storage_numpy_dtype(dtype)
     fp8 = dtype == "fp8_e4m3"
-    region = _aligned(capacity * hidden * item.itemsize)
-    scale_region = _aligned(capacity * 4) if fp8 else 0
+    region = _page_aligned(capacity * hidden * item.itemsize)
+    scale_region = _page_aligned(capacity * 4) if fp8 else 0
     total = layers * (region + scale_region)
     backing = torch.empty(total + _PAGE, dtype=torch.uint8)
     start = -backing.data_ptr() % _PAGE  # malloc aligns to 64 bytes, registration pins whole pages
@@ -505,7 +505,7 @@ def _release_staging(staging: _Staging) -> None:
         staging.pinned = False
 
 
-def _aligned(n: int) -> int:
+def _page_aligned(n: int) -> int:
     return -(-n // _PAGE) * _PAGE
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ class RunSection:
     device: str = option("auto", "'auto' (CUDA if present), 'cpu' or 'cuda'; under torchrun each rank takes its GPU.")
 
     def __post_init__(self):
-        check(self.device in ("auto", "cpu", "cuda"), f"run.device must be auto, cpu or cuda, got {self.device!r}.")
+        check_device(self.device, "run.device", index=False)  # each rank takes its own GPU
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -30,16 +29,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import progress_bar, write_run_record
 
+from dflash_common.dist import Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
-from dflash_common.fsutil import check_writable, is_disk_full, os_reason
+from dflash_common.fsutil import check_writable, human_bytes
 from dflash_common.store import Store, check_compatible
-from dflash_common.store import open_stores as open_store_paths
-from train.cache import CacheStats, human_bytes
+from dflash_common.store import open_stores
+from train.cache import CacheStats
 from train.checkpoint import (
     StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
 )
@@ -49,44 +49,18 @@ from train.metrics import MetricsWriter
 from train.objective import batch_objective
 from train.optim import build_optimizer
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
-from train.report import write_report
+from train.report import save_report
 from train.resume import checkpoint_to_resume, discard_earlier_run, new_run_hint, resume_record
 from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
-from train.validate import evaluate_batches, summarize
+from train.validate import evaluate_batches, summarize_sums
 
 log = logging.getLogger("dflash")
 
 
-@dataclasses.dataclass(frozen=True)
-class Dist:
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(choice: str) -> Dist:
-    """One process per GPU under torchrun (NCCL), or per CPU process (gloo); a single process otherwise."""
-    cuda = torch.cuda.is_available() and choice != "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("run.device = cuda but no CUDA device is visible; use run.device=auto or cpu.")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Dist(rank, world, device)
-
-
-def open_stores(cfg: TrainConfig) -> list[Store]:
+def open_train_stores(cfg: TrainConfig) -> list[Store]:
     if not cfg.data.stores:
         raise UserError("No store given; pass --store PATH (repeatable) or set data.stores in the config.")
-    return open_store_paths(cfg.data.stores, read_threads=cfg.data.reader_threads)
+    return open_stores(cfg.data.stores, read_threads=cfg.data.reader_threads)
 
 
 def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
@@ -280,7 +254,7 @@ class LogInterval:
             dist.all_reduce(both)
         both = both.cpu()
         sums, counts, (hits, misses, read, bad_read) = both[:_N + 1], both[_N + 1:-4], both[-4:].tolist()
-        figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
+        figures = summarize_sums(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
         steps = max(1.0, float(sums[_N]))
         record = {"kind": "train", "step": step,
                   "epoch": epoch + 1,  # from 1: the last step of a 4-epoch run is in epoch 4
@@ -309,7 +283,7 @@ class Run:
     """What the loop works with, built by `setup`."""
 
     cfg: TrainConfig
-    dist: Dist
+    ranks: Ranks
     out: Path
     drafter: DFlashDrafter
     model: torch.nn.Module  # the drafter, or its DDP wrapper
@@ -322,11 +296,10 @@ class Run:
     ema: WeightAverage | None = None  # the weights' moving average (regularise.ema > 0)
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, proc: Ranks) -> Run:
     """Everything the loop needs, every check passed before the run directory is written to."""
-    proc = setup_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
-    stores = open_stores(cfg)
+    stores = open_train_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
     verdict = check_stores(stores, dcfg, cfg.run.target)
     from_path, changed = checkpoint_to_resume(cfg, out, dcfg)
@@ -356,7 +329,7 @@ def setup(cfg: TrainConfig) -> Run:
                ema)
 
 
-def resume(path: Path | None, proc: Dist, drafter, optimizer, scheduler,
+def resume(path: Path | None, proc: Ranks, drafter, optimizer, scheduler,
            ema: WeightAverage | None = None, *, total: int | None = None,
            out: Path | None = None) -> tuple[int, dict | None]:
     """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An EMA
@@ -400,13 +373,9 @@ def _resume_average(path: Path, trained: dict[str, torch.Tensor] | None, drafter
 
 def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
     """Save step-N/ (rank 0 writes; every rank contributes its data position and RNG states)."""
-    mine = {"data": position, "rng": rng_state()}
-    ranks = [mine]
-    if r.dist.world > 1:
-        ranks = [None] * r.dist.world
-        dist.all_gather_object(ranks, mine)
+    ranks = r.ranks.gather({"data": position, "rng": rng_state()})
     path = Path(r.out) / f"step-{step}"
-    if r.dist.main:
+    if r.ranks.main:
         trainer_state = {"step": step, "optimizer": r.optimizer.state_dict(),
                          "scheduler": r.scheduler.state_dict(), "total_steps": r.total}
         if r.ema is not None:  # drafter/ holds the average (what validation measured and export takes)
@@ -416,9 +385,8 @@ def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
                                    save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
                                    trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
                                    keep_last=r.cfg.checkpoint.keep_last)
-        write_report(r.out)
-    if r.dist.world > 1:
-        dist.barrier()
+        save_report(r.out)
+    r.ranks.barrier()
     return path
 
 
@@ -435,44 +403,34 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     return record
 
 
-def stop_agreed(stop: StopRequest, proc: Dist) -> bool:
-    """Whether any rank was asked to stop (all ranks must leave the loop at the same step)."""
-    if proc.world == 1:
-        return stop.requested
-    flag = torch.tensor([1.0 if stop.requested else 0.0], device=proc.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
     check_writable(cfg.run.out_dir, "run.out_dir", "pass --out a directory on a writable disk")
-    try:
-        with _own_run_directory(cfg):
-            return _run(cfg)
-    except Exception as e:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
-        if not is_disk_full(e):
-            raise
+
+    def full(why: str) -> str:  # a full disk anywhere (metrics, report, checkpoint): how to go on
         latest = latest_checkpoint(cfg.run.out_dir)
-        raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({os_reason(e)}); free "
-                        f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
-                        f"{latest or 'the start'}.") from e
+        return (f"no space left on the filesystem of {cfg.run.out_dir} ({why}); free space (or lower "
+                f"checkpoint.keep_last) and rerun the same command: it resumes from "
+                f"{latest or 'the start'}.")
+
+    with run_on_ranks(cfg.run.device, full_disk=full) as ranks, _own_run_directory(cfg, ranks):
+        return _run(cfg, ranks)
 
 
-def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+def _own_run_directory(cfg: TrainConfig, ranks: Ranks) -> contextlib.AbstractContextManager:
     """Rank 0 holds the run directory for the whole run: a second dflash-train into it is refused
     before it reads a checkpoint (the other ranks of this job share rank 0's hold). A run refused
     before it wrote anything leaves no lock file, nor a directory it made."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not ranks.main:
         return contextlib.nullcontext()
     fix = "wait for that run to end (or stop it), or train into another directory (--out)"
     return hold_directory(cfg.run.out_dir, "run directory", fix, tidy=True)
 
 
-def _run(cfg: TrainConfig) -> Path:
-    r = setup(cfg)
+def _run(cfg: TrainConfig, ranks: Ranks) -> Path:
+    r = setup(cfg, ranks)
     metrics = None
-    if r.dist.main:
+    if r.ranks.main:
         epochs = r.cfg.optim.epochs if r.cfg.optim.max_steps is None else None  # else steps rule
         metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start, epochs=epochs,
                                 every_steps=r.cfg.log.every_steps)
@@ -490,8 +448,8 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     """The loop: -> (last step saved, the signal that stopped it early or None)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    cfg, main = r.cfg, r.dist.main
-    interval = LogInterval(r.dist.device, r.drafter.cfg.block_size)
+    cfg, main = r.cfg, r.ranks.main
+    interval = LogInterval(r.ranks.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
     bar = progress_bar(total=r.total, initial=r.start, enabled=main and cfg.log.progress,
@@ -504,15 +462,15 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
             last = step == r.total
             if step % cfg.log.every_steps == 0 or last:
                 record = interval.record(step, info.epoch, info.lr, r.data.cache.stats,
-                                         r.dist.world, r.data.bad)
+                                         r.ranks.world, r.data.bad)
                 if metrics is not None:
                     metrics.write(record)
             if (cfg.validation.every_steps and step % cfg.validation.every_steps == 0) or last:
                 validate(r, step, metrics)
                 interval.restart_clock()
             # ranks agree only at log steps
-            if r.dist.world == 1 or step % cfg.log.every_steps == 0 or last:
-                stopped = stop.signum if stop_agreed(stop, r.dist) else None
+            if r.ranks.world == 1 or step % cfg.log.every_steps == 0 or last:
+                stopped = stop.signum if r.ranks.any(stop.requested) else None
             if step % cfg.checkpoint.every_steps == 0 or last or stopped:
                 checkpoint(r, step, info.position)
                 saved = step
@@ -535,7 +493,7 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
     r.data.close()
     if metrics is not None:
         metrics.close()
-    if r.dist.main:
+    if r.ranks.main:
         ckpt = r.out / f"step-{saved}"
         if stopped:
             log.info("stopped by %s after step %d; checkpoint saved in %s; run the same command again "
@@ -543,10 +501,7 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
         else:
             with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # the average, if kept
                 save_drafter(r.drafter, r.out / "drafter", dtype=torch.bfloat16, overwrite=True)  # as served
-            write_report(r.out)
+            save_report(r.out)
             log.info("done: %d steps; drafter in %s, checkpoint in %s, report %s", saved, r.out / "drafter", ckpt,
                      r.out / "report.png")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     return r.out

@@ -27,9 +27,12 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [r["step"] for r in records], [r[key] for r in records]
 
 
-def write_report(run_dir: str | Path, title: str | None = None) -> Path | None:
+def save_report(run_dir: str | Path, title: str | None = None) -> Path | None:
     """Draw the run's curves into run_dir/report.png (atomically); None if there is nothing to draw
     yet."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
@@ -125,4 +128,4 @@ def _by_position(ax, train: list[dict[str, Any]], val: list[dict[str, Any]]) -> 
 
 
 if __name__ == "__main__":
-    print(write_report(sys.argv[1]))
+    print(save_report(sys.argv[1]))

@@ -119,7 +119,7 @@ def changed_settings(path: Path, cfg: TrainConfig, out: Path) -> dict[str, Any]:
     refused = [k for k in keys if not applied_on_resume(k)]
     if refused:
         detail = ", ".join(
-            f"{k} = {_shown(before.get(k))} there vs {_shown(now.get(k))} here" for k in refused
+            f"{k} = {_setting_value(before.get(k))} there vs {_setting_value(now.get(k))} here" for k in refused
         )
         raise UserError(
             f"cannot resume from {path} with other settings of what it trains ({detail}): the "
@@ -146,7 +146,7 @@ def _places(value: Any) -> Any:
     )
 
 
-def _shown(value: Any) -> str:
+def _setting_value(value: Any) -> str:
     return "unset" if value is None else repr(value)
 
 

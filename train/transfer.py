@@ -16,6 +16,7 @@ are no streams: copies run in order and handles are released at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -121,7 +122,7 @@ class DeviceFeeder:
             buf.copied.synchronize()  # its small host twin is about to be overwritten: its last copy must be done
         small = host.small_tensor()  # int64 [2T + A + N + 1] <= [3 * batch_tokens + 1]
         buf.small_host[:small.numel()].copy_(small)
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if buf.decoded is not None:
                 stream.wait_event(buf.decoded)
             for shard, src, dst, n in host.segments:
@@ -179,11 +180,3 @@ class DeviceFeeder:
             for h in handles:
                 h.release()
         self._held.clear()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None

@@ -24,7 +24,7 @@ from train.path_tau import path_counts, replay_batch, summarize_path
 from train.transfer import DeviceBatch
 
 
-def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
+def summarize_sums(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
     """Sums -> the reported figures (accuracies by position k = 1..B-1; position 0 is the anchor)."""
     acc = AcceptanceCounts.from_tensor(counts)
     return {
@@ -66,7 +66,7 @@ def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, 
         dist.all_reduce(both)
         sums, counts, paths = both[:3], both[3:-5], both[-5:]
     drafter.train(was_training)
-    out = summarize(float(sums[0]), float(sums[1]), counts.cpu())
+    out = summarize_sums(float(sums[0]), float(sums[1]), counts.cpu())
     out["sequences"] = int(sums[2])
     if path:
         out.update(summarize_path(paths))

@@ -277,16 +277,15 @@ def train_answers(args, data: Path) -> str:
 def load_target(args):
     """The target in float32 on the benchmark's device, its tokenizer, stop ids and chat template."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_common.chat import ChatTemplate
-    from train.eval.load import stop_token_ids
+    from dflash_common.hf import load_causal_lm, load_tokenizer, stop_token_ids
 
     target = args.work / "target"
-    tok = AutoTokenizer.from_pretrained(target)
-    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
-    return model, tok, stop_token_ids(model, tok), ChatTemplate(tok, {})
+    tok = load_tokenizer(target)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    model = load_causal_lm(target, dtype="float32", device=device)
+    return model, tok, stop_token_ids(model.generation_config, tok), ChatTemplate(tok, {})
 
 
 def precompute(args, records: Path, store: Path) -> subprocess.Popen:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
+from dflash_common.hf import text_fields
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -143,30 +144,15 @@ class DrafterConfig:
         """
         t = _target_text_config(target_config)
         n_target = int(t["num_hidden_layers"])
-        theta, scaling = rope_from_config_dict(t)
-        hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
         return cls(
-            hidden_size=hidden,
-            intermediate_size=int(t["intermediate_size"]),
+            **_model_fields(t),
             num_hidden_layers=depth,
-            num_attention_heads=heads,
-            num_key_value_heads=int(t.get("num_key_value_heads") or heads),
-            head_dim=int(t.get("head_dim") or hidden // heads),
-            vocab_size=int(t["vocab_size"]),
             num_target_layers=n_target,
             target_layer_ids=tuple(layer_ids if layer_ids is not None else default_layer_ids(n_target)),
             mask_token_id=mask_token_id,
             layer_types=tuple(layer_types if layer_types is not None else ["full_attention"] * depth),
             block_size=block_size,
             sliding_window=sliding_window,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(t.get("max_position_embeddings") or 40960),
-            rms_norm_eps=float(t.get("rms_norm_eps") or 1e-6),
-            initializer_range=float(t.get("initializer_range") or 0.02),
-            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
-            bos_token_id=t.get("bos_token_id"),
-            eos_token_id=_as_id_or_ids(t.get("eos_token_id")),
         )
 
     # -- config.json ------------------------------------------------------------------------------
@@ -245,30 +231,15 @@ class DrafterConfig:
         depth = int(data["num_hidden_layers"])
         sliding = "sliding_attention" in (data.get("layer_types") or [])
         sliding_causal = _sliding_causal_from_config(data, sliding)
-        theta, scaling = rope_from_config_dict(data)
-        heads = int(data["num_attention_heads"])
         return cls(
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
+            **_model_fields(data),
             num_hidden_layers=depth,
-            num_attention_heads=heads,
-            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-            vocab_size=int(data["vocab_size"]),
             num_target_layers=int(data["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash_value("target_layer_ids")),
             mask_token_id=int(dflash_value("mask_token_id")),
             layer_types=tuple(data.get("layer_types") or ["full_attention"] * depth),
             block_size=int(dflash_value("block_size") or 16),
             sliding_window=data.get("sliding_window") if sliding else None,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(data.get("max_position_embeddings") or 40960),
-            rms_norm_eps=float(data.get("rms_norm_eps") or 1e-6),
-            initializer_range=float(data.get("initializer_range") or 0.02),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-            bos_token_id=data.get("bos_token_id"),
-            eos_token_id=_as_id_or_ids(data.get("eos_token_id")),
             sliding_causal=sliding_causal,
         )
 
@@ -294,8 +265,7 @@ class DrafterConfig:
 
 def _target_text_config(target_config: Any) -> dict[str, Any]:
     data = target_config if isinstance(target_config, Mapping) else target_config.to_dict()
-    # multimodal targets keep the language model's fields under text_config
-    return dict(data.get("text_config") or data) if "hidden_size" not in data else dict(data)
+    return dict(data if "hidden_size" in data else text_fields(data))
 
 
 def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:
@@ -310,6 +280,29 @@ def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:
           "config.json asks for causal full_attention layers (is_causal / dflash_config.causal = true); "
           "full layers here are bidirectional inside the block, as the engines serve them.")
     return True if explicit is None or not sliding else bool(explicit)
+
+
+def _model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields a drafter takes from a Qwen3-style config dict, a target's or its own released
+    config.json, with the same defaults either way: sizes, vocabulary, RoPE, norm, special ids."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    theta, scaling = rope_from_config_dict(config)
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        vocab_size=int(config["vocab_size"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
+        rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+        initializer_range=float(config.get("initializer_range") or 0.02),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=_as_id_or_ids(config.get("eos_token_id")),
+    )
 
 
 def _as_id_or_ids(value: Any) -> int | tuple[int, ...] | None:

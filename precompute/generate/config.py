@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,7 @@ class RunSection:
 
     def __post_init__(self) -> None:
         check(self.samples_per_unit >= 1, f"run.samples_per_unit must be >= 1, got {self.samples_per_unit}.")
-        check(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-              f"run.device = {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'.")
+        check_device(self.device, "run.device")
 
 
 @dataclass(frozen=True)

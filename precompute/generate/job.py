@@ -33,22 +33,24 @@ import datetime
 import hashlib
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash_common.chat import ChatMaskError, _guarded
-from dflash_common.cli import write_run_record
+from dflash_common.chat import ChatMaskError, run_template
+from dflash_common.cli import RateBar, write_run_record
+from dflash_common.conversations import BadRecord
+from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
-from dflash_common.fsutil import atomic_write_text, check_writable, is_disk_full, os_reason
+from dflash_common.fsutil import atomic_write_text, check_writable
+from dflash_common.hf import generation_config, load_causal_lm, load_tokenizer, stop_token_ids
+from dflash_common.sampling import Sampling
 from precompute.generate.chats import Chat, parse_chat
 from precompute.generate.config import GenerateConfig
-from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
-from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
-from precompute.job import Ranks, start_ranks
+from precompute.generate.decode import Request, TransformersDecoder, VllmDecoder
+from precompute.inputs import RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.units import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
@@ -66,20 +68,10 @@ def run(cfg: GenerateConfig) -> Path:
     if not cfg.target.path.strip():
         raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
     check_writable(cfg.output.dir, "output.dir", "pass --out a directory on a writable filesystem")
-    ranks = start_ranks(cfg.run.device)
-    try:
-        out = _run(cfg, ranks)
-        ranks.finished()
-        return out
-    except UserError:
-        raise
-    except Exception as e:
-        if not is_disk_full(e):
-            raise
-        raise UserError(f"the filesystem of {cfg.output.dir} is full ({os_reason(e)}); free space and rerun the "
-                        "same command: published shards are kept and the job resumes.") from e
-    finally:
-        ranks.close()
+    full = (lambda why: f"the filesystem of {cfg.output.dir} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes.")
+    with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks:
+        return _run(cfg, ranks)
 
 
 def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
@@ -106,46 +98,24 @@ def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
     if ranks.main:
         manifest = write_manifest(out, settings, plan["names"], plan, everyone, time.perf_counter() - planned,
                                   time.perf_counter() - started, ranks.world)
-        print(format_summary(manifest), flush=True)
+        print(format_manifest(manifest), flush=True)
     return out
 
 
 # ---------------------------------------------------------------------------------------- settings
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    if not (Path(path) / "config.json").is_file():
-        raise UserError(f"target.path {path} has no config.json; point it at a local checkpoint directory.")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"target.path {path} has no usable tokenizer ({e}).") from e
-
-
-def _generation_config(path: str) -> dict[str, Any]:
-    file = Path(path) / "generation_config.json"
-    try:
-        return json.loads(file.read_text()) if file.is_file() else {}
-    except ValueError as e:
-        raise UserError(f"{file} is not valid JSON ({e}); fix or remove it.") from e
-
-
-def resolve_sampling(cfg: GenerateConfig, tokenizer: Any) -> tuple[Sampling, set[int]]:
+def resolve_sampling(cfg: GenerateConfig, tokenizer: Any) -> tuple[Sampling, frozenset[int]]:
     """Settings left unset come from the target's generation_config.json (greedy when it does not
     sample); the stop ids are the tokenizer's eos and generation_config's eos_token_id."""
-    gen, s = _generation_config(cfg.target.path), cfg.sampling
+    gen, s = generation_config(cfg.target.path), cfg.sampling
     samples = bool(gen.get("do_sample", False))
     temperature = s.temperature if s.temperature is not None else (float(gen.get("temperature", 1.0)) if samples
                                                                     else 0.0)
     top_p = s.top_p if s.top_p is not None else (float(gen.get("top_p", 1.0)) if samples else 1.0)
     top_k = s.top_k if s.top_k is not None else (int(gen.get("top_k", 0) or 0) if samples else 0)
     max_new = s.max_new_tokens or int(gen.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
-    eos = gen.get("eos_token_id")
-    stop = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-    if tokenizer.eos_token_id is not None:
-        stop.add(int(tokenizer.eos_token_id))
+    stop = stop_token_ids(gen, tokenizer)
     if not stop:
         raise UserError(f"target.path {cfg.target.path} names no end-of-turn token (tokenizer eos or "
                         "generation_config.json eos_token_id); add one.")
@@ -313,7 +283,7 @@ def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog)
     messages = chat.next_messages()
     extra = {"tools": chat.tools} if chat.tools else {}
     try:
-        text = _guarded(lambda: tokenizer.apply_chat_template(
+        text = run_template(lambda: tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **extra, **cfg.data.chat_template_kwargs))
     except ChatMaskError as e:
         skips.add(chat.source_id, e.reason, e.detail)
@@ -382,7 +352,8 @@ class GenStats:
     seconds: float = 0.0
 
 
-def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling, stop_ids: set[int]):
+def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling,
+                  stop_ids: frozenset[int]):
     if cfg.generate.backend == "vllm":
         try:
             import vllm  # noqa: F401
@@ -390,13 +361,8 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
             raise UserError("generate.backend = 'vllm' but vllm is not installed here; install it or use "
                             "--generate.backend=transformers.") from None
         return VllmDecoder(cfg.target.path, cfg.target.dtype, sampling, stop_ids, cfg.generate.vllm_tensor_parallel)
-    from transformers import AutoModelForCausalLM
-
-    from precompute.target import DTYPES
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
-                                                 attn_implementation=cfg.target.attn_implementation)
-    model = model.to(ranks.device).eval()
+    model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype,
+                           attn_implementation=cfg.target.attn_implementation, device=ranks.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     return TransformersDecoder(model, stop_ids, pad, sampling, cfg.generate.token_budget,
                                cfg.generate.max_batch_size, compile=cfg.generate.compile,
@@ -404,7 +370,7 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
 
 
 def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any,
-                          sampling: Sampling, stop_ids: set[int]) -> GenStats:
+                          sampling: Sampling, stop_ids: frozenset[int]) -> GenStats:
     """Load the target and answer this rank's sort windows that hold a unit still to write."""
     per_sort_window = cfg.generate.sort_window_units
     sort_windows: dict[int, list[Unit]] = {}
@@ -420,7 +386,9 @@ def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tok
         return stats
     decoder = build_decoder(cfg, ranks, tokenizer, sampling, stop_ids)
     started = time.perf_counter()
-    with Progress(todo, ranks, cfg.run.progress) as progress:
+    bar = RateBar(todo, unit="prompt", desc=ranks.label("generate"), rate="generated tok/s",
+                  enabled=cfg.run.progress and ranks.main)
+    with bar as progress:
         for _, units in sorted(sort_windows.items()):
             chats = [c for u in units for c in u.chats]
             answer_sort_window(chats, decoder, tokenizer, cfg, sampling, progress, units)
@@ -428,23 +396,23 @@ def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tok
                 if not u.published:
                     write_unit(Path(cfg.output.dir), u, cfg.generate.on_length)
                     stats.units_written += 1
-    stats.turns, stats.tokens_generated = progress.turns, progress.tokens
+    stats.turns, stats.tokens_generated = progress.done, progress.tokens
     stats.seconds = time.perf_counter() - started
     return stats
 
 
 def answer_sort_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: GenerateConfig,
-                       sampling: Sampling, progress: "Progress", units: list[Unit]) -> None:
+                       sampling: Sampling, progress: RateBar, units: list[Unit]) -> None:
     """Every turn of the sort window's conversations: one round per turn, each round batched
     together."""
     skips_of = {id(c): u.skips for u in units for c in u.chats}
     pending = [c for c in chats if c.prompt is not None]
     while pending:
         requests = [Request(c.prompt, c.request_seed(sampling.seed)) for c in pending]  # type: ignore[arg-type]
-        answers = decoder.generate(requests, progress.on_tokens)
+        answers = decoder.generate(requests, progress.add_tokens)
         for chat, ans in zip(pending, answers):
             chat.answer(tokenizer.decode(ans.tokens, skip_special_tokens=False), ans.finish_reason, len(ans.tokens))
-            progress.turn_done()
+            progress.update(1)
             if chat.pending:
                 render_next(chat, tokenizer, cfg, skips_of[id(chat)])
             else:
@@ -469,38 +437,6 @@ def write_unit(out: Path, unit: Unit, on_length: str) -> None:
              "skips": unit.skips.to_dict()}
     atomic_write_text(out / UNIT_STATS / f"{unit.name}.json", json.dumps(stats))
     atomic_write_text(out / unit.name, "".join(lines))
-
-
-class Progress:
-    """tqdm on rank 0 when on a terminal: turns answered, turns/s, generated tok/s, ETA."""
-
-    def __init__(self, total: int, ranks: Ranks, enabled: bool):
-        self.total, self.ranks = total, ranks
-        self.enabled = enabled and ranks.main and sys.stderr.isatty()
-        self.bar, self.turns, self.tokens = None, 0, 0
-        self.started = time.perf_counter()
-
-    def __enter__(self) -> "Progress":
-        if self.enabled:
-            from tqdm import tqdm
-
-            desc = "generate" if self.ranks.world == 1 else f"generate, rank 0 of {self.ranks.world}"
-            self.bar = tqdm(total=self.total, unit="prompt", desc=desc, dynamic_ncols=True)
-        return self
-
-    def on_tokens(self, n: int) -> None:
-        self.tokens += n
-
-    def turn_done(self) -> None:
-        self.turns += 1
-        if self.bar is not None:
-            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
-            self.bar.set_postfix_str(f"{rate:,.0f} generated tok/s", refresh=False)
-            self.bar.update(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------- manifest
@@ -536,7 +472,7 @@ def write_manifest(out: Path, settings: dict[str, Any], names: list[str], plan: 
     return manifest
 
 
-def format_summary(m: dict[str, Any]) -> str:
+def format_manifest(m: dict[str, Any]) -> str:
     run = m["runs"][-1]
     c = m["counts"]
     skips = ", ".join(f"{k} {v:,}" for k, v in m["skips"]["counts"].items()) or "none"

@@ -129,3 +129,23 @@ def test_an_unknown_key_in_a_toml_file_names_the_file_and_the_line(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(Outer, ok, ["--inner.lrx=1"])
     assert str(ok) not in str(caught.value) and "inner.lrx" in str(caught.value)
+
+
+def test_every_stage_takes_the_device_names_the_ranks_resolve():
+    from dflash_common.config import check_device
+    from precompute.config import PrecomputeConfig
+    from precompute.generate.config import GenerateConfig
+    from train.config import TrainConfig
+    from train.eval.config import EvalConfig
+
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        check_device(device, "run.device")
+    for device in ("gpu", "cuda:", "cudax", "cuda:one"):
+        with pytest.raises(ConfigError, match=rf"^run.device = '{device}' must be 'auto', 'cpu'"):
+            check_device(device, "run.device")
+    with pytest.raises(ConfigError, match="must be 'auto', 'cpu' or 'cuda'.$"):
+        check_device("cuda:1", "run.device", index=False)  # train: each rank takes its own GPU
+    for cls, key in ((PrecomputeConfig, "run.device"), (GenerateConfig, "run.device"),
+                     (TrainConfig, "run.device"), (EvalConfig, "target.device")):
+        with pytest.raises(ConfigError, match=f"^{key} = 'gpu'"):
+            load_config(cls, None, [f"--{key}=gpu"])

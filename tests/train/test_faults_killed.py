@@ -152,7 +152,7 @@ def test_a_metrics_line_cut_by_a_kill_does_not_stop_the_resume(tmp_path):
 def test_leftovers_of_a_killed_run_are_removed_and_never_resumed_from(tiny_store, tiny_target, tmp_path,
                                                                      monkeypatch):
     """A half save, a half final drafter, and a step dir whose marker a pruning removed before the kill."""
-    monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)  # drawing is not under test (and slow)
+    monkeypatch.setattr(loop, "save_report", lambda *a, **k: None)  # drawing: not under test, slow
     out = tmp_path / "run"
     args = train_args(tiny_store, tiny_target, out, "--optim.max_steps=4",
                       "--checkpoint.every_steps=1")

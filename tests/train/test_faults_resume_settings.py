@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import train.loop as loop
 from dflash_common.config import to_dict
 from dflash_common.dirlock import LOCK_FILE
+from dflash_common.dist import Ranks
 from train.checkpoint import complete_checkpoints
 from train.cli import main as train_main
 from train.cli import parse
@@ -38,7 +39,7 @@ STEPS = [
 @pytest.fixture(autouse=True)
 def no_report(monkeypatch):
     monkeypatch.setattr(
-        loop, "write_report", lambda *a, **k: None
+        loop, "save_report", lambda *a, **k: None
     )  # drawing is not under test (and slow)
 
 
@@ -194,7 +195,7 @@ def test_a_schedule_of_another_length_is_refused(tiny_store, tiny_target, tmp_pa
 
     run = tmp_path / "run"
     train_main(train_args(tiny_store, tiny_target, run, "--optim.max_steps=1"))
-    one = loop.Dist(rank=0, world=1, device=torch.device("cpu"))
+    one = Ranks(rank=0, world=1, device=torch.device("cpu"))
     with pytest.raises(UserError) as e:
         loop.resume(run / "step-1", one, None, None, None, total=5, out=run)
     assert str(e.value).startswith(

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from grad_helpers import accumulate, setup
 
 import train.loop as loop
+from dflash_common.dist import start_ranks
 from dflash_common.drafter.loss import fused_lm_head_loss
 from dflash_common.drafter.objective import IGNORE_INDEX, block_labels, dpace_weights, sample_anchors, serving_path
 from train.objective import batch_objective
@@ -238,7 +239,7 @@ def test_noise_changes_training_steps_but_never_validation(tiny_store, tiny_targ
     figures = {}
     for noise in (0.0, 0.5):
         r = loop.setup(_cfg(*_args(tiny_store, tiny_target, tmp_path / f"n{noise}", "--optim.max_steps=1",
-                                   "--run.device=cpu", f"--regularise.noise={noise}")))
+                                   "--run.device=cpu", f"--regularise.noise={noise}")), start_ranks("cpu"))
         try:
             val = loop.validate(r, 0, None)
             sums = torch.zeros(loop._N + 1, dtype=torch.float64)

@@ -110,7 +110,7 @@ def _check_the_average_is_resumed_and_exported(straight: Path, stopped: Path, av
 
 def test_epochs_count_from_one_and_the_last_step_is_in_the_last(tiny_store, tiny_target, tmp_path,
                                                                  monkeypatch, caplog):
-    monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)  # not under test (and slow)
+    monkeypatch.setattr(loop, "save_report", lambda *a, **k: None)  # not under test (and slow)
     caplog.set_level("INFO", logger="dflash")
     loop.run(_cfg(*_args(tiny_store, tiny_target, tmp_path / "run", "--optim.epochs=2",
                          "--validation.every_steps=0", "--checkpoint.every_steps=1000")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from train.metrics import MetricsWriter, format_train_line, read_metrics
-from train.report import write_report
+from train.report import draw_report, save_report
 
 
 def _train(step, loss=2.0, **extra):
@@ -34,7 +34,7 @@ def test_jsonl_tensorboard_resume_truncation_and_report(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     MetricsWriter(tmp_path, 10, tensorboard=False, resume_step=4).close()  # resumed from step 4
     assert [r["step"] for r in read_metrics(tmp_path)] == [2, 4]
-    png = write_report(tmp_path)
+    png = save_report(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 2.8
 

@@ -42,10 +42,10 @@ class Bf16Context:
 def greedy_records(model, tokenizer) -> list[dict]:
     """Demo prompts answered by the target alone (dflash-eval's baseline loop and stop tokens), as
     token records."""
-    from train.eval.load import stop_token_ids
+    from dflash_common.hf import stop_token_ids
     from train.eval.spec_decode import TargetRunner, target_generate
 
-    runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model, tokenizer)
+    runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model.generation_config, tokenizer)
     for r in tiny_records(PROMPTS):
         prompt = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m]
         answer = target_generate(runner, prompt, max_new_tokens=MAX_NEW, stop_ids=stops).tokens

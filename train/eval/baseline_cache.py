@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_common.fsutil import atomic_write_text
-from train.eval.spec_decode import Decoded, Sampling
+from dflash_common.sampling import Sampling
+from train.eval.spec_decode import Decoded
 
 FORMAT = "dflash-eval-baseline/1"
 

@@ -22,7 +22,7 @@ the lossless check, tokens/s with and without the drafter and the speedup.
       (estimate from the store's held-out sequences: only the target's embedding and lm_head are read)"""
 
 
-def check_outputs(cfg: EvalConfig) -> None:
+def check_eval_outputs(cfg: EvalConfig) -> None:
     """What the evaluation writes must be writable before it starts, not found out at its end."""
     if cfg.report.path:
         check_writable(cfg.report.path, "report.path",
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            switches={"offline": (None, ("estimate tau from a store's held-out sequences (--store); "
                                                         "the target does not run"))})
     setup_logging()
-    check_outputs(cfg)
+    check_eval_outputs(cfg)
     if args.offline:
         # the store reader and the trainer's data path are imported for --offline only
         from train.eval.offline import run_offline

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -32,6 +32,9 @@ class TargetSection:
         "Who decodes: 'transformers' (our own loop, one prompt at a time) or 'vllm' (the exported drafter "
         "served by vLLM, greedy, float32, one prompt at a time; vLLM must be installed, e.g. .venv-vllm).",
     )
+
+    def __post_init__(self):
+        check_device(self.device, "target.device")
 
 
 @dataclass(frozen=True)

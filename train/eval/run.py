@@ -26,17 +26,23 @@ import torch
 
 from dflash_common.cli import progress_bar
 
+from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
+from dflash_common.sampling import Sampling
+from dflash_common.hf import (
+    generation_config, load_causal_lm, load_text_config, load_tokenizer, stop_token_ids,
+    torch_dtype,
+)
 from dflash_common.drafter.layer_ids import check_layer_ids
 from train.eval.baseline_cache import BaselineCache
 from train.eval.config import EvalConfig, GenerationSection
-from train.eval.load import (
-    DTYPES, attach_target, load_dflash, load_target, load_tokenizer, resolve_device, stop_token_ids,
-)
+from train.eval.load import attach_target, load_dflash
 from train.eval.prompts import Prompt, load_prompts, render_chat
-from train.eval.report import format_report, lossless_message, write_report
+from train.eval.report import (
+    first_mismatch, format_report, lossless_message, mismatch_entry, write_report,
+)
 from train.eval.spec_decode import (
-    Decoded, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
+    Decoded, Drafter, TargetRunner, speculative_generate, target_generate,
 )
 
 log = logging.getLogger("dflash")
@@ -80,13 +86,12 @@ class PromptResult:
 
 @dataclass(frozen=True)
 class Settings:
-    """How every prompt is decoded (resolved from the config and the drafter)."""
+    """How every prompt is decoded (resolved from the config and the drafter); prompt i draws with
+    a generator of seed `sampling.seed + i`."""
 
     block_size: int
-    max_new_tokens: int
-    sampling: Sampling
+    sampling: Sampling  # the distribution, the token limit and the seed
     stop_ids: frozenset[int]
-    seed: int
     baseline: bool  # also decode with the target alone
     check_lossless: bool  # greedy, with a baseline to compare against
     baseline_cache: BaselineCache | None = None  # the target-alone decodes of earlier evaluations
@@ -94,24 +99,14 @@ class Settings:
 
 def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, block_size: int,
                   stop_ids: frozenset[int]) -> Settings:
-    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k)
+    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k, gen.max_new_tokens, gen.seed)
     return Settings(
         block_size=gen.block_size or block_size,
-        max_new_tokens=gen.max_new_tokens,
         sampling=sampling,
         stop_ids=frozenset() if gen.ignore_eos else stop_ids,
-        seed=gen.seed,
         baseline=baseline,
         check_lossless=sampling.greedy and baseline and check_lossless != "off",
     )
-
-
-def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (or where one ends early); None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -121,20 +116,21 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int], s: Settings,
                index: int) -> PromptResult:
     """Speculative decoding of one prompt, then (optionally) the target alone, and the comparison."""
+    limit, seed = s.sampling.max_new_tokens, s.sampling.seed + index
     spec = speculative_generate(
-        target, drafter, ids, block_size=s.block_size, max_new_tokens=s.max_new_tokens,
-        stop_ids=s.stop_ids, sampling=s.sampling, generator=_generator(target.device, s.seed + index),
+        target, drafter, ids, block_size=s.block_size, max_new_tokens=limit, stop_ids=s.stop_ids,
+        sampling=s.sampling, generator=_generator(target.device, seed),
     )
     base = None
     if s.baseline:
         cache, key = s.baseline_cache, None
         if cache is not None:
-            key = cache.key(ids, s.max_new_tokens, s.sampling, s.seed + index, s.stop_ids)
+            key = cache.key(ids, limit, s.sampling, seed, s.stop_ids)
             base = cache.get(key)
         if base is None:
             base = target_generate(
-                target, ids, max_new_tokens=s.max_new_tokens, stop_ids=s.stop_ids, sampling=s.sampling,
-                generator=_generator(target.device, s.seed + index),
+                target, ids, max_new_tokens=limit, stop_ids=s.stop_ids, sampling=s.sampling,
+                generator=_generator(target.device, seed),
             )
             if cache is not None:
                 cache.put(key, base)
@@ -144,8 +140,9 @@ def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int]
 
 def _warm_up(target: TargetRunner, drafter: Drafter, ids: list[int], s: Settings) -> None:
     """One short decode of each kind, untimed: kernels and allocators are set up before the clock runs."""
-    short = dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, 2 * s.block_size))
-    decode_one(target, drafter, "warm-up", ids, short, index=0)
+    limit = min(s.sampling.max_new_tokens, 2 * s.block_size)
+    short = dataclasses.replace(s.sampling, max_new_tokens=limit)
+    decode_one(target, drafter, "warm-up", ids, dataclasses.replace(s, sampling=short), index=0)
 
 
 def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt], s: Settings, *,
@@ -185,11 +182,8 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
     counts = [lengths.count(n) for n in range(1, s.block_size + 1)]
     spec_tpot = _mean([r.spec.time_per_token for r in results])
     base_tpot = _mean([r.target.time_per_token for r in results]) if s.baseline else None
-    mismatches = [{"prompt": r.name, "new_token_index": r.first_mismatch,
-                   "position": r.prompt_tokens + r.first_mismatch,
-                   "speculative": _token_at(r.spec.tokens, r.first_mismatch),
-                   "target": _token_at(r.target.tokens, r.first_mismatch)}
-                  for r in results if r.first_mismatch is not None]
+    mismatches = [mismatch_entry(r.name, r.prompt_tokens, r.first_mismatch, r.spec.tokens,
+                                 r.target.tokens) for r in results if r.first_mismatch is not None]
     return {
         "tau": _mean(taus),
         # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs the same
@@ -215,10 +209,6 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
     }
 
 
-def _token_at(tokens: Sequence[int], i: int) -> int | None:
-    return tokens[i] if i < len(tokens) else None
-
-
 def _prompt_entry(r: PromptResult) -> dict:
     entry = {"name": r.name, "prompt_tokens": r.prompt_tokens, "new_tokens": len(r.spec.tokens), "tau": r.tau,
              "acceptance_lengths": r.spec.acceptance_lengths, "emitted": r.spec.emitted,
@@ -240,7 +230,7 @@ def evaluate_drafter(model, tokenizer, drafter: Drafter, cfg: EvalConfig, prompt
         raise UserError(
             f"the drafter does not fit this target: {e}; evaluate it on the target it was trained for.") from e
     s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
-                      stop_token_ids(model, tokenizer))
+                      stop_token_ids(model.generation_config, tokenizer))
     target = TargetRunner(model, drafter.layer_ids)
     if cfg.check.baseline and cfg.check.baseline_cache:
         s = dataclasses.replace(s, baseline_cache=BaselineCache.open(
@@ -257,23 +247,23 @@ def run(cfg: EvalConfig) -> dict:
     """Load the target and the drafter, decode every prompt, write and print the report; a failed
     lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
     if cfg.target.engine == "vllm":
-        return finish(run_vllm(cfg), cfg)
+        return finish_report(run_vllm(cfg), cfg)
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     # the drafter first: one that does not fit is refused before a large target is loaded
-    from transformers import AutoConfig
-
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path),
-                          resolve_device(cfg.target.device), DTYPES[cfg.target.dtype])
-    model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device, cfg.target.attn_implementation)
+    device = resolve_device(cfg.target.device, "target.device")
+    drafter = load_dflash(cfg.drafter.path, load_text_config(cfg.target.path), device,
+                          torch_dtype(cfg.target.dtype))
+    model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype, device=device,
+                           attn_implementation=cfg.target.attn_implementation)
     proposer = attach_target(drafter, model)
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
              cfg.generation.block_size or proposer.block_size)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
-    return finish(report, cfg)
+    return finish_report(report, cfg)
 
 
-def finish(report: dict, cfg: EvalConfig) -> dict:
+def finish_report(report: dict, cfg: EvalConfig) -> dict:
     """Write and print the report; raise `LosslessError` on a failed check (`check.lossless = 'error'`)."""
     report["drafter"] = cfg.drafter.path
     report["target"] = cfg.target.path
@@ -296,9 +286,6 @@ def run_vllm(cfg: EvalConfig) -> dict:
     """The report measured through vLLM (train/eval/vllm_engine.py): the exported drafter served with its
     target, and the target served alone for the lossless check and the baseline."""
     import tempfile
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, GenerationConfig
 
     from dflash_common.drafter.export import resolve_drafter_dir
     from train.eval import vllm_engine
@@ -313,15 +300,11 @@ def run_vllm(cfg: EvalConfig) -> dict:
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     if any(p.ids is None for p in prompts):
         raise UserError("--engine vllm takes single-turn prompts; drop the 'turns' lines or use --engine transformers.")
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), torch.device("cpu"),
+    drafter = load_dflash(cfg.drafter.path, load_text_config(cfg.target.path), torch.device("cpu"),
                           torch.float32)  # refused here, in one sentence, unless made for this target
     block = cfg.generation.block_size or drafter.cfg.block_size
-    try:
-        generation = GenerationConfig.from_pretrained(cfg.target.path)
-    except OSError:
-        generation = None
-    stops = [] if cfg.generation.ignore_eos else sorted(stop_token_ids(SimpleNamespace(generation_config=generation),
-                                                                       tokenizer))
+    stops = sorted(stop_token_ids(generation_config(cfg.target.path), tokenizer))
+    stops = [] if cfg.generation.ignore_eos else stops
     request = {"target": str(Path(cfg.target.path).resolve()), "prompts": [p.ids for p in prompts],
                "max_new_tokens": cfg.generation.max_new_tokens, "stop_ids": stops,
                "max_model_len": max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block}

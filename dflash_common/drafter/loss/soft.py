@@ -95,7 +95,7 @@ def soft_lm_head_loss(
                          f"{tuple(lm_head_weight.shape)} do not match")
     if labels.shape != (n,) or weights.shape != (n,) or teacher_index.shape != (n,):
         raise ValueError("labels, weights and teacher_index need one entry per row of hidden")
-    spec = _Spec(kind, float(temperature), resolve_backend(backend, hidden.device), chunk_bytes)
+    spec = _SoftSpec(kind, float(temperature), resolve_backend(backend, hidden.device), chunk_bytes)
     args = (hidden, lm_head_weight.detach(), labels, weights, teacher.detach(), teacher_index)
     if not (torch.is_grad_enabled() and hidden.requires_grad):
         rows, correct, ce, _ = _chunked_soft_loss(*args, spec, need_grad=False)
@@ -104,7 +104,7 @@ def soft_lm_head_loss(
     return LossOutput(rows.sum(), correct, rows, ce)
 
 
-class _Spec:
+class _SoftSpec:
     """What the chunks compute: kind, temperature, backend, chunk budget (one object through autograd)."""
 
     def __init__(self, kind: str, temperature: float, backend: str, chunk_bytes: int | None):
@@ -137,7 +137,8 @@ def soft_chunk_rows(n_rows: int, hidden: torch.Tensor, weight: torch.Tensor, bac
     return chunk_rows(n_rows, hidden.shape[1], weight.shape[0], per_value, hidden.element_size(), chunk_bytes)
 
 
-def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, spec: _Spec, need_grad: bool):
+def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, spec: _SoftSpec,
+                       need_grad: bool):
     n = hidden.shape[0]
     kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
     correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
@@ -161,7 +162,7 @@ def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, 
     return rows_loss, correct, rows_ce, grad
 
 
-def _soft_rows(spec: _Spec, logits, target, labels, weights, compute_grad):
+def _soft_rows(spec: _SoftSpec, logits, target, labels, weights, compute_grad):
     if spec.backend == "triton":
         from dflash_common.drafter.loss.soft_triton import soft_rows
 

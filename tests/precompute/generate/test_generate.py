@@ -16,10 +16,11 @@ import torch
 
 from dflash_common.errors import UserError
 from dflash_common.config import load_config
+from dflash_common.sampling import Sampling
 from precompute.generate import job
 from precompute.generate.chats import assistant_message, split_turns
 from precompute.generate.config import GenerateConfig
-from precompute.generate.decode import Request, Sampling, TransformersDecoder, plan_batches
+from precompute.generate.decode import Request, TransformersDecoder, batch_requests
 from precompute.inputs import resolve_inputs
 
 from precompute_helpers import ROOT, subprocess_env, write_jsonl
@@ -167,7 +168,7 @@ def test_sampled_answers_do_not_depend_on_the_batch(tiny_target):
 
 def test_batches_are_length_sorted_and_within_budget():
     lengths = [5, 50, 7, 49, 6]
-    batches = plan_batches(lengths, 10, token_budget=120, max_batch=8)
+    batches = batch_requests(lengths, 10, token_budget=120, max_batch=8)
     assert batches == [[1, 3], [2, 4, 0]]
     assert all(len(b) * (lengths[b[0]] + 10) <= 120 for b in batches)
 
