@@ -289,6 +289,26 @@ def decode_batch(engine: batched.BatchedTarget, proposer: batched.BatchedDrafter
             for item, spec, base in zip(items, specs, bases)]
 
 
+def target_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: frozenset[int],
+                   batch_size: int, block_size: int = 16) -> list[list[int]]:
+    """The target's own greedy answers, decoded as dflash-eval decodes its baseline (the reference its
+    lossless check compares with) at this batch size: one at a time, or in its batches (by prompt
+    length, longest first; where memory caps a batch, dflash-eval's also holds a drafter of
+    `block_size` and may split them elsewhere). Answers meant to be replayed against dflash-eval's
+    (path tau) are made here, on the device dflash-eval runs on."""
+    target = TargetRunner(model, [])
+    if batch_size == 1:
+        return [target_generate(target, p, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens for p in prompts]
+    s = Settings(block_size, max_new_tokens, Sampling(), stop_ids, 0, True, True, batch_size=batch_size)
+    engine, answers = batched.BatchedTarget(model, []), [None] * len(prompts)
+    for batch in _batches([_Item(i, str(i), list(p)) for i, p in enumerate(prompts)], s, model, None):
+        made = batched.target_generate_batch(engine, [item.ids for item in batch], max_new_tokens=max_new_tokens,
+                                             stop_ids=stop_ids)
+        for item, decoded in zip(batch, made):
+            answers[item.slot] = decoded.tokens
+    return answers
+
+
 # ---------------------------------------------------------------- report
 
 

@@ -19,7 +19,7 @@ from dflash_common.errors import UserError
 from train.eval import batched
 from train.eval.batched import BatchedTarget, speculative_generate_batch, target_generate_batch
 from train.eval.config import EvalConfig
-from train.eval.run import resolve_batch_size
+from train.eval.run import resolve_batch_size, target_answers
 from train.eval.spec_decode import TargetRunner, speculative_generate, target_generate
 
 # prompts of different lengths: padding, and rows that reach their limits in different cycles
@@ -159,3 +159,14 @@ def test_batch_size_is_resolved_per_device_and_refused_where_it_cannot_serve(tin
     fa2.config._attn_implementation = "flash_attention_2"  # (not installed here: the refusal needs no kernel)
     with pytest.raises(UserError, match="takes no per-row masks"):
         resolve_batch_size(explicit, fa2, oracle_b, torch.device("cpu"))
+
+
+def test_target_answers_are_dflash_evals_reference_in_its_batches(tiny, prompts):
+    """What the quality benchmark replays path tau on: the target alone as dflash-eval decodes its
+    reference, in batches of prompts sorted by length (here 4, then 2) or one at a time."""
+    runner = TargetRunner(tiny[0], [])
+    free = target_generate(runner, prompts[3], max_new_tokens=12).tokens
+    stop = frozenset([free[5]])
+    alone = [target_generate(runner, p, max_new_tokens=12, stop_ids=stop).tokens for p in prompts]
+    assert target_answers(tiny[0], prompts, max_new_tokens=12, stop_ids=stop, batch_size=4) == alone
+    assert target_answers(tiny[0], prompts, max_new_tokens=12, stop_ids=stop, batch_size=1) == alone
