@@ -238,7 +238,7 @@ class _Row:
     lengths: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     done: bool = False
-    decode_s: float = 0.0
+    decode_s: float | None = None  # from the prefill's end until the read that found it finished
     counted: int = 0  # new tokens already reported to the progress callback
 
     def report(self, on_tokens: OnTokens | None, max_new: int) -> None:
@@ -336,6 +336,7 @@ def target_generate_batch(target: BatchedTarget, prompts: Sequence[Sequence[int]
     live = list(range(n))
     for row in rows:
         row.done = len(row.ids) - row.prompt_len >= max_new_tokens or row.ids[-1] in stop_ids
+        row.decode_s = 0.0 if row.done else None  # the prefill's token was all it had to decode
         row.report(on_tokens, max_new_tokens)
     while not all(rows[r].done for r in live):
         live, (positions, tokens) = _compact(live, rows, (target,), [positions, tokens], device)
@@ -353,7 +354,7 @@ def target_generate_batch(target: BatchedTarget, prompts: Sequence[Sequence[int]
                     break
                 row.ids.append(t)
                 row.done = len(row.ids) >= row.max_len or t in stop_ids
-            if row.done and not row.decode_s:
+            if row.done and row.decode_s is None:
                 row.decode_s = now - t1
             row.report(on_tokens, max_new_tokens)
     return [Decoded(row.ids[row.prompt_len:], [], t1 - t0, row.decode_s) for row in rows]
