@@ -48,6 +48,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from transformers import Cache
 
 from dflash_common.drafter.layer_ids import hf_hidden_states_index
 from train.eval.spec_decode import (
@@ -94,13 +95,15 @@ class BatchedDrafter(Protocol):
 # ---------------------------------------------------------------- the target
 
 
-class SlotCache:
+class SlotCache(Cache):
     """The target's KV cache for a batch: per layer keys and values [N, kv heads, length, head dim],
     slot p holding position p. Before each forward the caller sets `positions` [n, q] (where this
     forward's tokens go) and `rows` (which rows it runs: a prefill runs a slice of the batch); each
-    attention layer calls `update`, which writes there and returns the rows' whole buffers."""
+    attention layer calls `update`, which writes there and returns the rows' whole buffers. A `Cache`
+    for models that check, but none of its layer machinery is used."""
 
     def __init__(self, rows: int, length: int):
+        super().__init__(layers=[])
         self.num_rows, self.length = rows, length
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -490,5 +493,6 @@ def rows_that_fit(model, drafter, length: int, block_size: int, share: float = 0
     if inner is not None:
         per_slot += 2 * len(inner.layers) * inner.cfg.num_key_value_heads * inner.cfg.head_dim * elt
     per_row = length * per_slot + block_size * (2 * 4 * t.vocab_size + (t.num_hidden_layers + 1) * t.hidden_size * elt)
-    free, _ = torch.cuda.mem_get_info(device)
+    free = torch.cuda.mem_get_info(device)[0]  # + what torch's allocator holds unused: it is ours to reuse
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return max(1, int(free * share // per_row))

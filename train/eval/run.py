@@ -28,7 +28,7 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -36,7 +36,6 @@ from dflash_common.cli import progress_bar
 
 from dflash_common.errors import UserError
 from dflash_common.drafter.layer_ids import check_layer_ids
-from train.eval import batched
 from train.eval.baseline_cache import BaselineCache
 from train.eval.config import EvalConfig, GenerationSection
 from train.eval.load import (
@@ -47,6 +46,9 @@ from train.eval.report import format_report, lossless_message, write_report
 from train.eval.spec_decode import (
     Decoded, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
 )
+
+if TYPE_CHECKING:  # imported where used: it imports transformers, which a CLI's start need not pay for
+    from train.eval import batched
 
 log = logging.getLogger("dflash")
 
@@ -120,6 +122,8 @@ def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, b
 def resolve_batch_size(gen: GenerationSection, model, drafter: Drafter, device: torch.device) -> int:
     """generation.batch_size, with 0 resolved: 1 on a CPU or where batching cannot serve, else AUTO_ROWS
     (each batch then capped by memory). An explicit size > 1 that cannot be served is refused."""
+    from train.eval import batched
+
     why = batched.batch_refusal(model)
     if why is None and not batched.batchable(drafter):
         why = f"the drafter ({type(drafter).__name__}) has no batched form"
@@ -217,6 +221,8 @@ def decode_prompts_batched(target: TargetRunner, drafter: Drafter, prompts: Sequ
     """`decode_prompts` in batches of up to s.batch_size prompts (batched.py): every prompt's first turn,
     then every second turn, and so on; the results in decode_prompts' order. The bar counts tokens:
     each prompt's limit, once with the drafter and once with the target alone."""
+    from train.eval import batched
+
     engine, proposer = batched.BatchedTarget(target.model, target.layer_ids), batched.as_batched(drafter)
     turns = [1 if p.ids is not None else len(p.turns) for p in prompts]
     first_slot = [sum(turns[:i]) for i in range(len(prompts))]
@@ -251,6 +257,8 @@ def decode_prompts_batched(target: TargetRunner, drafter: Drafter, prompts: Sequ
 def _batches(items: list[_Item], s: Settings, model, proposer) -> list[list[_Item]]:
     """The items by prompt length, longest first (a batch pads to its longest prompt), in batches of
     s.batch_size, fewer where the GPU's memory holds fewer rows of that length."""
+    from train.eval import batched
+
     order = sorted(items, key=lambda item: -len(item.ids))
     out, a = [], 0
     while a < len(order):
@@ -265,6 +273,8 @@ def decode_batch(engine: batched.BatchedTarget, proposer: batched.BatchedDrafter
                  on_tokens: batched.OnTokens | None = None) -> list[PromptResult]:
     """One batch with the drafter, then the target alone (those the baseline cache lacks), and the
     comparison, prompt by prompt."""
+    from train.eval import batched
+
     prompts = [item.ids for item in items]
     specs = batched.speculative_generate_batch(engine, proposer, prompts, block_size=s.block_size,
                                                max_new_tokens=s.max_new_tokens, stop_ids=s.stop_ids,
@@ -296,6 +306,8 @@ def target_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: i
     length, longest first; where memory caps a batch, dflash-eval's also holds a drafter of
     `block_size` and may split them elsewhere). Answers meant to be replayed against dflash-eval's
     (path tau) are made here, on the device dflash-eval runs on."""
+    from train.eval import batched
+
     target = TargetRunner(model, [])
     if batch_size == 1:
         return [target_generate(target, p, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens for p in prompts]
