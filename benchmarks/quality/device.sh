@@ -5,19 +5,19 @@
 #   e.g. bash benchmarks/quality/device.sh 560 target,data,drafters,eval baseline,dpace 0,1,2
 #
 # STAGES is a comma list of target, data, drafters, eval; with target/ and data/ carried in, `data`
-# only rebuilds the training store from them. `eval` (after the drafters, EVAL_S seconds kept for it,
-# default 150) makes the held-out answers with dflash-eval's own batched target loop on this GPU, runs
-# dflash-eval (batched, float32, lossless) and the offline reports for every finished run of VARIANTS x
-# SEEDS, and writes the table: a whole regime in one call. Without `eval`, the held-out answers and tau
-# come from wherever dflash-eval runs later (run.py --stage heldout,eval,table; a CPU will do).
-# Artefacts travel both ways as tar parts of at most 15 MiB (the device tool returns at most 8 files of
-# 16 MiB): parts found in .carry/ are unpacked into the work directory first, and what this call made is
-# packed into $OUT as
-#   base.tgz.part-*   target/ and data/ (after the data stage, so they come back even if training runs late)
-#   runs.tgz.part-*   every finished drafter (bf16), its metrics, run record and path tau, the logs; after
-#                     `eval` also every run's reports, the held-out answers and results.md / results.json
-# With data/heldout.jsonl carried in (heldout.tgz.part-*) and no `eval`, every finished run's path tau on
-# those answers comes back too (offline_heldout.json).
+# only rebuilds the training store from them. `eval` (after the drafters, EVAL_S seconds kept for
+# it, default 150) makes the held-out answers with dflash-eval's own batched target loop on this
+# GPU, runs dflash-eval (batched, float32, lossless) and the offline reports for every finished run
+# of VARIANTS x SEEDS, and writes the table: a whole regime in one call. Without `eval`, the
+# held-out answers and tau come from wherever dflash-eval runs later (run.py --stage
+# heldout,eval,table; a CPU will do). Artefacts travel both ways as tar parts of at most 15 MiB (the
+# device tool returns at most 8 files of 16 MiB): parts found in .carry/ are unpacked into the work
+# directory first, and what this call made is packed into $OUT as
+#   base.tgz.part-*  target/ and data/ (after the data stage: they come back if training runs late)
+#   runs.tgz.part-*  every finished drafter (bf16), its metrics, run record and path tau, the logs;
+#                    after `eval` also every run's reports, the held-out answers, results.md/.json
+# With data/heldout.jsonl carried in (heldout.tgz.part-*) and no `eval`, every finished run's path
+# tau on those answers comes back too (offline_heldout.json).
 # Unpack here with: cat OUT/base.tgz.part-* | tar xz -C WORK (the same for runs.tgz.part-*).
 # The machine has no network and lacks zarr, numcodecs, torchdata, crc32c, google-crc32c (zarr's crc32c
 # codec imports it), donfig and tomli-w: they travel as Python 3.12 wheels in .whl/ (docs/benchmarks.md).
@@ -77,7 +77,7 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
   if [[ ,$STAGES, == *,drafters,* ]]; then
     log "GPU check: the compiled flex kernel without grad on a few blocks (validation's path replay)"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/dflash_common/drafter/test_attention.py -k "flex" || exit 1
-    LEFT=$(( DEADLINE - $(elapsed) - 90 - EVAL * ${EVAL_S:-150} ))  # the reports and the packing after it
+    LEFT=$(( DEADLINE - $(elapsed) - 90 - EVAL * ${EVAL_S:-150} ))  # reports and packing after it
     log "drafters $VARIANTS x $SEEDS, deadline in $LEFT s"
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage drafters --variants "$VARIANTS" --seeds "$SEEDS" \
       --deadline-s "$LEFT"
@@ -89,22 +89,25 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
     fi
   fi
   if [ "$EVAL" = 1 ]; then
-    log "eval: held-out answers by the batched target loop, dflash-eval batched, offline reports, table"
+    log "eval: held-out answers by the batched target loop, dflash-eval, offline reports, table"
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout || exit 1
     # a few processes side by side: each decodes its 200 prompts in one batch, host-bound
-    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --variants "$VARIANTS" --seeds "$SEEDS" \
-      --parallel "${EVAL_PARALLEL:-4}" --deadline-s $(( DEADLINE - $(elapsed) - 45 ))
-    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage table --variants "$VARIANTS" --seeds "$SEEDS"
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --variants "$VARIANTS" \
+      --seeds "$SEEDS" --parallel "${EVAL_PARALLEL:-4}" \
+      --deadline-s $(( DEADLINE - $(elapsed) - 45 ))
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage table --variants "$VARIANTS" \
+      --seeds "$SEEDS"
   fi
   if [[ ,$STAGES, == *,drafters,* ]] || [ "$EVAL" = 1 ]; then
     log "pack runs"
-    # this call's runs only (a warm machine keeps earlier ones): finished drafters, and every run's log,
-    # metrics, run record (how far it got) and reports
+    # this call's runs only (a warm machine keeps earlier ones): finished drafters, and every run's
+    # log, metrics, run record (how far it got) and reports
     FILES=()
     for v in ${VARIANTS//,/ }; do for s in ${SEEDS//,/ }; do
       for f in runs/$v/{train,eval,offline_heldout,offline_train}-seed-$s.log \
           runs/$v/seed-$s/{drafter,metrics.jsonl,run.toml,run.json,bench_manifest.json} \
-          runs/$v/seed-$s/{eval,offline_heldout,offline_train}.json runs/$v/seed-$s/eval.run.toml; do
+          runs/$v/seed-$s/{eval,offline_heldout,offline_train}.json \
+          runs/$v/seed-$s/eval.run.toml; do
         [ -e "$W/$f" ] && FILES+=("$f")
       done
     done; done

@@ -3,7 +3,7 @@
     python benchmarks/quality/run.py --work runs/quality --stage all      # or one stage at a time:
     python benchmarks/quality/run.py --work runs/quality --stage target   # target.py, ~2 min on an H200
     python benchmarks/quality/run.py --work runs/quality --stage data     # dflash-generate + training store
-    python benchmarks/quality/run.py --work runs/quality --stage heldout  # held-out answers + store, where eval runs
+    python benchmarks/quality/run.py --work runs/quality --stage heldout  # where eval runs
     python benchmarks/quality/run.py --work runs/quality --stage drafters --variants baseline --seeds 0,1,2
     python benchmarks/quality/run.py --work runs/quality --stage eval     # dflash-eval + offline, per run
     python benchmarks/quality/run.py --work runs/quality --stage table    # results.md / results.json
@@ -16,15 +16,16 @@ Stages and what they leave in --work (a stage whose output has a matching manife
    conversations that precompute tokenises; batched HF generate into train.jsonl token records is the
    fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as messages for
    dflash-eval); then dflash-precompute writes stores/train (float32 target, bf16 states, final states).
-3. data/heldout.jsonl: the held-out prompts answered by dflash-eval's own baseline loop (float32) on this
-   stage's device, as token records, so path tau replays exactly what dflash-eval's target emits there: on
-   a GPU its batched loop in its batches (train/eval/batched.py), on a CPU one prompt at a time
-   (`target_generate`); answers made the other way are made again. Then stores/heldout.
+3. data/heldout.jsonl: the held-out prompts answered by dflash-eval's own baseline loop (float32)
+   on this stage's device, as token records, so path tau replays exactly what dflash-eval's target
+   emits there: on a GPU its batched loop in its batches (train/eval/batched.py), on a CPU one
+   prompt at a time (`target_generate`); answers made the other way are made again. Then
+   stores/heldout.
 4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
    processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below). At the
    deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same command resumes it.
-5. per run: eval.json (dflash-eval, float32, lossless required; batched on a GPU, one prompt at a time on
-   a CPU: generation.batch_size's default), offline_heldout.json and
+5. per run: eval.json (dflash-eval, float32, lossless required; batched on a GPU, one prompt at a
+   time on a CPU: generation.batch_size's default), offline_heldout.json and
    offline_train.json (dflash-eval --offline: the estimate and path tau on the held-out store and on the
    training store's held-out split), at most --parallel processes at a time.
 6. results.md / results.json: per variant, mean +- sd over seeds.
@@ -330,7 +331,7 @@ def stage_data(args) -> None:
 
 
 def heldout_batch_size(args) -> int:
-    """The batch size dflash-eval picks here by default (generation.batch_size = 0): batched on a GPU."""
+    """The batch size dflash-eval picks here by default (generation.batch_size = 0)."""
     import torch
 
     from train.eval.batched import AUTO_ROWS
@@ -339,9 +340,10 @@ def heldout_batch_size(args) -> int:
 
 
 def stage_heldout(args) -> None:
-    """The held-out prompts answered by dflash-eval's own baseline loop (float32) as dflash-eval runs it on
-    this device (batched on a GPU), so path tau replays exactly what dflash-eval's target emits here; then
-    the held-out store. Answers made the other way (another batch size) are made again."""
+    """The held-out prompts answered by dflash-eval's own baseline loop (float32) as dflash-eval
+    runs it on this device (batched on a GPU), so path tau replays exactly what dflash-eval's
+    target emits here; then the held-out store. Answers made the other way (another batch size)
+    are made again."""
     import torch
 
     from train.eval.run import target_answers
@@ -481,7 +483,8 @@ def _decoded_on(report: dict) -> str | None:
     if not report:
         return None
     batch = report.get("batch_size", 1)
-    return f"{report.get('device')}, " + ("one at a time" if batch == 1 else f"batches of up to {batch}")
+    how = "one at a time" if batch == 1 else f"batches of up to {batch}"
+    return f"{report.get('device')}, {how}"
 
 
 def _mean(xs: list[float | None]) -> float | None:
@@ -530,11 +533,12 @@ def stage_table(args) -> None:
             per_seed.append(f"| {v} | {seed} | " + " | ".join(
                 "n/a" if r[k] is None else f"{r[k]:.3f}" if k != "tok_s" else f"{r[k]:,.0f}"
                 for k in ("tau", "tau_pooled", "path_tau_heldout", "offline_heldout", "tok_s")) + " |")
-    where = sorted({r["eval_on"] for runs in results.values() for r in runs.values() if r["eval_on"]})
-    (args.work / "results.md").write_text(table + "\n\nmean ± sd over seeds; tau per prompt then over prompts "
-                                          "(the DFlash authors' way), pooled = tokens per cycle over all cycles; "
-                                          f"dflash-eval decoded on {' and '.join(where) or 'n/a'}.\n"
-                                          + "\n".join(per_seed) + "\n")
+    where = sorted({r["eval_on"] for runs in results.values() for r in runs.values()
+                    if r["eval_on"]})
+    (args.work / "results.md").write_text(
+        table + "\n\nmean ± sd over seeds; tau per prompt then over prompts (the DFlash authors' "
+        "way), pooled = tokens per cycle over all cycles; "
+        f"dflash-eval decoded on {' and '.join(where) or 'n/a'}.\n" + "\n".join(per_seed) + "\n")
     (args.work / "results.json").write_text(json.dumps({"settings": settings(args), "runs": results}, indent=2))
 
 

@@ -53,7 +53,7 @@ class BaselineCache:
         what = {"format": FORMAT, "target": self.target, "prompt": list(prompt_ids), "max_new_tokens": max_new_tokens,
                 "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "seed": seed,
                 "stop_ids": sorted(stop_ids)}
-        if batch_size > 1:  # batched decodes are timed per prompt at that batch size, and round as such
+        if batch_size > 1:  # batched decodes are timed per prompt at that size, and round as such
             what["batch_size"] = batch_size
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()
 

@@ -12,13 +12,13 @@ of a response differs; path tau, train/path_tau.py, reproduces it exactly from a
 Throughput also follows the reference: time per output token is the decode time (after the prefill)
 over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio of the two.
 
-Prompts are decoded one at a time (`generation.batch_size = 1`, the CPU's default) or many at once
-(train/eval/batched.py, a GPU's default): then every prompt of a batch is decoded side by side, with
-the drafter and with the target alone, and a prompt's decode time is the batch's time until that
-prompt finished, so tokens/s is per prompt at that batch size (the report says which). Each prompt's
-tokens and cycles are the same either way in float32; the lossless check still compares prompt by
-prompt. Multi-turn prompts are decoded a turn at a time: every prompt's first turn, then every second
-turn (answered by the first turn's speculative output), and so on.
+Prompts are decoded one at a time (`generation.batch_size = 1`, the CPU's default) or many at
+once (train/eval/batched.py, a GPU's default): then every prompt of a batch is decoded side by side,
+with the drafter and with the target alone, and a prompt's decode time is the batch's time until
+that prompt finished, so tokens/s is per prompt at that batch size (the report says which). Each
+prompt's tokens and cycles are the same either way in float32; the lossless check still compares
+prompt by prompt. Multi-turn prompts are decoded a turn at a time: every prompt's first turn, then
+every second turn (answered by the first turn's speculative output), and so on.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from train.eval.spec_decode import (
     Decoded, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
 )
 
-if TYPE_CHECKING:  # imported where used: it imports transformers, which a CLI's start need not pay for
+if TYPE_CHECKING:  # imported where used: it imports transformers, which the CLI need not load early
     from train.eval import batched
 
 log = logging.getLogger("dflash")
@@ -119,18 +119,22 @@ def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, b
     )
 
 
-def resolve_batch_size(gen: GenerationSection, model, drafter: Drafter, device: torch.device) -> int:
-    """generation.batch_size, with 0 resolved: 1 on a CPU or where batching cannot serve, else AUTO_ROWS
-    (each batch then capped by memory). An explicit size > 1 that cannot be served is refused."""
+def resolve_batch_size(gen: GenerationSection, model, drafter: Drafter,
+                       device: torch.device) -> int:
+    """generation.batch_size, with 0 resolved: 1 on a CPU or where batching cannot serve, else
+    AUTO_ROWS (each batch then capped by memory). An explicit size > 1 that cannot be served is
+    refused."""
     from train.eval import batched
 
     why = batched.batch_refusal(model)
     if why is None and not batched.batchable(drafter):
         why = f"the drafter ({type(drafter).__name__}) has no batched form"
     if gen.batch_size == 0:
-        return batched.AUTO_ROWS if device.type == "cuda" and gen.temperature == 0 and why is None else 1
+        batchable = device.type == "cuda" and gen.temperature == 0 and why is None
+        return batched.AUTO_ROWS if batchable else 1
     if gen.batch_size > 1 and why is not None:
-        raise UserError(f"generation.batch_size = {gen.batch_size}: {why}; set generation.batch_size = 1.")
+        raise UserError(
+            f"generation.batch_size = {gen.batch_size}: {why}; set generation.batch_size = 1.")
     return gen.batch_size
 
 
@@ -207,23 +211,24 @@ def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Pro
 
 @dataclass(frozen=True)
 class _Item:
-    """One prompt (or one turn of one) to decode; `slot` is its place in decode_prompts' order, which
-    also offsets its seed as there."""
+    """One prompt (or one turn of one) to decode; `slot` is its place in decode_prompts' order,
+    which also offsets its seed as there."""
 
     slot: int
     name: str
     ids: list[int]
 
 
-def decode_prompts_batched(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt], s: Settings, *,
-                           tokenizer=None, template_kwargs: dict | None = None,
+def decode_prompts_batched(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt],
+                           s: Settings, *, tokenizer=None, template_kwargs: dict | None = None,
                            warmup: bool = True) -> list[PromptResult]:
-    """`decode_prompts` in batches of up to s.batch_size prompts (batched.py): every prompt's first turn,
-    then every second turn, and so on; the results in decode_prompts' order. The bar counts tokens:
-    each prompt's limit, once with the drafter and once with the target alone."""
+    """`decode_prompts` in batches of up to s.batch_size prompts (batched.py): every prompt's first
+    turn, then every second turn, and so on; the results in decode_prompts' order. The bar counts
+    tokens: each prompt's limit, once with the drafter and once with the target alone."""
     from train.eval import batched
 
-    engine, proposer = batched.BatchedTarget(target.model, target.layer_ids), batched.as_batched(drafter)
+    engine = batched.BatchedTarget(target.model, target.layer_ids)
+    proposer = batched.as_batched(drafter)
     turns = [1 if p.ids is not None else len(p.turns) for p in prompts]
     first_slot = [sum(turns[:i]) for i in range(len(prompts))]
     results: list[PromptResult | None] = [None] * sum(turns)
@@ -240,23 +245,25 @@ def decode_prompts_batched(target: TargetRunner, drafter: Drafter, prompts: Sequ
                     ids = render_chat(tokenizer, messages[i], template_kwargs or {}, prompt.name)
                     items.append(_Item(first_slot[i] + turn, f"{prompt.name}#turn{turn + 1}", ids))
             batches = _batches(items, s, target.model, proposer)
-            if warmup and turn == 0:  # untimed: kernels and allocators are set up before the clock runs
-                short = dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, 2 * s.block_size),
-                                            baseline_cache=None)
+            if warmup and turn == 0:  # untimed: kernels and allocators are set up before the clock
+                short = dataclasses.replace(
+                    s, max_new_tokens=min(s.max_new_tokens, 2 * s.block_size), baseline_cache=None)
                 decode_batch(engine, proposer, batches[0], short)
             for batch in batches:
-                for item, result in zip(batch, decode_batch(engine, proposer, batch, s, bar.update)):
+                done = decode_batch(engine, proposer, batch, s, bar.update)
+                for item, result in zip(batch, done):
                     results[item.slot] = result
             for i, prompt in enumerate(prompts):
                 if prompt.ids is None and turn < turns[i]:
-                    answer = tokenizer.decode(results[first_slot[i] + turn].spec.tokens, skip_special_tokens=True)
+                    spoken = results[first_slot[i] + turn].spec.tokens
+                    answer = tokenizer.decode(spoken, skip_special_tokens=True)
                     messages[i].append({"role": "assistant", "content": answer})
     return results
 
 
 def _batches(items: list[_Item], s: Settings, model, proposer) -> list[list[_Item]]:
-    """The items by prompt length, longest first (a batch pads to its longest prompt), in batches of
-    s.batch_size, fewer where the GPU's memory holds fewer rows of that length."""
+    """The items by prompt length, longest first (a batch pads to its longest prompt), in batches
+    of s.batch_size, fewer where the GPU's memory holds fewer rows of that length."""
     from train.eval import batched
 
     order = sorted(items, key=lambda item: -len(item.ids))
@@ -269,27 +276,30 @@ def _batches(items: list[_Item], s: Settings, model, proposer) -> list[list[_Ite
     return out
 
 
-def decode_batch(engine: batched.BatchedTarget, proposer: batched.BatchedDrafter, items: list[_Item], s: Settings,
+def decode_batch(engine: batched.BatchedTarget, proposer: batched.BatchedDrafter,
+                 items: list[_Item], s: Settings,
                  on_tokens: batched.OnTokens | None = None) -> list[PromptResult]:
     """One batch with the drafter, then the target alone (those the baseline cache lacks), and the
     comparison, prompt by prompt."""
     from train.eval import batched
 
     prompts = [item.ids for item in items]
-    specs = batched.speculative_generate_batch(engine, proposer, prompts, block_size=s.block_size,
-                                               max_new_tokens=s.max_new_tokens, stop_ids=s.stop_ids,
-                                               on_tokens=on_tokens)
+    specs = batched.speculative_generate_batch(
+        engine, proposer, prompts, block_size=s.block_size, max_new_tokens=s.max_new_tokens,
+        stop_ids=s.stop_ids, on_tokens=on_tokens)
     bases: list[Decoded | None] = [None] * len(items)
     if s.baseline:
         cache = s.baseline_cache
-        keys = [cache.key(item.ids, s.max_new_tokens, s.sampling, s.seed + item.slot, s.stop_ids, s.batch_size)
-                if cache is not None else None for item in items]
+        keys = [None] * len(items) if cache is None else [
+            cache.key(item.ids, s.max_new_tokens, s.sampling, s.seed + item.slot, s.stop_ids,
+                      s.batch_size) for item in items]
         bases = [cache.get(key) if cache is not None else None for key in keys]
         missing = [i for i, base in enumerate(bases) if base is None]
         if on_tokens is not None and len(missing) < len(items):
             on_tokens(s.max_new_tokens * (len(items) - len(missing)))
-        made = batched.target_generate_batch(engine, [prompts[i] for i in missing], max_new_tokens=s.max_new_tokens,
-                                             stop_ids=s.stop_ids, on_tokens=on_tokens) if missing else []
+        made = batched.target_generate_batch(
+            engine, [prompts[i] for i in missing], max_new_tokens=s.max_new_tokens,
+            stop_ids=s.stop_ids, on_tokens=on_tokens) if missing else []
         for i, base in zip(missing, made):
             bases[i] = base
             if cache is not None:
@@ -299,23 +309,27 @@ def decode_batch(engine: batched.BatchedTarget, proposer: batched.BatchedDrafter
             for item, spec, base in zip(items, specs, bases)]
 
 
-def target_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: frozenset[int],
-                   batch_size: int, block_size: int = 16) -> list[list[int]]:
-    """The target's own greedy answers, decoded as dflash-eval decodes its baseline (the reference its
-    lossless check compares with) at this batch size: one at a time, or in its batches (by prompt
-    length, longest first; where memory caps a batch, dflash-eval's also holds a drafter of
+def target_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                   stop_ids: frozenset[int], batch_size: int,
+                   block_size: int = 16) -> list[list[int]]:
+    """The target's own greedy answers, decoded as dflash-eval decodes its baseline (the reference
+    its lossless check compares with) at this batch size: one at a time, or in its batches (by
+    prompt length, longest first; where memory caps a batch, dflash-eval's also holds a drafter of
     `block_size` and may split them elsewhere). Answers meant to be replayed against dflash-eval's
     (path tau) are made here, on the device dflash-eval runs on."""
     from train.eval import batched
 
     target = TargetRunner(model, [])
     if batch_size == 1:
-        return [target_generate(target, p, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens for p in prompts]
-    s = Settings(block_size, max_new_tokens, Sampling(), stop_ids, 0, True, True, batch_size=batch_size)
+        return [target_generate(target, p, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens
+                for p in prompts]
+    s = Settings(block_size, max_new_tokens, Sampling(), stop_ids, 0, True, True,
+                 batch_size=batch_size)
     engine, answers = batched.BatchedTarget(model, []), [None] * len(prompts)
-    for batch in _batches([_Item(i, str(i), list(p)) for i, p in enumerate(prompts)], s, model, None):
-        made = batched.target_generate_batch(engine, [item.ids for item in batch], max_new_tokens=max_new_tokens,
-                                             stop_ids=stop_ids)
+    items = [_Item(i, str(i), list(p)) for i, p in enumerate(prompts)]
+    for batch in _batches(items, s, model, None):
+        made = batched.target_generate_batch(engine, [item.ids for item in batch],
+                                             max_new_tokens=max_new_tokens, stop_ids=stop_ids)
         for item, decoded in zip(batch, made):
             answers[item.slot] = decoded.tokens
     return answers
@@ -348,7 +362,7 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
         "tau_emitted": _mean([r.tau_emitted for r in results if r.tau_emitted is not None]),
         "tau_definition": TAU_DEFINITION,
         "block_size": s.block_size,
-        "batch_size": s.batch_size,  # prompts decoded at once (1: one at a time); tokens/s are per prompt
+        "batch_size": s.batch_size,  # prompts at once (1: one at a time); tokens/s are per prompt
         "num_prompts": len(results),
         "num_prompts_without_cycles": len(results) - len(taus),
         "num_cycles": len(lengths),

@@ -322,9 +322,10 @@ class DFlashProposer:
         return self.draft(hidden[None], block[:1])[0]  # [n]
 
     def draft(self, block_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """The draft step: block hidden states [N, B, H] (after `norm`) and the tokens at the anchors [N]
-        -> drafted tokens [N, B-1]. DFlash takes each position's argmax on its own (position 0 is the
-        anchor, not a prediction). A drafter that decodes the positions in sequence (DSpark's Markov
-        head) or picks a path through candidates (DFlash2's selector) replaces this method; both loops,
-        one prompt at a time and batched (batched.py), draft through it."""
+        """The draft step: block hidden states [N, B, H] (after `norm`) and the tokens at the
+        anchors [N] -> drafted tokens [N, B-1]. DFlash takes each position's argmax on its own
+        (position 0 is the anchor, not a prediction). A drafter that decodes the positions in
+        sequence (DSpark's Markov head) or picks a path through candidates (DFlash2's selector)
+        replaces this method; both loops, one prompt at a time and batched (batched.py), draft
+        through it."""
         return self.drafter.logits(block_hidden[:, 1:]).argmax(-1)

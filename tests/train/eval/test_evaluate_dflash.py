@@ -20,7 +20,9 @@ from train.eval.cli import main
 from train.eval.load import load_proposer
 from train.eval.prompts import Prompt, load_prompts
 from train.eval.run import Settings, decode_prompts
-from train.eval.spec_decode import GREEDY, DFlashProposer, TargetRunner, speculative_generate, target_generate
+from train.eval.spec_decode import (
+    GREEDY, DFlashProposer, TargetRunner, speculative_generate, target_generate,
+)
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
 
@@ -43,10 +45,11 @@ def prompt_ids(tiny_target):
 
 @pytest.fixture(scope="module")
 def trained(model, tiny_target):
-    """A depth-1 drafter trained briefly on the tiny target's own answers: some drafts get accepted."""
+    """A depth-1 drafter briefly trained on the tiny target's own answers: some drafts accepted."""
     from pathlib import Path
 
-    return _briefly_trained_drafter(model, AutoTokenizer.from_pretrained(tiny_target), Path(__file__).resolve().parents[3])
+    tok, root = AutoTokenizer.from_pretrained(tiny_target), Path(__file__).resolve().parents[3]
+    return _briefly_trained_drafter(model, tok, root)
 
 
 def test_proposer_drafts_what_the_training_forward_predicts(model, drafter_dir, prompt_ids):
@@ -210,8 +213,9 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
 
 
 def test_batched_decoding_has_the_one_at_a_time_cycles(model, tiny_target, trained):
-    """float32, the briefly trained drafter: through the batched loop every prompt's tokens and cycles
-    (accepted lengths, cycle for cycle) are the one-at-a-time loop's, and the output is the target's own."""
+    """float32, the briefly trained drafter: through the batched loop every prompt's tokens and
+    cycles (accepted lengths, cycle for cycle) are the one-at-a-time loop's, and the output is the
+    target's own."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
@@ -219,8 +223,9 @@ def test_batched_decoding_has_the_one_at_a_time_cycles(model, tiny_target, train
     prompts = [p.ids for p in load_prompts([str(root / "data" / "tiny-prompts.jsonl")], tok, {})]
     proposer = DFlashProposer(trained)
     target, max_new = TargetRunner(model, proposer.layer_ids), 40
-    together = speculative_generate_batch(BatchedTarget(model, proposer.layer_ids), BatchedDFlash(proposer), prompts,
-                                          block_size=BLOCK, max_new_tokens=max_new)
+    together = speculative_generate_batch(
+        BatchedTarget(model, proposer.layer_ids), BatchedDFlash(proposer), prompts,
+        block_size=BLOCK, max_new_tokens=max_new)
     seen = []
     for ids, b in zip(prompts, together):
         a = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=max_new)
@@ -231,62 +236,74 @@ def test_batched_decoding_has_the_one_at_a_time_cycles(model, tiny_target, train
 
 
 def test_batched_drafter_blocks_equal_one_block_at_a_time(model, prompt_ids):
-    """Sliding (causal, window 5) and full draft layers: the batched drafter's block hidden states and
-    drafts, for rows of different lengths, each fed context past its anchor as the batched loop feeds it,
-    equal the one-at-a-time drafter's."""
+    """Sliding (causal, window 5) and full draft layers: the batched drafter's block hidden states
+    and drafts, for rows of different lengths, each fed context past its anchor as the batched loop
+    feeds it, equal the one-at-a-time drafter's."""
     texts, tok = prompt_ids
     block = 6
-    cfg = DrafterConfig.from_target(model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=2,
-                                    block_size=block, layer_types=["sliding_attention", "full_attention"],
-                                    sliding_window=5)
+    cfg = DrafterConfig.from_target(
+        model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=2,
+        block_size=block, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).eval()
     drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     proposer = DFlashProposer(drafter)
     prompts = [tok.encode(t) for t in texts]
-    seqs = [p + target_generate(TargetRunner(model, []), p, max_new_tokens=20).tokens for p in prompts]
+    alone = TargetRunner(model, [])
+    seqs = [p + target_generate(alone, p, max_new_tokens=20).tokens for p in prompts]
     with torch.inference_mode():
-        feats = [torch.cat(_layers(model, q, cfg.target_layer_ids), -1) for q in seqs]  # [S, K*H] each
+        feats = [torch.cat(_layers(model, q, cfg.target_layer_ids), -1) for q in seqs]  # [S, K*H]
     steps = [3, 6, 1]  # each row's second anchor: accepted lengths of a first cycle
     batch = BatchedDFlash(proposer)
     batch.start(prompts, max(map(len, seqs)) + 2 * block)
     width = max(map(len, prompts))
-    padded = torch.stack([torch.cat([f[:len(p)], f.new_zeros(width - len(p), f.shape[1])]) for f, p in zip(feats, prompts)])
+    padded = torch.stack([torch.cat([f[:len(p)], f.new_zeros(width - len(p), f.shape[1])])
+                          for f, p in zip(feats, prompts)])
     batch.extend(padded, torch.zeros(len(prompts), dtype=torch.long))
     starts = torch.tensor([len(p) for p in prompts])
-    first = batch.block_hidden(torch.tensor([q[len(p)] for q, p in zip(seqs, prompts)]), starts, block)
-    batch.extend(torch.stack([f[len(p):len(p) + block] for f, p in zip(feats, prompts)]), starts)  # a whole block
+    first = batch.block_hidden(torch.tensor([q[len(p)] for q, p in zip(seqs, prompts)]), starts,
+                               block)
+    # a whole block of context, as after a verify forward: past each second anchor it is stale
+    batch.extend(torch.stack([f[len(p):len(p) + block] for f, p in zip(feats, prompts)]), starts)
     second_starts = starts + torch.tensor(steps)
     anchors = torch.tensor([q[s] for q, s in zip(seqs, second_starts.tolist())])
     second = batch.block_hidden(anchors, second_starts, block)
     drafts = batch.propose_block(anchors, second_starts, block - 1)
     for i, (p, q, f) in enumerate(zip(prompts, seqs, feats)):
         cache, n, m = drafter.new_cache(), len(p), len(p) + steps[i]
-        ids = lambda t: torch.tensor([t] + [cfg.mask_token_id] * (block - 1))  # noqa: E731
-        torch.testing.assert_close(first[i], drafter.draft(cache, f[:n], ids(q[n])), atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(second[i], drafter.draft(cache, f[n:m], ids(q[m])), atol=2e-5, rtol=1e-4)
+
+        def ids(token):
+            return torch.tensor([token] + [cfg.mask_token_id] * (block - 1))
+
+        one = drafter.draft(cache, f[:n], ids(q[n]))
+        torch.testing.assert_close(first[i], one, atol=2e-5, rtol=1e-4)
+        one = drafter.draft(cache, f[n:m], ids(q[m]))
+        torch.testing.assert_close(second[i], one, atol=2e-5, rtol=1e-4)
         proposer.begin(p)
         proposer.propose(f[:n], q[n], n, block - 1)
         assert drafts[i].tolist() == proposer.propose(f[n:m], q[m], m, block - 1).tolist()
 
 
-def test_decode_prompts_batched_equals_one_at_a_time_with_multi_turn_prompts(model, drafter_dir, prompt_ids):
-    """run.py's batched path: turns decoded a wave at a time, answered by the speculative output, the
-    results in the one-at-a-time order, every prompt's tokens and cycles the same, lossless."""
+def test_decode_prompts_batched_equals_one_at_a_time_with_multi_turn_prompts(model, drafter_dir,
+                                                                              prompt_ids):
+    """run.py's batched path: turns decoded a wave at a time, answered by the speculative output,
+    the results in the one-at-a-time order, every prompt's tokens and cycles the same, lossless."""
     texts, tok = prompt_ids
     proposer = load_proposer(str(drafter_dir), model)
     target = TargetRunner(model, proposer.layer_ids)
-    items = [Prompt("a", ids=tok.encode(texts[0])), Prompt("b", turns=["Tell me about bees.", "And wasps?"]),
+    items = [Prompt("a", ids=tok.encode(texts[0])),
+             Prompt("b", turns=["Tell me about bees.", "And wasps?"]),
              Prompt("c", ids=tok.encode(texts[2]))]
     one = Settings(BLOCK, 17, GREEDY, frozenset(), 0, True, True)
     alone = decode_prompts(target, proposer, items, one, tokenizer=tok, warmup=False)
-    together = decode_prompts(target, proposer, items, Settings(BLOCK, 17, GREEDY, frozenset(), 0, True, True,
-                                                                batch_size=2), tokenizer=tok, warmup=True)
+    two = Settings(BLOCK, 17, GREEDY, frozenset(), 0, True, True, batch_size=2)
+    together = decode_prompts(target, proposer, items, two, tokenizer=tok, warmup=True)
     assert [r.name for r in together] == [r.name for r in alone] == ["a", "b#turn1", "b#turn2", "c"]
     for a, b in zip(alone, together):
-        assert (b.spec.tokens, b.spec.acceptance_lengths, b.spec.emitted) == (a.spec.tokens, a.spec.acceptance_lengths,
-                                                                             a.spec.emitted)
-        assert b.target.tokens == a.target.tokens and b.first_mismatch is None and b.prompt_tokens == a.prompt_tokens
+        assert b.spec.tokens == a.spec.tokens
+        assert b.spec.acceptance_lengths == a.spec.acceptance_lengths
+        assert b.spec.emitted == a.spec.emitted and b.prompt_tokens == a.prompt_tokens
+        assert b.target.tokens == a.target.tokens and b.first_mismatch is None
 
 
 def test_cli_batched(tiny_target, drafter_dir, tmp_path, capsys):
@@ -304,4 +321,4 @@ def test_cli_batched(tiny_target, drafter_dir, tmp_path, capsys):
     assert out["spec_tokens_per_s"] > 0 and out["target_tokens_per_s"] > 0
     captured = capsys.readouterr()
     assert "batches of up to 4 prompts, tokens/s per prompt" in captured.out
-    assert "\r" not in captured.err and "tok/s" not in captured.err  # stderr is no terminal: no bar frames
+    assert "\r" not in captured.err and "tok/s" not in captured.err  # no terminal: no bar frames
