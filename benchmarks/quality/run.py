@@ -3,7 +3,7 @@
     python benchmarks/quality/run.py --work runs/quality --stage all      # or one stage at a time:
     python benchmarks/quality/run.py --work runs/quality --stage target   # target.py, ~2 min on an H200
     python benchmarks/quality/run.py --work runs/quality --stage data     # dflash-generate + training store
-    python benchmarks/quality/run.py --work runs/quality --stage heldout  # held-out answers + store (CPU is fine)
+    python benchmarks/quality/run.py --work runs/quality --stage heldout  # where eval runs
     python benchmarks/quality/run.py --work runs/quality --stage drafters --variants baseline --seeds 0,1,2
     python benchmarks/quality/run.py --work runs/quality --stage eval     # dflash-eval + offline, per run
     python benchmarks/quality/run.py --work runs/quality --stage table    # results.md / results.json
@@ -16,13 +16,16 @@ Stages and what they leave in --work (a stage whose output has a matching manife
    conversations that precompute tokenises; batched HF generate into train.jsonl token records is the
    fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as messages for
    dflash-eval); then dflash-precompute writes stores/train (float32 target, bf16 states, final states).
-3. data/heldout.jsonl: the held-out prompts answered one by one by dflash-eval's own baseline loop
-   (`target_generate`, float32) on this stage's device, as token records, so path tau replays exactly what
-   dflash-eval's target emits there; then stores/heldout. Cheap enough for a CPU: run it where dflash-eval runs.
+3. data/heldout.jsonl: the held-out prompts answered by dflash-eval's own baseline loop (float32)
+   on this stage's device, as token records, so path tau replays exactly what dflash-eval's target
+   emits there: on a GPU its batched loop in its batches (train/eval/batched.py), on a CPU one
+   prompt at a time (`target_generate`); answers made the other way are made again. Then
+   stores/heldout.
 4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
    processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below). At the
    deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same command resumes it.
-5. per run: eval.json (dflash-eval, float32, lossless required), offline_heldout.json and
+5. per run: eval.json (dflash-eval, float32, lossless required; batched on a GPU, one prompt at a
+   time on a CPU: generation.batch_size's default), offline_heldout.json and
    offline_train.json (dflash-eval --offline: the estimate and path tau on the held-out store and on the
    training store's held-out split), at most --parallel processes at a time.
 6. results.md / results.json: per variant, mean +- sd over seeds.
@@ -326,26 +329,38 @@ def stage_data(args) -> None:
     build_store(args, "train", data / json.loads((data / "manifest.json").read_text())["train_input"], want)
 
 
-def stage_heldout(args) -> None:
-    """The held-out prompts answered one by one by dflash-eval's own baseline loop (float32), so path tau
-    replays exactly what dflash-eval's target emits on this device; then the held-out store. Answers made
-    on another device are kept (the manifest says which): dflash-eval must then run there too."""
+def heldout_batch_size(args) -> int:
+    """The batch size dflash-eval picks here by default (generation.batch_size = 0)."""
     import torch
 
-    from train.eval.spec_decode import TargetRunner, target_generate
+    from train.eval.batched import AUTO_ROWS
+
+    return AUTO_ROWS if torch.cuda.is_available() and args.device != "cpu" else 1
+
+
+def stage_heldout(args) -> None:
+    """The held-out prompts answered by dflash-eval's own baseline loop (float32) as dflash-eval
+    runs it on this device (batched on a GPU), so path tau replays exactly what dflash-eval's
+    target emits here; then the held-out store. Answers made the other way (another batch size)
+    are made again."""
+    import torch
+
+    from train.eval.run import target_answers
 
     data, want = args.work / "data", data_settings(args)
     want = {k: v for k, v in want.items() if k not in ("device", "train_prompts")}
+    want["batch_size"] = heldout_batch_size(args)
     if not matches(data / "heldout_manifest.json", want):
         model, _, stops, template = load_target(args)
         held = [template.prompt_ids(m) for m in read_prompts(data / "heldout_prompts.jsonl", 0)]
-        runner = TargetRunner(model, [])
-        answers = [target_generate(runner, p, max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens
-                   for p in held]
+        t0 = time.perf_counter()
+        answers = target_answers(model, held, max_new_tokens=args.max_new_tokens, stop_ids=stops,
+                                 batch_size=want["batch_size"], block_size=8 if args.tiny else 16)
         write_records(data / "heldout.jsonl", held, answers)
         device = next(model.parameters()).device
         write_manifest(data / "heldout_manifest.json", want, device=str(device),
-                       device_name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+                       device_name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       seconds=round(time.perf_counter() - t0, 1))
     else:
         made = json.loads((data / "heldout_manifest.json").read_text()).get("device_name")
         print(f"{data / 'heldout.jsonl'}: held-out answers made on {made} are there; keeping them")
@@ -458,7 +473,17 @@ def one_run(out: Path) -> dict:
             "path_tau_heldout": held.get("path_tau"), "path_tau_pooled_heldout": held.get("path_tau_pooled"),
             "path_tau_train": train.get("path_tau"), "val_path_tau": val[-1].get("path_tau") if val else None,
             "val_tau": val[-1].get("tau") if val else None,
+            # where dflash-eval decoded: "cuda:0, batches of up to 256" or "cpu, one at a time"
+            "eval_on": _decoded_on(ev),
             "tok_s": statistics.fmean(tok_s[1:] or tok_s) if tok_s else None}
+
+
+def _decoded_on(report: dict) -> str | None:
+    if not report:
+        return None
+    batch = report.get("batch_size", 1)
+    how = "one at a time" if batch == 1 else f"batches of up to {batch}"
+    return f"{report.get('device')}, {how}"
 
 
 def _mean(xs: list[float | None]) -> float | None:
@@ -507,9 +532,12 @@ def stage_table(args) -> None:
             per_seed.append(f"| {v} | {seed} | " + " | ".join(
                 "n/a" if r[k] is None else f"{r[k]:.3f}" if k != "tok_s" else f"{r[k]:,.0f}"
                 for k in ("tau", "tau_pooled", "path_tau_heldout", "offline_heldout", "tok_s")) + " |")
-    (args.work / "results.md").write_text(table + "\n\nmean ± sd over seeds; tau per prompt then over prompts "
-                                          "(the DFlash authors' way), pooled = tokens per cycle over all cycles.\n"
-                                          + "\n".join(per_seed) + "\n")
+    where = sorted({r["eval_on"] for runs in results.values() for r in runs.values()
+                    if r["eval_on"]})
+    (args.work / "results.md").write_text(
+        table + "\n\nmean ± sd over seeds; tau per prompt then over prompts (the DFlash authors' "
+        "way), pooled = tokens per cycle over all cycles; "
+        f"dflash-eval decoded on {' and '.join(where) or 'n/a'}.\n" + "\n".join(per_seed) + "\n")
     (args.work / "results.json").write_text(json.dumps({"settings": settings(args), "runs": results}, indent=2))
 
 

@@ -71,3 +71,15 @@ def test_the_rich_regime_trains_about_one_pass_at_the_small_regimes_steps(tmp_pa
     assert (cfg.optim.max_steps, cfg.optim.epochs, cfg.data.batch_tokens) == (450, 2, 16384)
     small = run.parse(["--work", str(tmp_path), "--variants", "dpace", "--seeds", "0"])
     assert load_config(TrainConfig, None, run.train_command(small, "dpace", 0)[3:]).optim.max_steps is None
+
+
+def test_heldout_answers_and_the_table_say_how_dflash_eval_decodes(tmp_path):
+    """The held-out answers are made at the batch size dflash-eval picks on the stage's device (one
+    at a time on a CPU), and the table says where dflash-eval decoded."""
+    run = _runner()
+    assert run.heldout_batch_size(run.parse(["--work", str(tmp_path), "--device", "cpu"])) == 1
+    assert run.heldout_batch_size(run.parse(["--work", str(tmp_path), "--tiny"])) == 1
+    batched = run._decoded_on({"device": "cuda:0", "batch_size": 256})
+    assert batched == "cuda:0, batches of up to 256"
+    assert run._decoded_on({"device": "cpu", "batch_size": 1}) == "cpu, one at a time"
+    assert run._decoded_on({}) is None

@@ -45,6 +45,12 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _batch_words(batch_size: int) -> str:
+    if batch_size == 1:
+        return "batch 1"
+    return f"batches of up to {batch_size} prompts, tokens/s per prompt"
+
+
 def format_report(report: dict) -> str:
     """The readable table printed at the end of a run."""
     s = report["sampling"]
@@ -64,8 +70,8 @@ def format_report(report: dict) -> str:
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",
         f"  {'tokens/s, target alone':<28}{_fmt(report['target_tokens_per_s'], '.1f')}",
         f"  {'speedup':<28}{_fmt(report['speedup'], '.2f')}"
-        + ("" if report["speedup"] is None else "x (tokens/s speculative / target alone: same engine, batch 1, "
-           "decode after the prefill)"),
+        + ("" if report["speedup"] is None else "x (tokens/s speculative / target alone: same "
+           "engine, " + _batch_words(report.get("batch_size", 1)) + ", decode after the prefill)"),
         f"  {'lossless':<28}{verdict}",
     ]
     if report["num_prompts_without_cycles"]:

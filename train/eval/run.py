@@ -11,6 +11,14 @@ over the tokens each cycle adds to the output cut at the limit and the stop toke
 of a response differs; path tau, train/path_tau.py, reproduces it exactly from a store).
 Throughput also follows the reference: time per output token is the decode time (after the prefill)
 over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio of the two.
+
+Prompts are decoded one at a time (`generation.batch_size = 1`, the CPU's default) or many at
+once (train/eval/batched.py, a GPU's default): then every prompt of a batch is decoded side by side,
+with the drafter and with the target alone, and a prompt's decode time is the batch's time until
+that prompt finished, so tokens/s is per prompt at that batch size (the report says which). Each
+prompt's tokens and cycles are the same either way in float32; the lossless check still compares
+prompt by prompt. Multi-turn prompts are decoded a turn at a time: every prompt's first turn, then
+every second turn (answered by the first turn's speculative output), and so on.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -44,6 +52,9 @@ from train.eval.report import (
 from train.eval.spec_decode import (
     Decoded, Drafter, TargetRunner, speculative_generate, target_generate,
 )
+
+if TYPE_CHECKING:  # imported where used: it imports transformers, which the CLI need not load early
+    from train.eval import batched
 
 log = logging.getLogger("dflash")
 
@@ -95,10 +106,11 @@ class Settings:
     baseline: bool  # also decode with the target alone
     check_lossless: bool  # greedy, with a baseline to compare against
     baseline_cache: BaselineCache | None = None  # the target-alone decodes of earlier evaluations
+    batch_size: int = 1  # prompts decoded at once (batched.py when > 1)
 
 
 def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, block_size: int,
-                  stop_ids: frozenset[int]) -> Settings:
+                  stop_ids: frozenset[int], batch_size: int = 1) -> Settings:
     sampling = Sampling(gen.temperature, gen.top_p, gen.top_k, gen.max_new_tokens, gen.seed)
     return Settings(
         block_size=gen.block_size or block_size,
@@ -106,7 +118,27 @@ def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, b
         stop_ids=frozenset() if gen.ignore_eos else stop_ids,
         baseline=baseline,
         check_lossless=sampling.greedy and baseline and check_lossless != "off",
+        batch_size=batch_size,
     )
+
+
+def resolve_batch_size(gen: GenerationSection, model, drafter: Drafter,
+                       device: torch.device) -> int:
+    """generation.batch_size, with 0 resolved: 1 on a CPU or where batching cannot serve, else
+    AUTO_ROWS (each batch then capped by memory). An explicit size > 1 that cannot be served is
+    refused."""
+    from train.eval import batched
+
+    why = batched.batch_refusal(model)
+    if why is None and not batched.batchable(drafter):
+        why = f"the drafter ({type(drafter).__name__}) has no batched form"
+    if gen.batch_size == 0:
+        batchable = device.type == "cuda" and gen.temperature == 0 and why is None
+        return batched.AUTO_ROWS if batchable else 1
+    if gen.batch_size > 1 and why is not None:
+        raise UserError(
+            f"generation.batch_size = {gen.batch_size}: {why}; set generation.batch_size = 1.")
+    return gen.batch_size
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -148,6 +180,9 @@ def _warm_up(target: TargetRunner, drafter: Drafter, ids: list[int], s: Settings
 def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt], s: Settings, *,
                    tokenizer=None, template_kwargs: dict | None = None, warmup: bool = True) -> list[PromptResult]:
     """Decode every prompt (each turn of a multi-turn prompt is a prompt of its own)."""
+    if s.batch_size > 1:
+        return decode_prompts_batched(target, drafter, prompts, s, tokenizer=tokenizer,
+                                      template_kwargs=template_kwargs, warmup=warmup)
     results: list[PromptResult] = []
     for prompt in progress_bar(prompts, enabled=len(prompts) > 1, desc="dflash-eval", unit="prompt"):
         if prompt.ids is not None:
@@ -166,6 +201,137 @@ def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Pro
             answer = tokenizer.decode(result.spec.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
     return results
+
+
+# ---------------------------------------------------------------- decoding, batched
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One prompt (or one turn of one) to decode; `slot` is its place in decode_prompts' order,
+    which also offsets its seed as there."""
+
+    slot: int
+    name: str
+    ids: list[int]
+
+
+def decode_prompts_batched(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt],
+                           s: Settings, *, tokenizer=None, template_kwargs: dict | None = None,
+                           warmup: bool = True) -> list[PromptResult]:
+    """`decode_prompts` in batches of up to s.batch_size prompts (batched.py): every prompt's first
+    turn, then every second turn, and so on; the results in decode_prompts' order. The bar counts
+    tokens: each prompt's limit, once with the drafter and once with the target alone."""
+    from train.eval import batched
+
+    engine = batched.BatchedTarget(target.model, target.layer_ids)
+    proposer = batched.as_batched(drafter)
+    turns = [1 if p.ids is not None else len(p.turns) for p in prompts]
+    first_slot = [sum(turns[:i]) for i in range(len(prompts))]
+    results: list[PromptResult | None] = [None] * sum(turns)
+    messages: list[list[dict]] = [[] for _ in prompts]
+    total = len(results) * s.sampling.max_new_tokens * (2 if s.baseline else 1)
+    with progress_bar(total=total, enabled=len(results) > 1, desc="dflash-eval", unit="tok") as bar:
+        for turn in range(max(turns, default=0)):
+            items = []
+            for i, prompt in enumerate(prompts):
+                if prompt.ids is not None and turn == 0:
+                    items.append(_Item(first_slot[i], prompt.name, prompt.ids))
+                elif prompt.ids is None and turn < turns[i]:
+                    messages[i].append({"role": "user", "content": prompt.turns[turn]})
+                    ids = render_chat(tokenizer, messages[i], template_kwargs or {}, prompt.name)
+                    items.append(_Item(first_slot[i] + turn, f"{prompt.name}#turn{turn + 1}", ids))
+            batches = _batches(items, s, target.model, proposer)
+            if warmup and turn == 0:  # untimed: kernels and allocators are set up before the clock
+                limit = min(s.sampling.max_new_tokens, 2 * s.block_size)
+                short = dataclasses.replace(
+                    s, sampling=dataclasses.replace(s.sampling, max_new_tokens=limit),
+                    baseline_cache=None)
+                decode_batch(engine, proposer, batches[0], short)
+            for batch in batches:
+                done = decode_batch(engine, proposer, batch, s, bar.update)
+                for item, result in zip(batch, done):
+                    results[item.slot] = result
+            for i, prompt in enumerate(prompts):
+                if prompt.ids is None and turn < turns[i]:
+                    spoken = results[first_slot[i] + turn].spec.tokens
+                    answer = tokenizer.decode(spoken, skip_special_tokens=True)
+                    messages[i].append({"role": "assistant", "content": answer})
+    return results
+
+
+def _batches(items: list[_Item], s: Settings, model, proposer) -> list[list[_Item]]:
+    """The items by prompt length, longest first (a batch pads to its longest prompt), in batches
+    of s.batch_size, fewer where the GPU's memory holds fewer rows of that length."""
+    from train.eval import batched
+
+    order = sorted(items, key=lambda item: -len(item.ids))
+    out, a = [], 0
+    while a < len(order):
+        length = len(order[a].ids) + s.sampling.max_new_tokens + 2 * s.block_size
+        rows = min(s.batch_size, batched.rows_that_fit(model, proposer, length, s.block_size))
+        out.append(order[a:a + rows])
+        a += rows
+    return out
+
+
+def decode_batch(engine: batched.BatchedTarget, proposer: batched.BatchedDrafter,
+                 items: list[_Item], s: Settings,
+                 on_tokens: batched.OnTokens | None = None) -> list[PromptResult]:
+    """One batch with the drafter, then the target alone (those the baseline cache lacks), and the
+    comparison, prompt by prompt."""
+    from train.eval import batched
+
+    prompts, limit = [item.ids for item in items], s.sampling.max_new_tokens
+    specs = batched.speculative_generate_batch(
+        engine, proposer, prompts, block_size=s.block_size, max_new_tokens=limit,
+        stop_ids=s.stop_ids, on_tokens=on_tokens)
+    bases: list[Decoded | None] = [None] * len(items)
+    if s.baseline:
+        cache = s.baseline_cache
+        keys = [None] * len(items) if cache is None else [
+            cache.key(item.ids, limit, s.sampling, s.sampling.seed + item.slot, s.stop_ids,
+                      s.batch_size) for item in items]
+        bases = [cache.get(key) if cache is not None else None for key in keys]
+        missing = [i for i, base in enumerate(bases) if base is None]
+        if on_tokens is not None and len(missing) < len(items):
+            on_tokens(limit * (len(items) - len(missing)))
+        made = batched.target_generate_batch(
+            engine, [prompts[i] for i in missing], max_new_tokens=limit,
+            stop_ids=s.stop_ids, on_tokens=on_tokens) if missing else []
+        for i, base in zip(missing, made):
+            bases[i] = base
+            if cache is not None:
+                cache.put(keys[i], base)
+    return [PromptResult(item.name, len(item.ids), spec, base,
+                         first_mismatch(spec.tokens, base.tokens) if s.check_lossless else None)
+            for item, spec, base in zip(items, specs, bases)]
+
+
+def target_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                   stop_ids: frozenset[int], batch_size: int,
+                   block_size: int = 16) -> list[list[int]]:
+    """The target's own greedy answers, decoded as dflash-eval decodes its baseline (the reference
+    its lossless check compares with) at this batch size: one at a time, or in its batches (by
+    prompt length, longest first; where memory caps a batch, dflash-eval's also holds a drafter of
+    `block_size` and may split them elsewhere). Answers meant to be replayed against dflash-eval's
+    (path tau) are made here, on the device dflash-eval runs on."""
+    from train.eval import batched
+
+    target = TargetRunner(model, [])
+    if batch_size == 1:
+        return [target_generate(target, p, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens
+                for p in prompts]
+    s = Settings(block_size, Sampling(max_new_tokens=max_new_tokens), stop_ids, True, True,
+                 batch_size=batch_size)
+    engine, answers = batched.BatchedTarget(model, []), [None] * len(prompts)
+    items = [_Item(i, str(i), list(p)) for i, p in enumerate(prompts)]
+    for batch in _batches(items, s, model, None):
+        made = batched.target_generate_batch(engine, [item.ids for item in batch],
+                                             max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        for item, decoded in zip(batch, made):
+            answers[item.slot] = decoded.tokens
+    return answers
 
 
 # ---------------------------------------------------------------- report
@@ -192,6 +358,7 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
         "tau_emitted": _mean([r.tau_emitted for r in results if r.tau_emitted is not None]),
         "tau_definition": TAU_DEFINITION,
         "block_size": s.block_size,
+        "batch_size": s.batch_size,  # prompts at once (1: one at a time); tokens/s are per prompt
         "num_prompts": len(results),
         "num_prompts_without_cycles": len(results) - len(taus),
         "num_cycles": len(lengths),
@@ -229,9 +396,12 @@ def evaluate_drafter(model, tokenizer, drafter: Drafter, cfg: EvalConfig, prompt
     except ValueError as e:
         raise UserError(
             f"the drafter does not fit this target: {e}; evaluate it on the target it was trained for.") from e
-    s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
-                      stop_token_ids(model.generation_config, tokenizer))
     target = TargetRunner(model, drafter.layer_ids)
+    s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
+                      stop_token_ids(model.generation_config, tokenizer),
+                      resolve_batch_size(cfg.generation, model, drafter, target.device))
+    log.info("decoding %d prompts %s", len(prompts),
+             "one at a time" if s.batch_size == 1 else f"in batches of up to {s.batch_size}")
     if cfg.check.baseline and cfg.check.baseline_cache:
         s = dataclasses.replace(s, baseline_cache=BaselineCache.open(
             cfg.check.baseline_cache, cfg.target.path, cfg.target.dtype, str(target.device)))

@@ -136,9 +136,14 @@ class TargetRunner:
             cache.crop(-remove)
 
     def clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return device_clock(self.device)
+
+
+def device_clock(device: torch.device) -> float:
+    """perf_counter once the device's queued work is done (a CUDA device's kernels run async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -294,4 +299,13 @@ class DFlashProposer:
         block = torch.full((num_drafts + 1,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = anchor
         hidden = self.drafter.draft(self.cache, context.to(dtype), block)  # [n+1, H]; cache: context only
-        return self.drafter.logits(hidden[1:]).argmax(-1)  # [n]
+        return self.draft(hidden[None], block[:1])[0]  # [n]
+
+    def draft(self, block_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The draft step: block hidden states [N, B, H] (after `norm`) and the tokens at the
+        anchors [N] -> drafted tokens [N, B-1]. DFlash takes each position's argmax on its own
+        (position 0 is the anchor, not a prediction). A drafter that decodes the positions in
+        sequence (DSpark's Markov head) or picks a path through candidates (DFlash2's selector)
+        replaces this method; both loops, one prompt at a time and batched (batched.py), draft
+        through it."""
+        return self.drafter.logits(block_hidden[:, 1:]).argmax(-1)
