@@ -40,6 +40,7 @@ from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, tar
 from dflash_common.fsutil import human_bytes, is_disk_full, os_reason
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
 from dflash_common.store.format import read_root_attributes
+from dflash_common.store.quant import check_hidden_size
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
 from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
@@ -213,6 +214,10 @@ def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list
                    hidden_size: int) -> StoreManifest:
     """The store's manifest: fingerprints and the settings that shape its content. Nothing in it
     depends on paths, the number of ranks or the clock, so every rank and every rerun agrees."""
+    try:
+        check_hidden_size(cfg.store.dtype, hidden_size)
+    except ValueError as e:
+        raise UserError(f"{e} (the target's hidden size is {hidden_size}).") from None
     tokenizer = tokenizer_identity(cfg.target.path)
     inputs = list(dict.fromkeys(s.path for s in sources))  # a dataset's splits share one directory
     return StoreManifest(

@@ -74,6 +74,24 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_target, tmp_path, capsy
     assert parse(["--config", TINY, "--dry-run"]).run.dry_run and parse(["--config", TINY, "--force"]).run.force
 
 
+def test_the_plan_of_a_q4_store_counts_its_bytes(tiny_target, tmp_path, capsys):
+    main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run", "--store.dtype=q4_hadamard"))
+    out = capsys.readouterr().out
+    # per layer: 32 bytes of 4-bit codes + 4 group scale bytes + a float32 token scale (0.31x of 645 here)
+    assert "205 array bytes/token (5 x (36 + 4) + 5 for id and mask) + 8 per sequence" in out, out
+
+
+def test_q4_on_a_hidden_size_of_no_whole_groups_is_one_sentence(tmp_path, capsys):
+    from dflash_common.tiny import TinySpec, build_tiny_target
+
+    target = build_tiny_target(tmp_path / "h40", TinySpec(hidden_size=40, head_dim=10))
+    with pytest.raises(SystemExit) as caught:
+        main(_tiny_args(target, tmp_path / "store", "--dry-run", "--store.dtype=q4_hadamard"))
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1, err
+    assert "q4_hadamard needs a hidden size that is a multiple of 16, not 40; choose bf16 or fp8_e4m3" in err
+
+
 def test_a_disk_too_small_is_refused_in_one_sentence(tiny_target, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(P, "free_space", lambda path: 1_000_000)
     with pytest.raises(SystemExit) as caught:
