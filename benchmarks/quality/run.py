@@ -20,7 +20,9 @@ Stages and what they leave in --work (a stage whose output has a matching manife
    (`target_generate`, float32) on this stage's device, as token records, so path tau replays exactly what
    dflash-eval's target emits there; then stores/heldout. Cheap enough for a CPU: run it where dflash-eval runs.
 4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
-   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below). At the
+   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below), and
+   maybe a store of its own (STORES below: another storage dtype, or every target layer captured and
+   read), precompute from the same answers into stores/train-<dtype>[-all] before the runs start. At the
    deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same command resumes it.
 5. per run: eval.json (dflash-eval, float32, lossless required), offline_heldout.json and
    offline_train.json (dflash-eval --offline: the estimate and path tau on the held-out store and on the
@@ -41,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +81,35 @@ VARIANTS: dict[str, list[str]] = {
     "label+dspark+prompt": ["--objective.anchors=label", "--targets.soft=dspark", "--targets.prompt_anchors=true"],
     # not at equal steps: 4x the optimiser steps over the same data (a recipe knob, reported apart)
     "batch4k": ["--data.batch_tokens=4096"],
+    # the recipe from a store of the same answers in another storage dtype (STORES): tau per codec
+    "fp8": [],
+    "q4": [],
+    # every target layer captured and read by the drafter (its fc grows to N*H): at 4 bits they cost less
+    # than DFlash's K layers in fp8 (benchmarks/store_codecs.py's bytes table); all_layers is the bf16 twin
+    "q4+all_layers": [],
+    "all_layers": [],
+}
+
+
+class StoreSpec(NamedTuple):
+    """What a training store holds: its storage dtype and its layers (DFlash's K, or every layer)."""
+
+    dtype: str = "bf16"
+    all_layers: bool = False
+
+    def name(self, split: str) -> str:
+        """stores/<split>[-<dtype>][-all]: 'train' and 'heldout' for the default."""
+        return split + ("" if self.dtype == "bf16" else f"-{self.dtype}") + ("-all" if self.all_layers else "")
+
+
+DEFAULT_STORE = StoreSpec()  # stores/train: bf16, DFlash's layer ids, final states (soft-target variants)
+# Variants that train from another store than stores/train; the held-out store they are evaluated on is
+# bf16 with the same layers (the drafter meets the target's own states when it serves).
+STORES: dict[str, StoreSpec] = {
+    "fp8": StoreSpec("fp8_e4m3"),
+    "q4": StoreSpec("q4_hadamard"),
+    "q4+all_layers": StoreSpec("q4_hadamard", all_layers=True),
+    "all_layers": StoreSpec("bf16", all_layers=True),
 }
 
 # The published DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's),
@@ -270,12 +302,25 @@ def load_target(args):
     return model, tok, stop_token_ids(model, tok), ChatTemplate(tok, {})
 
 
-def precompute(args, records: Path, store: Path) -> subprocess.Popen:
+def target_layers(args) -> list[int]:
+    """Every decoder layer of the target: the layer ids of an all-layers store and drafter."""
+    config = json.loads((args.work / "target" / "config.json").read_text())
+    return list(range(config.get("text_config", config)["num_hidden_layers"]))
+
+
+def precompute_command(args, records: Path, store: Path, spec: StoreSpec = DEFAULT_STORE) -> list[str]:
     cmd = [sys.executable, "-m", "precompute.cli", "--out", str(store), f"--target.path={args.work / 'target'}",
            f"--store.final_state={'true' if store.name == 'train' else 'false'}",  # soft-target variants
-           f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32", "--store.dtype=bf16",
+           f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32", f"--store.dtype={spec.dtype}",
            "--data.block_size=2", "--data.max_length=4096", "--run.progress=false",
            f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]
+    if spec.all_layers:
+        cmd.append(f"--target.layer_ids={json.dumps(target_layers(args))}")
+    return cmd
+
+
+def precompute(args, records: Path, store: Path, spec: StoreSpec = DEFAULT_STORE) -> subprocess.Popen:
+    cmd = precompute_command(args, records, store, spec)
     if args.tiny:
         cmd += ["--run.samples_per_unit=16", "--batching.token_budget=4096", "--run.writer_threads=1"]
     return launch(cmd, args.work / "logs" / f"precompute-{store.name}.log")
@@ -286,11 +331,24 @@ def data_settings(args) -> dict:
     return {**settings(args), "target": hashlib.sha256(target_manifest).hexdigest()}
 
 
-def build_store(args, name: str, records: Path, want: dict) -> None:
+def build_store(args, name: str, records: Path, want: dict, spec: StoreSpec = DEFAULT_STORE) -> None:
     store = args.work / "stores" / name
     if not matches(store / "bench_manifest.json", want):
-        wait_all([(precompute(args, records, store), args.work / "logs" / f"precompute-{name}.log")])
+        wait_all([(precompute(args, records, store, spec), args.work / "logs" / f"precompute-{name}.log")])
         write_manifest(store / "bench_manifest.json", want)
+
+
+def variant_stores(args) -> list[StoreSpec]:
+    """The stores of the chosen variants other than the default, each once."""
+    return list(dict.fromkeys(STORES[v] for v in args.variants if v in STORES))
+
+
+def build_variant_stores(args) -> None:
+    """The chosen variants' own training stores, from the answers the default store was made from."""
+    data, want = args.work / "data", data_settings(args)
+    records = data / json.loads((data / "manifest.json").read_text())["train_input"]
+    for spec in variant_stores(args):
+        build_store(args, spec.name("train"), records, {**want, "store": spec._asdict()}, spec)
 
 
 def stage_data(args) -> None:
@@ -331,6 +389,9 @@ def stage_heldout(args) -> None:
         made = json.loads((data / "heldout_manifest.json").read_text()).get("device_name")
         print(f"{data / 'heldout.jsonl'}: held-out answers made on {made} are there; keeping them")
     build_store(args, "heldout", data / "heldout.jsonl", want)
+    for spec in {heldout_spec(v) for v in args.variants} - {DEFAULT_STORE}:  # bf16, the runs' layers
+        build_store(args, spec.name("heldout"), data / "heldout.jsonl",
+                    {**want, "store": spec._asdict()}, spec)
 
 
 # ---------------------------------------------------------------- 3. drafters
@@ -340,15 +401,27 @@ def run_dir(args, variant: str, seed: int) -> Path:
     return args.work / "runs" / variant / f"seed-{seed}"
 
 
+def train_store(args, variant: str) -> Path:
+    return args.work / "stores" / STORES.get(variant, DEFAULT_STORE).name("train")
+
+
+def heldout_spec(variant: str) -> StoreSpec:
+    """The held-out store a variant is evaluated on: bf16 states of the layers its drafter reads."""
+    return StoreSpec("bf16", STORES.get(variant, DEFAULT_STORE).all_layers)
+
+
 def train_command(args, variant: str, seed: int) -> list[str]:
     out = run_dir(args, variant, seed)
-    return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(args.work / 'stores' / 'train')])}",
+    layers = ([f"--drafter.layer_ids={json.dumps(target_layers(args))}"]
+              if STORES.get(variant, DEFAULT_STORE).all_layers else [])
+    return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(train_store(args, variant))])}",
             f"--run.target={args.work / 'target'}", f"--run.out_dir={out}", f"--run.seed={seed}",
             f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}",
-            *(TINY_RECIPE if args.tiny else RECIPE), *VARIANTS[variant]]
+            *(TINY_RECIPE if args.tiny else RECIPE), *layers, *VARIANTS[variant]]
 
 
 def stage_drafters(args) -> None:
+    build_variant_stores(args)
     procs = []
     for variant in args.variants:
         for seed in args.seeds:
@@ -368,7 +441,13 @@ def stage_drafters(args) -> None:
 # ---------------------------------------------------------------- 4. eval
 
 
+def heldout_store(args, out: Path) -> Path:
+    return args.work / "stores" / heldout_spec(out.parent.name).name("heldout")
+
+
 def eval_commands(args, out: Path) -> dict[str, list[str]]:
+    """The reports of one run (out = runs/VARIANT/seed-S): offline_train reads the run's own training
+    store (its trainer's held-out split), offline_heldout the bf16 held-out store of its layers."""
     target, data = args.work / "target", args.work / "data"
     common = [sys.executable, "-m", "train.evaluate", "--drafter", str(out / "drafter"),
               f"--target.path={target}", f"--generation.max_new_tokens={args.max_new_tokens}",
@@ -378,10 +457,10 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
                           "--target.dtype=float32", "--check.lossless=error", "--report", str(out / "eval.json"),
                           # every run is evaluated on the same target and prompts: decode the target alone once
                           f"--check.baseline_cache={args.work / 'baseline-cache'}"],
-        "offline_heldout": common + ["--offline", "--store", str(args.work / "stores" / "heldout"),
+        "offline_heldout": common + ["--offline", "--store", str(heldout_store(args, out)),
                                      "--offline.holdout_sequences=100000000", "--report",
                                      str(out / "offline_heldout.json")],
-        "offline_train": common + ["--offline", "--store", str(args.work / "stores" / "train"), "--report",
+        "offline_train": common + ["--offline", "--store", str(train_store(args, out.parent.name)), "--report",
                                    str(out / "offline_train.json")],
     }
 
@@ -393,7 +472,7 @@ def stage_eval(args) -> None:
         for variant in args.variants:
             for seed in args.seeds:
                 out = run_dir(args, variant, seed)
-                if name == "offline_heldout" and not (args.work / "stores" / "heldout").is_dir():
+                if name == "offline_heldout" and not heldout_store(args, out).is_dir():
                     continue  # no heldout stage yet
                 if (out / "drafter").is_dir() and not (out / f"{name}.json").is_file():
                     todo.append((eval_commands(args, out)[name], out.parent / f"{name}-seed-{seed}.log"))

@@ -4,11 +4,13 @@ dflash-eval command parse into the stage's config, so a GPU run does not fail on
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
 from dflash_common.config import load_config
+from precompute.config import PrecomputeConfig
 from train.config import TrainConfig
 from train.eval_config import EvalConfig
 
@@ -25,6 +27,8 @@ def _runner():
 @pytest.mark.parametrize("tiny", [False, True])
 def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
     run = _runner()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
     args = run.parse(["--work", str(tmp_path), "--variants", ",".join(run.VARIANTS), "--seeds", "0,3"]
                      + (["--tiny"] if tiny else []))
     for variant in run.VARIANTS:
@@ -32,6 +36,11 @@ def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
         assert cmd[1:3] == ["-m", "train.cli"]
         cfg = load_config(TrainConfig, None, cmd[3:])
         assert cfg.run.seed == 3 and cfg.run.out_dir == str(tmp_path / "runs" / variant / "seed-3")
+        spec = run.STORES.get(variant, run.StoreSpec())
+        assert cfg.data.stores == [str(tmp_path / "stores" / spec.name("train"))]
+        if spec.all_layers:  # the drafter reads every layer its store captured
+            assert cfg.drafter.layer_ids == list(range(8))
+            continue
         if not tiny:  # the recipe of the issue, but for what the variant itself changes
             recipe = {"drafter.block_size": 16, "drafter.depth": 3, "optim.epochs": 6, "optim.lr": 6e-4}
             changed = {o.split("=")[0].removeprefix("--") for o in run.VARIANTS[variant]}
@@ -39,6 +48,27 @@ def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
                 section, field = key.split(".")
                 assert key in changed or getattr(getattr(cfg, section), field) == value, (variant, key)
             assert cfg.drafter.layer_ids is None  # the store's: the DFlash rule
+
+
+def test_variants_of_other_stores_train_and_are_evaluated_on_their_own_stores(tmp_path):
+    run = _runner()
+    args = run.parse(["--work", str(tmp_path), "--variants", "baseline,q4,q4+all_layers,all_layers,fp8"])
+    assert [s.name("train") for s in run.variant_stores(args)] == [
+        "train-q4_hadamard", "train-q4_hadamard-all", "train-all", "train-fp8_e4m3"]
+    stores = tmp_path / "stores"
+    for variant, train, heldout in (("baseline", "train", "heldout"), ("q4", "train-q4_hadamard", "heldout"),
+                                    ("q4+all_layers", "train-q4_hadamard-all", "heldout-all")):
+        cmds = run.eval_commands(args, tmp_path / "runs" / variant / "seed-0")
+        assert cmds["offline_train"][cmds["offline_train"].index("--store") + 1] == str(stores / train)
+        assert cmds["offline_heldout"][cmds["offline_heldout"].index("--store") + 1] == str(stores / heldout)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
+    spec = run.STORES["q4+all_layers"]
+    cmd = run.precompute_command(args, tmp_path / "data" / "train.jsonl", stores / spec.name("train"), spec)
+    assert cmd[1:3] == ["-m", "precompute.cli"]
+    cfg = load_config(PrecomputeConfig, None, [a for a in cmd[3:] if a.startswith("--") and "=" in a])
+    assert cfg.store.dtype == "q4_hadamard" and cfg.target.layer_ids == [0, 1, 2, 3]
+    assert not cfg.store.final_state  # only stores/train keeps final states (soft-target variants)
 
 
 def test_eval_commands_parse_and_ask_for_float32_and_lossless(tmp_path):
