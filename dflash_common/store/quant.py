@@ -68,8 +68,8 @@ FP8_REL_ERROR = 2.0**-4  # half an ulp relative to the value, 3 mantissa bits
 FP8_ABS_ERROR = 2.0**-10  # half the subnormal step (2^-9), in units of the token's scale
 
 # Lloyd-Max levels of a group of 16 standard normal values divided by the group's largest magnitude
-# (fitted on 64M groups): the rotated states are close to normal, and a group's scale comes from its
-# largest value. Beat NF4's levels by ~8% and FP4 e2m1's by ~20% in relative L2 error
+# (fitted on 4M groups): the rotated states are close to normal, and a group's scale comes from its
+# largest value. Beat NF4's levels by 4-12% and FP4 e2m1's by 20-27% in relative L2 error
 # (docs/benchmarks.md, "Storage codecs").
 Q4_POSITIVE = (0.0529, 0.1597, 0.2696, 0.3849, 0.5085, 0.6446, 0.7990, 0.9815)
 Q4_LEVELS: tuple[float, ...] = tuple(-v for v in reversed(Q4_POSITIVE)) + Q4_POSITIVE  # code 0..15
@@ -225,12 +225,15 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     so CPU and GPU give the same bits (the encoder's codes must not depend on the device)."""
     n, h = x.shape
     block = hadamard_block(h)
-    y, half = x.reshape(-1, block), 1
-    while half < block:
+    y = x.reshape(-1, block)  # [N*H/B, B]
+    buffers, k, half = (torch.empty_like(y), torch.empty_like(y)), 0, 1
+    while half < block:  # two buffers in turn: a stage reads one and writes the other
         pairs = y.view(-1, block // (2 * half), 2, half)  # elements `half` apart form the pairs
-        a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y, half = torch.stack((a + b, a - b), dim=2), 2 * half
-    return y.view(n, h) * block**-0.5
+        out = buffers[k].view(pairs.shape)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        y, k, half = buffers[k], 1 - k, 2 * half
+    return y.reshape(n, h) * block**-0.5
 
 
 def hadamard_by_matmul(x: torch.Tensor) -> torch.Tensor:
