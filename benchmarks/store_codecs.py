@@ -159,8 +159,10 @@ def load_tokens(target: Path, data: Path | None, tokens: int) -> list[list[int]]
         if not line.strip():
             continue
         record = json.loads(line)
-        ids = record.get("input_ids") or tok.apply_chat_template(record["messages"], tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)[: tokens - total]
+        if "input_ids" not in record:  # rendered, then tokenized: one path on every transformers
+            text = tok.apply_chat_template(record["messages"], tokenize=False)
+            record["input_ids"] = tok(text, add_special_tokens=False)["input_ids"]
+        ids = list(record["input_ids"])[: tokens - total]
         out.append(ids)
         total += len(ids)
     if not out:
