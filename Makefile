@@ -47,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 serve-check: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider --timeout=2400 tests/test_serving_vllm.py \
-		tests/precompute/test_generate_vllm.py
+		tests/precompute/generate/test_generate_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) demo .pytest_cache

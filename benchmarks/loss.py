@@ -8,7 +8,7 @@ new random order each round; peak memory is the largest allocation above what th
 lm_head, labels, weights) already hold, over one forward + backward after two warm-ups.
 Rows: our loss with every row weighted, our loss with DFlash block weights (position 0 of every
 16-token block has weight 0 and is skipped), each by its methods (exact; label odds, one pass over
-the logits; label odds in the logits matmul's epilogue: loss.py), plain PyTorch (logits +
+the logits; label odds in the logits matmul's epilogue: loss/hard.py), plain PyTorch (logits +
 F.cross_entropy) and, when importable, Liger-Kernel's LigerFusedLinearCrossEntropyLoss (which
 applies no per-token weights).
 """
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.timing import Spread, cuda_ms  # noqa: E402
-from dflash_common.drafter.loss import ODDS_LOG_LIMIT, fused_lm_head_loss, new_odds_results  # noqa: E402
+from dflash_common.drafter.loss.hard import ODDS_LOG_LIMIT, fused_lm_head_loss, new_odds_results  # noqa: E402
 from dflash_common.drafter.objective import default_gamma  # noqa: E402
 
 GOAL_SIZES = [(16384, 4096, 151936), (65536, 5120, 248320)]  # (N, H, V)
@@ -187,7 +187,7 @@ def sweep(sizes, device, dtype, reps: int) -> None:
         del inputs
 
 
-# (columns per step, warps) of the row kernel; its default is loss_triton.MAX_BLOCK / NUM_WARPS
+# (columns per step, warps) of the row kernel; its default is hard_triton.MAX_BLOCK / NUM_WARPS
 SWEEP_SHAPES = [(4096, 16), (8192, 16), (8192, 32), (16384, 32), (4096, 32), (16384, 16)]
 
 
@@ -198,7 +198,7 @@ def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_siz
     in L2 what it would find there; the matmul is outside the timing. Each shape's result is checked
     against the first's. Liger-Kernel's row kernel, launched as its fused linear cross-entropy does,
     is a row when importable."""
-    from dflash_common.drafter.loss_triton import MAX_BLOCK, NUM_WARPS, weighted_ce_rows
+    from dflash_common.drafter.loss.hard_triton import MAX_BLOCK, NUM_WARPS, weighted_ce_rows
 
     g = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(rows, hidden_size, device=device, dtype=dtype, generator=g) * 4
@@ -243,7 +243,7 @@ def odds_rows(logits, labels, weights, timed, line) -> None:
     """The label-odds row kernel on the same chunk: one read and one write (GB/s still counted over
     the three passes above, so that the columns compare as times); its CE checked against the exact
     kernel's."""
-    from dflash_common.drafter.loss_triton import label_odds_rows, weighted_ce_rows
+    from dflash_common.drafter.loss.hard_triton import label_odds_rows, weighted_ce_rows
 
     out = new_odds_results(logits.shape[0], logits.device)
     times, _ = timed(lambda: label_odds_rows(logits, labels, weights, True, out, ODDS_LOG_LIMIT))
@@ -256,7 +256,7 @@ def epilogue_matmul(h, w, labels, weights, reps: int) -> None:
     """The logits matmul of one chunk: cuBLAS (h @ W^T into a preallocated buffer, as the loss runs it)
     beside the Triton matmul that forms the odds in its epilogue (with its label dot and per-row fold;
     autotuned on the first call), in TFLOP/s of the matmul's 2 C V H."""
-    from dflash_common.drafter.loss_epilogue_triton import _odds_matmul_tuned, odds_matmul
+    from dflash_common.drafter.loss.epilogue_triton import _odds_matmul_tuned, odds_matmul
 
     c, v = h.shape[0], w.shape[0]
     logits = torch.empty(c, v, device=h.device, dtype=h.dtype)

@@ -28,14 +28,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/machine.txt"
 el "loss (issue 18's open goal first): its GPU tests, the row kernels and the epilogue matmul, the N=16384 table"
-timeout $(limit 90) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/dflash_common/drafter/test_loss.py \
+timeout $(limit 90) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/dflash_common/drafter/loss/test_hard_loss.py \
   > "$OUT/loss_tests.log" 2>&1; tail -3 "$OUT/loss_tests.log"
 timeout $(limit 90) python3 benchmarks/loss.py --kernel-sweep > "$OUT/loss.log" 2>&1
 timeout $(limit 100) python3 benchmarks/loss.py --sizes first --reps 15 >> "$OUT/loss.log" 2>&1
 grep -E "^(\| |Triton)" "$OUT/loss.log"
 el "GPU tests of the compiled and graph paths"
 timeout $(limit 120) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=short tests/precompute/test_target.py \
-  tests/dflash_common/drafter/test_drafter.py tests/precompute/test_generate.py -k "compiled or cuda_graph" \
+  tests/dflash_common/drafter/test_model.py tests/dflash_common/drafter/test_attention.py tests/precompute/generate/test_generate.py \
+  -k "compiled or cuda_graph" \
   > "$OUT/gpu_tests.log" 2>&1; tail -3 "$OUT/gpu_tests.log"
 el "generate"
 timeout $(limit 170) python3 benchmarks/generate.py --shapes qwen3-8b --repeats 3 --new-tokens 128 > "$OUT/generate.log" 2>&1

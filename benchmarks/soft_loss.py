@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/soft_loss.py            # on a GPU: the goal sizes, bf16, Triton
     PYTHONPATH=. python benchmarks/soft_loss.py --quick    # CPU, tiny sizes, torch backend
 
-Rows: the hard fused loss (loss.py; 4NVH), then each soft kind (soft_loss.py; the target's logits
+Rows: the hard fused loss (loss/hard.py; 4NVH), then each soft kind (loss/soft.py; the target's logits
 are one more matmul per chunk: 6NVH): 'ce' with greedy labels (what prompt anchors cost with
 targets.soft=none), 'kl', 'tv', 'dspark'. Every row carries DFlash block weights (1 in 16 skipped).
 Time is the median over repetitions (CUDA events on a GPU), with their spread; peak memory (GPU only) is the largest
@@ -22,8 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.loss import GOAL_SIZES, QUICK_SIZES, make_inputs, measure  # noqa: E402
-from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
-from dflash_common.drafter.soft_loss import soft_lm_head_loss  # noqa: E402
+from dflash_common.drafter.loss import fused_lm_head_loss, soft_lm_head_loss  # noqa: E402
 
 
 def hard(backend):

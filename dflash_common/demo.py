@@ -12,7 +12,6 @@ the target.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_common.cli import ArgumentParser
 from dflash_common.tiny import TinySpec, build_tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def last_records(run: Path) -> tuple[dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="make demo", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="make demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "demo", help="where the demo writes (default: demo/)")
     out = parser.parse_args(argv).out.resolve()
     store, run, drafter, report_path = out / "store", out / "train", out / "drafter", out / "eval.json"
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     for old in (generated, store, run, drafter):
         shutil.rmtree(old, ignore_errors=True)
     times = {
-        "generate": stage("generate", "precompute.generate_cli", "--config", "configs/tiny.toml",
+        "generate": stage("generate", "precompute.generate.cli", "--config", "configs/tiny.toml",
                           f"--out={generated}", env=ONE_THREAD),
         "precompute": stage("precompute", "precompute.cli", "--config", "configs/tiny.toml",
                             f"--out={store}", f"--data.inputs={json.dumps([str(generated)])}"),
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         "train": stage("train", "train.cli", "--config", "configs/tiny.toml", f"--store={store}",
                        f"--out={run}"),
         "export": stage("export", "dflash_common.drafter.export", str(run), str(drafter), "--overwrite"),
-        "eval": stage("eval", "train.evaluate", "--config", "configs/tiny.toml", f"--drafter={drafter}",
+        "eval": stage("eval", "train.eval.cli", "--config", "configs/tiny.toml", f"--drafter={drafter}",
                       f"--report={report_path}"),
     }
     info = json.loads(subprocess.run([sys.executable, "-m", "dflash_common.store.cli", "info", str(store), "--json"],

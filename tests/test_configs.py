@@ -15,10 +15,10 @@ from dflash_common.config import load_config, read_toml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGES = {
-    "generate": "precompute.generate_config:GenerateConfig",
+    "generate": "precompute.generate.config:GenerateConfig",
     "precompute": "precompute.config:PrecomputeConfig",
     "train": "train.config:TrainConfig",
-    "eval": "train.eval_config:EvalConfig",
+    "eval": "train.eval.config:EvalConfig",
 }
 
 

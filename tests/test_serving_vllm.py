@@ -7,7 +7,7 @@ is served by vLLM's CPU build, and a broken export makes the check fail.
 
 The check (`serving_failures`): greedy output with the drafter equals vLLM's output without it token
 for token; the drafter is accepted (pooled tau > 1); and vLLM serving the export makes the same
-draft-verify cycles as our own engine (train/spec_decode.py, dflash-eval --engine transformers) on the
+draft-verify cycles as our own engine (train/eval/spec_decode.py, dflash-eval --engine transformers) on the
 trained checkpoint: per prompt the same number of cycles and the same count of cycles accepting each
 draft position (so the same accepted tokens), in float32, greedy. A mean tau hides a drafter that is
 slightly wrong everywhere; its drafts part from ours on most prompts.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from train.vllm_engine import vllm_available
+from train.eval.vllm_engine import vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable here")]
 
@@ -106,7 +106,7 @@ def _request(target: Path, prompts: list[list[int]]) -> dict:
 @pytest.fixture(scope="module")
 def served_target(trained, tmp_path_factory) -> dict:
     """vLLM's greedy answers with the target alone: what every drafter must reproduce."""
-    from train.vllm_engine import run_engine
+    from train.eval.vllm_engine import run_engine
 
     target, _, _, prompts = trained
     return run_engine(_request(target, prompts), tmp_path_factory.mktemp("vllm-target"), "target")
@@ -115,13 +115,13 @@ def served_target(trained, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def our_cycles(trained) -> list[dict]:
     """Per prompt, the counters vLLM must report if it drafts as our engine does with the trained
-    checkpoint (not the export under test): train/spec_decode.py, float32, greedy."""
+    checkpoint (not the export under test): train/eval/spec_decode.py, float32, greedy."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from dflash_common.drafter.export import load_drafter
-    from train.spec_decode import DFlashProposer, TargetRunner, speculative_generate
-    from train.vllm_engine import expected_counters
+    from train.eval.spec_decode import DFlashProposer, TargetRunner, speculative_generate
+    from train.eval.vllm_engine import expected_counters
 
     target, _, run, prompts = trained
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -150,7 +150,7 @@ def _pooled_tau(rows: list[dict]) -> float:
 
 def serving_failures(drafter: Path, trained, base: dict, ours: list[dict], work: Path) -> list[str]:
     """What is wrong with serving `drafter` through vLLM; empty when the check passes."""
-    from train.vllm_engine import run_engine, summarize_engine
+    from train.eval.vllm_engine import run_engine, summarize_engine
 
     target, _, _, prompts = trained
     block = json.loads((drafter / "config.json").read_text())["block_size"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dflash_common.config_doc import Stage, main
 from precompute.config import PrecomputeConfig
-from precompute.generate_config import GenerateConfig
+from precompute.generate.config import GenerateConfig
 from train.config import TrainConfig
-from train.eval_config import EvalConfig
+from train.eval.config import EvalConfig
 
 # in the order of the data path
 STAGES: list[Stage] = [

@@ -2,7 +2,7 @@
 
 When a stored response is the target's own greedy output (as dflash-generate writes it), the target's
 verdict on any draft is known in advance: at every response position its greedy token *is* the stored
-token. So `train/spec_decode.py`'s greedy decoding can be replayed exactly from the stored tokens and
+token. So `train/eval/spec_decode.py`'s greedy decoding can be replayed exactly from the stored tokens and
 features alone:
 
     prefill  -> the first response token r0 at position p (not a cycle)
@@ -53,14 +53,18 @@ from typing import Any
 
 import torch
 
-from dflash_common.drafter.model import BlockLayout
+from dflash_common.drafter.attention import BlockLayout
+from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.objective import response_starts
+from dflash_common.drafter.packed import sequence_index
+from train.transfer import DeviceBatch
 
 # Blocks whose logits [n, B-1, V] are materialised at once (bounds memory at large vocabularies).
 _LOGIT_ELEMENTS = 1 << 26
 
 
 def cycle_length(accepted: torch.Tensor, anchor: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Tokens a cycle emits, as train/spec_decode.py's `Decoded.emitted` counts them: the accepted drafts
+    """Tokens a cycle emits, as train/eval/spec_decode.py's `Decoded.emitted` counts them: the accepted drafts
     plus the target's own token, cut where the response ends (its stop token at end - 1, or the length
     limit), so the last cycle counts only what it emits (`acceptance_lengths`, the authors' tau, counts
     it uncut). The one place of the end rule: follow spec_decode's `emitted_lengths` if it changes."""
@@ -71,28 +75,21 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_new_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The responses of a packed batch: maximal runs of loss-mask positions inside one sequence.
 
-    Returns packed (first, end, seq_start) [R] each: first response token, end of the response
+    Returns packed (first, end, seq_start) int64 [R] each: first response token, end of the response
     (exclusive, cut at first + max_new_tokens) and the start of its sequence."""
-    device = loss_mask.device
-    mask = loss_mask.bool()
-    t = mask.shape[0]
-    cu = cu_seqlens.to(device, torch.long)
-    is_start = torch.zeros(t, dtype=torch.bool, device=device)
-    is_start[cu[:-1][cu[:-1] < t]] = True  # a run never crosses a sequence boundary
-    prev = torch.cat([mask.new_zeros(1), mask[:-1]])
-    begins = mask & (~prev | is_start)
-    nxt = torch.cat([mask[1:], mask.new_zeros(1)])
-    next_starts = torch.cat([is_start[1:], is_start.new_ones(1)])
-    finishes = mask & (~nxt | next_starts)
+    begins = response_starts(loss_mask, cu_seqlens)  # [T]
+    # a response ends where the next position does not continue it (no response, or another one)
+    continues = torch.cat([loss_mask[1:] & ~begins[1:], loss_mask.new_zeros(1)])
+    finishes = loss_mask & ~continues
     first = torch.nonzero(begins)[:, 0]
     end = torch.nonzero(finishes)[:, 0] + 1
-    seq_start = cu[torch.searchsorted(cu, first, right=True) - 1]
+    seq_start = cu_seqlens[sequence_index(cu_seqlens, first)]
     if max_new_tokens:
         end = torch.minimum(end, first + max_new_tokens)
     return first, end, seq_start
 
 
-def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
+def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor) -> torch.Tensor:
     """Block hidden states [n, b, H] -> greedy drafts [n, b-1] (position 0 is the anchor)."""
     n, b, _ = hidden.shape
     rows = max(1, _LOGIT_ELEMENTS // max(1, (b - 1) * drafter.cfg.vocab_size))
@@ -101,8 +98,8 @@ def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_tokens: int | None = None,
-                 autocast: str = "none") -> list[list[int]]:
+def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int | None = None,
+                 max_new_tokens: int | None = None, autocast: str = "none") -> list[list[int]]:
     """Greedy speculative decoding of every response of a device batch (features, input_ids, loss_mask,
     cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
     emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""

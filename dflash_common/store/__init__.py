@@ -19,8 +19,9 @@ wins and a rerun skips it. Readers list `shards/`, skip hidden names, and read c
 into caller-provided buffers (dflash_common/store/chunks.py); every chunk is checked against its crc32c.
 
 One module each: `format` (manifest, names, errors, version checks), `chunks` (data files and their
-crc32c), `quant` (the bf16 / fp8_e4m3 / q4_hadamard encodings), `writer` (staging and publishing), `reader` (`Store`),
-`verify` (checksums, `dflash-store verify` / `info`) and `cli` (`dflash-store`).
+crc32c), `quant` (the bf16 / fp8_e4m3 / q4_hadamard encodings), `writer` (staging and publishing),
+`reader` (`Store`), `contents` (the shards against the summary and the root manifest: missing shards,
+a hand-edited root), `verify` (checksums, `dflash-store verify` / `info`) and `cli` (`dflash-store`).
 """
 
 from dflash_common.store.format import (

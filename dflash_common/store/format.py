@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.store.chunks import check_codec
 from dflash_common.store.quant import EncodedStates, check_hidden_size
 
@@ -174,6 +174,11 @@ def shard_unit(name: str) -> int | None:
     """The work unit of a shard named by shard_name, or None for another name."""
     m = re.fullmatch(r"u(\d{8,})-[0-9a-f]{8,}", name)
     return int(m.group(1)) if m else None
+
+
+def shard_glob(unit: int) -> str:
+    """The names shard_name gives work unit `unit`, as a shell pattern (`u00000004-*`)."""
+    return f"u{unit:08d}-*"
 
 
 def check_shard_name(name: str) -> None:

@@ -3,6 +3,7 @@ dflash-eval command parse into the stage's config, so a GPU run does not fail on
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from dflash_common.config import load_config
 from precompute.config import PrecomputeConfig
 from train.config import TrainConfig
-from train.eval_config import EvalConfig
+from train.eval.config import EvalConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,12 +32,13 @@ def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
     (tmp_path / "target" / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
     args = run.parse(["--work", str(tmp_path), "--variants", ",".join(run.VARIANTS), "--seeds", "0,3"]
                      + (["--tiny"] if tiny else []))
+    assert args.train_prompts == (5000 if not tiny else args.train_prompts)
     for variant in run.VARIANTS:
         cmd = run.train_command(args, variant, 3)
         assert cmd[1:3] == ["-m", "train.cli"]
         cfg = load_config(TrainConfig, None, cmd[3:])
         assert cfg.run.seed == 3 and cfg.run.out_dir == str(tmp_path / "runs" / variant / "seed-3")
-        spec = run.STORES.get(variant, run.StoreSpec())
+        spec = run.store_spec(args, variant)
         assert cfg.data.stores == [str(tmp_path / "stores" / spec.name("train"))]
         if spec.all_layers:  # the drafter reads every layer its store captured
             assert cfg.drafter.layer_ids == list(range(8))
@@ -71,6 +73,32 @@ def test_variants_of_other_stores_train_and_are_evaluated_on_their_own_stores(tm
     assert not cfg.store.final_state  # only stores/train keeps final states (soft-target variants)
 
 
+def test_the_q4_variant_has_a_store_of_its_own_in_both_regimes(tmp_path):
+    """dpace+q4 trains from a q4_hadamard store of the same answers, made in the data stage beside
+    stores/train (bf16 in the small regime, fp8 in the rich one), and is evaluated on the held-out
+    store every variant shares; a variant whose dtype is the regime's reads stores/train itself."""
+    run = _runner()
+    stores = tmp_path / "stores"
+    for regime, base in (("small", "bf16"), ("rich", "fp8_e4m3")):
+        args = run.parse(["--work", str(tmp_path), "--regime", regime, "--variants", "dpace,dpace+q4,fp8"])
+        q4 = run.STORES["dpace+q4"]
+        assert run.training_stores(args) == [("train", run.DEFAULT_STORE), ("train-q4_hadamard", q4)] + (
+            [("train-fp8_e4m3", run.STORES["fp8"])] if regime == "small" else [])
+        for spec, dtype in ((run.DEFAULT_STORE, base), (q4, "q4_hadamard")):
+            cmd = run.precompute_command(args, tmp_path / "train.jsonl", stores / spec.name("train"), spec)
+            cfg = load_config(PrecomputeConfig, None, [a for a in cmd[3:] if a.startswith("--") and "=" in a])
+            assert cfg.store.dtype == dtype
+        dpace = load_config(TrainConfig, None, run.train_command(args, "dpace", 0)[3:])
+        cfg = load_config(TrainConfig, None, run.train_command(args, "dpace+q4", 0)[3:])
+        assert cfg.data.stores == [str(stores / "train-q4_hadamard")]
+        assert dataclasses.replace(cfg.data, stores=dpace.data.stores) == dpace.data
+        assert (cfg.objective, cfg.optim, cfg.drafter) == (dpace.objective, dpace.optim, dpace.drafter)
+        heldout = run.eval_commands(args, tmp_path / "runs" / "dpace+q4" / "seed-0")["offline_heldout"]
+        assert heldout[heldout.index("--store") + 1] == str(stores / "heldout")
+        fp8 = load_config(TrainConfig, None, run.train_command(args, "fp8", 0)[3:])
+        assert fp8.data.stores == [str(stores / ("train" if regime == "rich" else "train-fp8_e4m3"))]
+
+
 def test_eval_commands_parse_and_ask_for_float32_and_lossless(tmp_path):
     run = _runner()
     args = run.parse(["--work", str(tmp_path)])
@@ -89,3 +117,26 @@ def test_eval_commands_parse_and_ask_for_float32_and_lossless(tmp_path):
 def test_unknown_variant_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         _runner().parse(["--work", str(tmp_path), "--variants", "nope"])
+
+
+def test_the_rich_regime_trains_about_one_pass_at_the_small_regimes_steps(tmp_path):
+    """rich: the same 450 steps of 16K tokens (max_steps), at most 2 epochs over ~5x the prompts."""
+    run = _runner()
+    args = run.parse(["--work", str(tmp_path), "--regime", "rich", "--variants", "dpace", "--seeds", "0"])
+    assert args.train_prompts == 24000 and run.settings(args)["regime"] == "rich"
+    cfg = load_config(TrainConfig, None, run.train_command(args, "dpace", 0)[3:])
+    assert (cfg.optim.max_steps, cfg.optim.epochs, cfg.data.batch_tokens) == (450, 2, 16384)
+    small = run.parse(["--work", str(tmp_path), "--variants", "dpace", "--seeds", "0"])
+    assert load_config(TrainConfig, None, run.train_command(small, "dpace", 0)[3:]).optim.max_steps is None
+
+
+def test_heldout_answers_and_the_table_say_how_dflash_eval_decodes(tmp_path):
+    """The held-out answers are made at the batch size dflash-eval picks on the stage's device (one
+    at a time on a CPU), and the table says where dflash-eval decoded."""
+    run = _runner()
+    assert run.heldout_batch_size(run.parse(["--work", str(tmp_path), "--device", "cpu"])) == 1
+    assert run.heldout_batch_size(run.parse(["--work", str(tmp_path), "--tiny"])) == 1
+    batched = run._decoded_on({"device": "cuda:0", "batch_size": 256})
+    assert batched == "cuda:0, batches of up to 256"
+    assert run._decoded_on({"device": "cpu", "batch_size": 1}) == "cpu, one at a time"
+    assert run._decoded_on({}) is None

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from dflash_common.config import load_config
 from precompute.config import PrecomputeConfig
+from precompute.inputs import resolve_inputs
+from precompute.tokenizing import TokenCache, tokenize_units
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_DATA = ROOT / "data" / "tiny-train.jsonl"
@@ -38,6 +40,13 @@ def make_config(target, inputs, store, *overrides: str) -> PrecomputeConfig:
             "--batching.token_budget=1024", "--run.samples_per_unit=4", "--target.dtype=fp32",
             "--run.device=cpu"]
     return load_config(PrecomputeConfig, None, args + [f"--{o}" for o in overrides])
+
+
+def tokenize(cfg: PrecomputeConfig, rank: int = 0, world: int = 1):
+    """-> ((this rank's unit summaries, input records), the token cache) of a config's inputs."""
+    sources = resolve_inputs(cfg.data.inputs)
+    cache = TokenCache.for_config(cfg, sources)
+    return tokenize_units(cfg, sources, cache, rank, world), cache
 
 
 def demo_inputs(directory: Path) -> list[str]:

@@ -16,7 +16,7 @@ from dflash_common.store import Store
 from precompute import inputs
 from precompute.cli import main
 from precompute.inputs import MAX_RECORD_BYTES, SkipLog, iter_raw_records, parse_or_skip, resolve_inputs
-from precompute.plan import UnitTokenizer
+from precompute.tokenizing import UnitTokenizer
 
 from precompute_helpers import chat, cli_args, make_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.store import Store
 from precompute import job
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import save_drafter
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.tiny import MASK_TOKEN
 
 from train_helpers import write_tiny_store

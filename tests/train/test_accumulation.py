@@ -12,7 +12,7 @@ import pytest
 import torch
 from grad_helpers import ROOT, accumulate, setup
 
-from train.validate import batch_objective
+from train.objective import batch_objective
 
 
 def _objective_grads(drafter, cfg, batches, per_batch_mean: bool = False) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from dflash_common.drafter.objective import AcceptanceCounts, sample_anchors
 from dflash_common.store import Store
 from train.config import TrainConfig
 from train.data import TrainData, allocate_cache, scan_stores, seeded_generator
-from train.validate import block_counts
+from train.objective import block_counts
 
 from train_helpers import write_tiny_store
 
@@ -133,7 +133,7 @@ def test_the_position_replays_the_same_batches_and_anchors(tiny_store):
 
 
 def test_anchors_are_redrawn_every_epoch_and_fixed_by_the_seed():
-    mask = torch.ones(400, dtype=torch.long)
+    mask = torch.ones(400, dtype=torch.bool)
     cu = torch.tensor([0, 150, 400])
 
     def anchors(seed, epoch):

@@ -157,10 +157,11 @@ def test_offline_evaluation_of_a_damaged_store_is_one_sentence(store8, tiny_targ
     """dflash-eval --offline reads the held-out shards through the same reader: same sentence, exit 2."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from dflash_common.drafter.config import DrafterConfig
     from dflash_common.drafter.export import save_drafter
-    from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_common.drafter.model import DFlashDrafter
     from dflash_common.tiny import MASK_TOKEN
-    from train.evaluate import main as eval_main
+    from train.eval.cli import main as eval_main
 
     path = copy_store(store8, tmp_path / "store")
     for name in shard_names(path):  # whichever shard holds the held-out sequences is damaged

@@ -42,10 +42,10 @@ class Bf16Context:
 def greedy_records(model, tokenizer) -> list[dict]:
     """Demo prompts answered by the target alone (dflash-eval's baseline loop and stop tokens), as
     token records."""
-    from train.evaluate import stop_token_ids
-    from train.spec_decode import TargetRunner, target_generate
+    from dflash_common.hf import stop_token_ids
+    from train.eval.spec_decode import TargetRunner, target_generate
 
-    runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model, tokenizer)
+    runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model.generation_config, tokenizer)
     for r in tiny_records(PROMPTS):
         prompt = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m]
         answer = target_generate(runner, prompt, max_new_tokens=MAX_NEW, stop_ids=stops).tokens
@@ -101,9 +101,11 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
 
     from dflash_common.config import load_config
     from dflash_common.drafter.export import load_drafter
-    from train.eval_config import EvalConfig
-    from train.evaluate import Prompt, attach_target, evaluate_drafter
-    from train.validate import path_tau_offline
+    from train.eval.config import EvalConfig
+    from train.eval.load import attach_target
+    from train.eval.offline import path_tau_offline
+    from train.eval.prompts import Prompt
+    from train.eval.run import evaluate_drafter
 
     model, records, store, run, stop = greedy_setup
     ends = [r["input_ids"][-1] == stop for r in records]
@@ -147,7 +149,8 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
 def test_response_segments_split_turns_and_sequences():
     from train.path_tau import response_segments
 
-    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1])  # seq 0: 0..4 ends inside a run; seq 1: 5..10
+    # seq 0: 0..4 ends inside a run; seq 1: 5..10
+    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1]).bool()
     cu = torch.tensor([0, 5, 11])
     first, end, start = response_segments(mask, cu, None)
     assert first.tolist() == [1, 4, 5, 10] and end.tolist() == [3, 5, 9, 11] and start.tolist() == [0, 0, 5, 5]
@@ -166,7 +169,7 @@ def test_the_last_cycle_counts_what_it_emits():
 def test_the_cut_rule_is_spec_decodes_emitted_rule():
     """cycle_length (the replay's end rule) and spec_decode's emitted_lengths (the real loop's) agree."""
     from train.path_tau import cycle_length
-    from train.spec_decode import emitted_lengths
+    from train.eval.spec_decode import emitted_lengths
 
     starts, uncut, end = [10, 14, 16, 20], [4, 2, 4, 3], 22  # the last anchor at 20: one token before 22
     cut = cycle_length(torch.tensor(uncut) - 1, torch.tensor(starts), torch.tensor(end)).tolist()

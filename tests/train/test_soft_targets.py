@@ -11,17 +11,18 @@ import torch
 import torch.nn.functional as F
 
 import train.loop as loop
-from dflash_common.cli import UserError
+from dflash_common.errors import UserError
 from dflash_common.config import load_config
-from dflash_common.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_common.drafter.config import DrafterConfig
+from dflash_common.drafter.loss import TARGET_ARGMAX, greedy_prompt_labels, teacher_rows
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import IGNORE_INDEX, block_labels, default_gamma
-from dflash_common.drafter.soft_loss import TARGET_ARGMAX, greedy_prompt_labels, teacher_rows
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.store import Store
 from train.config import TrainConfig
 from train.data import TrainData
 from train.metrics import read_metrics
-from train.validate import batch_objective
+from train.objective import batch_objective
 
 BLOCK = 4
 
@@ -45,9 +46,8 @@ def test_final_states_arrive_aligned_with_the_tokens(tiny_store_final, head):
     batch = next(data.start())
     assert batch.final.shape == (batch.tokens, 64) and batch.features.shape == (batch.tokens, 2 * 64)
     greedy = (batch.final.float() @ head.lm_head.T).argmax(-1)  # [T]: the target's next token
-    cu = batch.cu_seqlens.long()
     starts = torch.zeros(batch.tokens, dtype=torch.bool)
-    starts[cu[:-1]] = True
+    starts[batch.cu_seqlens[:-1]] = True
     response = batch.loss_mask & ~starts  # p is a response token whose state p - 1 is in its sequence
     predicted = greedy[:-1][response[1:]]
     assert response.sum() > 100 and (predicted == batch.input_ids[1:][response[1:]]).float().mean() > 0.97
@@ -57,7 +57,8 @@ def test_final_states_arrive_aligned_with_the_tokens(tiny_store_final, head):
 
 def test_block_labels_teacher_rows_and_prompt_labels():
     ids = torch.arange(100, 112)
-    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1])  # prompt, response, prompt, response
+    # prompt, response, prompt, response
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1]).bool()
     cu = torch.tensor([0, 12])
     anchors = torch.tensor([1, 4])
     labels, weights = block_labels(ids, torch.ones_like(mask), cu, anchors, BLOCK)

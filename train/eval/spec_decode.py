@@ -1,0 +1,311 @@
+"""Speculative decoding, one prompt at a time: the drafter proposes, the target verifies in one forward.
+
+One draft-verify cycle, at `start` = the position of the last committed token (the *anchor*, whose
+keys/values are not yet in the target's cache):
+
+    drafts  = drafter.propose(new context, anchor, start, B-1)          # tokens for start+1 .. start+B-1
+    logits  = target([anchor, drafts...] at positions start .. start+B-1, KV cache)
+    accepted, next = accept(drafts, logits)                             # longest agreeing prefix + 1 token
+    commit drafts[:accepted] + [next]; crop the cache to start+accepted+1; next becomes the anchor
+
+The loop and its counting are the DFlash authors' (z-lab/dflash `dflash/model.py`, `spec_generate`):
+every cycle drafts a whole block and records accepted + 1 (the target's own token) uncut; the loop
+runs while the anchor's position is below the length limit (`while start < max_length`), so its last
+cycle may emit only tokens past the limit, and stops after the first cycle whose output holds a stop
+token (a prefill token that is one still gets its cycle); the output is then cut at the limit and
+after the first stop token. The prefill's token is not a cycle. Beside those uncut counts
+(`Decoded.acceptance_lengths`, the authors' tau), `Decoded.emitted` holds what each cycle contributes
+to the cut output, cycles that contribute nothing dropped: it differs only in the last cycle, and it
+is what a replay from stored responses can reproduce exactly (train/path_tau.py).
+
+A drafter only ever sees *committed* context (features of the anchor and the accepted drafts of the
+previous cycle), so it never has to roll back: it keeps the context keys/values it has seen and
+forgets its block's own after each proposal.
+
+Acceptance rules (`accept`):
+- temperature 0: accept the longest prefix of drafts equal to the target's argmax, then the target's
+  argmax at the first disagreement (or after the last draft). The output equals greedy decoding.
+- temperature > 0: standard speculative sampling (Leviathan et al.; Chen et al.): accept draft x with
+  probability min(1, p(x)/q(x)), on rejection sample from norm(max(p - q, 0)). DFlash drafts are
+  greedy even when the target samples, so q is a point mass on x (q(x) = 1), which gives:
+    accept x with probability p(x); on rejection sample from p with x removed, renormalised.
+  The emitted token is then distributed as p: P(x) = p(x), and for y != x,
+  P(y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y). p is the target's distribution after temperature,
+  top-k and top-p.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from dflash_common.drafter.layer_ids import hf_hidden_states_index
+from dflash_common.sampling import Sampling, sampling_probs
+
+
+class Drafter(Protocol):
+    """What the engine asks of a drafter."""
+
+    block_size: int  # default B; the engine may be given another
+    layer_ids: list[int]  # target layers whose outputs it reads as context, in concatenation order
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Start a new prompt: forget all context."""
+
+    def propose(self, context: torch.Tensor, anchor: int, start: int, num_drafts: int) -> torch.Tensor:
+        """`context` [n, K*H]: target features (layer outputs of `layer_ids`, concatenated) at positions
+        start-n .. start-1, all committed and never handed over before. `anchor` is the token at
+        `start`. Returns `num_drafts` token ids (long) for positions start+1 .. start+num_drafts."""
+
+
+GREEDY = Sampling()
+
+
+@dataclass
+class Decoded:
+    """One prompt's decoding: new tokens (the prefill's first) and the acceptance length of each cycle."""
+
+    tokens: list[int]
+    acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1 per cycle, uncut
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # everything after the prefill, drafter included
+    # tokens each cycle contributes to `tokens` (cut at the limit and the stop token); cycles that
+    # contribute none are left out, so only the last entry can differ from acceptance_lengths
+    emitted: list[int] = field(default_factory=list)
+
+    @property
+    def time_per_token(self) -> float:
+        # As the reference: decode time over all new tokens, the prefill's included.
+        return self.decode_s / len(self.tokens)
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """transformers 5 renamed `past_key_values` to `cache` (the old name warns, then goes)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+class TargetRunner:
+    """The target side: forwards over a KV cache that holds committed tokens only."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: Sequence[int]):
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.device = next(model.parameters()).device
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        if hasattr(cache, "activate_past_recording"):  # sliding/linear layers must be able to roll back
+            cache.activate_past_recording()
+        return cache
+
+    @torch.inference_mode()
+    def forward(self, tokens, start: int, cache, *, features: bool, last_only: bool = False):
+        """tokens at positions start.. -> (float32 logits [n or 1, V], features [n, K*H] or None)."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)[None]  # [1, n]
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        want_states = features and bool(self.layer_ids)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=True,
+            **{_cache_keyword(type(self.model)): cache},
+            logits_to_keep=1 if last_only else 0,  # 0 keeps all
+            output_hidden_states=want_states,
+        )
+        feats = None
+        if features:
+            states = [out.hidden_states[hf_hidden_states_index(i)][0] for i in self.layer_ids]
+            feats = torch.cat(states, dim=-1) if states else ids.new_zeros((ids.shape[1], 0), dtype=torch.float32)
+        return out.logits[0].float(), feats
+
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        """Keep the keys/values of positions 0..length-1."""
+        remove = cache.get_seq_length() - length
+        if remove > 0 or hasattr(cache, "activate_past_recording"):
+            # Negative means "remove this many" on transformers 4 and 5 alike; on 5, crop(0) also
+            # trims the past that sliding layers recorded for this rollback.
+            cache.crop(-remove)
+
+    def clock(self) -> float:
+        return device_clock(self.device)
+
+
+def device_clock(device: torch.device) -> float:
+    """perf_counter once the device's queued work is done (a CUDA device's kernels run async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def choose(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> int:
+    """The target's own next token from one row of logits [V]."""
+    if s.greedy:
+        return int(logits.argmax())
+    return _draw(sampling_probs(logits[None], s)[0], generator)
+
+
+def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+    """drafts [n], target logits [n+1, V] -> (accepted drafts, the target's next token)."""
+    choice = logits.argmax(-1)  # [n+1]
+    accepted = int((drafts == choice[:-1]).int().cumprod(0).sum())
+    return accepted, int(choice[accepted])
+
+
+def accept_sampled(
+    drafts: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """drafts [n] (greedy, so q is a point mass), target probabilities [n+1, V] -> (accepted, next).
+
+    Draft x is accepted with probability min(1, p(x)/q(x)) = p(x); on the first rejection the token
+    comes from max(p - q, 0) renormalised, i.e. p without x.
+    """
+    n = drafts.shape[0]
+    p_draft = probs[:n].gather(1, drafts[:, None])[:, 0]  # [n]
+    u = torch.rand(n, generator=generator, device=probs.device)
+    accepted = int((u < p_draft).int().cumprod(0).sum())
+    if accepted == n:
+        return n, _draw(probs[n], generator)
+    residual = probs[accepted].clone()
+    residual[drafts[accepted]] = 0.0
+    total = residual.sum()
+    # A rejection needs p(x) < 1, so total > 0 up to rounding; fall back to p if rounding ate it.
+    return accepted, _draw(residual / total if total > 0 else probs[accepted], generator)
+
+
+def accept(drafts, logits, s: Sampling, generator) -> tuple[int, int]:
+    if s.greedy:
+        return accept_greedy(drafts, logits)
+    return accept_sampled(drafts, sampling_probs(logits, s), generator)
+
+
+def emitted_lengths(starts: Sequence[int], lengths: Sequence[int], end: int) -> list[int]:
+    """Per cycle (anchor at `starts[i]`, `lengths[i]` tokens committed after it) the tokens that land
+    before `end`, the position after the cut output's last token; cycles with none are dropped."""
+    out = [min(n, end - 1 - s) for s, n in zip(starts, lengths)]
+    return [n for n in out if n > 0]
+
+
+def _cut_at_stop(new: list[int], stop_ids: frozenset[int]) -> tuple[list[int], bool]:
+    for i, token in enumerate(new):
+        if token in stop_ids:
+            return new[: i + 1], True
+    return new, False
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: TargetRunner,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    *,
+    block_size: int,
+    max_new_tokens: int,
+    stop_ids: frozenset[int] = frozenset(),
+    sampling: Sampling = GREEDY,
+    generator: torch.Generator | None = None,
+) -> Decoded:
+    """Decode `max_new_tokens` (or up to a stop token) with draft-verify cycles of `block_size`."""
+    ids, cache = list(prompt_ids), target.new_cache()
+    start, max_len = len(ids), len(ids) + max_new_tokens
+    t0 = target.clock()
+    logits, context = target.forward(ids, 0, cache, features=True, last_only=True)  # context [P, K*H]
+    ids.append(choose(logits[-1], sampling, generator))
+    drafter.begin(prompt_ids)
+    t1 = target.clock()
+    lengths: list[int] = []
+    starts: list[int] = []
+    stopped = False  # the authors' loop checks for stop tokens after a cycle only
+    while start < max_len and not stopped:
+        num_drafts = block_size - 1  # always a whole block, as the authors' loop
+        drafts = drafter.propose(context, ids[start], start, num_drafts)
+        drafts = torch.as_tensor(drafts, dtype=torch.long).to(target.device).reshape(num_drafts)
+        block = torch.cat([drafts.new_tensor([ids[start]]), drafts])  # [1 + num_drafts]
+        logits, feats = target.forward(block, start, cache, features=True)  # [n+1, V], [n+1, K*H]
+        accepted, next_token = accept(drafts, logits, sampling, generator)
+        new = drafts[:accepted].tolist() + [next_token]
+        stopped = any(t in stop_ids for t in [ids[start], *new])  # the prefill's token counts too
+        ids.extend(new)
+        target.crop(cache, start + len(new))  # the anchor and accepted drafts stay; next is the anchor
+        context = feats[: len(new)]  # features at start .. start+len(new)-1
+        starts.append(start)
+        start += len(new)
+        lengths.append(len(new))  # uncut: drafts accepted past a stop token or the limit count
+    t2 = target.clock()
+    tokens, _ = _cut_at_stop(ids[len(prompt_ids):max_len], stop_ids)
+    emitted = emitted_lengths(starts, lengths, len(prompt_ids) + len(tokens))
+    return Decoded(tokens, lengths, t1 - t0, t2 - t1, emitted)
+
+
+@torch.inference_mode()
+def target_generate(
+    target: TargetRunner,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    stop_ids: frozenset[int] = frozenset(),
+    sampling: Sampling = GREEDY,
+    generator: torch.Generator | None = None,
+) -> Decoded:
+    """The target alone, one token per forward over its KV cache: the speed baseline and, greedy,
+    the output speculative decoding must reproduce."""
+    cache = target.new_cache()
+    t0 = target.clock()
+    logits, _ = target.forward(list(prompt_ids), 0, cache, features=False, last_only=True)
+    new = [choose(logits[-1], sampling, generator)]
+    t1 = target.clock()
+    while len(new) < max_new_tokens and new[-1] not in stop_ids:
+        logits, _ = target.forward([new[-1]], len(prompt_ids) + len(new) - 1, cache, features=False)
+        new.append(choose(logits[-1], sampling, generator))
+    t2 = target.clock()
+    return Decoded(new, [], t1 - t0, t2 - t1)
+
+
+class DFlashProposer:
+    """The DFlash drafter behind the `Drafter` protocol: greedy drafts from its KV-cached draft forward.
+
+    The block is [anchor, MASK x n] at positions start..start+n; the output at block position k
+    predicts the token at start+k (same position, no shift), so position 0 is dropped. Drafts are
+    greedy even when the target samples (as DFlash serves them).
+    """
+
+    def __init__(self, drafter, block_size: int | None = None):
+        self.drafter = drafter  # a DFlashDrafter with the target's embedding and lm_head attached
+        self.block_size = block_size or drafter.cfg.block_size
+        self.layer_ids = list(drafter.cfg.target_layer_ids)
+        self.cache = None
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        self.cache = self.drafter.new_cache()
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, anchor: int, start: int, num_drafts: int) -> torch.Tensor:
+        if self.cache.length + context.shape[0] != start:
+            ends = self.cache.length + context.shape[0]
+            raise RuntimeError(f"drafter context ends at {ends}, block starts at {start}")
+        dtype = self.drafter.fc.weight.dtype
+        block = torch.full((num_drafts + 1,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
+        block[0] = anchor
+        hidden = self.drafter.draft(self.cache, context.to(dtype), block)  # [n+1, H]; cache: context only
+        return self.draft(hidden[None], block[:1])[0]  # [n]
+
+    def draft(self, block_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The draft step: block hidden states [N, B, H] (after `norm`) and the tokens at the
+        anchors [N] -> drafted tokens [N, B-1]. DFlash takes each position's argmax on its own
+        (position 0 is the anchor, not a prediction). A drafter that decodes the positions in
+        sequence (DSpark's Markov head) or picks a path through candidates (DFlash2's selector)
+        replaces this method; both loops, one prompt at a time and batched (batched.py), draft
+        through it."""
+        return self.drafter.logits(block_hidden[:, 1:]).argmax(-1)

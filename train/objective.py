@@ -1,0 +1,87 @@
+"""The training step's objective: one packed batch through the drafter, its block labels and weights,
+and the fused LM-head loss; the trainer minimises it (train/loop.py) and validation reports it
+(train/validate.py).
+
+    loss_sum, normaliser, counts = batch_objective(drafter, model, batch, block_size=B, gamma=7.0,
+                                                   autocast="bf16")
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_common.drafter.loss import (
+    fused_lm_head_loss, greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows,
+)
+from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.objective import (
+    IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path,
+)
+from train.config import SoftTargetsSection
+from train.transfer import DeviceBatch
+
+
+def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """bool [A, B] -> float64 [2B + 2] on the same device, laid out as `AcceptanceCounts.to_tensor`
+    (correct per position, valid per position, accepted drafts, blocks). Stays on the device, so a
+    training step never waits for the GPU just to count."""
+    accepted = accepted_drafts(correct, valid)
+    has_any = valid[:, 1:].any(1)
+    return torch.cat([(correct & valid).sum(0).double(), valid.sum(0).double(),
+                      (accepted * has_any).sum().double()[None], has_any.sum().double()[None]])
+
+
+def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: DeviceBatch, *,
+                    block_size: int, gamma: float | None, autocast: str, weights: str = "gamma",
+                    dpace_alpha: float = 0.5, normalise: str = "weight",
+                    targets: SoftTargetsSection | None = None, path_weight: float = 0.0,
+                    loss_method: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
+
+    `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
+    train/config.py's [objective]; D-PACE weights and the serving path come from the same forward's
+    per-row CE and correctness (no second pass). `targets` (train config's [targets]) switches on
+    soft targets and prompt-anchor labels (the config refuses them with path_weight); with them,
+    D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
+    greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
+    the hard loss's method (precision.loss_method; fused_lm_head_loss runs 'odds_epilogue' as 'odds' on a CPU).
+    Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
+    of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
+    scalar, counts [2B+2]).
+    """
+    device = batch.features.device
+    prompt = targets is not None and targets.prompt_anchors
+    mask = torch.ones_like(batch.loss_mask) if prompt else batch.loss_mask  # prompt labels count too
+    labels, w = block_labels(batch.input_ids, mask, batch.cu_seqlens, batch.anchors,
+                             block_size, gamma)  # [A, B] each
+    if prompt:
+        labels = greedy_prompt_labels(labels, batch.loss_mask, batch.anchors)
+    valid = labels != IGNORE_INDEX
+    enabled = autocast == "bf16"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
+        hidden = model(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
+        row_w = valid.float() if weights == "dpace" else w  # D-PACE: unit weights, reweighted below
+        if targets is not None and targets.needs_final_state:
+            out = soft_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
+                                    batch.final, teacher_rows(batch.anchors, block_size).flatten(),
+                                    soft_kind(targets.soft), targets.temperature)
+        else:
+            out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
+                                     method=loss_method)
+    correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
+    row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
+    if weights == "dpace":  # from the drafter's CE to the label (the soft loss's rows are another kind)
+        ce = out.rows if out.ce is None else out.ce
+        w = dpace_weights(ce.detach().view_as(labels), valid, dpace_alpha)
+        row_scale = w
+    block_w = None
+    if path_weight:  # 0: the objective without serving-path weights, bit for bit
+        on_path = serving_path(batch.anchors, accepted_drafts(correct, valid), batch.loss_mask, batch.cu_seqlens)
+        block_w = 1.0 + path_weight * on_path.float()  # [A], detached: from argmax correctness
+        w = w * block_w[:, None]
+        row_scale = w if weights == "dpace" else block_w[:, None].expand_as(w)
+    loss = out.loss if row_scale is None else (row_scale.flatten() * out.rows).sum()
+    has_label = valid[:, 1:].any(1).float()  # [A]
+    blocks = has_label if block_w is None else has_label * block_w  # a block on the path counts 1 + path_weight
+    norm = blocks.sum() if normalise == "anchors" else w.sum()
+    return loss, norm, block_counts(correct, valid)
