@@ -38,7 +38,8 @@ class DeviceBatch:
     (the drafter, its objective and losses, validation and path tau convert none of them):
 
     - features: the compute dtype (bf16 under bf16 autocast, else float32), decoded from the store's
-      bits here, on the device.
+      bits here, on the device; the bits arrive in their storage integer dtype (uint16 for bf16,
+      uint8 for fp8 and q4_hadamard: the dtype flow of dflash_common/store/quant.py).
     - input_ids, cu_seqlens, anchors: int64, torch's index dtype. They index tensors (embedding
       rows, labels, sequence ends), meet `arange` and `searchsorted` results (int64) and become
       F.cross_entropy's labels, which must be int64; nothing here reads them as int32 (no varlen
