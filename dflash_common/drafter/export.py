@@ -34,6 +34,7 @@ from dflash_common.cli import setup_logging, user_errors_exit
 
 from dflash_common.errors import UserError
 from dflash_common.config import ConfigError
+from dflash_common.drafter.arch import config_from_json, new_drafter
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.fsutil import fsync_tree, publish_dir, temp_sibling
@@ -147,9 +148,9 @@ def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.T
     """(config, weights by name) of the drafter behind `path` (see resolve_drafter_dir)."""
     directory = resolve_drafter_dir(path)
     try:
-        cfg = DrafterConfig.from_config_json(json.loads((directory / CONFIG_FILE).read_text()))
+        cfg = config_from_json(json.loads((directory / CONFIG_FILE).read_text()))
     except (ConfigError, KeyError, ValueError, TypeError) as e:
-        raise UserError(f"{directory / CONFIG_FILE} is not a valid DFlash drafter config: {e}") from e
+        raise UserError(f"{directory / CONFIG_FILE} is not a valid drafter config: {e}") from e
     return cfg, _read_weights(directory)
 
 
@@ -170,12 +171,12 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
 def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: str | Path) -> None:
     """Refuse unknown, missing or misshapen weights, naming them."""
     with torch.device("meta"):  # shapes only: no memory, no random init
-        expected = {name: tuple(p.shape) for name, p in DFlashDrafter(cfg).state_dict().items()}
+        expected = {name: tuple(p.shape) for name, p in new_drafter(cfg).state_dict().items()}
     unknown = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unknown or missing:
         raise UserError(
-            f"{where}: weights do not match the released DFlash layout"
+            f"{where}: weights do not match the released {cfg.KIND} layout"
             + (f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}" if unknown else "")
             + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
             + ". Nothing was loaded."
@@ -193,7 +194,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu",
     cfg, tensors = read_drafter_dir(path)
     check_weights(cfg, tensors, path)
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
+        drafter = new_drafter(cfg)
     drafter.load_state_dict(tensors, strict=True, assign=True)  # the file's tensors become the parameters
     return drafter.to(device=device, dtype=dtype), cfg
 
