@@ -33,6 +33,7 @@ from dflash_common.cli import progress_bar, write_run_record
 
 from dflash_common.errors import UserError
 from dflash_common.config import to_dict
+from dflash_common.drafter.arch import config_class, config_from_json, new_drafter
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter
@@ -93,10 +94,14 @@ def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     """The drafter's config, from the target's config and the [drafter] section."""
     d = cfg.drafter
     layer_ids = d.layer_ids if d.layer_ids is not None else list(stores[0].manifest.layer_ids)
-    return DrafterConfig.from_target(
+    heads = {}  # the arch's own fields
+    if d.arch == "dspark":
+        heads = {"markov_rank": d.markov_rank, "confidence_head": d.confidence_head,
+                 "confidence_head_with_markov": d.confidence_head_with_markov}
+    return config_class(d.arch).from_target(
         target_config(cfg.run.target), mask_token_id=mask_token_id(cfg.run.target, d.mask_token_id),
         depth=d.depth, block_size=d.block_size, layer_ids=layer_ids, layer_types=d.layer_types,
-        sliding_window=d.sliding_window)
+        sliding_window=d.sliding_window, **heads)
 
 
 def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
@@ -114,7 +119,7 @@ def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
 
 def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -> DFlashDrafter:
     torch.manual_seed(cfg.run.seed)  # the same random start on every rank and every run of this seed
-    drafter = DFlashDrafter(dcfg)
+    drafter = new_drafter(dcfg)
     if cfg.drafter.init_from:  # refuses a drafter whose config differs in anything that shapes weights
         load_weights_into(drafter, cfg.drafter.init_from)
     drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; autocast computes in bf16
@@ -252,7 +257,8 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
             loss_sum, weight, c = batch_objective(
                 drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
                 autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
-                targets=cfg.targets, path_weight=o.path_weight, loss_method=cfg.precision.loss_method)
+                targets=cfg.targets, path_weight=o.path_weight, loss_method=cfg.precision.loss_method,
+                confidence=o)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
@@ -345,7 +351,8 @@ def setup(cfg: TrainConfig) -> Run:
         remove_stale_saves(out)
         write_run_record(out, cfg, name="run")
     drafter = build_drafter(cfg, dcfg, d.device)
-    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
+    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device,
+                           block_size=dcfg.verify_block_size)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
@@ -364,13 +371,13 @@ def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Pa
     if path is None:
         return None
     try:
-        saved = DrafterConfig.from_config_json(json.loads((path / "drafter" / "config.json").read_text()))
+        saved = config_from_json(json.loads((path / "drafter" / "config.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
         raise UserError(f"checkpoint {path} has no readable drafter/config.json ({e}); delete {path} to resume "
                         f"from an older one, or start a new run directory (--out).") from e
-    differ = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)]
+    differ = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name, None) != getattr(dcfg, f.name)]
     if differ:
-        detail = ", ".join(f"{f} = {getattr(saved, f)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3])
+        detail = ", ".join(f"{f} = {getattr(saved, f, None)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3])
         raise UserError(f"cannot resume from {path}: it holds another drafter ({detail}); resume with the settings "
                         f"of {path / 'run.toml'}, or start a new run directory (--out).")
     _warn_of_changed_settings(path, cfg)
@@ -461,7 +468,7 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     if r.data.val_cache is None:
         return None
     with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # validate what is exported
-        result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
+        result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.verify_block_size,
                                   gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True,
                                   targets=dataclasses.replace(r.cfg.targets, prompt_anchors=False))  # response anchors
     record = {"kind": "val", "step": step, **result}
@@ -520,7 +527,7 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     c, main = r.cfg, r.dist.main
-    window = Window(r.dist.device, r.drafter.cfg.block_size)
+    window = Window(r.dist.device, r.drafter.cfg.verify_block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
     bar = progress_bar(total=r.total, initial=r.start, enabled=main and c.log.progress, unit="step", dynamic_ncols=True)
