@@ -302,6 +302,10 @@ def lint_dspark_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Fi
                            f"{list(cfg.target_layer_ids)}."))
     if vllm_mask_token_id(config) != cfg.mask_token_id:
         found.append(_vllm(f"would read mask token {vllm_mask_token_id(config)}, trained {cfg.mask_token_id}."))
+    for key, trained in (("target_layer_ids", list(cfg.target_layer_ids)), ("mask_token_id", cfg.mask_token_id)):
+        if key in config and config[key] != trained:  # DeepSpec's place, read by loaders without dflash_config
+            found.append(Finding("both", "error", f"top-level {key} reads {config[key]}, trained {trained} "
+                                                  "(vLLM reads dflash_config's first; other loaders this one)."))
     if config.get("markov_rank") != cfg.markov_rank:
         found.append(_vllm(f"markov_rank reads {config.get('markov_rank')}, trained {cfg.markov_rank} (vLLM "
                            "fails without it)."))
