@@ -414,9 +414,9 @@ class TrainData:
     @classmethod
     def build(cls, cfg, stores: Sequence[Store], layer_ids: Sequence[int], *, rank: int, world: int,
               device: torch.device, block_size: int | None = None) -> "TrainData":
-        """`cfg` is the TrainConfig; `layer_ids` the drafter's target_layer_ids (their order is kept);
-        `block_size` the verified block's tokens (DrafterConfig.verify_block_size: a DSpark block's
-        labels reach one token further), by default drafter.block_size."""
+        """`cfg` is the TrainConfig; `layer_ids` the drafter's target_layer_ids (their order is
+        kept); `block_size` the verified block's tokens (DrafterConfig.verify_block_size: a DSpark
+        block's labels reach one token further), by default drafter.block_size."""
         d = cfg.data
         block_size = block_size or cfg.drafter.block_size
         check_stores_agree(stores)

@@ -257,8 +257,8 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
             loss_sum, weight, c = batch_objective(
                 drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
                 autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
-                targets=cfg.targets, path_weight=o.path_weight, loss_method=cfg.precision.loss_method,
-                confidence=o)
+                targets=cfg.targets, path_weight=o.path_weight,
+                loss_method=cfg.precision.loss_method, confidence=o)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
@@ -351,8 +351,8 @@ def setup(cfg: TrainConfig) -> Run:
         remove_stale_saves(out)
         write_run_record(out, cfg, name="run")
     drafter = build_drafter(cfg, dcfg, d.device)
-    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device,
-                           block_size=dcfg.verify_block_size)
+    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world,
+                           device=d.device, block_size=dcfg.verify_block_size)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
@@ -375,9 +375,12 @@ def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Pa
     except (OSError, ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
         raise UserError(f"checkpoint {path} has no readable drafter/config.json ({e}); delete {path} to resume "
                         f"from an older one, or start a new run directory (--out).") from e
-    differ = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name, None) != getattr(dcfg, f.name)]
+    # (a config of another arch has other fields: None there)
+    differ = [f.name for f in dataclasses.fields(dcfg)
+              if getattr(saved, f.name, None) != getattr(dcfg, f.name)]
     if differ:
-        detail = ", ".join(f"{f} = {getattr(saved, f, None)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3])
+        detail = ", ".join(f"{f} = {getattr(saved, f, None)!r} there vs {getattr(dcfg, f)!r} here"
+                           for f in differ[:3])
         raise UserError(f"cannot resume from {path}: it holds another drafter ({detail}); resume with the settings "
                         f"of {path / 'run.toml'}, or start a new run directory (--out).")
     _warn_of_changed_settings(path, cfg)
@@ -468,7 +471,8 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     if r.data.val_cache is None:
         return None
     with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # validate what is exported
-        result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.verify_block_size,
+        result = evaluate_batches(r.drafter, r.data.val_batches(),
+                                  block_size=r.drafter.cfg.verify_block_size,
                                   gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True,
                                   targets=dataclasses.replace(r.cfg.targets, prompt_anchors=False))  # response anchors
     record = {"kind": "val", "step": step, **result}

@@ -92,13 +92,16 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
     return first, end, seq_start
 
 
-def _greedy_drafts(drafter, hidden: torch.Tensor, first_tokens: torch.Tensor, num_drafts: int) -> torch.Tensor:
+def _greedy_drafts(drafter, hidden: torch.Tensor, first_tokens: torch.Tensor,
+                   num_drafts: int) -> torch.Tensor:
     """Block hidden states [n, b, H], the anchors' tokens [n] -> greedy drafts [n, num_drafts]
     (drafter.greedy_drafts: b-1, position 0 being the anchor; a DSpark drafter's b)."""
     n, b, _ = hidden.shape
     rows = max(1, _LOGIT_ELEMENTS // max(1, b * drafter.cfg.vocab_size))
-    return torch.cat([drafter.greedy_drafts(hidden[i:i + rows], first_tokens[i:i + rows]) for i in range(0, n, rows)]) \
-        if n else hidden.new_zeros((0, num_drafts), dtype=torch.long)
+    if not n:
+        return hidden.new_zeros((0, num_drafts), dtype=torch.long)
+    return torch.cat([drafter.greedy_drafts(hidden[i:i + rows], first_tokens[i:i + rows])
+                      for i in range(0, n, rows)])
 
 
 @torch.no_grad()
@@ -124,7 +127,8 @@ def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_
                 break
             a = anchor[live]
             layout = BlockLayout.build(batch.cu_seqlens, a, t, b)  # whole blocks, as the real loop drafts
-            drafts = _greedy_drafts(drafter, drafter.blocks(kv, ids, layout), ids[a], num_drafts)  # [n, drafts]
+            hidden = drafter.blocks(kv, ids, layout)  # [n, b, H]
+            drafts = _greedy_drafts(drafter, hidden, ids[a], num_drafts)  # [n, drafts]
             pos = a[:, None] + steps  # [n, drafts] positions the drafts are for
             hit = (drafts == ids[pos.clamp(max=t - 1)]) & (pos < end[live][:, None])
             accepted = hit.long().cumprod(1).sum(1)

@@ -1,6 +1,6 @@
-"""Which drafter a config names: DFlash (config.py, model.py) or a drafter built on its backbone with
-heads of its own (DSpark: dspark.py). `arch` is the trainer's `drafter.arch` and `DrafterConfig.arch`;
-a released config.json names it by its `architectures` entry.
+"""Which drafter a config names: DFlash (config.py, model.py) or a drafter built on its backbone
+with heads of its own (DSpark: dspark.py). `arch` is the trainer's `drafter.arch` and
+`DrafterConfig.arch`; a released config.json names it by its `architectures` entry.
 
     cfg = config_class("dspark").from_target(target_config, mask_token_id=..., markov_rank=64)
     cfg = config_from_json(json.loads(Path("drafter/config.json").read_text()))
@@ -30,8 +30,8 @@ def config_class(arch: str) -> type[DrafterConfig]:
 
 
 def config_from_json(data: Mapping[str, Any]) -> DrafterConfig:
-    """The config of a released config.json, of the class its `architectures` names (DFlash's when it
-    names none we know: that reader then says what it expected)."""
+    """The config of a released config.json, of the class its `architectures` names (DFlash's when
+    it names none we know: that reader then says what it expected)."""
     names = data.get("architectures") or []
     for config_cls, _ in ARCHS.values():
         if config_cls.ARCHITECTURE in names:

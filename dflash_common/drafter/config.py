@@ -18,8 +18,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """A DFlash drafter, field for field what the released `config.json` says (see `to_config_json`).
-    Drafters built on the DFlash backbone subclass it (drafter/arch.py lists them)."""
+    """A DFlash drafter, field for field what the released `config.json` says (see
+    `to_config_json`). Drafters built on the DFlash backbone subclass it (drafter/arch.py lists
+    them)."""
 
     ARCHITECTURE: ClassVar[str] = ARCHITECTURE  # config.json's architectures entry
     KIND: ClassVar[str] = "DFlash"  # the drafter's name in messages
@@ -53,8 +54,8 @@ class DrafterConfig:
     def __post_init__(self):
         for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        check(self.arch == type(self).arch,
-              f"arch = {self.arch!r} in a {type(self).__name__}; build it with drafter/arch.py's config_class.")
+        check(self.arch == type(self).arch, f"arch = {self.arch!r} in a {type(self).__name__}; "
+                                            "build it with drafter/arch.py's config_class.")
         check(self.num_hidden_layers >= 1, f"num_hidden_layers = {self.num_hidden_layers} must be >= 1.")
         check(self.block_size >= 2, f"block_size = {self.block_size} must be >= 2 (anchor + predictions).")
         check(
@@ -93,9 +94,9 @@ class DrafterConfig:
 
     @property
     def verify_block_size(self) -> int:
-        """Tokens of the block the target verifies, [anchor, drafts]: B for DFlash (block position 0 is
-        the given anchor, B-1 drafts), B+1 for drafters whose anchor row predicts too (DSpark: B
-        drafts). A cycle emits at most this many tokens; tau lies in [1, verify_block_size]."""
+        """Tokens of the block the target verifies, [anchor, drafts]: B for DFlash (block position
+        0 is the given anchor, B-1 drafts), B+1 for drafters whose anchor row predicts too (DSpark:
+        B drafts). A cycle emits at most this many tokens; tau lies in [1, verify_block_size]."""
         return self.block_size
 
     @property
@@ -235,8 +236,9 @@ class DrafterConfig:
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
         """Read a released `config.json` (ours, or one following z-lab's layout)."""
         arch = data.get("architectures") or []
-        check(cls.ARCHITECTURE in arch, f"config.json architectures = {arch} is not [{cls.ARCHITECTURE!r}]; "
-                                        f"not a {cls.KIND} drafter.")
+        check(cls.ARCHITECTURE in arch,
+              f"config.json architectures = {arch} is not [{cls.ARCHITECTURE!r}]; "
+              f"not a {cls.KIND} drafter.")
         dflash = data.get("dflash_config") or {}
 
         def dflash_value(name: str):

@@ -42,7 +42,8 @@ def test_wall_times_skips_the_warmup_calls():
 ])
 def test_step_benchmarks_print_median_and_spread(script, rows):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, *f"benchmarks/{script}".split(), "--quick"], cwd=ROOT, env=env,
+    command = [sys.executable, *f"benchmarks/{script}".split(), "--quick"]
+    out = subprocess.run(command, cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     cells = [m for line in out.stdout.splitlines() if (m := CELL.search(line))]

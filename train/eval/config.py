@@ -60,11 +60,13 @@ class GenerationSection:
     top_p: float = option(1.0, "Nucleus sampling threshold (temperature > 0 only); 1 keeps all tokens.")
     top_k: int = option(0, "Keep the k most likely tokens (temperature > 0 only); 0 keeps all.")
     block_size: int | None = option(
-        None, "Draft block size B (B-1 drafts per cycle; a DSpark drafter drafts B); none uses the drafter's.")
+        None, "Draft block size B (B-1 drafts per cycle; a DSpark drafter drafts B); none uses the "
+        "drafter's.")
     confidence_threshold: float = option(
-        0.0, "DSpark drafters with a confidence head: verify only the drafts before the first whose confidence is "
-        "below this (DeepSpec's eval rule); 0 verifies every draft, as vLLM 0.32 does unless its adaptive "
-        "verification is on (whose cost-model schedule is not reproduced here).")
+        0.0, "DSpark drafters with a confidence head: verify only the drafts before the first "
+        "whose confidence is below this (DeepSpec's eval rule); 0 verifies every draft, as vLLM "
+        "0.32 does unless its adaptive verification is on (whose cost-model schedule is not "
+        "reproduced here).")
     seed: int = option(0, "Seed of the sampling generator (temperature > 0).")
     ignore_eos: bool = option(False, "Do not stop at the end-of-sequence token(s); always decode max_new_tokens.")
     warmup: bool = option(True, "Decode a few tokens once before timing, so one-time setup is not timed.")

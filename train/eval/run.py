@@ -94,8 +94,9 @@ class Settings:
 
 def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, block_size: int,
                   stop_ids: frozenset[int], anchor_predicts: int = 0) -> Settings:
-    """`block_size`: the drafter's verified block [anchor, drafts]; generation.block_size is a drafter's
-    block B, which a DSpark drafter (`anchor_predicts` 1) verifies with its anchor: B + 1."""
+    """`block_size`: the drafter's verified block [anchor, drafts]; generation.block_size is a
+    drafter's block B, which a DSpark drafter (`anchor_predicts` 1) verifies with its anchor:
+    B + 1."""
     sampling = Sampling(gen.temperature, gen.top_p, gen.top_k)
     return Settings(
         block_size=gen.block_size + anchor_predicts if gen.block_size else block_size,
@@ -268,9 +269,10 @@ def run(cfg: EvalConfig) -> dict:
     drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path),
                           resolve_device(cfg.target.device), DTYPES[cfg.target.dtype])
     model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device, cfg.target.attn_implementation)
-    proposer = attach_target(drafter, model, cfg.generation.block_size, cfg.generation.confidence_threshold)
-    log.info("evaluating %s on %s: %d prompts, %d drafts a cycle", cfg.drafter.path, cfg.target.path, len(prompts),
-             proposer.block_size - 1)
+    proposer = attach_target(drafter, model, cfg.generation.block_size,
+                             cfg.generation.confidence_threshold)
+    log.info("evaluating %s on %s: %d prompts, %d drafts a cycle", cfg.drafter.path,
+             cfg.target.path, len(prompts), proposer.block_size - 1)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
     return finish(report, cfg)
 
@@ -318,7 +320,8 @@ def run_vllm(cfg: EvalConfig) -> dict:
     drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), torch.device("cpu"),
                           torch.float32)  # refused here, in one sentence, unless made for this target
     block = cfg.generation.block_size or drafter.cfg.block_size
-    verify = block + drafter.cfg.verify_block_size - drafter.cfg.block_size  # [anchor, drafts]: DSpark drafts B
+    # the verified block [anchor, drafts]: a DSpark drafter drafts B
+    verify = block + drafter.cfg.verify_block_size - drafter.cfg.block_size
     try:
         generation = GenerationConfig.from_pretrained(cfg.target.path)
     except OSError:
@@ -327,17 +330,20 @@ def run_vllm(cfg: EvalConfig) -> dict:
                                                                        tokenizer))
     request = {"target": str(Path(cfg.target.path).resolve()), "prompts": [p.ids for p in prompts],
                "max_new_tokens": cfg.generation.max_new_tokens, "stop_ids": stops,
-               "max_model_len": max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block + 1,
-               # DSpark needs vLLM's V2 runner, hence Triton: on a CPU, its interpreter (vllm_engine.py)
+               "max_model_len": (max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens
+                                 + block + 1),
+               # DSpark needs vLLM's V2 runner, so Triton: on a CPU its interpreter (vllm_engine.py)
                "triton_interpreter": drafter.cfg.arch == "dspark" and not torch.cuda.is_available()}
     workdir = Path(cfg.report.path).parent if cfg.report.path else Path(tempfile.mkdtemp(prefix="dflash-eval-"))
     try:
         base = vllm_engine.run_engine(request, workdir, "vllm-target") if cfg.check.baseline else None
         spec = vllm_engine.run_engine({**request, "drafter": str(resolve_drafter_dir(cfg.drafter.path).resolve()),
-                                       "num_speculative_tokens": verify - 1, "method": drafter.cfg.arch},
+                                       "num_speculative_tokens": verify - 1,
+                                       "method": drafter.cfg.arch},
                                       workdir, "vllm-spec")
     except RuntimeError as e:
         raise UserError(str(e)) from e
-    report = vllm_engine.summarize_engine(spec, base, verify, [p.name for p in prompts], [len(p.ids) for p in prompts])
+    report = vllm_engine.summarize_engine(spec, base, verify, [p.name for p in prompts],
+                                          [len(p.ids) for p in prompts])
     report["lossless"]["checked"] = report["lossless"]["checked"] and cfg.check.lossless != "off"
     return {**report, "tau_definition": TAU_DEFINITION, "dtype": "float32", "device": "cpu (vLLM)"}

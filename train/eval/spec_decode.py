@@ -251,8 +251,9 @@ def speculative_generate(
     while start < max_len and not stopped:
         num_drafts = block_size - 1  # always a whole block, as the authors' loop
         drafts = drafter.propose(context, ids[start], start, num_drafts)
-        # a drafter may verify fewer (DSpark's confidence schedule); the cycle then checks only those
-        drafts = torch.as_tensor(drafts, dtype=torch.long).to(target.device).reshape(-1)[:num_drafts]
+        # a drafter may propose fewer (DSpark's confidence schedule): the cycle checks only those
+        drafts = torch.as_tensor(drafts, dtype=torch.long).to(target.device)
+        drafts = drafts.reshape(-1)[:num_drafts]
         block = torch.cat([drafts.new_tensor([ids[start]]), drafts])  # [1 + num_drafts]
         logits, feats = target.forward(block, start, cache, features=True)  # [n+1, V], [n+1, K*H]
         accepted, next_token = accept(drafts, logits, sampling, generator)
@@ -298,21 +299,23 @@ class DFlashProposer:
     """A DFlash (or DSpark) drafter behind the `Drafter` protocol: greedy drafts from its KV-cached
     draft forward.
 
-    DFlash: the block is [anchor, MASK x n] at positions start..start+n; the output at block position
-    k predicts the token at start+k (same position, no shift), so position 0 is dropped. DSpark: the
-    block is [anchor, MASK x (n-1)] and row k predicts start+k+1, drafted left to right through the
-    Markov head (dspark.py), as vLLM's DSpark speculator drafts: n = B drafts from a block of B. Drafts
-    are greedy even when the target samples (as both are served). `block_size` is the drafter's block B
-    (the loop's is the verified block [anchor, drafts]: B, or B+1 for DSpark). `confidence_threshold`
-    (DSpark with a confidence head; 0 = off, vLLM 0.32's default of verifying every draft): verify only
-    the drafts before the first whose confidence is below it (DeepSpec's eval rule).
+    DFlash: the block is [anchor, MASK x n] at positions start..start+n; the output at block
+    position k predicts the token at start+k (same position, no shift), so position 0 is dropped.
+    DSpark: the block is [anchor, MASK x (n-1)] and row k predicts start+k+1, drafted left to right
+    through the Markov head (dspark.py), as vLLM's DSpark speculator drafts: n = B drafts from a
+    block of B. Drafts are greedy even when the target samples (as both are served). `block_size` is
+    the drafter's block B (the loop's is the verified block [anchor, drafts]: B, or B+1 for DSpark).
+    `confidence_threshold` (DSpark with a confidence head; 0 = off, vLLM 0.32's default of verifying
+    every draft): verify only the drafts before the first whose confidence is below it (DeepSpec's
+    eval rule).
     """
 
     def __init__(self, drafter, block_size: int | None = None, confidence_threshold: float = 0.0):
         self.drafter = drafter  # a DFlashDrafter with the target's embedding and lm_head attached
         cfg = drafter.cfg
-        self.anchor_predicts = cfg.verify_block_size - cfg.block_size  # 1 for DSpark: its anchor row predicts
-        self.block_size = (block_size or cfg.block_size) + self.anchor_predicts  # the verified block
+        self.anchor_predicts = cfg.verify_block_size - cfg.block_size  # 1 for DSpark
+        # the verified block: the anchor and the drafts
+        self.block_size = (block_size or cfg.block_size) + self.anchor_predicts
         self.layer_ids = list(cfg.target_layer_ids)
         self.confidence_threshold = confidence_threshold
         if confidence_threshold > 0 and getattr(drafter, "confidence_head", None) is None:
@@ -329,9 +332,11 @@ class DFlashProposer:
             raise RuntimeError(f"drafter context ends at {ends}, block starts at {start}")
         dtype = self.drafter.fc.weight.dtype
         rows = num_drafts + 1 - self.anchor_predicts
-        block = torch.full((rows,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
+        block = torch.full((rows,), self.drafter.cfg.mask_token_id, dtype=torch.long,
+                           device=context.device)
         block[0] = anchor
-        hidden = self.drafter.draft(self.cache, context.to(dtype), block)[None]  # [1, rows, H]; cache: context only
+        # [1, rows, H]; the cache holds the context only, after as before
+        hidden = self.drafter.draft(self.cache, context.to(dtype), block)[None]
         drafts = self.drafter.greedy_drafts(hidden, block[:1])  # [1, n]
         if self.confidence_threshold > 0:
             from dflash_common.drafter.dspark import confident_prefix

@@ -4,31 +4,32 @@ materialising [N, V] logits.
 
     markov_lm_head_loss(hidden [N, H], lm_head [V, H], markov_embed [N, r], markov_w2 [V, r],
                         labels [N], block_size B, weigh)
-        -> MarkovLossOutput(loss = sum_i w_i * loss_i  (float32 scalar; grad wrt hidden, markov_embed
-                                   and markov_w2),
-                            correct = argmax == label [N] bool, ce = CE to the label [N] float32,
-                            weights = w [N] float32, tv = total variation to the target [N] or None)
+        -> MarkovLossOutput(
+               loss = sum_i w_i * loss_i (float32 scalar; grad wrt hidden, markov_embed, markov_w2),
+               correct = argmax == label [N] bool, ce = CE to the label [N] float32,
+               weights = w [N] float32, tv = total variation to the target [N] or None)
 
-    logits_i = hidden_i @ W^T + markov_embed_i @ W2^T      (markov_embed_i = W1[previous token of row i])
+    logits_i = hidden_i @ W^T + markov_embed_i @ W2^T   (markov_embed_i: W1[row i's previous token])
 
 Rows are whole blocks, in order (N = A * B). `weigh(ce [n, B], valid [n, B], first_block)` gives the
 rows' weights from their own CE, a block at a time (D-PACE), or looks them up (the gamma decay).
 
-Why the weights are formed inside. The hard and soft losses keep, per row, d row_loss / d hidden: row i
-of the loss depends on row i of hidden only, so weights that come from the same forward (D-PACE) just
-scale the stored rows in the backward. The Markov weights break that: d loss / d W2 = sum_i g_i d_i^T e_i
-(d_i the logits gradient of row i, [V]) is a sum over rows, and the row factors g_i must be known while
-d_i exists, inside the chunk. So every chunk holds whole blocks: its kernel writes the *unit*-weight
-gradient d_i over the logits and returns the rows' CE, `weigh` turns those into the blocks' weights,
-and they enter through the small operands only:
+Why the weights are formed inside. The hard and soft losses keep, per row, d row_loss / d hidden:
+row i of the loss depends on row i of hidden only, so weights that come from the same forward
+(D-PACE) just scale the stored rows in the backward. The Markov weights break that: d loss / d W2 =
+sum_i g_i d_i^T e_i (d_i the logits gradient of row i, [V]) is a sum over rows, and the row factors
+g_i must be known while d_i exists, inside the chunk. So every chunk holds whole blocks: its kernel
+writes the *unit*-weight gradient d_i over the logits and returns the rows' CE, `weigh` turns those
+into the blocks' weights, and they enter through the small operands only:
     grad hidden_i = w_i (d_i @ W),  grad e_i = w_i (d_i @ W2),  grad W2 += D^T (w * E)
-(row scalings of [c, H], [c, r] and [c, r]: no extra pass over the [c, V] chunk). The function returns
-the weighted sum as one scalar, so the backward only scales by the incoming gradient.
+(row scalings of [c, H], [c, r] and [c, r]: no extra pass over the [c, V] chunk). The function
+returns the weighted sum as one scalar, so the backward only scales by the incoming gradient.
 
 Cost against DFlash's hard loss (hard.py, 4NVH): the bias adds three rank-r matmuls, 6NVr (logits,
-the embedding's gradient, W2's gradient): +6r/(4H), +9.4% at r = 256 and H = 4096; the weights cost a
-few [n, B] ops a chunk. DSpark's rows are all predictions (DFlash drops row 0: B-1 of B). Memory: the
-[N, H] and [N, r] stored gradients, W2's float32 gradient [V, r], one logits chunk (two with a soft kind).
+the embedding's gradient, W2's gradient): +6r/(4H), +9.4% at r = 256 and H = 4096; the weights cost
+a few [n, B] ops a chunk. DSpark's rows are all predictions (DFlash drops row 0: B-1 of B). Memory:
+the [N, H] and [N, r] stored gradients, W2's float32 gradient [V, r], one logits chunk (two with a
+soft kind).
 
 Backends as hard.py's and soft.py's ('auto', 'triton', 'torch'); the hard rows use the exact method.
 """
@@ -39,7 +40,12 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from dflash_common.drafter.loss.hard import Backend, chunk_rows, resolve_backend, weighted_ce_rows_torch
+from dflash_common.drafter.loss.hard import (
+    Backend,
+    chunk_rows,
+    resolve_backend,
+    weighted_ce_rows_torch,
+)
 from dflash_common.drafter.loss.soft import MIX, SoftKind, soft_chunk_rows, soft_rows_torch
 from dflash_common.drafter.objective import IGNORE_INDEX
 
@@ -50,13 +56,14 @@ Weigh = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 class MarkovLossOutput(NamedTuple):
     loss: torch.Tensor  # float32 scalar: the weighted sum
     correct: torch.Tensor  # [N] bool: argmax of the corrected logits == label
-    ce: torch.Tensor  # [N] float32, no grad: CE of the corrected logits to the label (0 where not valid)
+    ce: torch.Tensor  # [N] float32, no grad: CE of the corrected logits (0 where not valid)
     weights: torch.Tensor  # [N] float32, no grad: the weights `weigh` gave
-    tv: torch.Tensor | None = None  # [N] float32, no grad: 1/2 sum |p - q| (0 where not valid; kinds tv, dspark)
+    # [N] float32, no grad: 1/2 sum |p - q| (0 where not valid; soft kinds tv and dspark only)
+    tv: torch.Tensor | None = None
 
 
 class Soft(NamedTuple):
-    """The soft kind's inputs (soft.py): the target's final states and the row each block row reads."""
+    """A soft kind's inputs (soft.py): the target's final states, the one each block row reads."""
 
     teacher: torch.Tensor  # [M, H]
     teacher_index: torch.Tensor  # [N]
@@ -64,18 +71,30 @@ class Soft(NamedTuple):
     temperature: float = 1.0
 
 
-def markov_lm_head_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, markov_embed: torch.Tensor,
-                        markov_w2: torch.Tensor, labels: torch.Tensor, block_size: int, weigh: Weigh,
-                        soft: Soft | None = None, backend: Backend = "auto",
-                        chunk_bytes: int | None = None) -> MarkovLossOutput:
+def markov_lm_head_loss(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    markov_embed: torch.Tensor,
+    markov_w2: torch.Tensor,
+    labels: torch.Tensor,
+    block_size: int,
+    weigh: Weigh,
+    soft: Soft | None = None,
+    backend: Backend = "auto",
+    chunk_bytes: int | None = None,
+) -> MarkovLossOutput:
     """See the module docstring."""
     n, h = hidden.shape
     v, r = markov_w2.shape
     if lm_head_weight.shape != (v, h) or markov_embed.shape != (n, r):
-        raise ValueError(f"hidden {tuple(hidden.shape)}, lm_head {tuple(lm_head_weight.shape)}, markov_embed "
-                         f"{tuple(markov_embed.shape)} and markov_w2 {tuple(markov_w2.shape)} do not match")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)}, lm_head {tuple(lm_head_weight.shape)}, markov_embed "
+            f"{tuple(markov_embed.shape)} and markov_w2 {tuple(markov_w2.shape)} do not match"
+        )
     if labels.shape != (n,) or n % block_size:
-        raise ValueError(f"labels need one entry per row, and the rows ({n}) whole blocks of {block_size}")
+        raise ValueError(
+            f"labels need one entry per row, and the rows ({n}) whole blocks of {block_size}"
+        )
     if soft is not None and soft.kind not in MIX:
         raise ValueError(f"soft loss kind {soft.kind!r} unknown; use one of {sorted(MIX)}")
     spec = _Spec(resolve_backend(backend, hidden.device), chunk_bytes, block_size, weigh, soft)
@@ -84,7 +103,9 @@ def markov_lm_head_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, mark
     if not need_grad:
         return _chunks(*args, spec, need_grad=False)[0]
     loss, correct, ce, weights, tv = _MarkovLoss.apply(*args, spec)
-    return MarkovLossOutput(loss, correct, ce, weights, tv if soft is not None and _has_tv(soft) else None)
+    return MarkovLossOutput(
+        loss, correct, ce, weights, tv if soft is not None and _has_tv(soft) else None
+    )
 
 
 class _Spec(NamedTuple):
@@ -126,7 +147,9 @@ def _rows_per_chunk(hidden: torch.Tensor, weight: torch.Tensor, spec: _Spec) -> 
         rows = soft_chunk_rows(n, hidden, weight, spec.backend, spec.chunk_bytes)
     else:
         per_value = weight.element_size() + (4 if spec.backend == "torch" else 0)
-        rows = chunk_rows(n, hidden.shape[1], weight.shape[0], per_value, hidden.element_size(), spec.chunk_bytes)
+        rows = chunk_rows(
+            n, hidden.shape[1], weight.shape[0], per_value, hidden.element_size(), spec.chunk_bytes
+        )
     return max(b, rows // b * b)
 
 
@@ -149,10 +172,15 @@ def _chunks(hidden, markov_embed, markov_w2, weight, labels, spec: _Spec, need_g
         rows = slice(r0, min(r0 + step, n))
         e = markov_embed[rows].detach().to(weight.dtype)  # [c, r]
         logits = torch.addmm(hidden[rows].detach().to(weight.dtype) @ weight.T, e, w2.T)  # [c, V]
-        row_loss, row_correct, ce[rows], row_tv = _unit_rows(spec, weight, logits, safe[rows], unit[rows], rows,
-                                                             need_grad)  # logits -> the unit gradient
+        # logits become the unit-weight gradient
+        row_loss, row_correct, ce[rows], row_tv = _unit_rows(
+            spec, weight, logits, safe[rows], unit[rows], rows, need_grad
+        )
         correct[rows] = row_correct & valid[rows]
-        w = spec.weigh(ce[rows].view(-1, b), valid[rows].view(-1, b), r0 // b).reshape(-1).float() * unit[rows]
+        w = (
+            spec.weigh(ce[rows].view(-1, b), valid[rows].view(-1, b), r0 // b).reshape(-1).float()
+            * unit[rows]
+        )
         weights[rows] = w
         loss = loss + (w * row_loss).sum()
         if tv is not None:
@@ -179,15 +207,20 @@ def _unit_rows(spec: _Spec, weight, logits, labels, unit, rows, need_grad):
         else:
             loss, correct = weighted_ce_rows_torch(logits, labels, unit, need_grad)
         return loss, correct, loss, None
-    target = soft.teacher[soft.teacher_index[rows]].detach().to(weight.dtype) @ weight.T  # [c, V], the target's
+    teacher = soft.teacher[soft.teacher_index[rows]].detach().to(weight.dtype)
+    target = teacher @ weight.T  # [c, V], the target's logits
     mix = MIX[soft.kind]
     if spec.backend == "triton":
         from dflash_common.drafter.loss.soft_triton import soft_rows
 
-        loss, correct, ce = soft_rows(logits, target, labels, unit, mix, soft.temperature, need_grad)
+        loss, correct, ce = soft_rows(
+            logits, target, labels, unit, mix, soft.temperature, need_grad
+        )
     else:
-        loss, correct, ce = soft_rows_torch(logits, target, labels, unit, mix, soft.temperature, need_grad)
+        loss, correct, ce = soft_rows_torch(
+            logits, target, labels, unit, mix, soft.temperature, need_grad
+        )
     ce = ce * unit
-    tv = (loss - mix[0] * ce) / (2 * mix[2]) if _has_tv(soft) else None  # loss = a_ce CE + a_l1 * 2 TV
+    # loss = a_ce CE + a_l1 * 2 TV
+    tv = (loss - mix[0] * ce) / (2 * mix[2]) if _has_tv(soft) else None
     return loss, correct, ce, tv
-

@@ -1,6 +1,7 @@
-"""dflash-export of a DSpark drafter: the layout vLLM 0.32 loads (config keys, weight names and shapes,
-read back to the same drafter), and the export lint against vLLM's DSpark loader rules: what the loader
-refuses, and what it would load silently wrong (missing Markov weights, a missing confidence flag)."""
+"""dflash-export of a DSpark drafter: the layout vLLM 0.32 loads (config keys, weight names and
+shapes, read back to the same drafter), and the export lint against vLLM's DSpark loader rules: what
+the loader refuses, and what it would load silently wrong (missing Markov weights, a missing
+confidence flag)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ def test_export_writes_vllms_layout_and_reads_back_the_same_drafter(exported):
     assert all(torch.equal(back.state_dict()[k], v) for k, v in drafter.state_dict().items())
     assert serving.lint_drafter_dir(out) == []
     commands = serving.serve_commands(cfg, str(out))
-    assert '"method": "dspark"' in commands["vllm"] and '"num_speculative_tokens": 4' in commands["vllm"]
+    assert (
+        '"method": "dspark"' in commands["vllm"]
+        and '"num_speculative_tokens": 4' in commands["vllm"]
+    )
 
 
 def _break(out, kind):
@@ -47,7 +51,9 @@ def _break(out, kind):
     if kind == "no-markov-weights":
         weights = {k: v for k, v in weights.items() if not k.startswith("markov_head.")}
     elif kind == "markov-w2-transposed":
-        weights["markov_head.markov_w2.weight"] = weights["markov_head.markov_w2.weight"].T.contiguous()
+        weights["markov_head.markov_w2.weight"] = weights[
+            "markov_head.markov_w2.weight"
+        ].T.contiguous()
     elif kind == "no-confidence-flags":
         config.pop("enable_confidence_head")
         config.pop("confidence_head_with_markov")
@@ -59,10 +65,14 @@ def _break(out, kind):
     (out / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("kind,finding", [
-    ("no-markov-weights", "without these weights"), ("markov-w2-transposed", "wrong shape"),
-    ("ids-in-dflash-config-differ", "top-level target_layer_ids reads"),
-])
+@pytest.mark.parametrize(
+    "kind,finding",
+    [
+        ("no-markov-weights", "without these weights"),
+        ("markov-w2-transposed", "wrong shape"),
+        ("ids-in-dflash-config-differ", "top-level target_layer_ids reads"),
+    ],
+)
 def test_the_lint_names_what_vllm_would_refuse_or_load_wrong(exported, kind, finding):
     _, out = exported
     _break(out, kind)
@@ -71,15 +81,21 @@ def test_the_lint_names_what_vllm_would_refuse_or_load_wrong(exported, kind, fin
 
 
 def test_the_lint_reads_flags_as_vllm_does(tiny_target):
-    """A config without the confidence flags reads as a drafter without a head (vLLM's defaults), which
-    is not the drafter trained; lint_config names the flags."""
+    """A config without the confidence flags reads as a drafter without a head (vLLM's defaults),
+    which is not the drafter trained; lint_config names the flags."""
     cfg = dspark_config(tiny_target)
     config = cfg.to_config_json()
     for key in ("enable_confidence_head", "confidence_head_with_markov"):
         broken = {k: v for k, v in config.items() if k != key}
         assert any(key in f.message for f in serving.lint_config(cfg, broken))
-    assert any("sample_from_anchor" in f.message for f in serving.lint_config(cfg, {**config, "sample_from_anchor": False}))
-    assert any("markov_rank" in f.message for f in serving.lint_config(cfg, {**config, "markov_rank": RANK * 2}))
+    assert any(
+        "sample_from_anchor" in f.message
+        for f in serving.lint_config(cfg, {**config, "sample_from_anchor": False})
+    )
+    assert any(
+        "markov_rank" in f.message
+        for f in serving.lint_config(cfg, {**config, "markov_rank": RANK * 2})
+    )
     assert serving.lint_config(cfg, config) == []
 
 

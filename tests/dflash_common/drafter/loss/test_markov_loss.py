@@ -1,7 +1,8 @@
-"""DSpark's fused loss (loss/markov.py) against plain PyTorch on full [N, V] logits with the Markov bias
-materialised (an nn.Embedding and an nn.Linear, autograd through cross_entropy / log_softmax / abs):
-value, per-row CE, correctness, TV, and the gradients of hidden, W1 and W2, under fixed weights and
-D-PACE weights formed from the same forward, hard and soft kinds, both backends, chunks of any size."""
+"""DSpark's fused loss (loss/markov.py) against plain PyTorch on full [N, V] logits with the Markov
+bias materialised (an nn.Embedding and an nn.Linear, autograd through cross_entropy / log_softmax /
+abs): value, per-row CE, correctness, TV, and the gradients of hidden, W1 and W2, under fixed
+weights and D-PACE weights formed from the same forward, hard and soft kinds, both backends, chunks
+of any size."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _case(blocks=7, seed=0):
 def _weigh(kind, fixed):
     if kind == "dpace":
         return lambda ce, valid, first: dpace_weights(ce, valid, 0.5)
-    return lambda ce, valid, first: fixed.view(-1, B)[first:first + ce.shape[0]]
+    return lambda ce, valid, first: fixed.view(-1, B)[first : first + ce.shape[0]]
 
 
 def _reference(hidden, head, w1, w2, prev, labels, teacher, index, weights_kind, fixed, soft):
@@ -50,7 +51,11 @@ def _reference(hidden, head, w1, w2, prev, labels, teacher, index, weights_kind,
     if soft is not None:
         log_p, log_q = logits.log_softmax(-1), (teacher[index] @ head.T).log_softmax(-1)
         l1 = (log_p.exp() - log_q.exp()).abs().sum(-1)
-        per_row = {"tv": 0.5 * l1, "dspark": 0.1 * ce + 0.9 * l1, "kl": (log_q.exp() * (log_q - log_p)).sum(-1)}[soft]
+        per_row = {
+            "tv": 0.5 * l1,
+            "dspark": 0.1 * ce + 0.9 * l1,
+            "kl": (log_q.exp() * (log_q - log_p)).sum(-1),
+        }[soft]
         tv = 0.5 * l1.detach()
     if weights_kind == "dpace":  # the weights from this forward's own CE, detached
         w = dpace_weights(ce.detach().view(-1, B), valid.view(-1, B), 0.5).flatten()
@@ -62,21 +67,32 @@ def _reference(hidden, head, w1, w2, prev, labels, teacher, index, weights_kind,
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("weights_kind,soft", [("gamma", None), ("dpace", None), ("dpace", "dspark"),
-                                                ("gamma", "kl")])
+@pytest.mark.parametrize(
+    "weights_kind,soft", [("gamma", None), ("dpace", None), ("dpace", "dspark"), ("gamma", "kl")]
+)
 def test_value_and_every_gradient_match_materialised_logits(backend, weights_kind, soft):
     hidden, head, w1, w2, prev, labels, teacher, index = _case(seed=len(str(soft)))
     fixed = torch.rand(labels.shape[0], generator=torch.Generator().manual_seed(3)) + 0.1
     embed = w1(prev)  # the previous tokens' embeddings, through autograd to W1
-    out = markov_lm_head_loss(hidden, head, embed, w2.weight, labels, B, _weigh(weights_kind, fixed),
-                              Soft(teacher, index, soft) if soft else None, backend=backend,
-                              chunk_bytes=V * 4 * 9 * (12 if soft else 1))  # a few blocks a chunk
+    out = markov_lm_head_loss(
+        hidden,
+        head,
+        embed,
+        w2.weight,
+        labels,
+        B,
+        _weigh(weights_kind, fixed),
+        Soft(teacher, index, soft) if soft else None,
+        backend=backend,
+        chunk_bytes=V * 4 * 9 * (12 if soft else 1),  # a few blocks a chunk
+    )
     (out.loss * 3.0).backward()  # a grad_output != 1 scales every stored gradient
     got = [t.grad.clone() for t in (hidden, w1.weight, w2.weight)]
     for t in (hidden, w1.weight, w2.weight):
         t.grad = None
-    want, ce, w, correct, tv = _reference(hidden, head, w1, w2, prev, labels, teacher, index, weights_kind,
-                                          fixed, soft)
+    want, ce, w, correct, tv = _reference(
+        hidden, head, w1, w2, prev, labels, teacher, index, weights_kind, fixed, soft
+    )
     (want * 3.0).backward()
     torch.testing.assert_close(out.loss, want.detach(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(out.ce, ce, rtol=1e-5, atol=1e-5)
@@ -96,8 +112,12 @@ def test_without_grad_the_same_figures():
     hidden, head, w1, w2, prev, labels, teacher, index = _case()
     fixed = torch.ones(labels.shape[0])
     with torch.no_grad():
-        plain = markov_lm_head_loss(hidden, head, w1(prev), w2.weight, labels, B, _weigh("dpace", fixed))
-    trained = markov_lm_head_loss(hidden, head, w1(prev), w2.weight, labels, B, _weigh("dpace", fixed))
+        plain = markov_lm_head_loss(
+            hidden, head, w1(prev), w2.weight, labels, B, _weigh("dpace", fixed)
+        )
+    trained = markov_lm_head_loss(
+        hidden, head, w1(prev), w2.weight, labels, B, _weigh("dpace", fixed)
+    )
     torch.testing.assert_close(plain.loss, trained.loss.detach())
     assert torch.equal(plain.correct, trained.correct)
 
@@ -105,4 +125,6 @@ def test_without_grad_the_same_figures():
 def test_rows_must_be_whole_blocks():
     hidden, head, w1, w2, prev, labels, _, _ = _case()
     with pytest.raises(ValueError, match="whole blocks"):
-        markov_lm_head_loss(hidden[:-1], head, w1(prev)[:-1], w2.weight, labels[:-1], B, _weigh("dpace", None))
+        markov_lm_head_loss(
+            hidden[:-1], head, w1(prev)[:-1], w2.weight, labels[:-1], B, _weigh("dpace", None)
+        )
