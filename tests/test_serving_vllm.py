@@ -519,20 +519,24 @@ def test_vllm_serves_our_dspark_export_lossless_with_our_cycles(
     assert _pooled_tau(spec["prompts"]) > 1.0
 
 
-def test_our_dspark_config_rules_are_vllms(dspark_trained):
-    """Our reading of the target layers and the mask token against vLLM's own functions, on our
-    export's config and on DeepSpec's layout (top-level ids only)."""
+def test_our_dspark_config_rules_are_vllms():
+    """Our reading of the target layers and the mask token against vLLM's own functions, on the
+    config.json our export writes and on DeepSpec's layout (top-level ids only)."""
     from types import SimpleNamespace
 
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
     from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 
     from dflash_common.drafter import serving
+    from dflash_common.drafter.arch import config_class
 
-    ours = json.loads((dspark_trained[0] / "config.json").read_text())
+    target = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 320,
+              "rope_theta": 500.0}
+    ours = config_class("dspark").from_target(target, mask_token_id=259).to_config_json()
     deepspec = {k: v for k, v in ours.items() if k != "dflash_config"}
     for config in (ours, deepspec, {**deepspec, "dspark_target_layer_ids": [0, 2]}):
-        hf = SimpleNamespace(model_type="qwen3", **config)
+        hf = SimpleNamespace(**config)
         spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
         assert serving.vllm_target_layer_ids(config) == [
             i - 1 for i in get_eagle3_aux_layers_from_config(spec)
