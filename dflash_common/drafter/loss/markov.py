@@ -187,12 +187,19 @@ def _chunks(hidden, markov_embed, markov_w2, weight, labels, spec: _Spec, need_g
             tv[rows] = row_tv
         if need_grad:
             ws = w[:, None]
-            g_hidden[rows] = ((logits @ weight).float() * ws).to(g_hidden.dtype)  # [c, V] @ [V, H]
+            _mm_into(g_hidden[rows], logits, weight).mul_(ws.to(g_hidden.dtype))  # [c, V] @ [V, H]
             g_embed[rows] = ((logits @ w2).float() * ws).to(g_embed.dtype)  # [c, V] @ [V, r]
             g_w2 += (logits.T @ (e.float() * ws).to(logits.dtype)).float()  # [V, c] @ [c, r]
         del logits
     out = MarkovLossOutput(loss, correct, ce, weights, tv)
     return out, ((g_hidden, g_embed, g_w2.to(markov_w2.dtype)) if need_grad else None)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b written into `out` (a view of contiguous rows): no temporary when the dtypes agree."""
+    if out.dtype == a.dtype == b.dtype:
+        return torch.mm(a, b, out=out)
+    return out.copy_(a @ b)
 
 
 def _unit_rows(spec: _Spec, weight, logits, labels, unit, rows, need_grad):
