@@ -25,11 +25,12 @@ into the blocks' weights, and they enter through the small operands only:
 (row scalings of [c, H], [c, r] and [c, r]: no extra pass over the [c, V] chunk). The function
 returns the weighted sum as one scalar, so the backward only scales by the incoming gradient.
 
-Cost against DFlash's hard loss (hard.py, 4NVH): the bias adds three rank-r matmuls, 6NVr (logits,
-the embedding's gradient, W2's gradient): +6r/(4H), +9.4% at r = 256 and H = 4096; the weights cost
-a few [n, B] ops a chunk. DSpark's rows are all predictions (DFlash drops row 0: B-1 of B). Memory:
-the [N, H] and [N, r] stored gradients, W2's float32 gradient [V, r], one logits chunk (two with a
-soft kind).
+Cost against DFlash's hard loss (hard.py, 4NVH): the bias adds 6NVr (its logits and the embedding's
+gradient ride in the two matmuls of the lm_head, widened from H to H + r; W2's gradient is one more
+matmul, the only extra pass over a [c, V] chunk): +6r/(4H), +9.4% at r = 256 and H = 4096; the
+weights cost a few [n, B] ops a chunk. DSpark's rows are all predictions (DFlash drops row 0: B-1
+of B). Memory: the [N, H] and [N, r] stored gradients, W2's float32 gradient [V, r], the lm_head beside W2
+([V, H + r], one copy a call), one logits chunk (two with a soft kind).
 
 Backends as hard.py's and soft.py's ('auto', 'triton', 'torch'); the hard rows use the exact method.
 """
@@ -154,13 +155,17 @@ def _rows_per_chunk(hidden: torch.Tensor, weight: torch.Tensor, spec: _Spec) -> 
 
 
 def _chunks(hidden, markov_embed, markov_w2, weight, labels, spec: _Spec, need_grad: bool):
-    """(MarkovLossOutput, (grad hidden, grad markov_embed, grad markov_w2) or None)."""
-    n, b = hidden.shape[0], spec.block_size
+    """(MarkovLossOutput, (grad hidden, grad markov_embed, grad markov_w2) or None).
+
+    The lm_head and W2 side by side, [V, H + r] (one copy a call): a chunk's logits are then one
+    matmul of [hidden | markov_embed] (K = H + r), and the gradients of both one matmul of the unit
+    gradient by it, so the bias adds one pass over the [c, V] chunk (W2's gradient), not three."""
+    n, h, b = hidden.shape[0], hidden.shape[1], spec.block_size
     valid = labels != IGNORE_INDEX
     safe = torch.where(valid, labels, 0).long()  # invalid rows get weight 0 and zero gradient
     unit = valid.float()
-    w2 = markov_w2.detach().to(weight.dtype)  # [V, r], cast once
-    f32 = dict(dtype=torch.float32, device=hidden.device)
+    both = torch.cat([weight, markov_w2.detach().to(weight.dtype)], 1)  # [V, H + r]
+    f32 = {"dtype": torch.float32, "device": hidden.device}
     loss, ce, weights = torch.zeros((), **f32), torch.zeros(n, **f32), torch.zeros(n, **f32)
     tv = torch.zeros(n, **f32) if spec.soft is not None and _has_tv(spec.soft) else None
     correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
@@ -171,35 +176,27 @@ def _chunks(hidden, markov_embed, markov_w2, weight, labels, spec: _Spec, need_g
     for r0 in range(0, n, step):
         rows = slice(r0, min(r0 + step, n))
         e = markov_embed[rows].detach().to(weight.dtype)  # [c, r]
-        logits = torch.addmm(hidden[rows].detach().to(weight.dtype) @ weight.T, e, w2.T)  # [c, V]
+        x = torch.cat([hidden[rows].detach().to(weight.dtype), e], 1)  # [c, H + r]
+        logits = x @ both.T  # [c, V]: lm_head(h) + the Markov bias
         # logits become the unit-weight gradient
         row_loss, row_correct, ce[rows], row_tv = _unit_rows(
             spec, weight, logits, safe[rows], unit[rows], rows, need_grad
         )
         correct[rows] = row_correct & valid[rows]
-        w = (
-            spec.weigh(ce[rows].view(-1, b), valid[rows].view(-1, b), r0 // b).reshape(-1).float()
-            * unit[rows]
-        )
+        blocks = (ce[rows].view(-1, b), valid[rows].view(-1, b))
+        w = spec.weigh(*blocks, r0 // b).reshape(-1).float() * unit[rows]
         weights[rows] = w
         loss = loss + (w * row_loss).sum()
         if tv is not None:
             tv[rows] = row_tv
         if need_grad:
             ws = w[:, None]
-            _mm_into(g_hidden[rows], logits, weight).mul_(ws.to(g_hidden.dtype))  # [c, V] @ [V, H]
-            g_embed[rows] = ((logits @ w2).float() * ws).to(g_embed.dtype)  # [c, V] @ [V, r]
+            g = (logits @ both).mul_(ws.to(logits.dtype))  # [c, V] @ [V, H + r]
+            g_hidden[rows], g_embed[rows] = g[:, :h], g[:, h:]
             g_w2 += (logits.T @ (e.float() * ws).to(logits.dtype)).float()  # [V, c] @ [c, r]
         del logits
     out = MarkovLossOutput(loss, correct, ce, weights, tv)
     return out, ((g_hidden, g_embed, g_w2.to(markov_w2.dtype)) if need_grad else None)
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b written into `out` (a view of contiguous rows): no temporary when the dtypes agree."""
-    if out.dtype == a.dtype == b.dtype:
-        return torch.mm(a, b, out=out)
-    return out.copy_(a @ b)
 
 
 def _unit_rows(spec: _Spec, weight, logits, labels, unit, rows, need_grad):
