@@ -34,7 +34,8 @@ from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.arch import config_class, new_drafter  # noqa: E402
 from dflash_common.drafter.objective import sample_anchors  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.loop import _N, build_optimizer, train_step  # noqa: E402
+from train.loop import _N, train_step  # noqa: E402
+from train.optim import build_optimizer  # noqa: E402
 from train.regularise import WeightAverage  # noqa: E402
 from train.transfer import DeviceBatch  # noqa: E402
 
@@ -86,7 +87,7 @@ def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, de
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     states = torch.randn(total, cfg.hidden_size, generator=g).to(device, dtype) if final else None
     return DeviceBatch(features.to(device, dtype), input_ids.to(device), loss_mask.to(device),
-                       cu.to(device, torch.int32), anchors.to(device), total, 0, 0, {}, 0.0, states)
+                       cu.to(device), anchors.to(device), total, 0, 0, {}, 0.0, states)
 
 
 def make_step(variant: str, dcfg, args, device):
@@ -103,7 +104,7 @@ def make_step(variant: str, dcfg, args, device):
     head_dtype = torch.bfloat16 if cuda else torch.float32  # as the trainer: bf16 under autocast
     drafter.attach_frozen(torch.randn(v, h, device=device, dtype=head_dtype),
                           torch.randn(v, h, device=device, dtype=head_dtype) * h**-0.5)
-    optimizer, scheduler = build_optimizer(cfg, drafter, total=10**6, device=device)
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total=10**6, device=device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
     batch = make_batch(dcfg, args.seqs, args.seq_len, args.anchors, cfg.objective.anchors, device,
                        final=cfg.targets.needs_final_state)

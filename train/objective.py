@@ -11,8 +11,6 @@ batch_objective hands it to.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -20,7 +18,12 @@ from dflash_common.drafter.loss import (
     fused_lm_head_loss, greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows,
 )
 from dflash_common.drafter.loss.markov import Soft, markov_lm_head_loss
-from dflash_common.drafter.objective import IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path
+from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.objective import (
+    IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path,
+)
+from train.config import ObjectiveSection, SoftTargetsSection
+from train.transfer import DeviceBatch
 
 
 def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -33,16 +36,17 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
                       (accepted * has_any).sum().double()[None], has_any.sum().double()[None]])
 
 
-def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
-                    gamma: float | None, autocast: str, weights: str = "gamma", dpace_alpha: float = 0.5,
-                    normalise: str = "weight", targets: Any = None, path_weight: float = 0.0,
-                    loss_method: str = "exact",
-                    confidence: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: DeviceBatch, *,
+                    block_size: int, gamma: float | None, autocast: str, weights: str = "gamma",
+                    dpace_alpha: float = 0.5, normalise: str = "weight",
+                    targets: SoftTargetsSection | None = None, path_weight: float = 0.0,
+                    loss_method: str = "exact", confidence: ObjectiveSection | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
     `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
     train/config.py's [objective]; D-PACE weights and the serving path come from the same forward's
-    per-row CE and correctness (no second pass). `targets` (train config's TargetsSection) switches on
+    per-row CE and correctness (no second pass). `targets` (train config's [targets]) switches on
     soft targets and prompt-anchor labels (the config refuses them with path_weight); with them,
     D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
     greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
@@ -81,7 +85,7 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
         w = dpace_weights(ce.detach().view_as(labels), valid, dpace_alpha)
         row_scale = w
     block_w = None
-    if path_weight:  # 0 leaves the objective as it was, bit for bit
+    if path_weight:  # 0: the objective without serving-path weights, bit for bit
         on_path = serving_path(batch.anchors, accepted_drafts(correct, valid), batch.loss_mask, batch.cu_seqlens)
         block_w = 1.0 + path_weight * on_path.float()  # [A], detached: from argmax correctness
         w = w * block_w[:, None]
@@ -97,17 +101,17 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
 
 
 def dspark_objective(
-    drafter: torch.nn.Module,
+    drafter: DFlashDrafter,
     model: torch.nn.Module,
-    batch: Any,
+    batch: DeviceBatch,
     *,
     gamma: float | None,
     autocast: str,
     weights: str = "gamma",
     dpace_alpha: float = 0.5,
     normalise: str = "weight",
-    targets: Any = None,
-    confidence: Any = None,
+    targets: SoftTargetsSection | None = None,
+    confidence: ObjectiveSection | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A DSpark drafter's objective on a packed batch, as `batch_objective` returns it (counts laid
     out over the verified block [anchor, B drafts]: 2(B+1)+2).

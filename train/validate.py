@@ -16,12 +16,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import AcceptanceCounts
+from train.config import SoftTargetsSection
 from train.objective import batch_objective
 from train.path_tau import path_counts, replay_batch, summarize_path
+from train.transfer import DeviceBatch
 
 
-def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
+def summarize_sums(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
     """Sums -> the reported figures (accuracies by position k = 1..B-1; position 0 is the anchor)."""
     acc = AcceptanceCounts.from_tensor(counts)
     return {
@@ -34,13 +37,13 @@ def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[
 
 
 @torch.no_grad()
-def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_size: int,
+def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, block_size: int,
                      gamma: float | None = None, autocast: str = "bf16", reduce: bool = False,
-                     path: bool = True, targets: Any = None) -> dict[str, Any]:
-    """Loss, accuracy by position and tau over device batches (objects with features, input_ids,
-    loss_mask, cu_seqlens, anchors); with `path`, also the path tau of greedy decoding replayed from
-    the batches (train/path_tau.py: exact when the responses are the target's greedy output). With
-    `reduce`, sums are all-reduced over the process group."""
+                     path: bool = True,
+                     targets: SoftTargetsSection | None = None) -> dict[str, Any]:
+    """Loss, accuracy by position and tau over device batches; with `path`, also the path tau of
+    greedy decoding replayed from the batches (train/path_tau.py: exact when the responses are the
+    target's greedy output). With `reduce`, sums are all-reduced over the process group."""
     was_training = drafter.training
     drafter.eval()
     device = next(drafter.parameters()).device
@@ -50,11 +53,12 @@ def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
     for batch in batches:
         if batch.anchors.numel() == 0:
             continue
-        loss, weight, c = batch_objective(drafter, drafter, batch, block_size=block_size, gamma=gamma,
-                                          autocast=autocast, targets=targets)
+        loss, weight, batch_counts = batch_objective(
+            drafter, drafter, batch, block_size=block_size, gamma=gamma, autocast=autocast,
+            targets=targets)
         sums += torch.stack([loss.double(), weight.double(), torch.tensor(batch.cu_seqlens.numel() - 1.0,
                                                                           dtype=torch.float64, device=device)])
-        counts += c
+        counts += batch_counts
         if path:
             paths += path_counts(replay_batch(drafter, batch, autocast=autocast)).to(device)
     if reduce and dist.is_initialized():
@@ -62,7 +66,7 @@ def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
         dist.all_reduce(both)
         sums, counts, paths = both[:3], both[3:-5], both[-5:]
     drafter.train(was_training)
-    out = summarize(float(sums[0]), float(sums[1]), counts.cpu())
+    out = summarize_sums(float(sums[0]), float(sums[1]), counts.cpu())
     out["sequences"] = int(sums[2])
     if path:
         out.update(summarize_path(paths))

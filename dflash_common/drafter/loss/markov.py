@@ -98,7 +98,7 @@ def markov_lm_head_loss(
         )
     if soft is not None and soft.kind not in MIX:
         raise ValueError(f"soft loss kind {soft.kind!r} unknown; use one of {sorted(MIX)}")
-    spec = _Spec(resolve_backend(backend, hidden.device), chunk_bytes, block_size, weigh, soft)
+    spec = _MarkovSpec(resolve_backend(backend, hidden.device), chunk_bytes, block_size, weigh, soft)
     args = (hidden, markov_embed, markov_w2, lm_head_weight.detach(), labels)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args[:3])
     if not need_grad:
@@ -109,7 +109,7 @@ def markov_lm_head_loss(
     )
 
 
-class _Spec(NamedTuple):
+class _MarkovSpec(NamedTuple):
     backend: str
     chunk_bytes: int | None
     block_size: int
@@ -141,7 +141,7 @@ class _MarkovLoss(torch.autograd.Function):
         return g_hidden, g_embed, g_w2, None, None, None
 
 
-def _rows_per_chunk(hidden: torch.Tensor, weight: torch.Tensor, spec: _Spec) -> int:
+def _rows_per_chunk(hidden: torch.Tensor, weight: torch.Tensor, spec: _MarkovSpec) -> int:
     """The byte budget's rows (hard.py's and soft.py's rule), rounded down to whole blocks."""
     n, b = hidden.shape[0], spec.block_size
     if spec.soft is not None:
@@ -154,7 +154,7 @@ def _rows_per_chunk(hidden: torch.Tensor, weight: torch.Tensor, spec: _Spec) -> 
     return max(b, rows // b * b)
 
 
-def _chunks(hidden, markov_embed, markov_w2, weight, labels, spec: _Spec, need_grad: bool):
+def _chunks(hidden, markov_embed, markov_w2, weight, labels, spec: _MarkovSpec, need_grad: bool):
     """(MarkovLossOutput, (grad hidden, grad markov_embed, grad markov_w2) or None).
 
     The lm_head and W2 side by side, [V, H + r] (one copy a call): a chunk's logits are then one
@@ -199,7 +199,7 @@ def _chunks(hidden, markov_embed, markov_w2, weight, labels, spec: _Spec, need_g
     return out, ((g_hidden, g_embed, g_w2.to(markov_w2.dtype)) if need_grad else None)
 
 
-def _unit_rows(spec: _Spec, weight, logits, labels, unit, rows, need_grad):
+def _unit_rows(spec: _MarkovSpec, weight, logits, labels, unit, rows, need_grad):
     """Per row of the chunk under unit weights (0 on invalid rows): (loss, correct, CE, TV or None);
     with need_grad, logits [c, V] becomes d loss_row / d logits, row by row."""
     soft = spec.soft
