@@ -70,7 +70,7 @@ class GenerationSection:
         0.0, "DSpark drafters with a confidence head: verify only the drafts before the first "
         "whose confidence is below this (DeepSpec's eval rule); 0 verifies every draft, as vLLM "
         "0.32 does unless its adaptive verification is on (whose cost-model schedule is not "
-        "reproduced here).")
+        "reproduced here). A threshold decodes one prompt at a time (generation.batch_size 1).")
     seed: int = option(0, "Seed of the sampling generator (temperature > 0).")
     ignore_eos: bool = option(False, "Do not stop at the end-of-sequence token(s); always decode max_new_tokens.")
     warmup: bool = option(True, "Decode a few tokens once before timing, so one-time setup is not timed.")

@@ -133,8 +133,8 @@ def resolve_batch_size(gen: GenerationSection, model, drafter: Drafter,
     from train.eval import batched
 
     why = batched.batch_refusal(model)
-    if why is None and not batched.batchable(drafter):
-        why = f"the drafter ({type(drafter).__name__}) has no batched form"
+    if why is None:
+        why = batched.drafter_refusal(drafter)
     if gen.batch_size == 0:
         batchable = device.type == "cuda" and gen.temperature == 0 and why is None
         return batched.AUTO_ROWS if batchable else 1

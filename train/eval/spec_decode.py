@@ -333,3 +333,13 @@ class DFlashProposer:
         picks a path through candidates (DFlash2's selector) replaces this; both loops, one prompt
         at a time and batched (batched.py), draft through it."""
         return self.drafter.greedy_drafts(block_hidden, anchors)
+
+    def batch_refusal(self) -> str | None:
+        """Why batched.py cannot decode with this proposer (None when it can): the confidence
+        threshold verifies a number of drafts of each prompt's own, where the batched loop verifies
+        whole blocks."""
+        if self.confidence_threshold > 0:
+            return (f"generation.confidence_threshold = {self.confidence_threshold} verifies a "
+                    "number of drafts of each prompt's own, which the batched loop (whole blocks "
+                    "for every prompt) does not")
+        return None

@@ -198,3 +198,45 @@ def test_a_confidence_threshold_without_a_head_is_one_sentence(tiny_target, draf
             ]
         )
     assert e.value.code == 2 and "confidence head" in capsys.readouterr().err
+
+
+def test_batched_decoding_has_the_one_at_a_time_cycles(model, dspark_dir, tiny_target):
+    """float32: through the batched loop (train/eval/batched.py) every prompt's tokens and cycles
+    (accepted lengths, cycle for cycle) are the one-at-a-time loop's, the Markov head drafting
+    each row's B drafts left to right in both, and the output is the target's own."""
+    from train.eval import batched
+    from train.eval.batched import BatchedTarget, as_batched, speculative_generate_batch
+
+    proposer = load_proposer(str(dspark_dir), model)
+    assert batched.batchable(proposer)
+    prompts = [p.ids for p in _prompts(tiny_target)]
+    target, block, max_new = TargetRunner(model, proposer.layer_ids), proposer.block_size, 40
+    together = speculative_generate_batch(
+        BatchedTarget(model, proposer.layer_ids), as_batched(proposer), prompts,
+        block_size=block, max_new_tokens=max_new)
+    seen = []
+    for ids, b in zip(prompts, together):
+        a = speculative_generate(target, proposer, ids, block_size=block, max_new_tokens=max_new)
+        assert b.acceptance_lengths == a.acceptance_lengths
+        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
+        seen += b.acceptance_lengths
+    assert max(seen) >= 3, "the drafter must accept drafts for the test to mean anything"
+
+
+def test_a_confidence_schedule_decodes_one_prompt_at_a_time(model, dspark_dir):
+    """The schedule verifies a number of drafts of each prompt's own; the batched loop verifies
+    whole blocks: no batched form, said in one sentence when a batch is asked for."""
+    from dflash_common.config import load_config
+    from dflash_common.errors import UserError
+    from train.eval import batched
+    from train.eval.config import EvalConfig
+    from train.eval.load import attach_target
+    from train.eval.run import resolve_batch_size
+
+    scheduled = attach_target(load_proposer(str(dspark_dir), model).drafter, model, None, 0.5)
+    assert not batched.batchable(scheduled)
+    auto = load_config(EvalConfig, None, []).generation
+    assert resolve_batch_size(auto, model, scheduled, torch.device("cuda")) == 1
+    explicit = load_config(EvalConfig, None, ["--generation.batch_size=4"]).generation
+    with pytest.raises(UserError, match="confidence_threshold = 0.5 verifies a number of drafts"):
+        resolve_batch_size(explicit, model, scheduled, torch.device("cpu"))
