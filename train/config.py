@@ -94,9 +94,30 @@ class DrafterSection:
         None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
         "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ."
     )
+    arch: Literal["dflash", "dspark"] = option(
+        "dflash", "What sits on the DFlash backbone: 'dflash' (nothing: block position k predicts "
+        "the token at anchor+k, B-1 drafts a cycle) or 'dspark' (DSpark, arXiv 2607.05147: a "
+        "Markov head over the block and a confidence head; every block position predicts the next "
+        "token, the anchor's included, B drafts a cycle)."
+    )
+    # DSpark's heads (arch = dspark)
+    markov_rank: int = option(
+        256, "DSpark: rank r of the Markov head (markov_w1 [V, r], markov_w2 [V, r]).")
+    confidence_head: bool = option(
+        True, "DSpark: train a confidence head (each draft's chance of acceptance once the drafts "
+        "before it are), which vLLM's adaptive verification schedules with; drafts do not depend "
+        "on it."
+    )
+    confidence_head_with_markov: bool = option(
+        True, "DSpark: the confidence head also reads the previous token's Markov embedding "
+        "(DeepSpec's default)."
+    )
 
     def __post_init__(self):
         check(self.depth >= 1, f"drafter.depth must be >= 1, got {self.depth}.")
+        check(self.arch in ("dflash", "dspark"),
+              f"drafter.arch must be dflash or dspark, got {self.arch!r}.")
+        check(self.markov_rank >= 1, f"drafter.markov_rank must be >= 1, got {self.markov_rank}.")
         check(self.block_size >= 2, f"drafter.block_size must be >= 2, got {self.block_size}.")
         check(self.layer_types is None or len(self.layer_types) == self.depth,
               f"drafter.layer_types has {len(self.layer_types or [])} entries for drafter.depth = {self.depth}.")
@@ -142,8 +163,30 @@ class ObjectiveSection:
         "them so too (weights, or blocks under normalise = anchors). 0 = off; validation is unchanged."
     )
 
+    # DSpark's confidence head (drafter.arch = dspark, drafter.confidence_head = true)
+    confidence_weight: float = option(
+        1.0, "DSpark: weight of the confidence head's loss, a BCE per block position weighted as "
+        "its CE (DeepSpec: 1)."
+    )
+    confidence_label: Literal["match", "tv"] = option(
+        "match", "DSpark: what the confidence head learns to predict at each block position, given "
+        "the previous tokens right (teacher forcing: the drafts before it accepted): 'match' = "
+        "whether its greedy draft is the data's token (greedy verification's acceptance; no "
+        "final states needed); 'tv' = 1 - TV(drafter, target), the acceptance chance of a "
+        "*sampled* draft (DeepSpec's label; needs targets.soft = tv or dspark)."
+    )
+    confidence_detach: bool = option(
+        True, "DSpark: the confidence loss trains the confidence head only, not the backbone or "
+        "the Markov head (DeepSpec trains them all with it): the drafts then do not depend on it."
+    )
+
     def __post_init__(self):
         check(self.max_anchors >= 1, f"objective.max_anchors must be >= 1, got {self.max_anchors}.")
+        check(self.confidence_weight > 0,
+              f"objective.confidence_weight must be > 0, got {self.confidence_weight} (to train "
+              "without a confidence head, set drafter.confidence_head=false).")
+        check(self.confidence_label in ("match", "tv"),
+              f"objective.confidence_label must be match or tv, got {self.confidence_label!r}.")
         check(self.gamma is None or self.gamma > 0, f"objective.gamma must be > 0, got {self.gamma}.")
         check(self.anchors in ("block", "label"), f"objective.anchors must be block or label, got {self.anchors!r}.")
         check(self.weights in ("gamma", "dpace"), f"objective.weights must be gamma or dpace, got {self.weights!r}.")
@@ -323,3 +366,17 @@ class TrainConfig:
         check(self.objective.path_weight == 0 or not t.needs_final_state,
               f"{what} cannot be combined with objective.path_weight (the serving path is weighted on the hard "
               "loss of the stored tokens only); set --objective.path_weight=0")
+        if self.drafter.arch == "dspark":
+            self._check_dspark()
+
+    def _check_dspark(self) -> None:
+        o, t = self.objective, self.targets
+        check(o.path_weight == 0,
+              "objective.path_weight is not implemented for drafter.arch = dspark (its loss forms "
+              "the weights a chunk of blocks at a time); set --objective.path_weight=0.")
+        check(not t.prompt_anchors,
+              "targets.prompt_anchors is not implemented for drafter.arch = dspark (its Markov "
+              "head is taught the true previous token); set --targets.prompt_anchors=false.")
+        check(o.confidence_label != "tv" or (t.soft in ("tv", "dspark") and t.temperature == 1.0),
+              "objective.confidence_label = 'tv' reads the total variation of the soft loss; set "
+              "--targets.soft=tv or dspark (temperature 1), or --objective.confidence_label=match.")

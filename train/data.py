@@ -433,9 +433,13 @@ class TrainData:
 
     @classmethod
     def build(cls, cfg: TrainConfig, stores: Sequence[Store], layer_ids: Sequence[int], *,
-              rank: int, world: int, device: torch.device) -> "TrainData":
-        """`layer_ids`: the drafter's target_layer_ids (their order is kept)."""
+              rank: int, world: int, device: torch.device,
+              block_size: int | None = None) -> "TrainData":
+        """`layer_ids`: the drafter's target_layer_ids (their order is kept); `block_size` the
+        verified block's tokens (DrafterConfig.verify_block_size: a DSpark block's labels reach one
+        token further), by default drafter.block_size."""
         d = cfg.data
+        block_size = block_size or cfg.drafter.block_size
         check_stores_agree(stores)
         final = cfg.targets.needs_final_state
         if final:
@@ -445,7 +449,7 @@ class TrainData:
         bad = BadShards(d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it')
         shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
         split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,
-                              2 * cfg.drafter.block_size)  # sequences with < 2B response tokens are dropped
+                              2 * block_size)  # sequences with < 2B response tokens are dropped
         plan = DataPlan(shards, split, n_stores=len(stores), weights=d.weights, seed=cfg.run.seed,
                         batch_tokens=d.batch_tokens, shuffle_window_shards=d.window_shards,
                         world=world,
@@ -459,7 +463,7 @@ class TrainData:
             log.info("validation shard cache: %d slot(s) for the %d shard(s) holding held-out sequences", n, val_shards)
             val_cache = ShardCache(SlotSlab.allocate(n, cache.slab.slot_bytes), 1,
                                    shard_reader(stores, shards, layer_ids, final), threads=1)
-        node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=cfg.drafter.block_size,
+        node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=block_size,
                          max_anchors=cfg.objective.max_anchors, bad=bad, anchor_rule=cfg.objective.anchors,
                          prompt_anchors=cfg.targets.prompt_anchors)
         loader = build_loader(node, d.host_prefetch)

@@ -31,6 +31,7 @@ from dflash_common.cli import progress_bar, write_run_record
 
 from dflash_common.dist import Ranks, run_on_ranks
 from dflash_common.errors import UserError
+from dflash_common.drafter.arch import config_class, new_drafter
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.model import DFlashDrafter
@@ -69,11 +70,15 @@ def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     layer_ids = shape.layer_ids
     if layer_ids is None:
         layer_ids = list(stores[0].manifest.layer_ids)
-    return DrafterConfig.from_target(
+    heads = {}  # the arch's own fields
+    if shape.arch == "dspark":
+        heads = {"markov_rank": shape.markov_rank, "confidence_head": shape.confidence_head,
+                 "confidence_head_with_markov": shape.confidence_head_with_markov}
+    return config_class(shape.arch).from_target(
         target_config(cfg.run.target),
         mask_token_id=mask_token_id(cfg.run.target, shape.mask_token_id),
         depth=shape.depth, block_size=shape.block_size, layer_ids=layer_ids,
-        layer_types=shape.layer_types, sliding_window=shape.sliding_window)
+        layer_types=shape.layer_types, sliding_window=shape.sliding_window, **heads)
 
 
 def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
@@ -91,7 +96,7 @@ def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
 
 def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -> DFlashDrafter:
     torch.manual_seed(cfg.run.seed)  # the same random start on every rank and every run of this seed
-    drafter = DFlashDrafter(dcfg)
+    drafter = new_drafter(dcfg)
     if cfg.drafter.init_from:  # refuses a drafter whose config differs in anything that shapes weights
         load_weights_into(drafter, cfg.drafter.init_from)
     drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; autocast computes in bf16
@@ -211,7 +216,7 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
                 autocast=cfg.precision.autocast, weights=objective.weights,
                 dpace_alpha=objective.dpace_alpha, normalise=objective.normalise,
                 targets=cfg.targets, path_weight=objective.path_weight,
-                loss_method=cfg.precision.loss_method)
+                loss_method=cfg.precision.loss_method, confidence=objective)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
@@ -306,7 +311,8 @@ def setup(cfg: TrainConfig, proc: Ranks) -> Run:
     if proc.main:
         log.info("%s", verdict)
     drafter = build_drafter(cfg, dcfg, proc.device)
-    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=proc.rank, world=proc.world, device=proc.device)
+    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=proc.rank, world=proc.world,
+                           device=proc.device, block_size=dcfg.verify_block_size)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg.optim, drafter, total, proc.device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
@@ -394,7 +400,8 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     if r.data.val_cache is None:
         return None
     with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # validate what is exported
-        result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
+        result = evaluate_batches(r.drafter, r.data.val_batches(),
+                                  block_size=r.drafter.cfg.verify_block_size,
                                   gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True,
                                   targets=dataclasses.replace(r.cfg.targets, prompt_anchors=False))  # response anchors
     record = {"kind": "val", "step": step, **result}
@@ -449,7 +456,7 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     cfg, main = r.cfg, r.ranks.main
-    interval = LogInterval(r.ranks.device, r.drafter.cfg.block_size)
+    interval = LogInterval(r.ranks.device, r.drafter.cfg.verify_block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
     bar = progress_bar(total=r.total, initial=r.start, enabled=main and cfg.log.progress,

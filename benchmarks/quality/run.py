@@ -52,6 +52,8 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[2]
 
 # One line per variant: name -> dflash-train overrides on top of RECIPE.
+DSPARK = ["--drafter.arch=dspark", "--drafter.block_size={dspark_block}",
+          "--drafter.markov_rank=64"]
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
     "label": ["--objective.anchors=label"],  # every anchor with one valid label (SpecForge HEAD's rule)
@@ -82,9 +84,25 @@ VARIANTS: dict[str, list[str]] = {
     "dpace+prompt96": ["--objective.weights=dpace", "--targets.prompt_anchors=true", "--objective.max_anchors=96"],
     "dpace+prompt64": ["--objective.weights=dpace", "--targets.prompt_anchors=true", "--objective.max_anchors=64"],
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
-    "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution
+    # DSpark's loss mix alone on a DFlash drafter: 0.1 CE + 0.9 L1 to the target's distribution
+    # (named `dspark` before DSpark drafters had that name)
+    "dspark_mix": ["--targets.soft=dspark"],
     "dpace+tv": ["--objective.weights=dpace", "--targets.soft=tv"],  # total variation to the target's distribution
-    "label+dspark+prompt": ["--objective.anchors=label", "--targets.soft=dspark", "--targets.prompt_anchors=true"],
+    "label+dspark_mix+prompt": ["--objective.anchors=label", "--targets.soft=dspark",
+                                "--targets.prompt_anchors=true"],
+    # DSpark drafters (Markov head + confidence head), against `dpace`: a block one shorter than the
+    # recipe's drafts as many tokens a cycle ({dspark_block} = the recipe's block - 1, 15), so both
+    # verify equal blocks; Markov rank 64 (V x 64 over this target's 8,192 tokens; DeepSpec uses 256
+    # over 151,936)
+    # - our objective (the default): CE under D-PACE, the confidence head taught greedy matches on
+    #   detached features
+    "dspark": [*DSPARK, "--objective.weights=dpace"],
+    # - the same, the confidence loss also training the backbone and the Markov head (DeepSpec's)
+    "dspark+joint": [*DSPARK, "--objective.weights=dpace", "--objective.confidence_detach=false"],
+    # - DeepSpec's objective: 0.1 CE + 0.9 L1 to the target's softmax, gamma decay, the confidence
+    #   taught 1 - TV, jointly
+    "dspark+soft": [*DSPARK, "--objective.weights=gamma", "--targets.soft=dspark",
+                    "--objective.confidence_label=tv", "--objective.confidence_detach=false"],
     # not at equal steps: 4x the optimiser steps over the same data (a recipe knob, reported apart)
     "batch4k": ["--data.batch_tokens=4096"],
     # the recipe from a store of the same answers in another storage dtype (STORES): tau per codec
@@ -468,13 +486,14 @@ def heldout_spec(args, variant: str) -> StoreSpec:
 
 def train_command(args, variant: str, seed: int) -> list[str]:
     out = run_dir(args, variant, seed)
+    recipe = TINY_RECIPE if args.tiny else RECIPE + REGIMES[args.regime]["recipe"]
+    block = int(next(a for a in recipe if a.startswith("--drafter.block_size=")).split("=")[1])
     layers = ([f"--drafter.layer_ids={json.dumps(target_layers(args))}"]
               if store_spec(args, variant).all_layers else [])
     return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(train_store(args, variant))])}",
             f"--run.target={args.work / 'target'}", f"--run.out_dir={out}", f"--run.seed={seed}",
             f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}",
-            *(TINY_RECIPE if args.tiny else RECIPE + REGIMES[args.regime]["recipe"]), *layers,
-            *VARIANTS[variant]]
+            *recipe, *layers, *(a.format(dspark_block=block - 1) for a in VARIANTS[variant])]
 
 
 def stage_drafters(args) -> None:

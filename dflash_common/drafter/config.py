@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
@@ -36,8 +36,12 @@ class MissingKeyError(ConfigError):
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """A DFlash drafter, field for field what the released `config.json` says (see `to_config_json`)."""
+    """A DFlash drafter, field for field what the released `config.json` says (see
+    `to_config_json`). Drafters built on the DFlash backbone subclass it (drafter/arch.py lists
+    them)."""
 
+    ARCHITECTURE: ClassVar[str] = ARCHITECTURE  # config.json's architectures entry
+    KIND: ClassVar[str] = "DFlash"  # the drafter's name in messages
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int  # draft depth
@@ -62,10 +66,14 @@ class DrafterConfig:
     # Sliding layers see their own block causally, as vLLM and SGLang serve them. False only reads
     # old checkpoints that trained them bidirectionally; SGLang cannot serve those (export refuses).
     sliding_causal: bool = True
+    # What sits on the backbone: "dflash" (nothing), or the heads of a subclass (drafter/arch.py).
+    arch: str = "dflash"
 
     def __post_init__(self):
         for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        check(self.arch == type(self).arch, f"arch = {self.arch!r} in a {type(self).__name__}; "
+                                            "build it with drafter/arch.py's config_class.")
         check(self.num_hidden_layers >= 1, f"num_hidden_layers = {self.num_hidden_layers} must be >= 1.")
         check(self.block_size >= 2, f"block_size = {self.block_size} must be >= 2 (anchor + predictions).")
         check(
@@ -103,6 +111,18 @@ class DrafterConfig:
         )
 
     @property
+    def verify_block_size(self) -> int:
+        """Tokens of the block the target verifies, [anchor, drafts]: B for DFlash (block position
+        0 is the given anchor, B-1 drafts), B+1 for drafters whose anchor row predicts too (DSpark:
+        B drafts). A cycle emits at most this many tokens; tau lies in [1, verify_block_size]."""
+        return self.block_size
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per cycle (vLLM's num_speculative_tokens)."""
+        return self.verify_block_size - 1
+
+    @property
     def num_context_layers(self) -> int:
         """K, the number of concatenated target layers fed to `fc`."""
         return len(self.target_layer_ids)
@@ -136,11 +156,13 @@ class DrafterConfig:
         layer_ids: list[int] | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
+        **extra: Any,
     ) -> "DrafterConfig":
         """A drafter for `target_config` (an HF config object or its config.json as a dict).
 
         Sizes, vocabulary, RoPE and norm epsilon come from the target; `layer_ids` defaults to the
         DFlash rule (K=5 evenly from layer 1 to N-3); `layer_types` defaults to all full attention.
+        `extra`: a subclass's own fields (its heads).
         """
         t = _target_text_config(target_config)
         n_target = int(t["num_hidden_layers"])
@@ -153,6 +175,7 @@ class DrafterConfig:
             layer_types=tuple(layer_types if layer_types is not None else ["full_attention"] * depth),
             block_size=block_size,
             sliding_window=sliding_window,
+            **extra,
         )
 
     # -- config.json ------------------------------------------------------------------------------
@@ -174,7 +197,7 @@ class DrafterConfig:
             # relies on the layer_types rule of vLLM and SGLang (sliding causal, full bidirectional)
             dflash["causal"] = causal.pop()
         config = {
-            "architectures": [ARCHITECTURE],
+            "architectures": [self.ARCHITECTURE],
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
@@ -216,8 +239,9 @@ class DrafterConfig:
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
         """Read a released `config.json` (ours, or one following z-lab's layout)."""
         arch = data.get("architectures") or []
-        check(ARCHITECTURE in arch,
-              f"config.json architectures = {arch} is not [{ARCHITECTURE!r}]; not a DFlash drafter.")
+        check(cls.ARCHITECTURE in arch,
+              f"config.json architectures = {arch} is not [{cls.ARCHITECTURE!r}]; "
+              f"not a {cls.KIND} drafter.")
         dflash = data.get("dflash_config") or {}
 
         def dflash_value(name: str):
@@ -241,7 +265,13 @@ class DrafterConfig:
             block_size=int(dflash_value("block_size") or 16),
             sliding_window=data.get("sliding_window") if sliding else None,
             sliding_causal=sliding_causal,
+            **cls._own_fields_from_config_json(data),
         )
+
+    @classmethod
+    def _own_fields_from_config_json(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """A subclass's own fields (its heads) from its config.json; DFlash has none."""
+        return {}
 
     def to_hf_config(self):
         """A transformers Qwen3Config with this drafter's shapes and RoPE (for transformers' RoPE code)."""

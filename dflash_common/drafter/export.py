@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 
 from dflash_common.errors import UserError
+from dflash_common.drafter.arch import new_drafter
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.record import CONFIG_FILE, RECORD_KEY, WEIGHTS_FILE, read_drafter_config
@@ -168,12 +169,12 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
 def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: str | Path) -> None:
     """Refuse unknown, missing or misshapen weights, naming them."""
     with torch.device("meta"):  # shapes only: no memory, no random init
-        expected = {name: tuple(p.shape) for name, p in DFlashDrafter(cfg).state_dict().items()}
+        expected = {name: tuple(p.shape) for name, p in new_drafter(cfg).state_dict().items()}
     unknown = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unknown or missing:
         raise UserError(
-            f"{where}: weights do not match the released DFlash layout"
+            f"{where}: weights do not match the released {cfg.KIND} layout"
             + (f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}" if unknown else "")
             + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
             + ". Nothing was loaded."
@@ -191,7 +192,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu",
     cfg, tensors = read_drafter_dir(path)
     check_weights(cfg, tensors, path)
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
+        drafter = new_drafter(cfg)
     drafter.load_state_dict(tensors, strict=True, assign=True)  # the file's tensors become the parameters
     return drafter.to(device=device, dtype=dtype), cfg
 

