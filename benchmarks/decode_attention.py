@@ -64,10 +64,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.batch, args.lengths, args.calls, args.repeats = 2, "64", 2, 2
     kv_heads, groups, dim = 8, 4, 128
-    ways = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
-    print(f"device {device}, {dtype}, batch {args.batch}, {kv_heads} kv heads x {groups} query rows x {dim}; "
-          f"median of {args.repeats} x {args.calls} calls, [lowest-highest] beside it")
+    ways = {
+        "default": None,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    print(
+        f"device {device}, {dtype}, batch {args.batch}, {kv_heads} kv heads x {groups} query rows x {dim}; "
+        f"median of {args.repeats} x {args.calls} calls, [lowest-highest] beside it"
+    )
     print(f"| {'L':>5} | {'way':<10} | {'us/call':>20} | {'GB/s':>6} |")
     for length in map(int, args.lengths.split(",")):
         g = torch.Generator(device=device).manual_seed(0)
@@ -75,11 +82,14 @@ def main(argv: list[str] | None = None) -> None:
         k = torch.randn(args.batch, kv_heads, length, dim, device=device, dtype=dtype, generator=g)
         v = torch.randn_like(k)
         mask = torch.zeros(args.batch, 1, 1, length, device=device, dtype=dtype)
-        mask[:, :, :, length * 3 // 4:] = torch.finfo(dtype).min  # the steps not yet taken
+        mask[:, :, :, length * 3 // 4 :] = torch.finfo(dtype).min  # the steps not yet taken
         moved = 2 * k.numel() * k.element_size()
-        scale = dim ** -0.5
+        scale = dim**-0.5
         want = matmuls(q, k, v, mask, scale)
-        runs = {name: (lambda b=backend: sdpa(q, k, v, mask, scale, b)) for name, backend in ways.items()}
+        runs = {
+            name: (lambda b=backend: sdpa(q, k, v, mask, scale, b))
+            for name, backend in ways.items()
+        }
         runs["matmuls"] = lambda: matmuls(q, k, v, mask, scale)
         for name, fn in runs.items():
             try:
@@ -91,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
             times = [us_per_call(fn, args.calls, cuda) for _ in range(args.repeats)]
             us = statistics.median(times)
             cell = f"{us:,.1f} [{min(times):,.1f}-{max(times):,.1f}]"
-            print(f"| {length:>5} | {name:<10} | {cell:>20} | {moved / us / 1e3:>6,.0f} | max err {err:.1e}")
+            print(
+                f"| {length:>5} | {name:<10} | {cell:>20} | {moved / us / 1e3:>6,.0f} | max err {err:.1e}"
+            )
 
 
 if __name__ == "__main__":

@@ -38,19 +38,43 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
     sys.path[0] = str(ROOT)  # benchmarks/precompute.py would shadow the precompute package
 
 SHAPES = {  # Qwen3 configs (hidden, layers, heads, kv heads, head_dim, intermediate, vocab)
-    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, intermediate_size=12288, vocab_size=151936),
-    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=320),
+    "qwen3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+    ),
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=320,
+    ),
 }
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=8192, pad_token_id=0, eos_token_id=1)
+    config = Qwen3Config(
+        **SHAPES[shape], max_position_embeddings=8192, pad_token_id=0, eos_token_id=1
+    )
     with torch.device(device):
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config).to(dtype).eval()
@@ -80,9 +104,16 @@ def plain_generate(model, batch: list[list[int]], new_tokens: int, device: torch
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(batch):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-    model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    model.generate(
+        ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
 
 
 def roofline(model, batch: list[list[int]], new_tokens: int, bandwidth: float) -> float:
@@ -108,18 +139,31 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     if "a" in args.modes:
         runs["a"] = lambda: plain_generate(model, batch, args.new_tokens, device)
     for mode, graphs in (("b", False), ("c", True)):
-        decoder = TransformersDecoder(model, {-1}, 0, sampling, token_budget=10**9, max_batch=10**6,
-                                      cuda_graphs=graphs)
+        decoder = TransformersDecoder(
+            model, {-1}, 0, sampling, token_budget=10**9, max_batch=10**6, cuda_graphs=graphs
+        )
         if mode in args.modes and decoder.cuda_graphs == graphs:  # (c) needs CUDA
             runs[mode] = lambda d=decoder: d.decode_batch(requests)
-    if "d" in args.modes and device.type == "cuda":  # a second copy of the target: compiling changes it in place
-        compiled = TransformersDecoder(build(shape, device, dtype), {-1}, 0, sampling, token_budget=10**9,
-                                       max_batch=10**6, compile=True, cuda_graphs=True)
+    if (
+        "d" in args.modes and device.type == "cuda"
+    ):  # a second copy of the target: compiling changes it in place
+        compiled = TransformersDecoder(
+            build(shape, device, dtype),
+            {-1},
+            0,
+            sampling,
+            token_budget=10**9,
+            max_batch=10**6,
+            compile=True,
+            cuda_graphs=True,
+        )
         runs["d"] = lambda d=compiled: d.decode_batch(requests)
     for fn in runs.values():
         fn()  # warm-up (allocations, kernels, compilation)
     seconds: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(args.repeats):  # interleaved: a slow spell of the shared machine hits every column
+    for _ in range(
+        args.repeats
+    ):  # interleaved: a slow spell of the shared machine hits every column
         for k, fn in runs.items():
             seconds[k].append(timed(fn, device))
     for k, xs in seconds.items():
@@ -128,16 +172,27 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     if args.profile and device.type == "cuda":
         from benchmarks.profiling import kernel_table
 
-        short = Sampling(0.0, 1.0, 0, 32, 0)  # 32 new tokens: the steps, with the prefill beside them
+        short = Sampling(
+            0.0, 1.0, 0, 32, 0
+        )  # 32 new tokens: the steps, with the prefill beside them
         for mode, graphs in (("b", False), ("c", True)):
             if mode in runs:
-                d = TransformersDecoder(model, {-1}, 0, short, token_budget=10**9, max_batch=10**6,
-                                        cuda_graphs=graphs)
+                d = TransformersDecoder(
+                    model, {-1}, 0, short, token_budget=10**9, max_batch=10**6, cuda_graphs=graphs
+                )
                 d.decode_batch(requests)
-                kernel_table(lambda d=d: d.decode_batch(requests), calls=1, title=f"{shape} ({mode}), 32 new tokens")
+                kernel_table(
+                    lambda d=d: d.decode_batch(requests),
+                    calls=1,
+                    title=f"{shape} ({mode}), 32 new tokens",
+                )
         if "d" in runs:  # its decoder decodes --new-tokens: the whole run
             kernel_table(runs["d"], calls=1, title=f"{shape} (d), {args.new_tokens} new tokens")
-        kernel_table(lambda: plain_generate(model, batch, 32, device), calls=1, title=f"{shape} (a), 32 new tokens")
+        kernel_table(
+            lambda: plain_generate(model, batch, 32, device),
+            calls=1,
+            title=f"{shape} (a), 32 new tokens",
+        )
     model = decoder = compiled = None  # free the weights before the next shape is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -151,22 +206,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--modes", default="abcd",
-                        help="columns to run: a plain generate, b eager steps, c graphs, d compiled + graphs")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each column, interleaved")
-    parser.add_argument("--profile", action="store_true", help="print the kernels of 32-token decodes (CUDA)")
-    parser.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s of device memory (H200: 4.8e12)")
+    parser.add_argument(
+        "--modes",
+        default="abcd",
+        help="columns to run: a plain generate, b eager steps, c graphs, d compiled + graphs",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each column, interleaved"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="print the kernels of 32-token decodes (CUDA)"
+    )
+    parser.add_argument(
+        "--bandwidth", type=float, default=4.8e12, help="bytes/s of device memory (H200: 4.8e12)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.shapes, args.batch, args.prompt_len, args.new_tokens, args.repeats = "tiny", 4, 16, 8, 2
+        args.shapes, args.batch, args.prompt_len, args.new_tokens, args.repeats = (
+            "tiny",
+            4,
+            16,
+            8,
+            2,
+        )
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    print(f"device {device}, {dtype}, batch {args.batch} x prompts of {args.prompt_len // 2}-{args.prompt_len} "
-          f"tokens, {args.new_tokens} new tokens each; roofline at {args.bandwidth / 1e12:.1f} TB/s; tok/s is the "
-          f"median of {args.repeats} interleaved runs after one warm-up, [lowest-highest] beside it")
-    print(f"{'target':<12} | {'(a) model.generate tok/s':>26} | {'(b) eager steps tok/s':>26} | "
-          f"{'(c) CUDA graphs tok/s':>26} | {'(d) compiled + graphs':>26} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | "
-          f"{'(d)/(a)':>7} | {'roofline tok/s':>14} | {'best/roofline':>13}")
+    print(
+        f"device {device}, {dtype}, batch {args.batch} x prompts of {args.prompt_len // 2}-{args.prompt_len} "
+        f"tokens, {args.new_tokens} new tokens each; roofline at {args.bandwidth / 1e12:.1f} TB/s; tok/s is the "
+        f"median of {args.repeats} interleaved runs after one warm-up, [lowest-highest] beside it"
+    )
+    print(
+        f"{'target':<12} | {'(a) model.generate tok/s':>26} | {'(b) eager steps tok/s':>26} | "
+        f"{'(c) CUDA graphs tok/s':>26} | {'(d) compiled + graphs':>26} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | "
+        f"{'(d)/(a)':>7} | {'roofline tok/s':>14} | {'best/roofline':>13}"
+    )
     for shape in args.shapes.split(","):
         r = bench(shape, args, device, dtype)
 
@@ -178,9 +252,12 @@ def main(argv: list[str] | None = None) -> None:
 
         ratio = lambda k: f"{r[k] / r['a']:>7.2f}" if k in r and "a" in r else f"{'n/a':>7}"  # noqa: E731
         best = max((r[k] for k in ("b", "c", "d") if k in r), default=None)
-        print(f"{r['shape']:<12} | {cell('a')} | {cell('b')} | {cell('c')} | {cell('d')} | {ratio('b')} | "
-              f"{ratio('c')} | {ratio('d')} | "
-              f"{r['roofline']:>14,.0f} | " + (f"{best / r['roofline']:>13.1%}" if best else f"{'n/a':>13}"))
+        print(
+            f"{r['shape']:<12} | {cell('a')} | {cell('b')} | {cell('c')} | {cell('d')} | {ratio('b')} | "
+            f"{ratio('c')} | {ratio('d')} | "
+            f"{r['roofline']:>14,.0f} | "
+            + (f"{best / r['roofline']:>13.1%}" if best else f"{'n/a':>13}")
+        )
 
 
 if __name__ == "__main__":

@@ -39,26 +39,47 @@ from train.optim import build_optimizer  # noqa: E402
 from train.regularise import WeightAverage  # noqa: E402
 from train.transfer import DeviceBatch  # noqa: E402
 
-VARIANTS = ["", "--objective.anchors=label", "--objective.weights=dpace", "--objective.normalise=anchors",
-            "--objective.gamma=4", "--objective.path_weight=1", "--objective.weights=dpace --objective.path_weight=1",
-            "--regularise.noise=0.05", "--regularise.ema=0.999",
-            "--objective.anchors=label --objective.weights=dpace --objective.normalise=anchors "
-            "--objective.path_weight=1 --regularise.noise=0.05 --regularise.ema=0.999"]
+VARIANTS = [
+    "",
+    "--objective.anchors=label",
+    "--objective.weights=dpace",
+    "--objective.normalise=anchors",
+    "--objective.gamma=4",
+    "--objective.path_weight=1",
+    "--objective.weights=dpace --objective.path_weight=1",
+    "--regularise.noise=0.05",
+    "--regularise.ema=0.999",
+    "--objective.anchors=label --objective.weights=dpace --objective.normalise=anchors "
+    "--objective.path_weight=1 --regularise.noise=0.05 --regularise.ema=0.999",
+]
 # --dspark: DFlash (B=16, 15 drafts) against DSpark drafting as many (B=15), all under D-PACE; then
 # DSpark's parts one by one: no confidence head, the confidence trained jointly, DeepSpec's mix
 DSPARK = "--objective.weights=dpace --drafter.arch=dspark"
-DSPARK_VARIANTS = ["--objective.weights=dpace", DSPARK, f"{DSPARK} --drafter.confidence_head=false",
-                   f"{DSPARK} --objective.confidence_detach=false",
-                   f"{DSPARK} --targets.soft=dspark --objective.confidence_label=tv "
-                   "--objective.confidence_detach=false"]
+DSPARK_VARIANTS = [
+    "--objective.weights=dpace",
+    DSPARK,
+    f"{DSPARK} --drafter.confidence_head=false",
+    f"{DSPARK} --objective.confidence_detach=false",
+    f"{DSPARK} --targets.soft=dspark --objective.confidence_label=tv "
+    "--objective.confidence_detach=false",
+]
 
 
 def small_drafter():
     """Hidden 512, vocab 32768, 2 layers, B = 16: a step of seconds on a CPU."""
-    return dataclasses.replace(tiny_drafter(), hidden_size=512, intermediate_size=1536,
-                               num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                               vocab_size=32768, mask_token_id=32000, block_size=16,
-                               layer_types=("full_attention",) * 2, sliding_window=None)
+    return dataclasses.replace(
+        tiny_drafter(),
+        hidden_size=512,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32768,
+        mask_token_id=32000,
+        block_size=16,
+        layer_types=("full_attention",) * 2,
+        sliding_window=None,
+    )
 
 
 def drafter_for(cfg: TrainConfig, dcfg):
@@ -69,14 +90,18 @@ def drafter_for(cfg: TrainConfig, dcfg):
     if d.arch == "dspark":
         # the default rank scales with the width: 256 at hidden 4096
         rank = d.markov_rank if d.markov_rank != 256 else max(1, dcfg.hidden_size // 16)
-        fields.update(block_size=dcfg.block_size - 1, markov_rank=rank,
-                      confidence_head=d.confidence_head,
-                      confidence_head_with_markov=d.confidence_head_with_markov)
+        fields.update(
+            block_size=dcfg.block_size - 1,
+            markov_rank=rank,
+            confidence_head=d.confidence_head,
+            confidence_head_with_markov=d.confidence_head_with_markov,
+        )
     return config_class(d.arch)(**fields)
 
 
-def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, device,
-               final: bool = False) -> DeviceBatch:
+def make_batch(
+    cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, device, final: bool = False
+) -> DeviceBatch:
     g = torch.Generator().manual_seed(0)
     total = seqs * seq_len
     features = torch.randn(total, cfg.num_context_layers * cfg.hidden_size, generator=g)
@@ -86,33 +111,59 @@ def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, de
     anchors = sample_anchors(loss_mask, cu, cfg.verify_block_size, anchors_per_seq, g, rule)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     states = torch.randn(total, cfg.hidden_size, generator=g).to(device, dtype) if final else None
-    return DeviceBatch(features.to(device, dtype), input_ids.to(device), loss_mask.to(device),
-                       cu.to(device), anchors.to(device), total, 0, 0, {}, 0.0, states)
+    return DeviceBatch(
+        features.to(device, dtype),
+        input_ids.to(device),
+        loss_mask.to(device),
+        cu.to(device),
+        anchors.to(device),
+        total,
+        0,
+        0,
+        {},
+        0.0,
+        states,
+    )
 
 
 def make_step(variant: str, dcfg, args, device):
     """One optimiser step under `variant`'s overrides: own drafter, optimiser, resident batch."""
     cuda = device.type == "cuda"
     # the paper's recipe stated (dflash-train's default weights are D-PACE): each variant's overrides come after
-    overrides = [f"--precision.autocast={'bf16' if cuda else 'none'}", "--optim.grad_accum=1",
-                 "--objective.weights=gamma", *shlex.split(variant)]
+    overrides = [
+        f"--precision.autocast={'bf16' if cuda else 'none'}",
+        "--optim.grad_accum=1",
+        "--objective.weights=gamma",
+        *shlex.split(variant),
+    ]
     cfg = load_config(TrainConfig, None, overrides)
     dcfg = drafter_for(cfg, dcfg)
     torch.manual_seed(0)
     drafter = new_drafter(dcfg).to(device)
     v, h = dcfg.vocab_size, dcfg.hidden_size
     head_dtype = torch.bfloat16 if cuda else torch.float32  # as the trainer: bf16 under autocast
-    drafter.attach_frozen(torch.randn(v, h, device=device, dtype=head_dtype),
-                          torch.randn(v, h, device=device, dtype=head_dtype) * h**-0.5)
+    drafter.attach_frozen(
+        torch.randn(v, h, device=device, dtype=head_dtype),
+        torch.randn(v, h, device=device, dtype=head_dtype) * h**-0.5,
+    )
     optimizer, scheduler = build_optimizer(cfg.optim, drafter, total=10**6, device=device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
-    batch = make_batch(dcfg, args.seqs, args.seq_len, args.anchors, cfg.objective.anchors, device,
-                       final=cfg.targets.needs_final_state)
+    batch = make_batch(
+        dcfg,
+        args.seqs,
+        args.seq_len,
+        args.anchors,
+        cfg.objective.anchors,
+        device,
+        final=cfg.targets.needs_final_state,
+    )
     sums = torch.zeros(_N + 1, dtype=torch.float64, device=device)
     counts = torch.zeros(2 * dcfg.verify_block_size + 2, dtype=torch.float64, device=device)
 
     def step():
-        fresh = DeviceBatch(**{**batch.__dict__, "features": batch.features.clone()})  # noise works in place
+        fresh = DeviceBatch(
+            **{**batch.__dict__, "features": batch.features.clone()}
+        )  # noise works in place
         train_step(drafter, drafter, iter([fresh]), optimizer, scheduler, cfg, sums, counts, ema)
 
     return step
@@ -124,8 +175,12 @@ def time_variants(variants: list[str], dcfg, args, device) -> dict[str, Spread]:
     slow spell of a shared machine then hits every variant alike)."""
     cuda = device.type == "cuda"
     if not args.interleave:
-        return {v: Spread.of(wall_times(make_step(v, dcfg, args, device), args.steps, args.warmup,
-                                        cuda)) for v in variants}
+        return {
+            v: Spread.of(
+                wall_times(make_step(v, dcfg, args, device), args.steps, args.warmup, cuda)
+            )
+            for v in variants
+        }
     steps = {v: make_step(v, dcfg, args, device) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
     for v, step in steps.items():
@@ -151,25 +206,37 @@ def _profile(steps: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny drafter on the CPU (smoke test)")
     parser.add_argument("--seqs", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
-    parser.add_argument("--variant", action="append", help="overrides of one variant (repeatable); "
-                        "default: each lever alone and all together")
-    parser.add_argument("--dspark", action="store_true",
-                        help="the DSpark variants (DSPARK_VARIANTS)")
-    parser.add_argument("--interleave", action="store_true",
-                        help="time the variants step by step in turn, all in memory (shared "
-                        "machines)")
-    parser.add_argument("--profile", action="store_true",
-                        help="with --interleave: each variant's top operators")
-    parser.add_argument("--small", action="store_true",
-                        help="a drafter sized for a CPU (hidden 512, vocab 32768, 2 layers, 1024 "
-                        "tokens, 128 anchors), its loss weighing in the step as an 8B drafter's")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        help="overrides of one variant (repeatable); default: each lever alone and all together",
+    )
+    parser.add_argument(
+        "--dspark", action="store_true", help="the DSpark variants (DSPARK_VARIANTS)"
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="time the variants step by step in turn, all in memory (shared machines)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="with --interleave: each variant's top operators"
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="a drafter sized for a CPU (hidden 512, vocab 32768, 2 layers, 1024 "
+        "tokens, 128 anchors), its loss weighing in the step as an 8B drafter's",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
@@ -181,15 +248,21 @@ def main() -> None:
     chosen = args.variant or (DSPARK_VARIANTS if args.dspark else VARIANTS)
     variants = [""] + [v for v in chosen if v]
     name = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"# one optimiser step per lever on {name}: {dcfg.num_hidden_layers} layers, hidden {dcfg.hidden_size}, "
-          f"vocab {dcfg.vocab_size}, {args.seqs} x {args.seq_len} tokens, up to {args.anchors} anchors per sequence")
-    print(f"| {'variant':<60} | {'step ms [lowest-highest]':>26} | {'tok/s':>10} | {'vs recipe':>9} |")
+    print(
+        f"# one optimiser step per lever on {name}: {dcfg.num_hidden_layers} layers, hidden {dcfg.hidden_size}, "
+        f"vocab {dcfg.vocab_size}, {args.seqs} x {args.seq_len} tokens, up to {args.anchors} anchors per sequence"
+    )
+    print(
+        f"| {'variant':<60} | {'step ms [lowest-highest]':>26} | {'tok/s':>10} | {'vs recipe':>9} |"
+    )
     print(f"|{'-' * 62}|{'-' * 28}|{'-' * 12}|{'-' * 11}|")
     base = None
     for variant, seconds in time_variants(variants, dcfg, args, device).items():
         base = base or seconds.median
-        print(f"| {variant or '(recipe)':<60} | {seconds.scaled(1e3).text():>26} "
-              f"| {args.seqs * args.seq_len / seconds.median:>10,.0f} | {base / seconds.median:>9.2f} |")
+        print(
+            f"| {variant or '(recipe)':<60} | {seconds.scaled(1e3).text():>26} "
+            f"| {args.seqs * args.seq_len / seconds.median:>10,.0f} | {base / seconds.median:>9.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ BLOCK = 16  # DFlash block size: 1 row in 16 carries weight 0
 def make_inputs(n, h, v, device, dtype, block_weights: bool):
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(n, h, device=device, dtype=dtype, generator=g).requires_grad_(True)
-    weight = (torch.randn(v, h, device=device, dtype=dtype, generator=g) * h**-0.5).requires_grad_(False)
+    weight = (torch.randn(v, h, device=device, dtype=dtype, generator=g) * h**-0.5).requires_grad_(
+        False
+    )
     labels = torch.randint(0, v, (n,), device=device, generator=g)
     weights = _block_weights(n, device) if block_weights else torch.ones(n, device=device)
     return hidden, weight, labels, weights
@@ -54,7 +56,10 @@ def _block_weights(n, device) -> torch.Tensor:
 
 def ours(backend, method="exact"):
     def run(hidden, weight, labels, weights):
-        return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend, method=method).loss
+        return fused_lm_head_loss(
+            hidden, weight, labels, weights, backend=backend, method=method
+        ).loss
+
     return run
 
 
@@ -72,6 +77,7 @@ def liger():
 
     def run(hidden, weight, labels, weights):
         return module(weight, hidden, labels)  # no per-token weights
+
     return run
 
 
@@ -108,8 +114,12 @@ def measure(fn, inputs, reps: int) -> tuple[float, float | None, tuple[float, fl
 
 
 # (backend, method, label): the exact method keeps the labels of the earlier tables
-WAYS = [("triton", "exact", "triton"), ("triton", "odds", "triton, odds"),
-        ("triton", "odds_epilogue", "triton, odds epilogue"), ("torch", "exact", "torch")]
+WAYS = [
+    ("triton", "exact", "triton"),
+    ("triton", "odds", "triton, odds"),
+    ("triton", "odds_epilogue", "triton, odds epilogue"),
+    ("torch", "exact", "torch"),
+]
 
 
 def ways_on(device) -> list[tuple[str, str, str]]:
@@ -121,8 +131,13 @@ def ways_on(device) -> list[tuple[str, str, str]]:
 def rows_for(device) -> list[tuple[str, object, bool]]:
     """(label, fn or None when not importable, block weights?) per row."""
     ways = ways_on(device)
-    rows = [(f"dflash fused [{label}], all rows weighted", ours(b, m), False) for b, m, label in ways]
-    rows += [(f"dflash fused [{label}], block weights (1/16 skipped)", ours(b, m), True) for b, m, label in ways]
+    rows = [
+        (f"dflash fused [{label}], all rows weighted", ours(b, m), False) for b, m, label in ways
+    ]
+    rows += [
+        (f"dflash fused [{label}], block weights (1/16 skipped)", ours(b, m), True)
+        for b, m, label in ways
+    ]
     rows.append(("plain PyTorch (logits + F.cross_entropy)", plain_torch, False))
     rows.append(("Liger fused linear CE (no token weights)", liger(), False))
     return rows
@@ -156,7 +171,9 @@ def table(sizes, device, dtype, reps: int) -> None:
         for _ in range(reps):
             for label, fn, block_weights in order.sample(rows, len(rows)):
                 if label in calls:
-                    calls[label].append(time_call(fn, (hidden, weight, labels, block if block_weights else unit)))
+                    calls[label].append(
+                        time_call(fn, (hidden, weight, labels, block if block_weights else unit))
+                    )
         for label, fn, _ in rows:
             if fn is None:
                 print(f"| {label:<68} | {size:<20} | {'skipped: liger-kernel not installed':<39} |")
@@ -166,8 +183,11 @@ def table(sizes, device, dtype, reps: int) -> None:
                 times = [ms for ms, _ in calls[label]]
                 peaks = [p for _, p in calls[label]]
                 peak_text = "n/a" if peaks[0] is None else f"{max(peaks) / 2**30:.2f}"
-                print(f"| {label:<68} | {size:<20} | {statistics.median(times):>9.1f} "
-                      f"| {f'{min(times):.1f}-{max(times):.1f}':>15} | {peak_text:>9} |", flush=True)
+                print(
+                    f"| {label:<68} | {size:<20} | {statistics.median(times):>9.1f} "
+                    f"| {f'{min(times):.1f}-{max(times):.1f}':>15} | {peak_text:>9} |",
+                    flush=True,
+                )
         del hidden, weight, labels, unit, block, calls
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -179,9 +199,13 @@ def sweep(sizes, device, dtype, reps: int) -> None:
     for n, h, v in sizes:
         inputs = make_inputs(n, h, v, device, dtype, False)
         for rows in (256, 384, 512, 640, 768, 1024, 1280, 1536, 2048):
+
             def fn(hidden, weight, labels, weights, rows=rows):
                 chunk_bytes = rows * v * weight.element_size()
-                return fused_lm_head_loss(hidden, weight, labels, weights, chunk_bytes=chunk_bytes).loss
+                return fused_lm_head_loss(
+                    hidden, weight, labels, weights, chunk_bytes=chunk_bytes
+                ).loss
+
             ms, peak, _ = measure(fn, inputs, reps)
             print(f"| {rows:>10} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {peak or 0:>9.2f} |")
         del inputs
@@ -191,7 +215,9 @@ def sweep(sizes, device, dtype, reps: int) -> None:
 SWEEP_SHAPES = [(4096, 16), (8192, 16), (8192, 32), (16384, 32), (4096, 32), (16384, 16)]
 
 
-def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_size: int = 4096, reps: int = 20) -> None:
+def kernel_sweep(
+    device, dtype, rows: int = 512, vocab: int = 151936, hidden_size: int = 4096, reps: int = 20
+) -> None:
     """The row kernel alone on one logits chunk [rows, vocab] (forward + gradient in place) per launch
     shape: ms and GB/s counting its three passes over the chunk (read, read, write). Before each call
     the chunk is made by the logits matmul into the same buffer, as in the loss, so the kernel finds
@@ -219,19 +245,31 @@ def kernel_sweep(device, dtype, rows: int = 512, vocab: int = 151936, hidden_siz
 
     def line(label: str, times: list[float], note: str = "") -> None:
         ms = statistics.median(times)
-        print(f"| {label:<52} | {ms:>7.3f} | {f'{min(times):.3f}-{max(times):.3f}':>13} "
-              f"| {moved / ms / 1e6:>7.0f} |" + note, flush=True)
+        print(
+            f"| {label:<52} | {ms:>7.3f} | {f'{min(times):.3f}-{max(times):.3f}':>13} "
+            f"| {moved / ms / 1e6:>7.0f} |" + note,
+            flush=True,
+        )
 
     print(f"| {'row kernel':<52} | {'ms':>7} | {'spread ms':>13} | {'GB/s':>7} |")
     reference = None
     for block, warps in SWEEP_SHAPES:
-        times, out = timed(lambda b=block, w=warps: weighted_ce_rows(logits, labels, weights, True, block=b, num_warps=w))
+        times, out = timed(
+            lambda b=block, w=warps: weighted_ce_rows(
+                logits, labels, weights, True, block=b, num_warps=w
+            )
+        )
         if reference is None:
             reference = (out[0].clone(), out[1].clone(), logits.clone())
-        ok = (torch.allclose(out[0], reference[0], rtol=1e-5, atol=1e-4) and torch.equal(out[1], reference[1])
-              and torch.allclose(logits.float(), reference[2].float(), rtol=2e-2, atol=1e-6))
+        ok = (
+            torch.allclose(out[0], reference[0], rtol=1e-5, atol=1e-4)
+            and torch.equal(out[1], reference[1])
+            and torch.allclose(logits.float(), reference[2].float(), rtol=2e-2, atol=1e-6)
+        )
         default = " (default)" if (block, warps) == (MAX_BLOCK, NUM_WARPS) else ""
-        line(f"ours: {block} columns/step, {warps} warps{default}", times, "" if ok else " MISMATCH")
+        line(
+            f"ours: {block} columns/step, {warps} warps{default}", times, "" if ok else " MISMATCH"
+        )
     liger_rows = _liger_row_kernel(logits, labels)
     if liger_rows is not None:
         line(f"Liger: {liger_rows[0]}", timed(liger_rows[1])[0])
@@ -262,16 +300,27 @@ def epilogue_matmul(h, w, labels, weights, reps: int) -> None:
     logits = torch.empty(c, v, device=h.device, dtype=h.dtype)
     out = new_odds_results(c, h.device)
     flops = 2 * c * v * h.shape[1]
-    print(f"\n| {'logits matmul of one chunk':<52} | {'ms':>7} | {'spread ms':>13} | {'TFLOP/s':>7} |")
-    for label, run in (("cuBLAS, h @ W^T", lambda: torch.mm(h, w.T, out=logits)),
-                       ("Triton, odds in the epilogue (+ label dot, fold)",
-                        lambda: odds_matmul(h, w, labels, weights, True, out, ODDS_LOG_LIMIT))):
+    print(
+        f"\n| {'logits matmul of one chunk':<52} | {'ms':>7} | {'spread ms':>13} | {'TFLOP/s':>7} |"
+    )
+    for label, run in (
+        ("cuBLAS, h @ W^T", lambda: torch.mm(h, w.T, out=logits)),
+        (
+            "Triton, odds in the epilogue (+ label dot, fold)",
+            lambda: odds_matmul(h, w, labels, weights, True, out, ODDS_LOG_LIMIT),
+        ),
+    ):
         run()  # the first call tunes the Triton tiles
         ms = Spread.of([cuda_ms(run)[0] for _ in range(reps)])
-        print(f"| {label:<52} | {ms.median:>7.3f} | {f'{ms.low:.3f}-{ms.high:.3f}':>13} "
-              f"| {flops / ms.median / 1e9:>7.0f} |", flush=True)
+        print(
+            f"| {label:<52} | {ms.median:>7.3f} | {f'{ms.low:.3f}-{ms.high:.3f}':>13} "
+            f"| {flops / ms.median / 1e9:>7.0f} |",
+            flush=True,
+        )
     print(f"Triton tiles chosen: {_odds_matmul_tuned.best_config}")
-    for config, ms in (getattr(_odds_matmul_tuned, "configs_timings", None) or {}).items():  # the tuner's own timings
+    for config, ms in (
+        getattr(_odds_matmul_tuned, "configs_timings", None) or {}
+    ).items():  # the tuner's own timings
         ms = ms[0] if isinstance(ms, (list, tuple)) else ms
         print(f"  tried {config}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
 
@@ -290,14 +339,38 @@ def _liger_row_kernel(logits, labels):
 
     def call():
         liger_cross_entropy_kernel[(rows,)](
-            X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=labels, Y_stride=labels.stride(-1), weight_ptr=None,
-            loss_ptr=loss, z_loss_ptr=None, loss_stride=loss.stride(-1), token_accuracy_ptr=None,
-            token_accuracy_stride=0, predicted_tokens_ptr=None, predicted_tokens_stride=0, n_cols=vocab,
-            n_non_ignore=rows, sum_non_ignore_weight=rows, weight_sum=0.0, ignore_index=-100,
-            lse_square_scale=0.0, label_smoothing=0.0, reduction="sum", softcap=None, RETURN_Z_LOSS=False,
-            RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False, HAS_WEIGHT=False,
-            HAS_SOFTCAPPING=False, HAS_GRADIENTS=True, BLOCK_SIZE=block, num_warps=32)
+            X_ptr=logits,
+            X_stride=logits.stride(-2),
+            Y_ptr=labels,
+            Y_stride=labels.stride(-1),
+            weight_ptr=None,
+            loss_ptr=loss,
+            z_loss_ptr=None,
+            loss_stride=loss.stride(-1),
+            token_accuracy_ptr=None,
+            token_accuracy_stride=0,
+            predicted_tokens_ptr=None,
+            predicted_tokens_stride=0,
+            n_cols=vocab,
+            n_non_ignore=rows,
+            sum_non_ignore_weight=rows,
+            weight_sum=0.0,
+            ignore_index=-100,
+            lse_square_scale=0.0,
+            label_smoothing=0.0,
+            reduction="sum",
+            softcap=None,
+            RETURN_Z_LOSS=False,
+            RETURN_TOKEN_ACCURACY=False,
+            RETURN_PREDICTED_TOKENS=False,
+            HAS_WEIGHT=False,
+            HAS_SOFTCAPPING=False,
+            HAS_GRADIENTS=True,
+            BLOCK_SIZE=block,
+            num_warps=32,
+        )
         return loss
+
     return f"{block} columns/step, 32 warps", call
 
 
@@ -326,8 +399,10 @@ def precision(device, reps: int = 3) -> None:
     largest over rows, each the median over `reps` seeds."""
     n, h, v = (64, 64, 2000)
     ways = ways_on(device)
-    print(f"| {'rows':<10} | {'method':<24} | {'grad rel. err, median':>21} | {'largest':>8} "
-          f"| {'CE abs. err, largest':>20} |")
+    print(
+        f"| {'rows':<10} | {'method':<24} | {'grad rel. err, median':>21} | {'largest':>8} "
+        f"| {'CE abs. err, largest':>20} |"
+    )
     print(f"|{'-' * 12}|{'-' * 26}|{'-' * 23}|{'-' * 10}|{'-' * 22}|")
     for case in ("typical", "confident"):
         errors: dict[str, list[tuple[float, float, float]]] = {}
@@ -336,7 +411,11 @@ def precision(device, reps: int = 3) -> None:
             weight = (torch.randn(v, h, generator=g) * 0.3).to(device, torch.bfloat16)
             labels = torch.randint(0, v, (n,), generator=g).to(device)
             scale = torch.linspace(2, 12, n) if case == "confident" else torch.linspace(0.5, 4, n)
-            base = weight[labels].float().cpu() if case == "confident" else torch.randn(n, h, generator=g)
+            base = (
+                weight[labels].float().cpu()
+                if case == "confident"
+                else torch.randn(n, h, generator=g)
+            )
             hidden = (base * scale[:, None]).to(device, torch.bfloat16)
             ref = hidden.double().requires_grad_(True)
             ce = F.cross_entropy(ref @ weight.double().T, labels, reduction="none")
@@ -351,22 +430,40 @@ def precision(device, reps: int = 3) -> None:
                 errors.setdefault(label, []).append((rel.median().item(), rel.max().item(), ce_err))
         for label, runs in errors.items():
             med, most, ce_err = (statistics.median(r[i] for r in runs) for i in range(3))
-            print(f"| {case:<10} | {label:<24} | {med:>21.2e} | {most:>8.2e} | {ce_err:>20.2e} |", flush=True)
+            print(
+                f"| {case:<10} | {label:<24} | {med:>21.2e} | {most:>8.2e} | {ce_err:>20.2e} |",
+                flush=True,
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--profile", action="store_true", help="print the kernels of our loss and Liger's (CUDA)")
-    parser.add_argument("--kernel-sweep", action="store_true",
-                        help="time the row kernel alone per (columns per step, warps) on one chunk, beside Liger's (CUDA)")
-    parser.add_argument("--sizes", default="all", choices=["all", "first"], help="'first': only N=16384")
-    parser.add_argument("--precision", action="store_true",
-                        help="each method's gradient and CE error against float64 (any device; on the CPU the "
-                             "Triton rows need TRITON_INTERPRET=1)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="time our Triton loss at several fixed chunk heights (rows) instead of the table")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the kernels of our loss and Liger's (CUDA)"
+    )
+    parser.add_argument(
+        "--kernel-sweep",
+        action="store_true",
+        help="time the row kernel alone per (columns per step, warps) on one chunk, beside Liger's (CUDA)",
+    )
+    parser.add_argument(
+        "--sizes", default="all", choices=["all", "first"], help="'first': only N=16384"
+    )
+    parser.add_argument(
+        "--precision",
+        action="store_true",
+        help="each method's gradient and CE error against float64 (any device; on the CPU the "
+        "Triton rows need TRITON_INTERPRET=1)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time our Triton loss at several fixed chunk heights (rows) instead of the table",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -374,11 +471,15 @@ def main() -> None:
     reps = 3 if args.quick else args.reps
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     if args.precision:
-        print(f"# LM-head loss on {name}: gradient and CE error against float64, bf16 inputs, 64 rows, "
-              f"H=64, V=2000, median over 3 seeds")
+        print(
+            f"# LM-head loss on {name}: gradient and CE error against float64, bf16 inputs, 64 rows, "
+            f"H=64, V=2000, median over 3 seeds"
+        )
         return precision(device)
-    print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}"
-          + ", repeats interleaved across the rows")
+    print(
+        f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}"
+        + ", repeats interleaved across the rows"
+    )
     if args.sweep:
         return sweep(sizes, device, dtype, reps)
     if args.profile and device.type == "cuda":

@@ -102,19 +102,26 @@ def main() -> None:
             times[name] += wall_times(step, 1, 0, cuda)
             cpu[name].append(time.process_time() - start)
     where = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"# fused loss, forward + backward, D-PACE weights, on {where}: hidden {h}, vocab {v}, "
-          f"{anchors} anchors, {str(dtype).removeprefix('torch.')}; {args.repeats} alternating "
-          "repeats; on a CPU also the process's CPU time, which other jobs on the cores do not "
-          "inflate")
-    print(f"| {'loss':<34} | {'wall ms [lowest-highest]':>28} | {'vs DFlash':>9} | "
-          f"{'CPU ms [lowest-highest]':>28} | {'vs DFlash':>9} |")
+    print(
+        f"# fused loss, forward + backward, D-PACE weights, on {where}: hidden {h}, vocab {v}, "
+        f"{anchors} anchors, {str(dtype).removeprefix('torch.')}; {args.repeats} alternating "
+        "repeats; on a CPU also the process's CPU time, which other jobs on the cores do not "
+        "inflate"
+    )
+    print(
+        f"| {'loss':<34} | {'wall ms [lowest-highest]':>28} | {'vs DFlash':>9} | "
+        f"{'CPU ms [lowest-highest]':>28} | {'vs DFlash':>9} |"
+    )
     print(f"|{'-' * 36}|{'-' * 30}|{'-' * 11}|{'-' * 30}|{'-' * 11}|")
     base = None
     for name in steps:
         spread, used = Spread.of(times[name]).scaled(1e3), Spread.of(cpu[name]).scaled(1e3)
         base = base or (spread.median, used.median)
-        cpu_cells = (f"{used.text():>28} | {used.median / base[1]:>9.3f}" if not cuda
-                     else f"{'n/a':>28} | {'':>9}")
+        cpu_cells = (
+            f"{used.text():>28} | {used.median / base[1]:>9.3f}"
+            if not cuda
+            else f"{'n/a':>28} | {'':>9}"
+        )
         ratio = spread.median / base[0]
         print(f"| {name:<34} | {spread.text():>28} | {ratio:>9.3f} | {cpu_cells} |")
     if args.profile:

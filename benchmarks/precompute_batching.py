@@ -40,7 +40,7 @@ def padding_table(n: int, budget: int, max_length: int) -> None:
     for window in (1, 32, 128, 512, n):
         batches = []
         for start in range(0, n, window):
-            chunk = lengths[start:start + window]
+            chunk = lengths[start : start + window]
             batches += [[start + i for i in b] for b in plan_batches(chunk, budget)]
         print(f"{window:>22} | {padding_fraction(lengths, batches):>8.1%} | {len(batches):>7}")
 
@@ -58,9 +58,17 @@ def qwen3_8b_layers(device: str, layers: int) -> torch.nn.Module:
     random bf16 weights made on `device`, `layers` deep: the layouts' relative cost is per layer."""
     from transformers import Qwen3Config, Qwen3Model
 
-    config = Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                         attn_implementation="sdpa")
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -71,11 +79,15 @@ def qwen3_8b_layers(device: str, layers: int) -> torch.nn.Module:
         torch.set_default_dtype(default)
 
 
-def forward_table(model: torch.nn.Module, label: str, device: str, n: int, max_length: int, repeats: int) -> None:
+def forward_table(
+    model: torch.nn.Module, label: str, device: str, n: int, max_length: int, repeats: int
+) -> None:
     gen = torch.Generator().manual_seed(0)
     lengths = sorted(lengths_like_chat(n, max_length, seed=1), reverse=True)
     seqs = [torch.randint(0, 256, (m,), generator=gen).numpy() for m in lengths]
-    run = lambda **kw: model(**{k: v.to(device) for k, v in kw.items()}, use_cache=False).last_hidden_state
+    run = lambda **kw: (
+        model(**{k: v.to(device) for k, v in kw.items()}, use_cache=False).last_hidden_state
+    )
     with torch.inference_mode():
         alone = [run(input_ids=torch.from_numpy(s).long()[None])[0] for s in seqs]
         padded = pad_right(seqs, 0)
@@ -83,7 +95,9 @@ def forward_table(model: torch.nn.Module, label: str, device: str, n: int, max_l
         packed = torch.from_numpy(np.concatenate(seqs)).long()[None]
         positions = torch.cat([torch.arange(m) for m in lengths])[None]
         layouts = {
-            "one sequence per forward": lambda: [run(input_ids=torch.from_numpy(s).long()[None]) for s in seqs],
+            "one sequence per forward": lambda: [
+                run(input_ids=torch.from_numpy(s).long()[None]) for s in seqs
+            ],
             "right padding, no mask": lambda: run(input_ids=padded),
             "right padding + mask": lambda: run(input_ids=padded, attention_mask=mask),
             "packed + position ids": lambda: run(input_ids=packed, position_ids=positions),
@@ -100,12 +114,24 @@ def build_tiny_hybrid(path: Path) -> Path:
     """A tiny Qwen3.5-architecture checkpoint: 3 linear-attention layers per full-attention layer."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=4)
+    text = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     torch.manual_seed(0)
-    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(path)
+    Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision)
+    ).save_pretrained(path)
     return path
 
 
@@ -122,8 +148,10 @@ def hybrid_table(path: Path) -> None:
     with torch.inference_mode():
         alone = [run(input_ids=torch.from_numpy(s).long()[None])[0] for s in seqs]
         padded = run(input_ids=pad_right(seqs, 0))
-        packed = run(input_ids=torch.from_numpy(np.concatenate(seqs)).long()[None],
-                     position_ids=torch.cat([torch.arange(m) for m in lengths])[None])
+        packed = run(
+            input_ids=torch.from_numpy(np.concatenate(seqs)).long()[None],
+            position_ids=torch.cat([torch.arange(m) for m in lengths])[None],
+        )
     print("\nhybrid linear-attention target (tiny Qwen3.5 shape), float32")
     print(f"{'layout':>26} | {'max |diff| vs alone':>20}")
     print(f"{'right padding, no mask':>26} | {_leak('right', padded, alone, lengths):>20.2e}")
@@ -140,13 +168,19 @@ def _leak(name, out, alone, lengths) -> float:
     return max((r - a).abs().max().item() for r, a in zip(rows, alone))
 
 
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes for a CPU smoke run")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--qwen3-8b-layers", type=int, default=0, metavar="N",
-                        help="also time the layouts on N layers of Qwen3-8B's shape in bf16 (a GPU run)")
+    parser.add_argument(
+        "--qwen3-8b-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time the layouts on N layers of Qwen3-8B's shape in bf16 (a GPU run)",
+    )
     args = parser.parse_args()
     n, max_length, repeats = (8, 512, 3) if args.quick else (32, 3072, 7)
     padding_table(2048 if args.quick else 65536, budget=32768, max_length=3072)
@@ -155,8 +189,14 @@ def main() -> None:
         forward_table(tiny, "tiny target, float32", args.device, n, max_length, repeats)
         if args.qwen3_8b_layers:
             big = qwen3_8b_layers(args.device, args.qwen3_8b_layers)
-            forward_table(big, f"{args.qwen3_8b_layers} layers of Qwen3-8B's shape, bf16, sdpa", args.device, n,
-                          max_length, repeats)
+            forward_table(
+                big,
+                f"{args.qwen3_8b_layers} layers of Qwen3-8B's shape, bf16, sdpa",
+                args.device,
+                n,
+                max_length,
+                repeats,
+            )
             del big
         hybrid_table(build_tiny_hybrid(Path(tmp) / "hybrid"))
 

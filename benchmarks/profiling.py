@@ -35,8 +35,9 @@ def _kernel_events(prof) -> list:
     return events
 
 
-def kernel_table(fn: Callable[[], object], calls: int = 3, rows: int = 25, title: str = "",
-                 width: int = 90) -> str:
+def kernel_table(
+    fn: Callable[[], object], calls: int = 3, rows: int = 25, title: str = "", width: int = 90
+) -> str:
     """Profile `calls` calls of fn (warmed up by the caller) and return the printed table."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -53,18 +54,24 @@ def kernel_table(fn: Callable[[], object], calls: int = 3, rows: int = 25, title
         entry[0] += e.device_time_total / 1e3  # us -> ms
         entry[1] += 1
     total = sum(ms for ms, _ in by_name.values()) / calls
-    lines = [f"## {title}: kernels per call (of {calls} profiled), wall {wall_ms:.2f} ms, kernels {total:.2f} ms "
-             f"({total / wall_ms:.0%} busy)",
-             f"| {'ms/call':>8} | {'share':>6} | {'launches':>8} | {'kernel':<{width}} |",
-             f"|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * (width + 2)}|"]
+    lines = [
+        f"## {title}: kernels per call (of {calls} profiled), wall {wall_ms:.2f} ms, kernels {total:.2f} ms "
+        f"({total / wall_ms:.0%} busy)",
+        f"| {'ms/call':>8} | {'share':>6} | {'launches':>8} | {'kernel':<{width}} |",
+        f"|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * (width + 2)}|",
+    ]
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     for name, (ms, n) in ranked[:rows]:
-        lines.append(f"| {ms / calls:>8.3f} | {ms / calls / total:>6.1%} | {n / calls:>8.0f} | {name[:width]:<{width}} |")
+        lines.append(
+            f"| {ms / calls:>8.3f} | {ms / calls / total:>6.1%} | {n / calls:>8.0f} | {name[:width]:<{width}} |"
+        )
     rest = ranked[rows:]
     if rest:
         ms, n = sum(r[1][0] for r in rest), sum(r[1][1] for r in rest)
-        lines.append(f"| {ms / calls:>8.3f} | {ms / calls / total:>6.1%} | {n / calls:>8.0f} | "
-                     f"{f'({len(rest)} other kernels)':<{width}} |")
+        lines.append(
+            f"| {ms / calls:>8.3f} | {ms / calls / total:>6.1%} | {n / calls:>8.0f} | "
+            f"{f'({len(rest)} other kernels)':<{width}} |"
+        )
     text = "\n".join(lines)
     print(text, flush=True)
     return text
@@ -86,13 +93,23 @@ class Timeline:
     gaps_ms: float = 0.0
     streams: dict[int, float] = dataclasses.field(default_factory=dict)  # stream -> kernel ms
     memcpy: dict[str, float] = dataclasses.field(default_factory=dict)  # "DtoH on stream 7" -> ms
-    host: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # runtime call -> (calls, ms)
-    kernels: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # name -> (launches, ms)
-    hole_owners: dict[str, int] = dataclasses.field(default_factory=dict)  # launching thread's call -> gaps
-    gil_wake_ms: tuple[float, float, float] | None = None  # GilProbe: median, 99th percentile, longest
+    host: dict[str, tuple[int, float]] = dataclasses.field(
+        default_factory=dict
+    )  # runtime call -> (calls, ms)
+    kernels: dict[str, tuple[int, float]] = dataclasses.field(
+        default_factory=dict
+    )  # name -> (launches, ms)
+    hole_owners: dict[str, int] = dataclasses.field(
+        default_factory=dict
+    )  # launching thread's call -> gaps
+    gil_wake_ms: tuple[float, float, float] | None = (
+        None  # GilProbe: median, 99th percentile, longest
+    )
 
 
-def covered(spans: list[tuple[int, int]], gap_ms: float = _GAP_MS) -> tuple[float, list[tuple[int, int]]]:
+def covered(
+    spans: list[tuple[int, int]], gap_ms: float = _GAP_MS
+) -> tuple[float, list[tuple[int, int]]]:
     """(start ns, end ns) intervals, overlapping or not -> (ms covered by their union, the holes of
     >= gap_ms between them as (start ns, end ns))."""
     busy, holes, end = 0.0, [], None
@@ -163,8 +180,12 @@ def profile_phase(fn: Callable[[], object], calls: int = 1) -> Timeline:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof, \
-            GilProbe() as probe:
+    with (
+        profile(
+            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        ) as prof,
+        GilProbe() as probe,
+    ):
         started = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -175,7 +196,9 @@ def profile_phase(fn: Callable[[], object], calls: int = 1) -> Timeline:
     return out
 
 
-def compare_timelines(named: list[tuple[str, Timeline]], top_kernels: int = 6, width: int = 34) -> str:
+def compare_timelines(
+    named: list[tuple[str, Timeline]], top_kernels: int = 6, width: int = 34
+) -> str:
     """One column per phase: GPU busy and idle, gaps, streams, copies, the launching thread's runtime
     calls, the GIL probe, and the mean time of the largest kernels (a kernel slower in one phase than
     in another ran beside something that took its memory bandwidth or SMs)."""
@@ -188,21 +211,42 @@ def compare_timelines(named: list[tuple[str, Timeline]], top_kernels: int = 6, w
 
     tls = [t for _, t in named]
     row("wall ms", (f"{t.wall_ms:,.1f}" for t in tls))
-    row("GPU busy ms (share of wall)", (f"{t.busy_ms:,.1f} ({t.busy_ms / t.wall_ms:.1%})" for t in tls))
+    row(
+        "GPU busy ms (share of wall)",
+        (f"{t.busy_ms:,.1f} ({t.busy_ms / t.wall_ms:.1%})" for t in tls),
+    )
     row(f"gaps >= {_GAP_MS:g} ms: count, ms", (f"{t.gaps}, {t.gaps_ms:,.1f}" for t in tls))
     busiest = [max(t.streams.values(), default=0.0) for t in tls]
     row("kernel ms, busiest stream", (f"{ms:,.1f}" for ms in busiest))
-    row("kernel ms, other streams", (f"{sum(t.streams.values()) - ms:,.1f}" for t, ms in zip(tls, busiest)))
+    row(
+        "kernel ms, other streams",
+        (f"{sum(t.streams.values()) - ms:,.1f}" for t, ms in zip(tls, busiest)),
+    )
     for key in sorted({k for t in tls for k in t.memcpy}):
         row(f"memcpy {key} ms", (f"{t.memcpy.get(key, 0.0):,.1f}" for t in tls))
-    host_calls = sorted({k for t in tls for k, (n, ms) in t.host.items() if ms >= 1.0 or "Sync" in k})
+    host_calls = sorted(
+        {k for t in tls for k, (n, ms) in t.host.items() if ms >= 1.0 or "Sync" in k}
+    )
     for key in host_calls:
-        row(f"host {key}: calls, ms", (f"{t.host.get(key, (0, 0.0))[0]}, {t.host.get(key, (0, 0.0))[1]:,.1f}"
-                                       for t in tls))
-    for owner in sorted({k for t in tls for k in t.hole_owners}, key=lambda k: -max(t.hole_owners.get(k, 0) for t in tls))[:4]:
-        row(f"gaps while the host ran {owner[:width]}", (f"{t.hole_owners.get(owner, 0)}" for t in tls))
-    row("GIL wake-up delay ms: median, p99, max",
-        ("—" if t.gil_wake_ms is None else ", ".join(f"{x:.2f}" for x in t.gil_wake_ms) for t in tls))
+        row(
+            f"host {key}: calls, ms",
+            (f"{t.host.get(key, (0, 0.0))[0]}, {t.host.get(key, (0, 0.0))[1]:,.1f}" for t in tls),
+        )
+    for owner in sorted(
+        {k for t in tls for k in t.hole_owners},
+        key=lambda k: -max(t.hole_owners.get(k, 0) for t in tls),
+    )[:4]:
+        row(
+            f"gaps while the host ran {owner[:width]}",
+            (f"{t.hole_owners.get(owner, 0)}" for t in tls),
+        )
+    row(
+        "GIL wake-up delay ms: median, p99, max",
+        (
+            "—" if t.gil_wake_ms is None else ", ".join(f"{x:.2f}" for x in t.gil_wake_ms)
+            for t in tls
+        ),
+    )
     first = tls[0]
     for name, (n, ms) in sorted(first.kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]:
         values = []
@@ -211,9 +255,14 @@ def compare_timelines(named: list[tuple[str, Timeline]], top_kernels: int = 6, w
             values.append(f"{total / m * 1e3:,.0f} us x {m}" if m else "—")
         row(f"mean {name[:width]}", values)
     label_w = max(len(label) for label, _ in rows)
-    lines = [f"| {'':<{label_w}} | " + " | ".join(f"{n:>{col}}" for n in names) + " |",
-             f"|{'-' * (label_w + 2)}|" + "|".join("-" * (col + 2) for _ in names) + "|"]
-    lines += [f"| {label:<{label_w}} | " + " | ".join(f"{v:>{col}}" for v in values) + " |" for label, values in rows]
+    lines = [
+        f"| {'':<{label_w}} | " + " | ".join(f"{n:>{col}}" for n in names) + " |",
+        f"|{'-' * (label_w + 2)}|" + "|".join("-" * (col + 2) for _ in names) + "|",
+    ]
+    lines += [
+        f"| {label:<{label_w}} | " + " | ".join(f"{v:>{col}}" for v in values) + " |"
+        for label, values in rows
+    ]
     text = "\n".join(lines)
     print(text, flush=True)
     return text

@@ -28,17 +28,23 @@ from dflash_common.drafter.loss import fused_lm_head_loss, soft_lm_head_loss  # 
 def hard(backend):
     def run(hidden, weight, labels, weights, teacher, index):
         return fused_lm_head_loss(hidden, weight, labels, weights, backend=backend).loss
+
     return run
 
 
 def soft(kind, backend):
     def run(hidden, weight, labels, weights, teacher, index):
-        return soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, kind, backend=backend).loss
+        return soft_lm_head_loss(
+            hidden, weight, labels, weights, teacher, index, kind, backend=backend
+        ).loss
+
     return run
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU (smoke test)")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
@@ -47,26 +53,38 @@ def main() -> None:
     backend = "triton" if device.type == "cuda" else "torch"
     sizes, reps = (QUICK_SIZES, 3) if args.quick else (GOAL_SIZES, args.reps)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, {backend}, median of {reps}")
-    print(f"| {'loss':<28} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'x hard':>7} | {'peak GiB':>9} |")
+    print(
+        f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, {backend}, median of {reps}"
+    )
+    print(
+        f"| {'loss':<28} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'x hard':>7} | {'peak GiB':>9} |"
+    )
     print(f"|{'-' * 30}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 9}|{'-' * 11}|")
     rows = [("hard CE (fused_lm_head_loss)", hard(backend))]
     rows += [(f"soft {kind}", soft(kind, backend)) for kind in ("ce", "kl", "tv", "dspark")]
     for n, h, v in sizes:
         hidden, weight, labels, weights = make_inputs(n, h, v, device, dtype, block_weights=True)
-        teacher = torch.randn(n, h, device=device, dtype=dtype)  # the target's final states, one per row
+        teacher = torch.randn(
+            n, h, device=device, dtype=dtype
+        )  # the target's final states, one per row
         index = torch.arange(n, device=device)
         base = None
         for label, fn in rows:
             try:
-                ms, peak, (lo, hi) = measure(fn, (hidden, weight, labels, weights, teacher, index), reps)
+                ms, peak, (lo, hi) = measure(
+                    fn, (hidden, weight, labels, weights, teacher, index), reps
+                )
             except torch.OutOfMemoryError:
-                print(f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {'OOM':>9} | {'':>15} | {'':>7} | {'OOM':>9} |")
+                print(
+                    f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {'OOM':>9} | {'':>15} | {'':>7} | {'OOM':>9} |"
+                )
                 continue
             base = base or ms
             peak_text = "n/a" if peak is None else f"{peak:.2f}"
-            print(f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {f'{lo:.1f}-{hi:.1f}':>15} "
-                  f"| {ms / base:>7.2f} | {peak_text:>9} |")
+            print(
+                f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {ms:>9.1f} | {f'{lo:.1f}-{hi:.1f}':>15} "
+                f"| {ms / base:>7.2f} | {peak_text:>9} |"
+            )
         del hidden, weight, teacher
         if device.type == "cuda":
             torch.cuda.empty_cache()

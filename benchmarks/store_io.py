@@ -30,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import Spread  # noqa: E402
 from dflash_common.store import (  # noqa: E402
-    ShardPayload, Store, StoreManifest, StoreWriter, buffers_nbytes, carve_buffers,
+    ShardPayload,
+    Store,
+    StoreManifest,
+    StoreWriter,
+    buffers_nbytes,
+    carve_buffers,
 )
 from dflash_common.store.chunks import CODECS  # noqa: E402
 from dflash_common.store.quant import encode_states  # noqa: E402
@@ -48,7 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, default=2, help="shards per dtype x codec")
     p.add_argument("--chunk-tokens", type=int, default=1024)
     p.add_argument("--read-threads", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3, help="read runs per figure (the median and spread are reported)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="read runs per figure (the median and spread are reported)",
+    )
     p.add_argument("--dtypes", default=",".join(DTYPES))
     p.add_argument("--codecs", default=",".join(CODECS))
     p.add_argument("--verbose", action="store_true", help="print every run as it ends")
@@ -73,9 +83,13 @@ def make_payload(args, dtype: str, layer_ids, seed: int) -> ShardPayload:
     lens = [t // 4, t // 4, t - 2 * (t // 4)]
     return ShardPayload(
         input_ids=np.random.default_rng(seed).integers(0, 150_000, t).astype(np.int32),
-        loss_mask=np.ones(t, np.uint8), offsets=np.cumsum([0, *lens]),
+        loss_mask=np.ones(t, np.uint8),
+        offsets=np.cumsum([0, *lens]),
         sample_ids=[f"bench.jsonl:{seed * 3 + i}" for i in range(3)],
-        layers={i: encode_states(synthetic_states(t, args.hidden, seed * 100 + i), dtype) for i in layer_ids},
+        layers={
+            i: encode_states(synthetic_states(t, args.hidden, seed * 100 + i), dtype)
+            for i in layer_ids
+        },
     )
 
 
@@ -111,9 +125,16 @@ def read_raw(paths, slab: np.ndarray, nbytes: int) -> None:
 def write_store(args, path: Path, dtype: str, codec: str) -> float:
     """Write `args.shards` shards; returns the seconds spent in write_shard (fsync, publish included)."""
     layer_ids = list(range(1, 1 + 4 * args.layers, 4))
-    manifest = StoreManifest(target={"name": "synthetic"}, tokenizer={"sha256": "0"}, chat_template_sha256=None,
-                             layer_ids=layer_ids, hidden_size=args.hidden, dtype=dtype, codec=codec,
-                             chunk_tokens=args.chunk_tokens)
+    manifest = StoreManifest(
+        target={"name": "synthetic"},
+        tokenizer={"sha256": "0"},
+        chat_template_sha256=None,
+        layer_ids=layer_ids,
+        hidden_size=args.hidden,
+        dtype=dtype,
+        codec=codec,
+        chunk_tokens=args.chunk_tokens,
+    )
     writer = StoreWriter.create_or_open(path, manifest)
     payloads = [make_payload(args, dtype, layer_ids, seed) for seed in range(args.shards)]
     t0 = time.perf_counter()
@@ -135,9 +156,17 @@ def measure_reads(args, store: Store, raw_dir: Path, label: str) -> tuple[dict, 
         raw_paths.append(raw_dir / f"raw-{s.name}")
         write_raw(raw_paths[-1], views)
     total = nbytes * len(store.shards)
-    mbps_runs: dict[str, list[float]] = {"store_cold": [], "store_warm": [], "raw_cold": [], "raw_warm": []}
+    mbps_runs: dict[str, list[float]] = {
+        "store_cold": [],
+        "store_warm": [],
+        "raw_cold": [],
+        "raw_warm": [],
+    }
     runs = {
-        "store_cold": ([store.path], lambda: [store.read_shard(s.name, out=views) for s in store.shards]),
+        "store_cold": (
+            [store.path],
+            lambda: [store.read_shard(s.name, out=views) for s in store.shards],
+        ),
         "raw_cold": (raw_paths, lambda: read_raw(raw_paths, slab, nbytes)),
     }
     for _ in range(args.repeat):
@@ -163,24 +192,38 @@ def bench_config(args, root: Path, dtype: str, codec: str) -> dict:
         reads, total = measure_reads(args, store, root, f"{dtype} {codec}")
         info = store_info(store)
     shutil.rmtree(path)
-    return {"dtype": dtype, "codec": codec, "write": total / write_s / 1e6, **reads,
-            "bytes_per_token": info["bytes_on_disk"] / info["tokens"], "ratio": info["compression_ratio"]}
+    return {
+        "dtype": dtype,
+        "codec": codec,
+        "write": total / write_s / 1e6,
+        **reads,
+        "bytes_per_token": info["bytes_on_disk"] / info["tokens"],
+        "ratio": info["compression_ratio"],
+    }
 
 
 def print_table(rows, args) -> None:
-    print(f"\nmachine: {platform.node()} | {platform.processor() or platform.machine()} | "
-          f"{os.cpu_count()} CPUs | torch {torch.__version__}")
-    print(f"sizes: H={args.hidden}, {args.layers} layers, {args.shards} shards x {args.tokens} tokens, "
-          f"chunk_tokens={args.chunk_tokens}, read_threads={args.read_threads}, "
-          f"median [lowest-highest] of {args.repeat} runs\n")
-    print("| dtype | codec | write MB/s | read cold MB/s | raw cold MB/s | cold x raw | read warm MB/s "
-          "| raw warm MB/s | warm x raw | bytes/token | decoded/disk |")
+    print(
+        f"\nmachine: {platform.node()} | {platform.processor() or platform.machine()} | "
+        f"{os.cpu_count()} CPUs | torch {torch.__version__}"
+    )
+    print(
+        f"sizes: H={args.hidden}, {args.layers} layers, {args.shards} shards x {args.tokens} tokens, "
+        f"chunk_tokens={args.chunk_tokens}, read_threads={args.read_threads}, "
+        f"median [lowest-highest] of {args.repeat} runs\n"
+    )
+    print(
+        "| dtype | codec | write MB/s | read cold MB/s | raw cold MB/s | cold x raw | read warm MB/s "
+        "| raw warm MB/s | warm x raw | bytes/token | decoded/disk |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         sc, rc, sw, rw = (r[k] for k in ("store_cold", "raw_cold", "store_warm", "raw_warm"))
-        print(f"| {r['dtype']} | {r['codec']} | {r['write']:.0f} | {sc.text('.0f')} | {rc.text('.0f')} "
-              f"| {sc.median / rc.median:.2f} | {sw.text('.0f')} | {rw.text('.0f')} "
-              f"| {sw.median / rw.median:.2f} | {r['bytes_per_token']:,.0f} | {r['ratio']:.3f} |")
+        print(
+            f"| {r['dtype']} | {r['codec']} | {r['write']:.0f} | {sc.text('.0f')} | {rc.text('.0f')} "
+            f"| {sc.median / rc.median:.2f} | {sw.text('.0f')} | {rw.text('.0f')} "
+            f"| {sw.median / rw.median:.2f} | {r['bytes_per_token']:,.0f} | {r['ratio']:.3f} |"
+        )
 
 
 def main(argv=None) -> None:

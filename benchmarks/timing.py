@@ -41,7 +41,9 @@ class Spread:
         return f"{self.median:{fmt}} [{self.low:{fmt}}-{self.high:{fmt}}]"
 
 
-def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 0, cuda: bool = False) -> list[float]:
+def wall_times(
+    fn: Callable[[], object], repeats: int, warmup: int = 0, cuda: bool = False
+) -> list[float]:
     """Seconds of each of `repeats` calls of fn after `warmup` untimed ones; with cuda, each call is
     synchronised alone (the GPU starts idle and the timing ends when its work does)."""
     times = []

@@ -44,7 +44,14 @@ from benchmarks.timing import Spread  # noqa: E402
 from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.config import DrafterConfig  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
-from dflash_common.store import ShardPayload, Store, StoreManifest, StoreWriter, encode_states, shard_name  # noqa: E402
+from dflash_common.store import (
+    ShardPayload,
+    Store,
+    StoreManifest,
+    StoreWriter,
+    encode_states,
+    shard_name,
+)  # noqa: E402
 from dflash_common.fsutil import human_bytes  # noqa: E402
 from dflash_common.store.quant import STORAGE_DTYPES, token_bytes  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
@@ -53,32 +60,86 @@ from train.loop import _N, _TOKENS, _WAIT, train_step  # noqa: E402
 from train.optim import build_optimizer  # noqa: E402
 
 # Qwen3-8B: hidden 4096, 32 heads of 128, 8 KV heads, MLP 12288, vocabulary 151,936, 36 layers.
-FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, target_layers=36,
-            layer_ids=[1, 9, 17, 25, 33], depth=5, block=16, anchors=256, store_gb=24.0, shard_tokens=32768,
-            window=4, batch_tokens=16384, seq_min=512, seq_max=3072, steps=30, warmup=3)
+FULL = dict(
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=12288,
+    vocab=151936,
+    target_layers=36,
+    layer_ids=[1, 9, 17, 25, 33],
+    depth=5,
+    block=16,
+    anchors=256,
+    store_gb=24.0,
+    shard_tokens=32768,
+    window=4,
+    batch_tokens=16384,
+    seq_min=512,
+    seq_max=3072,
+    steps=30,
+    warmup=3,
+)
 # 16,384 tokens x 256 anchors per batch: ~37K block rows, ~60 GB of activations for this drafter on one
 # GPU (measured ~1.6 MB per block row); 65,536 tokens x 512 anchors would not fit in 141 GB.
-QUICK = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=320, target_layers=8,
-             layer_ids=[1, 3, 5], depth=1, block=8, anchors=16, store_gb=0.004, shard_tokens=2048, window=1,
-             batch_tokens=1024, seq_min=64, seq_max=300, steps=4, warmup=1)
+QUICK = dict(
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    vocab=320,
+    target_layers=8,
+    layer_ids=[1, 3, 5],
+    depth=1,
+    block=8,
+    anchors=16,
+    store_gb=0.004,
+    shard_tokens=2048,
+    window=1,
+    batch_tokens=1024,
+    seq_min=64,
+    seq_max=300,
+    steps=4,
+    warmup=1,
+)
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test that runs on a CPU in seconds")
-    p.add_argument("--workdir", default=None, help="where to write the synthetic store (default: a temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the synthetic store (reused by a later run)")
-    p.add_argument("--dtype", default="bf16", choices=list(STORAGE_DTYPES), help="storage dtype of the store")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes: a smoke test that runs on a CPU in seconds",
+    )
+    p.add_argument(
+        "--workdir", default=None, help="where to write the synthetic store (default: a temp dir)"
+    )
+    p.add_argument(
+        "--keep", action="store_true", help="keep the synthetic store (reused by a later run)"
+    )
+    p.add_argument(
+        "--dtype", default="bf16", choices=list(STORAGE_DTYPES), help="storage dtype of the store"
+    )
     p.add_argument("--store-gb", type=float, help="size of the synthetic store")
-    p.add_argument("--cache-fraction", type=float, default=0.5, help="shard cache size / store size (< 1)")
+    p.add_argument(
+        "--cache-fraction", type=float, default=0.5, help="shard cache size / store size (< 1)"
+    )
     p.add_argument("--steps", type=int, help="timed optimiser steps per phase")
-    p.add_argument("--repeats", type=int, help="rounds of (resident, disk) phases (default 3; 2 with --quick)")
+    p.add_argument(
+        "--repeats", type=int, help="rounds of (resident, disk) phases (default 3; 2 with --quick)"
+    )
     p.add_argument("--reader-threads", type=int, default=8)
     p.add_argument("--gpu-prefetch", type=int, default=1, choices=[0, 1])
-    p.add_argument("--resident-batches", type=int, default=None,
-                   help="cap on the batches held on the GPU for the resident phase (0.7 GB each at full size); "
-                        "default: every batch of the phase, so that both phases train exactly the same batches. "
-                        "A cap cycles them, and the phases then compare different batches")
+    p.add_argument(
+        "--resident-batches",
+        type=int,
+        default=None,
+        help="cap on the batches held on the GPU for the resident phase (0.7 GB each at full size); "
+        "default: every batch of the phase, so that both phases train exactly the same batches. "
+        "A cap cycles them, and the phases then compare different batches",
+    )
     return p.parse_args()
 
 
@@ -86,9 +147,14 @@ def write_store(path: Path, s: dict, dtype: str, device: torch.device) -> Store:
     """Random states [T, H] per layer (generated on `device`), random token ids, loss on every token."""
     if (path / "zarr.json").is_file():
         return Store.open(path)
-    manifest = StoreManifest(target={"name": "synthetic-qwen3-8b-shape"}, tokenizer={"sha256": "synthetic"},
-                             chat_template_sha256=None, layer_ids=tuple(s["layer_ids"]), hidden_size=s["hidden"],
-                             dtype=dtype)
+    manifest = StoreManifest(
+        target={"name": "synthetic-qwen3-8b-shape"},
+        tokenizer={"sha256": "synthetic"},
+        chat_template_sha256=None,
+        layer_ids=tuple(s["layer_ids"]),
+        hidden_size=s["hidden"],
+        dtype=dtype,
+    )
     writer = StoreWriter.create_or_open(path, manifest)
     per_token = len(s["layer_ids"]) * token_bytes(dtype, s["hidden"])
     n_shards = max(4, int(s["store_gb"] * 1e9 / (per_token * s["shard_tokens"])))
@@ -98,15 +164,27 @@ def write_store(path: Path, s: dict, dtype: str, device: torch.device) -> Store:
         while sum(lengths) < s["shard_tokens"]:
             lengths.append(int(torch.randint(s["seq_min"], s["seq_max"] + 1, (1,), generator=g)))
         t = sum(lengths)
-        layers = {i: encode_states(torch.randn(t, s["hidden"], device=device), dtype) for i in s["layer_ids"]}
-        layers = {i: dataclasses.replace(e, data=e.data.cpu(), scale=None if e.scale is None else e.scale.cpu())
-                  for i, e in layers.items()}
+        layers = {
+            i: encode_states(torch.randn(t, s["hidden"], device=device), dtype)
+            for i in s["layer_ids"]
+        }
+        layers = {
+            i: dataclasses.replace(
+                e, data=e.data.cpu(), scale=None if e.scale is None else e.scale.cpu()
+            )
+            for i, e in layers.items()
+        }
         sample_ids = [f"synthetic:{unit}:{k}" for k in range(len(lengths))]
-        payload = ShardPayload(input_ids=torch.randint(0, s["vocab"], (t,), generator=g, dtype=torch.int32),
-                               loss_mask=torch.ones(t, dtype=torch.uint8),
-                               offsets=torch.tensor([0] + lengths).cumsum(0).numpy(), sample_ids=sample_ids,
-                               layers=layers)
-        writer.write_shard(shard_name(unit, hashlib.sha256(str(unit).encode()).hexdigest()), payload)
+        payload = ShardPayload(
+            input_ids=torch.randint(0, s["vocab"], (t,), generator=g, dtype=torch.int32),
+            loss_mask=torch.ones(t, dtype=torch.uint8),
+            offsets=torch.tensor([0] + lengths).cumsum(0).numpy(),
+            sample_ids=sample_ids,
+            layers=layers,
+        )
+        writer.write_shard(
+            shard_name(unit, hashlib.sha256(str(unit).encode()).hexdigest()), payload
+        )
     return Store.open(path)
 
 
@@ -125,13 +203,24 @@ def drop_page_cache(path: Path) -> bool:
 
 
 def make_drafter(s: dict, device: torch.device) -> DFlashDrafter:
-    cfg = DrafterConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"], num_hidden_layers=s["depth"],
-                        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
-                        vocab_size=s["vocab"], num_target_layers=s["target_layers"],
-                        target_layer_ids=tuple(s["layer_ids"]), mask_token_id=s["vocab"] - 1,
-                        layer_types=("full_attention",) * s["depth"], block_size=s["block"])
+    cfg = DrafterConfig(
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["depth"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        vocab_size=s["vocab"],
+        num_target_layers=s["target_layers"],
+        target_layer_ids=tuple(s["layer_ids"]),
+        mask_token_id=s["vocab"] - 1,
+        layer_types=("full_attention",) * s["depth"],
+        block_size=s["block"],
+    )
     torch.manual_seed(0)
-    with torch.device(device):  # initialise in place: a 1B-parameter drafter is slow to build on a CPU
+    with torch.device(
+        device
+    ):  # initialise in place: a 1B-parameter drafter is slow to build on a CPU
         drafter = DFlashDrafter(cfg)
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = torch.randn(s["vocab"], s["hidden"], device=device, dtype=head_dtype) * 0.02
@@ -157,7 +246,12 @@ def timed_phase(drafter, batches, cfg, steps: int, warmup: int, device: torch.de
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    return {"tok_s": float(sums[_TOKENS]) / wall, "stall": float(sums[_WAIT]) / wall, "peak_gb": peak, "wall": wall}
+    return {
+        "tok_s": float(sums[_TOKENS]) / wall,
+        "stall": float(sums[_WAIT]) / wall,
+        "peak_gb": peak,
+        "wall": wall,
+    }
 
 
 def _gb(value: float | None) -> str:
@@ -178,8 +272,10 @@ def main() -> None:
     started = time.perf_counter()
     store = write_store(store_path, s, args.dtype, device)
     store_bytes = sum(store.shard_nbytes(i.name, s["layer_ids"]) for i in store.shards)
-    print(f"store: {len(store.shards)} shards, {human_bytes(store_bytes)} of states ({args.dtype}), "
-          f"written in {time.perf_counter() - started:.0f} s")
+    print(
+        f"store: {len(store.shards)} shards, {human_bytes(store_bytes)} of states ({args.dtype}), "
+        f"written in {time.perf_counter() - started:.0f} s"
+    )
     try:
         run(args, s, store, store_path, store_bytes, steps, repeats, device)
     finally:
@@ -191,14 +287,27 @@ def main() -> None:
 def run(args, s, store, store_path, store_bytes, steps, repeats, device) -> None:
     autocast = "bf16" if device.type == "cuda" else "none"
     biggest = max(store.shard_nbytes(i.name, s["layer_ids"]) for i in store.shards)
-    cache_bytes = max(args.cache_fraction * store_bytes, 2 * s["window"] * biggest * 1.001)  # the trainer's minimum
+    cache_bytes = max(
+        args.cache_fraction * store_bytes, 2 * s["window"] * biggest * 1.001
+    )  # the trainer's minimum
     print(f"cache: {human_bytes(cache_bytes)} = {cache_bytes / store_bytes:.0%} of the store")
-    cfg = load_config(TrainConfig, None, [
-        f"--data.stores=[\"{store_path}\"]", f"--data.cache_gb={cache_bytes / 1e9}",
-        f"--data.reader_threads={args.reader_threads}", f"--data.batch_tokens={s['batch_tokens']}",
-        f"--data.window_shards={s['window']}", f"--data.gpu_prefetch={args.gpu_prefetch}", "--data.holdout_sequences=0",
-        f"--drafter.block_size={s['block']}", f"--objective.max_anchors={s['anchors']}",
-        f"--precision.autocast={autocast}", "--optim.warmup_fraction=0"])
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f'--data.stores=["{store_path}"]',
+            f"--data.cache_gb={cache_bytes / 1e9}",
+            f"--data.reader_threads={args.reader_threads}",
+            f"--data.batch_tokens={s['batch_tokens']}",
+            f"--data.window_shards={s['window']}",
+            f"--data.gpu_prefetch={args.gpu_prefetch}",
+            "--data.holdout_sequences=0",
+            f"--drafter.block_size={s['block']}",
+            f"--objective.max_anchors={s['anchors']}",
+            f"--precision.autocast={autocast}",
+            "--optim.warmup_fraction=0",
+        ],
+    )
     drafter = make_drafter(s, device)
     total = s["warmup"] + steps
 
@@ -213,7 +322,9 @@ def run(args, s, store, store_path, store_bytes, steps, repeats, device) -> None
         disk.append(timed_phase(drafter, data.start(), cfg, steps, s["warmup"], device))
         stats.append(data.cache.stats)
         data.close()
-    report(disk, gpu, stats, dropped, cache_bytes / store_bytes, held, steps, s["batch_tokens"], device)
+    report(
+        disk, gpu, stats, dropped, cache_bytes / store_bytes, held, steps, s["batch_tokens"], device
+    )
 
 
 def resident_batches(cfg, store, layer_ids, held: int, device) -> list:
@@ -226,24 +337,45 @@ def resident_batches(cfg, store, layer_ids, held: int, device) -> list:
         data.close()
 
 
-def report(disk: list[dict], gpu: list[dict], stats: list, dropped: bool, cache_share: float, held: int,
-           steps: int, batch_tokens: int, device: torch.device) -> None:
+def report(
+    disk: list[dict],
+    gpu: list[dict],
+    stats: list,
+    dropped: bool,
+    cache_share: float,
+    held: int,
+    steps: int,
+    batch_tokens: int,
+    device: torch.device,
+) -> None:
     disk_tok, gpu_tok = Spread.of([p["tok_s"] for p in disk]), Spread.of([p["tok_s"] for p in gpu])
-    peak = lambda phases: None if phases[0]["peak_gb"] is None else max(p["peak_gb"] for p in phases)
+    peak = lambda phases: (
+        None if phases[0]["peak_gb"] is None else max(p["peak_gb"] for p in phases)
+    )
     print()
-    print(f"| phase | tok/s, median [lowest-highest] of {len(disk)} | data stall | peak GPU memory |")
+    print(
+        f"| phase | tok/s, median [lowest-highest] of {len(disk)} | data stall | peak GPU memory |"
+    )
     print("| --- | --- | --- | --- |")
-    print(f"| from disk (cache {cache_share:.0%} of the store, page cache {'dropped' if dropped else 'kept'}) "
-          f"| {disk_tok.text(',.0f')} | {statistics.median(p['stall'] for p in disk):.1%} | {_gb(peak(disk))} |")
-    print(f"| resident on the {device.type.upper()} (peak includes {held} resident batches) | "
-          f"{gpu_tok.text(',.0f')} | - | {_gb(peak(gpu))} |")
+    print(
+        f"| from disk (cache {cache_share:.0%} of the store, page cache {'dropped' if dropped else 'kept'}) "
+        f"| {disk_tok.text(',.0f')} | {statistics.median(p['stall'] for p in disk):.1%} | {_gb(peak(disk))} |"
+    )
+    print(
+        f"| resident on the {device.type.upper()} (peak includes {held} resident batches) | "
+        f"{gpu_tok.text(',.0f')} | - | {_gb(peak(gpu))} |"
+    )
     print()
     ratio = disk_tok.median / gpu_tok.median
-    print(f"from disk / resident = {ratio:.3f} (goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
-          f"{steps} steps of {batch_tokens} tokens per phase on {device}")
+    print(
+        f"from disk / resident = {ratio:.3f} (goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
+        f"{steps} steps of {batch_tokens} tokens per phase on {device}"
+    )
     for k, st in enumerate(stats):
-        print(f"cache, disk phase {k + 1}: {st.hits} hits, {st.misses} misses, {human_bytes(st.bytes_read)} read "
-              f"in {st.read_s:.1f} s of reader time; batches waited {st.wait_s:.2f} s for shards")
+        print(
+            f"cache, disk phase {k + 1}: {st.hits} hits, {st.misses} misses, {human_bytes(st.bytes_read)} read "
+            f"in {st.read_s:.1f} s of reader time; batches waited {st.wait_s:.2f} s for shards"
+        )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,32 @@ import torch
 from dflash_common.tiny import TinySpec, build_tiny_target
 
 HERE = Path(__file__).resolve().parent
-TOPICS = ["rivers", "prime numbers", "bread", "the moon", "chess", "glaciers", "bees", "compilers",
-          "violins", "tides", "volcanoes", "maps", "owls", "clocks", "salt", "bridges"]
-ASKS = ["Tell me about {t}.", "Write a short poem on {t}.", "Explain {t} to a child.",
-        "List three facts about {t}.", "Why do people care about {t}?", "Summarise the history of {t}."]
+TOPICS = [
+    "rivers",
+    "prime numbers",
+    "bread",
+    "the moon",
+    "chess",
+    "glaciers",
+    "bees",
+    "compilers",
+    "violins",
+    "tides",
+    "volcanoes",
+    "maps",
+    "owls",
+    "clocks",
+    "salt",
+    "bridges",
+]
+ASKS = [
+    "Tell me about {t}.",
+    "Write a short poem on {t}.",
+    "Explain {t} to a child.",
+    "List three facts about {t}.",
+    "Why do people care about {t}?",
+    "Summarise the history of {t}.",
+]
 
 
 def make_prompts(n: int, seed: int) -> list[str]:
@@ -34,16 +56,25 @@ def make_prompts(n: int, seed: int) -> list[str]:
 
 
 @torch.no_grad()
-def answer(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+def answer(
+    model, tokenizer, prompts: list[str], max_new_tokens: int
+) -> list[tuple[list[int], list[int]]]:
     """Greedy responses of the target: (prompt ids, response ids up to and including EOS)."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-        out.append((ids, gen[0, len(ids):].tolist()))
+        gen = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        out.append((ids, gen[0, len(ids) :].tolist()))
     return out
 
 
@@ -62,11 +93,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = make_prompts(args.train + args.prompts, seed=0)
     with open(HERE / "tiny-train.jsonl", "w") as f:
-        for i, (p, r) in enumerate(answer(model, tokenizer, prompts[: args.train], args.max_new_tokens)):
-            record = {"id": f"tiny-{i}", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}
+        for i, (p, r) in enumerate(
+            answer(model, tokenizer, prompts[: args.train], args.max_new_tokens)
+        ):
+            record = {
+                "id": f"tiny-{i}",
+                "input_ids": p + r,
+                "loss_mask": [0] * len(p) + [1] * len(r),
+            }
             f.write(json.dumps(record) + "\n")
     with open(HERE / "tiny-prompts.jsonl", "w") as f:
-        for prompt in prompts[args.train:]:
+        for prompt in prompts[args.train :]:
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt}]}) + "\n")
 
 

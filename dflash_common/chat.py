@@ -48,24 +48,36 @@ def has_generation_markers(tokenizer: Any) -> bool:
 class ChatTemplate:
     """The target tokenizer's chat template with fixed options: conversation -> (input_ids, loss_mask)."""
 
-    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None,
-                 use_markers: bool | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        template_kwargs: dict[str, Any] | None = None,
+        use_markers: bool | None = None,
+    ):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self.use_markers = has_generation_markers(tokenizer) if use_markers is None else use_markers
-        self.end_of_turn = tokenizer.eos_token  # <|im_end|> for Qwen, <|eot_id|> for Llama 3 Instruct
+        self.end_of_turn = (
+            tokenizer.eos_token
+        )  # <|im_end|> for Qwen, <|eot_id|> for Llama 3 Instruct
         if not self.use_markers and not getattr(tokenizer, "is_fast", False):
-            raise UserError("the target's chat template has no {% generation %} markers and its tokenizer "
-                            "is not a fast tokenizer, so assistant tokens cannot be located; provide "
-                            "tokenizer.json or a template with generation markers.")
+            raise UserError(
+                "the target's chat template has no {% generation %} markers and its tokenizer "
+                "is not a fast tokenizer, so assistant tokens cannot be located; provide "
+                "tokenizer.json or a template with generation markers."
+            )
 
     @classmethod
-    def from_pretrained(cls, path: str, template_kwargs: dict[str, Any] | None = None) -> "ChatTemplate":
+    def from_pretrained(
+        cls, path: str, template_kwargs: dict[str, Any] | None = None
+    ) -> "ChatTemplate":
         from dflash_common.hf import load_tokenizer
 
         return cls(load_tokenizer(path), template_kwargs)
 
-    def tokenize(self, messages: list[dict[str, Any]], last_turn_cut: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def tokenize(
+        self, messages: list[dict[str, Any]], last_turn_cut: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         """-> input_ids int32 [T], loss_mask uint8 [T] (1 on assistant tokens).
 
         `last_turn_cut`: the last assistant turn was cut by a length limit (dflash-generate's
@@ -85,49 +97,74 @@ class ChatTemplate:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        return run_template(lambda: self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs))
+        return run_template(
+            lambda: self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
+        )
 
     def _tokenize_marked(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-        out = run_template(lambda: self.tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-            **self.template_kwargs))
+        out = run_template(
+            lambda: self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **self.template_kwargs,
+            )
+        )
         return np.asarray(out["input_ids"], np.int32), np.asarray(out["assistant_masks"], np.uint8)
 
-    def _tokenize_by_rendering(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    def _tokenize_by_rendering(
+        self, messages: list[dict[str, Any]]
+    ) -> tuple[np.ndarray, np.ndarray]:
         full = self.render(messages)
-        spans = [self._assistant_span(messages, i, full)
-                 for i, m in enumerate(messages) if m["role"] == "assistant"]
+        spans = [
+            self._assistant_span(messages, i, full)
+            for i, m in enumerate(messages)
+            if m["role"] == "assistant"
+        ]
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         offsets = enc["offset_mapping"]
         ids = np.asarray(enc["input_ids"], np.int32)
         return ids, mask_from_spans(offsets, spans)
 
     def _assistant_span(self, messages: list[dict[str, Any]], i: int, full: str) -> tuple[int, int]:
-        if i == 0:  # no history to render a generation prompt from (transformers refuses empty chats)
-            raise ChatMaskError("assistant_turn_first",
-                                "the conversation opens with an assistant turn; without generation "
-                                "markers in the template its prompt cannot be told from its text")
+        if (
+            i == 0
+        ):  # no history to render a generation prompt from (transformers refuses empty chats)
+            raise ChatMaskError(
+                "assistant_turn_first",
+                "the conversation opens with an assistant turn; without generation "
+                "markers in the template its prompt cannot be told from its text",
+            )
         prompt = self.render(messages[:i], add_generation_prompt=True)
         if not full.startswith(prompt):
-            raise ChatMaskError("template_rewrites_history",
-                                f"the template renders the history before assistant turn {i} differently "
-                                "once later turns follow")
+            raise ChatMaskError(
+                "template_rewrites_history",
+                f"the template renders the history before assistant turn {i} differently "
+                "once later turns follow",
+            )
         start = len(prompt)
         turn = self.render(messages[: i + 1])
         if full.startswith(turn) and len(turn) > start:
             return start, self._trim_after_end_of_turn(full, start, len(turn))
         end = full.find(self.end_of_turn, start) if self.end_of_turn else -1
         if end < 0:
-            raise ChatMaskError("template_rewrites_history",
-                                f"assistant turn {i} renders differently as the last turn and has no "
-                                f"end-of-turn token {self.end_of_turn!r} to find its end")
+            raise ChatMaskError(
+                "template_rewrites_history",
+                f"assistant turn {i} renders differently as the last turn and has no "
+                f"end-of-turn token {self.end_of_turn!r} to find its end",
+            )
         return start, end + len(self.end_of_turn)
 
     def _trim_after_end_of_turn(self, full: str, start: int, end: int) -> int:
         eot = self.end_of_turn
         at = full.rfind(eot, start, end) if eot else -1
-        if at >= 0 and not full[at + len(eot): end].strip():
+        if at >= 0 and not full[at + len(eot) : end].strip():
             return at + len(eot)
         return end
 

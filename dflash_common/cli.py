@@ -60,8 +60,9 @@ class ArgumentParser(argparse.ArgumentParser):
                     names += sub.option_names() if isinstance(sub, ArgumentParser) else []
         return sorted(set(names))
 
-    def unknown_argument(self, item: str, extra: str = "",
-                         more: Sequence[str] = ()) -> typing.NoReturn:
+    def unknown_argument(
+        self, item: str, extra: str = "", more: Sequence[str] = ()
+    ) -> typing.NoReturn:
         """Exit 2 naming `item`, with the closest option (or name in `more`) when one is close."""
         flag = item.split("=", 1)[0]
         known = [*self.option_names(), *more]
@@ -71,8 +72,11 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
         found = re.fullmatch(r"unrecognized arguments: (.+)", message)
         if found:
-            hints = [did_you_mean(a.split("=", 1)[0], self.option_names(), quote="")
-                     for a in found.group(1).split() if a.startswith("--")]
+            hints = [
+                did_you_mean(a.split("=", 1)[0], self.option_names(), quote="")
+                for a in found.group(1).split()
+                if a.startswith("--")
+            ]
             message += "".join(h for h in hints if h)
         super().error(message)
 
@@ -121,11 +125,15 @@ def parse_args(
     parser.add_argument("--config", metavar="FILE", help="TOML file with the run's configuration")
     for flag, key in shortcuts.items():
         if flag in repeatable:
-            parser.add_argument(f"--{flag}", action="append", metavar="VALUE", help=f"sets {key} (repeatable)")
+            parser.add_argument(
+                f"--{flag}", action="append", metavar="VALUE", help=f"sets {key} (repeatable)"
+            )
         else:
             parser.add_argument(f"--{flag}", metavar="VALUE", help=f"sets {key}")
     for flag, (key, help) in (switches or {}).items():
-        parser.add_argument(f"--{flag}", action="store_true", help=help + (f" (sets {key} = true)" if key else ""))
+        parser.add_argument(
+            f"--{flag}", action="store_true", help=help + (f" (sets {key} = true)" if key else "")
+        )
     return _parse(parser, cls, argv, shortcuts, repeatable, switches or {})
 
 
@@ -140,8 +148,11 @@ def _parse(parser, cls, argv, shortcuts, repeatable, switches):
         key = item[2:].split("=", 1)[0]
         if not (item.startswith("--") and "=" in item) or ("." not in key and key not in sections):
             # no config field (`--confg x`, `--dryrun`, `--stor=x`): most likely a mistyped option
-            parser.unknown_argument(item, "; config fields are set as --section.field=value",
-                                    [f"--{k}" for k, _, _, _ in iter_fields(cls)])
+            parser.unknown_argument(
+                item,
+                "; config fields are set as --section.field=value",
+                [f"--{k}" for k, _, _, _ in iter_fields(cls)],
+            )
         overrides.append(item)
         i += 1
     for flag, key in shortcuts.items():
@@ -151,7 +162,9 @@ def _parse(parser, cls, argv, shortcuts, repeatable, switches):
         if flag in repeatable:
             overrides.append(f"--{key}={json.dumps(list(value))}")
         else:
-            overrides.append(f"--{key}={json.dumps(value) if not _is_toml_literal(value) else value}")
+            overrides.append(
+                f"--{key}={json.dumps(value) if not _is_toml_literal(value) else value}"
+            )
     for flag, (key, _) in switches.items():
         if key and getattr(args, flag.replace("-", "_")):
             overrides.append(f"--{key}=true")
@@ -190,7 +203,9 @@ def user_errors_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (ConfigError, UserError) as e:
             exit_with_error(str(e))
         except BrokenPipeError:  # `| head` closed stdout: stop quietly, as cat does
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush has nowhere to fail
+            os.dup2(
+                os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+            )  # the exit flush has nowhere to fail
             sys.exit(141)  # 128 + SIGPIPE, what a shell reports for a reader that went away
 
     return wrapper
@@ -228,8 +243,16 @@ class RateBar:
             bar.update(done=8, tokens=4096)      # or bar.add_tokens(n) as they come, bar.update(1)
     """
 
-    def __init__(self, total: int, *, unit: str, desc: str, enabled: bool = True,
-                 rate: str = "tok/s", note: Callable[[], str] | None = None):
+    def __init__(
+        self,
+        total: int,
+        *,
+        unit: str,
+        desc: str,
+        enabled: bool = True,
+        rate: str = "tok/s",
+        note: Callable[[], str] | None = None,
+    ):
         self.total, self.unit, self.desc, self.enabled = total, unit, desc, enabled
         self.rate, self.note = rate, note  # the rate's name; `note()`: more text after it
         self.bar: Any = None
@@ -238,8 +261,9 @@ class RateBar:
 
     def __enter__(self) -> "RateBar":
         if self.enabled:
-            self.bar = progress_bar(total=self.total, unit=self.unit, desc=self.desc,
-                                    dynamic_ncols=True)
+            self.bar = progress_bar(
+                total=self.total, unit=self.unit, desc=self.desc, dynamic_ncols=True
+            )
         return self
 
     def add_tokens(self, n: int) -> None:
@@ -279,7 +303,9 @@ def setup_logging(level: int = logging.INFO) -> None:
     """Log lines on stderr (with the rank under torchrun); library progress bars only on a terminal."""
     library_bars_follow_the_terminal()
     rank = os.environ.get("RANK")
-    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    prefix = (
+        f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    )
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s {prefix}%(message)s",
@@ -290,7 +316,16 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def package_versions() -> dict[str, str]:
-    names = ["dflash", "torch", "triton", "transformers", "zarr", "numcodecs", "torchdata", "safetensors"]
+    names = [
+        "dflash",
+        "torch",
+        "triton",
+        "transformers",
+        "zarr",
+        "numcodecs",
+        "torchdata",
+        "safetensors",
+    ]
     out = {}
     for name in names:
         try:
@@ -308,7 +343,9 @@ def git_revision() -> str | None:
         )
         dirty = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5,
+            capture_output=True,
+            text=True,
+            timeout=5,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -319,12 +356,17 @@ def git_revision() -> str | None:
 
 def run_record(cfg: Any) -> dict[str, Any]:
     """What a run was: its resolved config, the package versions and the code revision."""
-    return {"config": to_dict(cfg), "versions": package_versions(), "git_revision": git_revision(),
-            "argv": sys.argv}
+    return {
+        "config": to_dict(cfg),
+        "versions": package_versions(),
+        "git_revision": git_revision(),
+        "argv": sys.argv,
+    }
 
 
-def write_run_record(directory: str | Path, cfg: Any, name: str = "run",
-                     extra: dict[str, Any] | None = None) -> None:
+def write_run_record(
+    directory: str | Path, cfg: Any, name: str = "run", extra: dict[str, Any] | None = None
+) -> None:
     """Write `<name>.toml` (the resolved config, loadable with --config) and `<name>.json`
     (versions, and `extra`: what else the stage records, e.g. a training run's resumes)."""
     directory = Path(directory)

@@ -76,7 +76,9 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
     """A dataclass field with help text. Mutable defaults (lists) are copied per instance."""
     metadata = {"help": help}
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata, **kwargs)
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata=metadata, **kwargs
+        )
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
@@ -127,7 +129,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         if value in get_args(tp):
             return value
-        raise ConfigError(f"{key} = {value!r} must be one of {', '.join(repr(a) for a in get_args(tp))}.")
+        raise ConfigError(
+            f"{key} = {value!r} must be one of {', '.join(repr(a) for a in get_args(tp))}."
+        )
     if origin is list:
         if isinstance(value, str):  # `--x=1,2,3` on the command line
             value = [v for v in value.split(",") if v.strip()] if value.strip() else []
@@ -188,7 +192,9 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
             hint, known = did_you_mean(key, names), ", ".join(sorted(names))
             raise UnknownKeyError(
                 f"Unknown config key '{prefix}{key}' in {where}{hint}; known keys: {known}.",
-                prefix + key, sorted(names))
+                prefix + key,
+                sorted(names),
+            )
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -235,14 +241,18 @@ def merge_override(data: dict[str, Any], path: list[str], value: Any) -> None:
     for part in path[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"Override '--{'.'.join(path)}' goes through '{part}', which is not a section.")
+            raise ConfigError(
+                f"Override '--{'.'.join(path)}' goes through '{part}', which is not a section."
+            )
     node[path[-1]] = value
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"Config file {path} does not exist; pass an existing TOML file to --config.")
+        raise ConfigError(
+            f"Config file {path} does not exist; pass an existing TOML file to --config."
+        )
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -260,12 +270,16 @@ def stage_table(cls: type, data: dict[str, Any], path: str | Path) -> dict[str, 
     if stage is None or not data or not set(data) <= set(STAGES):
         return data
     if stage not in data:
-        raise ConfigError(f"Config file {path} holds the stages {sorted(data)} but no [{stage}] table; add one "
-                          f"or pass a {stage} config.")
+        raise ConfigError(
+            f"Config file {path} holds the stages {sorted(data)} but no [{stage}] table; add one "
+            f"or pass a {stage} config."
+        )
     return data[stage]
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> T:
+def load_config(
+    cls: type[T], path: str | Path | None = None, overrides: typing.Sequence[str] = ()
+) -> T:
     """Defaults <- TOML file (its `[<stage>]` table when it holds several stages) <- `--section.field=value`
     overrides, validated into a frozen tree."""
     whole = read_toml(path) if path is not None else {}
@@ -284,15 +298,17 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: typing.
             raise _unknown_override(cls, typed[0], e) from e
         if path is None:
             raise
-        in_file = (f"{cls.STAGE}.{e.key}" if data is not whole else e.key)  # type: ignore[attr-defined]
+        in_file = f"{cls.STAGE}.{e.key}" if data is not whole else e.key  # type: ignore[attr-defined]
         line = toml_key_line(Path(path).read_text(), in_file)
         where = f"{path}" + (f", line {line}" if line else "")
         table = in_file.rsplit(".", 1)[0] if "." in in_file else None
         name = in_file.rsplit(".", 1)[-1]
-        raise ConfigError(f"Unknown config key '{name}' "
-                          + (f"in table [{table}] " if table else "at the top level ")
-                          + f"of {where}{did_you_mean(name, e.known)}; known keys there: "
-                          + f"{', '.join(e.known)}.") from e
+        raise ConfigError(
+            f"Unknown config key '{name}' "
+            + (f"in table [{table}] " if table else "at the top level ")
+            + f"of {where}{did_you_mean(name, e.known)}; known keys there: "
+            + f"{', '.join(e.known)}."
+        ) from e
 
 
 def _unknown_override(cls: type, typed: str, error: UnknownKeyError) -> ConfigError:
@@ -301,8 +317,10 @@ def _unknown_override(cls: type, typed: str, error: UnknownKeyError) -> ConfigEr
     fixed = corrected_key(cls, typed)
     hint = f" (did you mean --{fixed}?)" if fixed else ""
     where = f"section [{error.key.rsplit('.', 1)[0]}]" if "." in error.key else "the top level"
-    return ConfigError(f"Unknown config key '{error.key}' in --{typed}{hint}; known keys of "
-                       f"{where}: {', '.join(error.known)}.")
+    return ConfigError(
+        f"Unknown config key '{error.key}' in --{typed}{hint}; known keys of "
+        f"{where}: {', '.join(error.known)}."
+    )
 
 
 def _refuse_stage_prefix(cls: type, keys: list[str], raw_value: str) -> None:
@@ -312,12 +330,16 @@ def _refuse_stage_prefix(cls: type, keys: list[str], raw_value: str) -> None:
     names = {f.name for f in dataclasses.fields(cls)}
     if stage and len(keys) > 1 and keys[0] == stage and stage not in names:
         rest = ".".join(keys[1:])
-        raise ConfigError(f"Override '--{'.'.join(keys)}' names the [{stage}] table of a config file, but the "
-                          f"command line sets the fields of that table directly; drop '{stage}.': --{rest}={raw_value}")
+        raise ConfigError(
+            f"Override '--{'.'.join(keys)}' names the [{stage}] table of a config file, but the "
+            f"command line sets the fields of that table directly; drop '{stage}.': --{rest}={raw_value}"
+        )
 
 
 _TOML_KEY_PART = r'(?:[A-Za-z0-9_-]+|"[^"]*"|\'[^\']*\')'
-_TOML_TABLE = re.compile(r"^\[\[?\s*(" + _TOML_KEY_PART + r"(?:\s*\.\s*" + _TOML_KEY_PART + r")*)\s*\]\]?")
+_TOML_TABLE = re.compile(
+    r"^\[\[?\s*(" + _TOML_KEY_PART + r"(?:\s*\.\s*" + _TOML_KEY_PART + r")*)\s*\]\]?"
+)
 _TOML_ASSIGN = re.compile(r"^(" + _TOML_KEY_PART + r"(?:\s*\.\s*" + _TOML_KEY_PART + r")*)\s*=")
 
 
@@ -359,7 +381,12 @@ def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, str, 
         if _is_section(tp):
             yield from iter_fields(tp, prefix + f.name + ".")
         else:
-            yield prefix + f.name, _type_name(tp), getattr(defaults, f.name), f.metadata.get("help", "")
+            yield (
+                prefix + f.name,
+                _type_name(tp),
+                getattr(defaults, f.name),
+                f.metadata.get("help", ""),
+            )
 
 
 def check(condition: bool, message: str) -> None:

@@ -36,7 +36,13 @@ def render(stages: Sequence[Stage]) -> str:
         "Shipped examples are in `configs/`: `<stage>-<name>.toml`.",
     ]
     for stage, cli, cls in stages:
-        lines += ["", f"## {stage} (`{cli}`)", "", "| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## {stage} (`{cli}`)",
+            "",
+            "| field | type | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
         for key, tp, default, help in iter_fields(cls):
             lines.append(f"| `{key}` | {_cell(tp)} | `{_cell(repr(default))}` | {_cell(help)} |")
     return "\n".join(lines) + "\n"
@@ -44,7 +50,9 @@ def render(stages: Sequence[Stage]) -> str:
 
 def main(stages: Sequence[Stage], argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is out of date")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/config.md is out of date"
+    )
     args = parser.parse_args(argv)
     text = render(stages)
     if args.check:

@@ -33,8 +33,9 @@ def _holder(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def hold_directory(directory: str | Path, what: str, fix: str, *,
-                   tidy: bool = False) -> Iterator[Path]:
+def hold_directory(
+    directory: str | Path, what: str, fix: str, *, tidy: bool = False
+) -> Iterator[Path]:
     """Hold `directory/.dflash.lock` exclusively while the block runs; if another process holds it,
     raise one sentence: `<what> <dir> is in use by another job (<pid ...>); <fix>.`
 
@@ -52,8 +53,9 @@ def hold_directory(directory: str | Path, what: str, fix: str, *,
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise UserError(f"{what} {directory} is in use by another job ({_holder(path)}); "
-                            f"{fix}.") from None
+            raise UserError(
+                f"{what} {directory} is in use by another job ({_holder(path)}); {fix}."
+            ) from None
         if _still_named(fd, path):
             break
         os.close(fd)  # the file was removed (tidied) between our open and lock: take a new one

@@ -34,7 +34,9 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 
 def _sha256_json(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(value, sort_keys=True, ensure_ascii=False).encode()
+    ).hexdigest()
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -84,9 +86,21 @@ def target_fingerprint(model_dir: str | Path, name: str | None = None) -> dict[s
 
 
 # The target's config fields a DFlash drafter copies (DrafterConfig.from_target) or depends on.
-DRAFTER_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_scaling",
-                       "rope_parameters", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+DRAFTER_CONFIG_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 
 
 def head_fingerprint(model_dir: str | Path) -> dict[str, Any]:
@@ -100,7 +114,9 @@ def head_fingerprint(model_dir: str | Path) -> dict[str, Any]:
     text = text_fields(read_config_json(model_dir, "target"))
     head = load_target_head(model_dir)  # as stored: no cast
     h = hashlib.sha256()
-    for name, tensor in [("embed", head.embed)] + ([] if head.tied else [("lm_head", head.lm_head)]):
+    for name, tensor in [("embed", head.embed)] + (
+        [] if head.tied else [("lm_head", head.lm_head)]
+    ):
         h.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
         h.update(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))  # no copy
     return {"head_sha256": h.hexdigest(), "config": {k: text.get(k) for k in DRAFTER_CONFIG_KEYS}}
@@ -109,9 +125,14 @@ def head_fingerprint(model_dir: str | Path) -> dict[str, Any]:
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     """sha256 of a (transformers) tokenizer's vocabulary and special tokens, and its size."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = {"map": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-               "all": sorted(tokenizer.all_special_tokens)}
-    return {"sha256": _sha256_json({"vocab": vocab, "special": special}), "vocab_size": len(tokenizer)}
+    special = {
+        "map": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "all": sorted(tokenizer.all_special_tokens),
+    }
+    return {
+        "sha256": _sha256_json({"vocab": vocab, "special": special}),
+        "vocab_size": len(tokenizer),
+    }
 
 
 def chat_template_sha256(template: Any) -> str | None:
@@ -119,7 +140,9 @@ def chat_template_sha256(template: Any) -> str | None:
     text = getattr(template, "chat_template", template)
     if text is None:
         return None
-    data = text if isinstance(text, str) else json.dumps(text, sort_keys=True)  # named templates: a dict
+    data = (
+        text if isinstance(text, str) else json.dumps(text, sort_keys=True)
+    )  # named templates: a dict
     return hashlib.sha256(data.encode()).hexdigest()
 
 
@@ -146,7 +169,9 @@ def _dataset_files(path: Path) -> list[tuple[str, Path]]:
     return out
 
 
-def dataset_fingerprint(paths: Sequence[str | Path], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def dataset_fingerprint(
+    paths: Sequence[str | Path], extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Content hash of the input data: every file's name (relative to its input), size and sha256,
     plus `extra` (e.g. the data-reading options that change what is read)."""
     files = []

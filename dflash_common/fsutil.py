@@ -115,8 +115,9 @@ def first_missing(path: str | Path) -> Path | None:
     return path
 
 
-def check_writable(path: str | Path, what: str, fix: str, *, directory: bool = True,
-                   beside: bool = False) -> None:
+def check_writable(
+    path: str | Path, what: str, fix: str, *, directory: bool = True, beside: bool = False
+) -> None:
     """Refuse, in one sentence, an output a job could not write, before the job does any work.
 
     `directory=True`: the job writes inside `path` (created if missing), and with `beside` also
@@ -131,8 +132,11 @@ def check_writable(path: str | Path, what: str, fix: str, *, directory: bool = T
     places += [path.parent] if beside or not directory else []
     for place in dict.fromkeys(nearest_existing(p) for p in places):
         if not place.is_dir():
-            detail = ("is a file, not a directory" if place == path
-                      else f"cannot be created: {place} is a file")
+            detail = (
+                "is a file, not a directory"
+                if place == path
+                else f"cannot be created: {place} is a file"
+            )
             raise UserError(f"{what} {path} {detail}; {fix}.")
         try:
             fd, probe = tempfile.mkstemp(prefix=".dflash-write-check-", dir=place)

@@ -32,7 +32,9 @@ _TEMPLATE_MARKED = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-_TEMPLATE_PLAIN = _TEMPLATE_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+_TEMPLATE_PLAIN = _TEMPLATE_MARKED.replace("{% generation %}", "").replace(
+    "{% endgeneration %}", ""
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,9 @@ class TinySpec:
     seed: int = 0
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(
+            json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        ).hexdigest()[:16]
 
 
 def build_tiny_tokenizer(generation_markers: bool = True):
@@ -123,7 +127,9 @@ def build_tiny_target(path: str | Path, spec: TinySpec = TinySpec()) -> Path:
         if bars:
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(path)
-    stamp.write_text(json.dumps({"fingerprint": spec.fingerprint(), "spec": dataclasses.asdict(spec)}))
+    stamp.write_text(
+        json.dumps({"fingerprint": spec.fingerprint(), "spec": dataclasses.asdict(spec)})
+    )
     return path
 
 
@@ -132,9 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     configs/tiny.toml use, in .cache/tiny-target)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dflash_common.tiny",
-                                     description="Build the embedded tiny target (TinySpec defaults) into OUT_DIR.")
-    parser.add_argument("out_dir", help="directory to write the target to (reused if it already holds it)")
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_common.tiny",
+        description="Build the embedded tiny target (TinySpec defaults) into OUT_DIR.",
+    )
+    parser.add_argument(
+        "out_dir", help="directory to write the target to (reused if it already holds it)"
+    )
     args = parser.parse_args(argv)
     print(build_tiny_target(args.out_dir, TinySpec()))
 

@@ -18,15 +18,23 @@ from dflash_common.cli import interrupt_says, parse_args, setup_logging, user_er
 from precompute.config import PrecomputeConfig
 
 # Flags without a value, mapped onto config fields.
-_SWITCHES = {"dry-run": ("run.dry_run", "print the plan and stop; writes nothing"),
-             "force": ("run.force", "start on a disk the plan says is too small")}
+_SWITCHES = {
+    "dry-run": ("run.dry_run", "print the plan and stop; writes nothing"),
+    "force": ("run.force", "start on a disk the plan says is too small"),
+}
 
 
 def parse(argv: Sequence[str] | None = None) -> PrecomputeConfig:
     """`--config FILE`, `--out STORE`, `--dry-run`, `--force` and `--section.field=value` -> the config."""
-    cfg, _ = parse_args(PrecomputeConfig, sys.argv[1:] if argv is None else argv, prog="dflash-precompute",
-                        description=__doc__.split("\n\n")[0], shortcuts={"out": "store.path"},
-                        switches=_SWITCHES, examples=__doc__.split("\n\n")[1])
+    cfg, _ = parse_args(
+        PrecomputeConfig,
+        sys.argv[1:] if argv is None else argv,
+        prog="dflash-precompute",
+        description=__doc__.split("\n\n")[0],
+        shortcuts={"out": "store.path"},
+        switches=_SWITCHES,
+        examples=__doc__.split("\n\n")[1],
+    )
     return cfg
 
 
@@ -35,8 +43,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Returns None: console scripts pass main()'s result to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
-    with interrupt_says(lambda: f"the shards already published in {cfg.store.path} are kept (a shard being "
-                        f"written is not visible); rerun the same command to resume."):
+    with interrupt_says(
+        lambda: (
+            f"the shards already published in {cfg.store.path} are kept (a shard being "
+            f"written is not visible); rerun the same command to resume."
+        )
+    ):
         from precompute.job import run  # after argument parsing: --help stays fast
 
         run(cfg)

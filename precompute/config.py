@@ -45,11 +45,20 @@ class TargetSection:
 
     def __post_init__(self) -> None:
         if self.layer_ids is not None:
-            check(len(self.layer_ids) > 0, "target.layer_ids must not be empty; leave it unset for the default.")
-            check(len(set(self.layer_ids)) == len(self.layer_ids),
-                  f"target.layer_ids = {self.layer_ids} repeats an id.")
-            check(min(self.layer_ids) >= 0, f"target.layer_ids = {self.layer_ids} has a negative id.")
-        check(bool(self.attn_implementation.strip()), "target.attn_implementation must not be empty.")
+            check(
+                len(self.layer_ids) > 0,
+                "target.layer_ids must not be empty; leave it unset for the default.",
+            )
+            check(
+                len(set(self.layer_ids)) == len(self.layer_ids),
+                f"target.layer_ids = {self.layer_ids} repeats an id.",
+            )
+            check(
+                min(self.layer_ids) >= 0, f"target.layer_ids = {self.layer_ids} has a negative id."
+            )
+        check(
+            bool(self.attn_implementation.strip()), "target.attn_implementation must not be empty."
+        )
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,8 @@ class DataSection:
     )
     max_length: int = option(3072, "Longest sequence in tokens (after the chat template).")
     overlength: Literal["truncate", "drop"] = option(
-        "truncate", "What to do with a longer sequence: keep its first max_length tokens, or drop it."
+        "truncate",
+        "What to do with a longer sequence: keep its first max_length tokens, or drop it.",
     )
     chat_template_kwargs: dict[str, Any] = option(
         {},
@@ -77,14 +87,18 @@ class DataSection:
         "Drafter block size; sequences with fewer than 2 x block_size loss-mask (response) tokens are "
         "dropped, as the drafter cannot place anchors in them.",
     )
-    report_first: int = option(5, "How many skipped records are logged with file and line (all are counted).")
+    report_first: int = option(
+        5, "How many skipped records are logged with file and line (all are counted)."
+    )
 
     def __post_init__(self) -> None:
         check(self.max_length >= 2, f"data.max_length must be >= 2, got {self.max_length}.")
         check(self.block_size >= 2, f"data.block_size must be >= 2, got {self.block_size}.")
-        check(2 * self.block_size <= self.max_length,
-              f"data.max_length = {self.max_length} cannot hold 2 x data.block_size = {2 * self.block_size} "
-              "response tokens.")
+        check(
+            2 * self.block_size <= self.max_length,
+            f"data.max_length = {self.max_length} cannot hold 2 x data.block_size = {2 * self.block_size} "
+            "response tokens.",
+        )
         check(self.report_first >= 0, f"data.report_first must be >= 0, got {self.report_first}.")
         check(all(bool(p.strip()) for p in self.inputs), "data.inputs holds an empty path.")
 
@@ -93,12 +107,14 @@ class DataSection:
 class StoreSection:
     path: str = option("", "Directory of the hidden-state store (created; a rerun resumes it).")
     dtype: Literal["bf16", "fp8_e4m3", "q4_hadamard"] = option(
-        "bf16", "Element type on disk: bf16 (2 bytes per value), fp8 e4m3 with a float32 scale per token "
+        "bf16",
+        "Element type on disk: bf16 (2 bytes per value), fp8 e4m3 with a float32 scale per token "
         "(half the disk), or q4_hadamard: 4-bit codes after a Hadamard rotation, a scale byte per 16 "
-        "values and a float32 per token (0.28x the disk of bf16; docs/store-format.md)."
+        "values and a float32 per token (0.28x the disk of bf16; docs/store-format.md).",
     )
     codec: Literal["none", "zstd", "blosc-lz4-bitshuffle"] = option(
-        "none", "Compression of the state arrays; hidden states compress little, so 'none' is fastest."
+        "none",
+        "Compression of the state arrays; hidden states compress little, so 'none' is fastest.",
     )
     final_state: bool = option(
         False,
@@ -121,9 +137,13 @@ class BatchingSection:
     )
 
     def __post_init__(self) -> None:
-        check(self.token_budget >= 1, f"batching.token_budget must be >= 1, got {self.token_budget}.")
-        check(self.sort_window_units >= 1,
-              f"batching.sort_window_units must be >= 1, got {self.sort_window_units}.")
+        check(
+            self.token_budget >= 1, f"batching.token_budget must be >= 1, got {self.token_budget}."
+        )
+        check(
+            self.sort_window_units >= 1,
+            f"batching.sort_window_units must be >= 1, got {self.sort_window_units}.",
+        )
 
 
 @dataclass(frozen=True)
@@ -133,7 +153,9 @@ class RunSection:
         "Input records per work unit (= per shard), counted before filtering so units never depend on "
         "the number of ranks. Aim for shards of 1-4 GiB: records x tokens x bytes/token.",
     )
-    device: str = option("auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'.")
+    device: str = option(
+        "auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'."
+    )
     tokenize_workers: int = option(
         0, "Processes that apply the chat template and tokenize (0: in the main process)."
     )
@@ -142,18 +164,32 @@ class RunSection:
         "Where tokenized work units are kept between the plan and the forward pass (tokenize once); "
         "empty means '<store.path>.tokens' beside the store.",
     )
-    writer_threads: int = option(4, "Threads that encode, compress and write shards while the GPU runs.")
+    writer_threads: int = option(
+        4, "Threads that encode, compress and write shards while the GPU runs."
+    )
     queue_depth: int = option(
         4, "Finished units waiting for a writer before the GPU waits (bounds host memory)."
     )
     force: bool = option(False, "Start even when the plan says the disk is too small.")
-    progress: bool = option(True, "Show a progress bar (rank 0, on a terminal): samples, tokens/s, bytes written, ETA.")
-    dry_run: bool = option(False, "Print the plan (samples, tokens, bytes on disk, free space) and stop.")
+    progress: bool = option(
+        True, "Show a progress bar (rank 0, on a terminal): samples, tokens/s, bytes written, ETA."
+    )
+    dry_run: bool = option(
+        False, "Print the plan (samples, tokens, bytes on disk, free space) and stop."
+    )
 
     def __post_init__(self) -> None:
-        check(self.samples_per_unit >= 1, f"run.samples_per_unit must be >= 1, got {self.samples_per_unit}.")
-        check(self.tokenize_workers >= 0, f"run.tokenize_workers must be >= 0, got {self.tokenize_workers}.")
-        check(self.writer_threads >= 1, f"run.writer_threads must be >= 1, got {self.writer_threads}.")
+        check(
+            self.samples_per_unit >= 1,
+            f"run.samples_per_unit must be >= 1, got {self.samples_per_unit}.",
+        )
+        check(
+            self.tokenize_workers >= 0,
+            f"run.tokenize_workers must be >= 0, got {self.tokenize_workers}.",
+        )
+        check(
+            self.writer_threads >= 1, f"run.writer_threads must be >= 1, got {self.writer_threads}."
+        )
         check(self.queue_depth >= 1, f"run.queue_depth must be >= 1, got {self.queue_depth}.")
         check_device(self.device, "run.device")
 
@@ -172,6 +208,8 @@ class PrecomputeConfig:
     run: RunSection = section(RunSection, "Work units, devices, writer pool, disk check.")
 
     def __post_init__(self) -> None:
-        check(self.batching.token_budget >= self.data.max_length,
-              f"batching.token_budget = {self.batching.token_budget} must be >= data.max_length = "
-              f"{self.data.max_length}, so the longest sequence fits one batch.")
+        check(
+            self.batching.token_budget >= self.data.max_length,
+            f"batching.token_budget = {self.batching.token_budget} must be >= data.max_length = "
+            f"{self.data.max_length}, so the longest sequence fits one batch.",
+        )

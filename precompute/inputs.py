@@ -135,8 +135,10 @@ class SkipLog:
         return sum(self.counts.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"counts": dict(sorted(self.counts.items())),
-                "examples": [list(e) for e in self.examples]}
+        return {
+            "counts": dict(sorted(self.counts.items())),
+            "examples": [list(e) for e in self.examples],
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], report_first: int = 5) -> "SkipLog":
@@ -159,14 +161,18 @@ def resolve_inputs(entries: list[str]) -> list[Source]:
     for entry in entries:
         matches = sorted(glob.glob(os.path.expanduser(entry), recursive=True))
         if not matches:
-            raise UserError(f"data.inputs entry '{entry}' matches no file; fix the path or the glob.")
+            raise UserError(
+                f"data.inputs entry '{entry}' matches no file; fix the path or the glob."
+            )
         for path in matches:
             for source in _sources_of(path):
                 if source.name not in seen:
                     seen.add(source.name)
                     sources.append(source)
     if not sources:
-        raise UserError("data.inputs names no input file; give JSONL files, globs or saved datasets.")
+        raise UserError(
+            "data.inputs names no input file; give JSONL files, globs or saved datasets."
+        )
     return sources
 
 
@@ -174,7 +180,9 @@ def _sources_of(path: str) -> list[Source]:
     if os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, m)) for m in _DATASET_MARKERS):
             return _dataset_sources(path)
-        files = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.jsonl.gz")))
+        files = sorted(
+            glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.jsonl.gz"))
+        )
         if not files:
             raise UserError(f"directory {path} holds neither a saved dataset nor *.jsonl files.")
         return [Source(f, "jsonl") for f in files]
@@ -200,7 +208,11 @@ def iter_raw_records(sources: list[Source], skips: SkipLog | None = None) -> Ite
     `unreadable_file` in `skips` and reading goes on with the next source."""
     index = 0
     for source in sources:
-        it = _iter_dataset(source) if source.kind == "dataset" else _iter_jsonl(source.path, source.label)
+        it = (
+            _iter_dataset(source)
+            if source.kind == "dataset"
+            else _iter_jsonl(source.path, source.label)
+        )
         try:
             for source_id, payload in it:
                 yield RawRecord(index, source_id, payload)
@@ -238,8 +250,10 @@ def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
     try:
         import datasets  # heavy import, only when a dataset is read
     except ImportError:
-        raise UserError(f"{source.path} is a saved `datasets` dataset but the datasets package is not "
-                        "installed; run `pip install 'dflash[hf-datasets]'`.") from None
+        raise UserError(
+            f"{source.path} is a saved `datasets` dataset but the datasets package is not "
+            "installed; run `pip install 'dflash[hf-datasets]'`."
+        ) from None
 
     ds = datasets.load_from_disk(source.path)  # memory-mapped Arrow: rows are read on access
     if source.split is not None:
@@ -251,7 +265,9 @@ def _iter_dataset(source: Source) -> Iterator[tuple[str, _DatasetRow]]:
 # ---------------------------------------------------------------------------------------- parsing
 
 
-def parse_record(raw: RawRecord, fmt: str = "auto", require_assistant: bool = True) -> Conversation | PreTokenized:
+def parse_record(
+    raw: RawRecord, fmt: str = "auto", require_assistant: bool = True
+) -> Conversation | PreTokenized:
     """One raw record -> a conversation or a pre-tokenized sequence; BadRecord if it is unusable.
     `require_assistant=False` accepts conversations without an assistant turn (prompts to answer)."""
     obj = record_object(raw)
@@ -266,11 +282,19 @@ def record_object(raw: RawRecord) -> dict:
     """The JSON object of a raw record (a JSONL line or a dataset row); BadRecord if it is none."""
     payload = raw.payload
     if isinstance(payload, TooLarge):
-        raise BadRecord("record_too_large", f"a line of {payload.nbytes:,} bytes (more than {MAX_RECORD_BYTES:,})")
-    obj = _load_json_line(payload) if isinstance(payload, bytes) else (
-        payload.load() if isinstance(payload, _DatasetRow) else payload)
+        raise BadRecord(
+            "record_too_large",
+            f"a line of {payload.nbytes:,} bytes (more than {MAX_RECORD_BYTES:,})",
+        )
+    obj = (
+        _load_json_line(payload)
+        if isinstance(payload, bytes)
+        else (payload.load() if isinstance(payload, _DatasetRow) else payload)
+    )
     if not isinstance(obj, dict):
-        raise BadRecord("not_an_object", f"a record must be a JSON object, got {type(obj).__name__}")
+        raise BadRecord(
+            "not_an_object", f"a record must be a JSON object, got {type(obj).__name__}"
+        )
     return obj
 
 
@@ -309,7 +333,9 @@ def _pre_tokenized(source_id: str, obj: dict) -> PreTokenized:
     if not (isinstance(mask, list) and all(type(m) in (int, bool) and m in (0, 1) for m in mask)):
         raise BadRecord("wrong_field_type", "'loss_mask' must be a list of 0/1")
     if len(ids) != len(mask):
-        raise BadRecord("wrong_field_type", f"'input_ids' has {len(ids)} tokens, 'loss_mask' {len(mask)}")
+        raise BadRecord(
+            "wrong_field_type", f"'input_ids' has {len(ids)} tokens, 'loss_mask' {len(mask)}"
+        )
     if not ids:
         raise BadRecord("empty_conversation", "'input_ids' is empty")
     return PreTokenized(source_id, ids, [int(m) for m in mask])

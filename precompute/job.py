@@ -51,18 +51,27 @@ from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_sort_wind
 from precompute.plan import Plan, check_disk, check_samples, make_plan, state_key, unit_shard_name
 from precompute.target import load_target, resolve_layer_ids
 from precompute.tokenizing import (
-    TOKENIZE_VERSION, TokenCache, UnitSummary, tokenize_units, tokenizer_identity,
+    TOKENIZE_VERSION,
+    TokenCache,
+    UnitSummary,
+    tokenize_units,
+    tokenizer_identity,
 )
 
 log = logging.getLogger("dflash")
 
+
 def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
     check_store_outputs(cfg)
-    full = (lambda why: f"the filesystem of {cfg.store.path} is full ({why}); free space and rerun the same "
-            "command: published shards are kept and the job resumes.")
-    with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks, \
-            contextlib.ExitStack() as stack:
+    full = lambda why: (
+        f"the filesystem of {cfg.store.path} is full ({why}); free space and rerun the same "
+        "command: published shards are kept and the job resumes."
+    )
+    with (
+        run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks,
+        contextlib.ExitStack() as stack,
+    ):
         hold = StoreHold(stack)
         ranks.from_main(lambda: hold.take(cfg, existing_only=True))
         return _run(cfg, ranks, hold)
@@ -82,11 +91,21 @@ class StoreHold:
         path = _store_path(cfg)
         # early, only a store (or one being made) is held: no lock file lands in a user's directory
         begun = (path / "zarr.json").is_file() or (path / LOCK_FILE).is_file()
-        if self.held or cfg.run.dry_run or (path.exists() and not path.is_dir()) or \
-                (existing_only and not begun):
+        if (
+            self.held
+            or cfg.run.dry_run
+            or (path.exists() and not path.is_dir())
+            or (existing_only and not begun)
+        ):
             return  # a dry run writes nothing; a file: create_or_open says so
-        self.stack.enter_context(hold_directory(path, "store", "wait for that dflash-precompute to end (or stop "
-                                                "it), then rerun this command: it resumes"))
+        self.stack.enter_context(
+            hold_directory(
+                path,
+                "store",
+                "wait for that dflash-precompute to end (or stop "
+                "it), then rerun this command: it resumes",
+            )
+        )
         self.held = True
 
 
@@ -97,10 +116,13 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
     sources = resolve_inputs(cfg.data.inputs)
     manifest, fresh_cache = ranks.from_main(
-        lambda: identity(cfg, store_path, sources, layer_ids, text_config.hidden_size))
+        lambda: identity(cfg, store_path, sources, layer_ids, text_config.hidden_size)
+    )
     check_store_place(store_path)  # a file or another directory: refused before any work
     if (store_path / "zarr.json").is_file():
-        StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
+        StoreWriter.create_or_open(
+            store_path, manifest
+        )  # refuses a store made otherwise, before any work
     try:
         plan, mine = make_job_plan(cfg, ranks, sources, manifest, text_config.vocab_size)
         if ranks.main:
@@ -123,8 +145,13 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
         mine.cache.remove_leftovers()  # of killed runs; no rank writes the cache any more
-        timings = {"plan": planned - started, "load_target": load_s, "staging_setup": stats.setup_s,
-                   "forward_write": done - planned - load_s - stats.setup_s, "total": done - started}
+        timings = {
+            "plan": planned - started,
+            "load_target": load_s,
+            "staging_setup": stats.setup_s,
+            "forward_write": done - planned - load_s - stats.setup_s,
+            "total": done - started,
+        }
         summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)
         writer.write_summary(summary)
         print(format_summary(summary, disk_bytes(store_path)), flush=True)
@@ -138,38 +165,51 @@ def check_store_outputs(cfg: PrecomputeConfig) -> None:
     fix = "pass --out a new directory or a dflash store, on a writable filesystem"
     check_writable(_store_path(cfg), "store.path", fix, beside=True)
     if cfg.run.cache_dir:
-        check_writable(cfg.run.cache_dir, "run.cache_dir",
-                       "pass a writable directory, or leave it unset")
+        check_writable(
+            cfg.run.cache_dir, "run.cache_dir", "pass a writable directory, or leave it unset"
+        )
 
 
-def identity(cfg: PrecomputeConfig, store_path: Path, sources: list[Source], layer_ids: list[int],
-             hidden_size: int) -> tuple[StoreManifest, Path | None]:
+def identity(
+    cfg: PrecomputeConfig,
+    store_path: Path,
+    sources: list[Source],
+    layer_ids: list[int],
+    hidden_size: int,
+) -> tuple[StoreManifest, Path | None]:
     """Rank 0: the store's manifest, and the top directory of the token cache this run will create
     (None when it exists), found before any rank can write the cache."""
     manifest = build_manifest(cfg, sources, layer_ids, hidden_size)
     manifest = adopt_stored_identity(store_path, manifest)
-    tokenizer = {"tokenizer": manifest.tokenizer,
-                 "chat_template_sha256": manifest.chat_template_sha256}
+    tokenizer = {
+        "tokenizer": manifest.tokenizer,
+        "chat_template_sha256": manifest.chat_template_sha256,
+    }
     return manifest, first_missing(TokenCache.for_config(cfg, sources, tokenizer).root)
 
 
 def _store_path(cfg: PrecomputeConfig) -> Path:
     if not cfg.store.path.strip():
-        raise UserError("store.path is not set; pass --out STORE (a new or an existing store directory).")
+        raise UserError(
+            "store.path is not set; pass --out STORE (a new or an existing store directory)."
+        )
     return Path(cfg.store.path)
 
 
 def _target_path(cfg: PrecomputeConfig) -> str:
     if not cfg.target.path.strip():
-        raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
+        raise UserError(
+            "target.path is not set; pass --target.path=DIR, a local checkpoint directory."
+        )
     return cfg.target.path
 
 
 # ---------------------------------------------------------------------------------------- manifest
 
 
-def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list[int],
-                   hidden_size: int) -> StoreManifest:
+def build_manifest(
+    cfg: PrecomputeConfig, sources: list[Source], layer_ids: list[int], hidden_size: int
+) -> StoreManifest:
     """The store's manifest: fingerprints and the settings that shape its content. Nothing in it
     depends on paths, the number of ranks or the clock, so every rank and every rerun agrees."""
     try:
@@ -179,11 +219,18 @@ def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list
     tokenizer = tokenizer_identity(cfg.target.path)
     inputs = list(dict.fromkeys(s.path for s in sources))  # a dataset's splits share one directory
     return StoreManifest(
-        target=target_fingerprint(cfg.target.path), tokenizer=tokenizer["tokenizer"],
-        chat_template_sha256=tokenizer["chat_template_sha256"], layer_ids=tuple(layer_ids),
-        hidden_size=hidden_size, dtype=cfg.store.dtype, codec=cfg.store.codec,
-        dataset=dataset_fingerprint(inputs), precompute=content_settings(cfg), final_state=cfg.store.final_state,
-        target_head=head_fingerprint(cfg.target.path))
+        target=target_fingerprint(cfg.target.path),
+        tokenizer=tokenizer["tokenizer"],
+        chat_template_sha256=tokenizer["chat_template_sha256"],
+        layer_ids=tuple(layer_ids),
+        hidden_size=hidden_size,
+        dtype=cfg.store.dtype,
+        codec=cfg.store.codec,
+        dataset=dataset_fingerprint(inputs),
+        precompute=content_settings(cfg),
+        final_state=cfg.store.final_state,
+        target_head=head_fingerprint(cfg.target.path),
+    )
 
 
 def adopt_stored_identity(store_path: Path, manifest: StoreManifest) -> StoreManifest:
@@ -211,10 +258,18 @@ def content_settings(cfg: PrecomputeConfig) -> dict[str, Any]:
     Left out: paths (they differ between machines), the device and thread counts, and the batching
     knobs, which decide speed and memory; batches are formed the same way on every run of a config,
     so a resume keeps them, and changing them between runs changes states at the rounding level."""
-    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("inputs", "report_first")}
-    return {"target": {"dtype": cfg.target.dtype, "attn_implementation": cfg.target.attn_implementation},
-            "data": data, "run": {"samples_per_unit": cfg.run.samples_per_unit},
-            "tokenize_version": TOKENIZE_VERSION}
+    data = {
+        k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("inputs", "report_first")
+    }
+    return {
+        "target": {
+            "dtype": cfg.target.dtype,
+            "attn_implementation": cfg.target.attn_implementation,
+        },
+        "data": data,
+        "run": {"samples_per_unit": cfg.run.samples_per_unit},
+        "tokenize_version": TOKENIZE_VERSION,
+    }
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -230,33 +285,58 @@ class RankUnits:
     cache: TokenCache
 
 
-def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
-                  manifest: StoreManifest, vocab_size: int) -> tuple[Plan, RankUnits]:
+def make_job_plan(
+    cfg: PrecomputeConfig,
+    ranks: Ranks,
+    sources: list[Source],
+    manifest: StoreManifest,
+    vocab_size: int,
+) -> tuple[Plan, RankUnits]:
     """Tokenize this rank's units (once: the token cache), find the published ones, and gather the
     plan of the whole job from every rank. `vocab_size`: the target's embedding rows."""
-    cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
-                                                 "chat_template_sha256": manifest.chat_template_sha256})
+    cache = TokenCache.for_config(
+        cfg,
+        sources,
+        {"tokenizer": manifest.tokenizer, "chat_template_sha256": manifest.chat_template_sha256},
+    )
     reader_skips = SkipLog(cfg.data.report_first)
-    summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips,
-                                        write_cache=not cfg.run.dry_run,  # a dry run writes nothing
-                                        vocab_size=vocab_size)
+    summaries, records = tokenize_units(
+        cfg,
+        sources,
+        cache,
+        ranks.rank,
+        ranks.world,
+        reader_skips,
+        write_cache=not cfg.run.dry_run,  # a dry run writes nothing
+        vocab_size=vocab_size,
+    )
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
     # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
     # keeps its shards; names derive from content and state settings, so a name found is this run's shard
     published = set(published_shard_names(cfg.store.path))
     committed = {u for u, name in names.items() if name in published}
-    gathered = ranks.gather((summaries, committed, reader_skips.to_dict(), other_copies(names, published)))
-    refuse_other_copies(cfg.store.path, [c for part in gathered for c in part[3]])  # every rank, the same sentence
+    gathered = ranks.gather(
+        (summaries, committed, reader_skips.to_dict(), other_copies(names, published))
+    )
+    refuse_other_copies(
+        cfg.store.path, [c for part in gathered for c in part[3]]
+    )  # every rank, the same sentence
     everyone = [s for part, _, _, _ in gathered for s in part]
-    plan = make_plan(everyone, records,
-                     samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
-                     layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
-                     committed=set().union(*(c for _, c, _, _ in gathered)), report_first=cfg.data.report_first,
-                     reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first),  # read by every rank
-                     final_state=manifest.final_state,
-                     shards=[unit_shard_name(s.index, s.digest, state)
-                             for s in everyone if s.samples])
+    plan = make_plan(
+        everyone,
+        records,
+        samples_per_unit=cfg.run.samples_per_unit,
+        hidden_size=manifest.hidden_size,
+        layer_ids=list(manifest.layer_ids),
+        store_dtype=manifest.dtype,
+        store_path=cfg.store.path,
+        committed=set().union(*(c for _, c, _, _ in gathered)),
+        report_first=cfg.data.report_first,
+        reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first),  # read by every rank
+        final_state=manifest.final_state,
+        shards=[unit_shard_name(s.index, s.digest, state) for s in everyone if s.samples],
+    )
     return plan, RankUnits(summaries, names, committed, cache)
 
 
@@ -264,17 +344,22 @@ def other_copies(names: dict[int, str], published: set[str]) -> list[tuple[int, 
     """(unit, published name, this run's name) of each of this rank's units published under another
     name: a shard made from other records (other data, or by a version whose sample ids carried
     paths). Writing this run's shard beside it would leave the unit twice, and training reads both."""
-    return [(unit, name, names[unit]) for name in sorted(published)
-            if (unit := shard_unit(name)) in names and names[unit] != name]
+    return [
+        (unit, name, names[unit])
+        for name in sorted(published)
+        if (unit := shard_unit(name)) in names and names[unit] != name
+    ]
 
 
 def refuse_other_copies(store: str, copies: list[tuple[int, str, str]]) -> None:
     if copies:
         unit, old, new = min(copies)
         more = f" (and {len(copies) - 1} more units)" if len(copies) > 1 else ""
-        raise UserError(f"store {store} already holds work unit {unit} as shard {old}{more}, and this run would write "
-                        f"it as {new} from other records; precompute into a new store, or remove the shards this "
-                        f"run's inputs did not make.")
+        raise UserError(
+            f"store {store} already holds work unit {unit} as shard {old}{more}, and this run would write "
+            f"it as {new} from other records; precompute into a new store, or remove the shards this "
+            f"run's inputs did not make."
+        )
 
 
 # ---------------------------------------------------------------------------------------- compute
@@ -292,38 +377,77 @@ def my_sort_windows(units: RankUnits, units_per_sort_window: int) -> list[list[i
 def _load_sort_windows(units: RankUnits, sort_windows: list[list[int]]) -> Iterator[list[UnitWork]]:
     """Each sort window's units from the token cache, loaded when the sort window comes up."""
     for sort_window in sort_windows:
-        yield [UnitWork(units.cache.load(u), None if u in units.committed else units.names.get(u))
-               for u in sort_window]
+        yield [
+            UnitWork(units.cache.load(u), None if u in units.committed else units.names.get(u))
+            for u in sort_window
+        ]
 
 
-def _compute(cfg: PrecomputeConfig, ranks: Ranks, text_config: Any, layer_ids: list[int],
-             writer: StoreWriter, units: RankUnits) -> tuple[PipelineStats, float]:
+def _compute(
+    cfg: PrecomputeConfig,
+    ranks: Ranks,
+    text_config: Any,
+    layer_ids: list[int],
+    writer: StoreWriter,
+    units: RankUnits,
+) -> tuple[PipelineStats, float]:
     """Load the target and run this rank's sort windows -> (statistics, seconds spent loading)."""
     sort_windows = my_sort_windows(units, cfg.batching.sort_window_units)
     samples = {s.index: s.samples for s in units.summaries}
     total = sum(samples[u] for w in sort_windows for u in w)
-    log.info("%d sort windows of %d work units to compute (%d samples); %d units of this rank "
-             "already in the store", len(sort_windows), sum(len(w) for w in sort_windows), total,
-             len(units.committed))
+    log.info(
+        "%d sort windows of %d work units to compute (%d samples); %d units of this rank "
+        "already in the store",
+        len(sort_windows),
+        sum(len(w) for w in sort_windows),
+        total,
+        len(units.committed),
+    )
     if not sort_windows:
         return PipelineStats(), 0.0  # nothing left here: the target is not even loaded
     started = time.perf_counter()
-    target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
-                         attn_implementation=cfg.target.attn_implementation, device=ranks.device,
-                         final_state=cfg.store.final_state, compile=cfg.target.compile,
-                         text_config=text_config)
+    target = load_target(
+        cfg.target.path,
+        layer_ids,
+        dtype=cfg.target.dtype,
+        attn_implementation=cfg.target.attn_implementation,
+        device=ranks.device,
+        final_state=cfg.store.final_state,
+        compile=cfg.target.compile,
+        text_config=text_config,
+    )
     load_s = time.perf_counter() - started
-    with _cpu_core_for_writers(ranks.device), \
-            Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,
-                           writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
-            RateBar(total, unit="sample", desc=ranks.label("precompute"),
-                    enabled=cfg.run.progress and ranks.main,
-                    note=lambda: f"{human_bytes(pipe.stats.bytes_written)} written") as bar:
-        run_sort_windows(target, _load_sort_windows(units, sort_windows), pipe,
-                         cfg.batching.token_budget, bar.update)
-    log.info("%d shards written from %s tokens in %d batches; waited %.1f s for the disk",
-             pipe.stats.units_written, f"{pipe.stats.tokens:,}", pipe.stats.batches,
-             pipe.stats.wait_s)
+    with (
+        _cpu_core_for_writers(ranks.device),
+        Pipeline.start(
+            writer,
+            device=ranks.device,
+            capacity_tokens=cfg.batching.token_budget,
+            writer_threads=cfg.run.writer_threads,
+            queue_depth=cfg.run.queue_depth,
+        ) as pipe,
+        RateBar(
+            total,
+            unit="sample",
+            desc=ranks.label("precompute"),
+            enabled=cfg.run.progress and ranks.main,
+            note=lambda: f"{human_bytes(pipe.stats.bytes_written)} written",
+        ) as bar,
+    ):
+        run_sort_windows(
+            target,
+            _load_sort_windows(units, sort_windows),
+            pipe,
+            cfg.batching.token_budget,
+            bar.update,
+        )
+    log.info(
+        "%d shards written from %s tokens in %d batches; waited %.1f s for the disk",
+        pipe.stats.units_written,
+        f"{pipe.stats.tokens:,}",
+        pipe.stats.batches,
+        pipe.stats.wait_s,
+    )
     return pipe.stats, load_s
 
 
@@ -345,28 +469,48 @@ def _cpu_core_for_writers(device: torch.device) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------- summary
 
 
-def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, float],
-                 previous: dict[str, Any] | None, world: int) -> dict[str, Any]:
+def make_summary(
+    plan: Plan,
+    stats: list[PipelineStats],
+    timings: dict[str, float],
+    previous: dict[str, Any] | None,
+    world: int,
+) -> dict[str, Any]:
     """The store's summary: totals of the whole input (from the plan) and one entry per run (a
     resumed store keeps the entries of the runs before)."""
     total = lambda field: sum(getattr(s, field) for s in stats)  # noqa: E731
     this_run = {
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "world_size": world, "units_written": total("units_written"),
+        "world_size": world,
+        "units_written": total("units_written"),
         "units_already_in_store": plan.committed_units,
-        "units_published_elsewhere": total("units_published_elsewhere"), "bytes_written": total("bytes_written"),
-        "batches": total("batches"), "tokens_forwarded": total("tokens"), "padded_tokens": total("padded_tokens"),
+        "units_published_elsewhere": total("units_published_elsewhere"),
+        "bytes_written": total("bytes_written"),
+        "batches": total("batches"),
+        "tokens_forwarded": total("tokens"),
+        "padded_tokens": total("padded_tokens"),
         "seconds": {k: round(v, 3) for k, v in timings.items()},
         "tokens_per_s": round(total("tokens") / max(1e-9, timings["forward_write"]), 1),
         "disk_wait_s_max_rank": round(max(s.wait_s for s in stats), 3),
-        "gpu_busy_s": round(total("gpu_busy_s"), 3), "gpu_idle_s_max_rank": round(max(s.gpu_idle_s for s in stats), 3),
-        "write_s": round(total("write_s"), 3), "max_units_in_memory": max(s.max_units_in_memory for s in stats),
+        "gpu_busy_s": round(total("gpu_busy_s"), 3),
+        "gpu_idle_s_max_rank": round(max(s.gpu_idle_s for s in stats), 3),
+        "write_s": round(total("write_s"), 3),
+        "max_units_in_memory": max(s.max_units_in_memory for s in stats),
     }
     runs = list((previous or {}).get("runs", [])) + [this_run]
-    return {"records": plan.records, "units": plan.units, "samples": plan.samples, "tokens": plan.tokens,
-            "response_tokens": plan.response_tokens, "truncated": plan.truncated, "skips": plan.skips.to_dict(),
-            "empty_units": plan.empty_units, "shards": list(plan.shards),
-            "bytes_projected": plan.bytes_total, "runs": runs}
+    return {
+        "records": plan.records,
+        "units": plan.units,
+        "samples": plan.samples,
+        "tokens": plan.tokens,
+        "response_tokens": plan.response_tokens,
+        "truncated": plan.truncated,
+        "skips": plan.skips.to_dict(),
+        "empty_units": plan.empty_units,
+        "shards": list(plan.shards),
+        "bytes_projected": plan.bytes_total,
+        "runs": runs,
+    }
 
 
 def _elsewhere(run: dict[str, Any]) -> str:
@@ -380,27 +524,34 @@ def format_summary(summary: dict[str, Any], disk: int | None = None) -> str:
     run = summary["runs"][-1]
     skips = ", ".join(f"{k} {v:,}" for k, v in summary["skips"]["counts"].items()) or "none"
     s = run["seconds"]
-    return "\n".join([
-        f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in {summary['units']:,} work units "
-        f"({len(summary['empty_units']):,} without a sequence)",
-        f"  skipped records: {skips}; truncated {summary['truncated']:,}",
-        f"  this run: {run['units_written']:,} shards written, "
-        f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
-        f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s "
-        f"on {run['world_size']} rank(s)",
-        f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
-        f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
-        f"{run['disk_wait_s_max_rank']:.1f} s" + _gpu_idle(run),
-    ] + ([] if disk is None else [_store_line(summary, disk)]))
+    return "\n".join(
+        [
+            f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in {summary['units']:,} work units "
+            f"({len(summary['empty_units']):,} without a sequence)",
+            f"  skipped records: {skips}; truncated {summary['truncated']:,}",
+            f"  this run: {run['units_written']:,} shards written, "
+            f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
+            f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s "
+            f"on {run['world_size']} rank(s)",
+            f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
+            f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
+            f"{run['disk_wait_s_max_rank']:.1f} s" + _gpu_idle(run),
+        ]
+        + ([] if disk is None else [_store_line(summary, disk)])
+    )
 
 
 def _store_line(summary: dict[str, Any], disk: int) -> str:
-    return (f"  store: {len(summary['shards']):,} shards, {human_bytes(disk)} on disk ({disk:,} B, "
-            "as dflash-store info counts it)")
+    return (
+        f"  store: {len(summary['shards']):,} shards, {human_bytes(disk)} on disk ({disk:,} B, "
+        "as dflash-store info counts it)"
+    )
 
 
 def _gpu_idle(run: dict[str, Any]) -> str:
     if not run.get("gpu_busy_s"):
         return ""  # a CPU run (or a store summarised before the GPU clock existed)
-    return (f"; the GPU computed {run['gpu_busy_s']:.1f} s and stood idle {run['gpu_idle_s_max_rank']:.1f} s "
-            f"between batches (for the host, or for the disk when the forward waited for it)")
+    return (
+        f"; the GPU computed {run['gpu_busy_s']:.1f} s and stood idle {run['gpu_idle_s_max_rank']:.1f} s "
+        f"between batches (for the host, or for the disk when the forward waited for it)"
+    )

@@ -59,7 +59,12 @@ from dflash_common.errors import UserError
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import SHARDS_DIR, NonFiniteStatesError, ShardPayload, StoreWriter
 from dflash_common.store.quant import (
-    EncodedStates, encode_states, has_scale, row_size, storage_numpy_dtype, storage_torch_dtype,
+    EncodedStates,
+    encode_states,
+    has_scale,
+    row_size,
+    storage_numpy_dtype,
+    storage_torch_dtype,
 )
 from precompute.batching import pad_right, plan_batches
 from precompute.target import FINAL
@@ -98,10 +103,16 @@ class PipelineStats:
     units_published_elsewhere: int = 0  # computed, but another job published the same unit first
     bytes_written: int = 0  # on disk, published shards of this run
     setup_s: float = 0.0  # allocating (and pinning) the staging buffers, starting the threads
-    wait_s: float = 0.0  # main thread blocked on a free staging buffer: the disk was behind (the GPU waits
+    wait_s: float = (
+        0.0  # main thread blocked on a free staging buffer: the disk was behind (the GPU waits
+    )
     # once such a wait outlasts the batch launched before it)
-    gpu_busy_s: float = 0.0  # GPU time from each batch's forward to its states encoded (CUDA events; 0 on a CPU)
-    gpu_idle_s: float = 0.0  # GPU time between batches: the GPU waited for the host (launches, syncs, Python)
+    gpu_busy_s: float = (
+        0.0  # GPU time from each batch's forward to its states encoded (CUDA events; 0 on a CPU)
+    )
+    gpu_idle_s: float = (
+        0.0  # GPU time between batches: the GPU waited for the host (launches, syncs, Python)
+    )
     # or, when wait_s is not 0, for the disk
     write_s: float = 0.0  # writer-thread time in write_shard, summed over threads
     max_units_in_memory: int = 0
@@ -135,8 +146,13 @@ class _Piece:
 class _Assembly:
     """A unit's shard being put together in host memory from the batches its sequences ran in."""
 
-    def __init__(self, work: UnitWork, layers: dict[int, np.ndarray], scales: dict[int, np.ndarray] | None,
-                 dtype: str):
+    def __init__(
+        self,
+        work: UnitWork,
+        layers: dict[int, np.ndarray],
+        scales: dict[int, np.ndarray] | None,
+        dtype: str,
+    ):
         self.work = work
         self.layers = layers  # layer id (or FINAL: the final normed state) -> [T, row] stored bits
         self.scales = scales  # layer id -> float32 [T] (scaled dtypes only)
@@ -148,23 +164,32 @@ class _Assembly:
         offsets = self.work.unit.offsets
         a, b = int(offsets[sample]), int(offsets[sample + 1])
         for k, layer_id in enumerate(layer_ids):
-            np.copyto(self.layers[layer_id][a:b], staging.data[k][at: at + b - a])
+            np.copyto(self.layers[layer_id][a:b], staging.data[k][at : at + b - a])
             if self.scales is not None:
-                np.copyto(self.scales[layer_id][a:b], staging.scales[k][at: at + b - a])
+                np.copyto(self.scales[layer_id][a:b], staging.scales[k][at : at + b - a])
         self.missing -= 1
         return self.missing == 0
 
     def payload(self) -> ShardPayload:
         u = self.work.unit
-        layers = {i: EncodedStates(self.dtype, data, None if self.scales is None else self.scales[i])
-                  for i, data in self.layers.items()}
+        layers = {
+            i: EncodedStates(self.dtype, data, None if self.scales is None else self.scales[i])
+            for i, data in self.layers.items()
+        }
         final = layers.pop(FINAL, None)
-        return ShardPayload(input_ids=u.input_ids, loss_mask=u.loss_mask, offsets=u.offsets,
-                            sample_ids=u.sample_ids, layers=layers, final=final)
+        return ShardPayload(
+            input_ids=u.input_ids,
+            loss_mask=u.loss_mask,
+            offsets=u.offsets,
+            sample_ids=u.sample_ids,
+            layers=layers,
+            final=final,
+        )
 
 
-def sort_window_batches(units: Sequence[TokenizedUnit],
-                        token_budget: int) -> list[list[tuple[int, int]]]:
+def sort_window_batches(
+    units: Sequence[TokenizedUnit], token_budget: int
+) -> list[list[tuple[int, int]]]:
     """A sort window's batches as (unit position in the sort window, sample) pairs
     (precompute/batching.py: sorted by length, longest first, within the token budget). Depends on
     the sort window's content only."""
@@ -187,20 +212,29 @@ class _Encoded:
 class Pipeline:
     """Staging buffers, the collector thread, the write queue and the writer threads of one rank.
 
-        with Pipeline.start(writer, ...) as pipe:
-            assembly = pipe.assembly(work)           # host buffers of a unit to write
-            pipe.submit(states, pieces)              # after each forward
-        stats = pipe.stats                           # after the with block: all shards written
+    with Pipeline.start(writer, ...) as pipe:
+        assembly = pipe.assembly(work)           # host buffers of a unit to write
+        pipe.submit(states, pieces)              # after each forward
+    stats = pipe.stats                           # after the with block: all shards written
     """
 
     # False: each batch's copy is queued as soon as it is encoded, before the next forward; kept so
     # that `benchmarks/precompute.py --copy-order` can time both orders
     copy_after_next_forward = True
 
-    def __init__(self, writer: StoreWriter, layer_ids: list[int], device: torch.device, staging: list[_Staging],
-                 writer_threads: int, queue_depth: int):
+    def __init__(
+        self,
+        writer: StoreWriter,
+        layer_ids: list[int],
+        device: torch.device,
+        staging: list[_Staging],
+        writer_threads: int,
+        queue_depth: int,
+    ):
         self.writer = writer
-        self.layer_ids = layer_ids  # the manifest's order (ascending), then FINAL when the store keeps it
+        self.layer_ids = (
+            layer_ids  # the manifest's order (ascending), then FINAL when the store keeps it
+        )
         self.dtype = writer.manifest.dtype
         self.hidden = writer.manifest.hidden_size
         self.device = device
@@ -220,21 +254,38 @@ class Pipeline:
         self._pending: _Encoded | None = None  # the last batch submitted, its copy not yet queued
 
     @classmethod
-    def start(cls, writer: StoreWriter, *, device: torch.device, capacity_tokens: int, writer_threads: int,
-              queue_depth: int) -> Pipeline:
+    def start(
+        cls,
+        writer: StoreWriter,
+        *,
+        device: torch.device,
+        capacity_tokens: int,
+        writer_threads: int,
+        queue_depth: int,
+    ) -> Pipeline:
         """Allocate (and on a GPU pin) the staging buffers once, start the threads."""
         started, m = time.perf_counter(), writer.manifest
         pin = device.type == "cuda"
         keys = [*m.layer_ids, *([FINAL] if m.final_state else [])]  # what a batch's states hold
-        with ThreadPoolExecutor(STAGING_BUFFERS) as pool:  # pinning faults every page in: in parallel
-            staging = list(pool.map(lambda _: _allocate_staging(len(keys), m.hidden_size, m.dtype,
-                                                                capacity_tokens, pin, device), range(STAGING_BUFFERS)))
+        with ThreadPoolExecutor(
+            STAGING_BUFFERS
+        ) as pool:  # pinning faults every page in: in parallel
+            staging = list(
+                pool.map(
+                    lambda _: _allocate_staging(
+                        len(keys), m.hidden_size, m.dtype, capacity_tokens, pin, device
+                    ),
+                    range(STAGING_BUFFERS),
+                )
+            )
         pipe = cls(writer, keys, device, staging, writer_threads, queue_depth)
         for s in staging:
             pipe.free.put(s)
         pipe._threads = [threading.Thread(target=pipe._collect, name="dflash-collect", daemon=True)]
-        pipe._threads += [threading.Thread(target=pipe._write, name=f"dflash-write-{i}", daemon=True)
-                          for i in range(writer_threads)]
+        pipe._threads += [
+            threading.Thread(target=pipe._write, name=f"dflash-write-{i}", daemon=True)
+            for i in range(writer_threads)
+        ]
         for t in pipe._threads:
             t.start()
         pipe.stats.setup_s = time.perf_counter() - started
@@ -251,15 +302,23 @@ class Pipeline:
     def assembly(self, work: UnitWork) -> _Assembly:
         """Host buffers for a unit to write (pages are touched only when states land in them)."""
         t, np_dtype = work.unit.num_tokens, storage_numpy_dtype(self.dtype)
-        layers = {i: np.empty((t, row_size(self.dtype, self.hidden)), np_dtype) for i in self.layer_ids}
-        scales = {i: np.empty(t, np.float32) for i in self.layer_ids} if has_scale(self.dtype) else None
+        layers = {
+            i: np.empty((t, row_size(self.dtype, self.hidden)), np_dtype) for i in self.layer_ids
+        }
+        scales = (
+            {i: np.empty(t, np.float32) for i in self.layer_ids} if has_scale(self.dtype) else None
+        )
         with self._lock:
             self._in_memory += 1
             self.stats.max_units_in_memory = max(self.stats.max_units_in_memory, self._in_memory)
         return _Assembly(work, layers, scales, self.dtype)
 
-    def submit(self, states: dict[int, torch.Tensor], pieces: list[_Piece],
-               on_encoded: Callable[[], None] = lambda: None) -> None:
+    def submit(
+        self,
+        states: dict[int, torch.Tensor],
+        pieces: list[_Piece],
+        on_encoded: Callable[[], None] = lambda: None,
+    ) -> None:
         """Hand over one batch: states {layer id (and FINAL): [B, S, H]} and the sequences to keep,
         right after its forward was launched. Queues the copy of the batch before (see the module
         docstring), then encodes this one; its copy waits for the next submit or close. Blocks only
@@ -275,7 +334,9 @@ class Pipeline:
             placed.append(dataclasses.replace(p, at=at))
             at += p.length
         if at > self.capacity:  # the config keeps token_budget >= max_length, so never
-            raise ValueError(f"a batch keeps {at} tokens, more than the staging buffers' {self.capacity}")
+            raise ValueError(
+                f"a batch keeps {at} tokens, more than the staging buffers' {self.capacity}"
+            )
         self._pending = _Encoded(self._encode(states, placed), placed, at, _recorded(self.device))
         on_encoded()
         if not self.copy_after_next_forward:
@@ -301,8 +362,12 @@ class Pipeline:
         seq_len = first.shape[1]
         rows = np.concatenate([p.row * seq_len + np.arange(p.length) for p in pieces])
         index = to_device(torch.from_numpy(rows), first.device)  # [T] positions in [B*S]
-        return [encode_states(states[i].reshape(-1, self.hidden).index_select(0, index), self.dtype)  # [T, H]
-                for i in self.layer_ids]
+        return [
+            encode_states(
+                states[i].reshape(-1, self.hidden).index_select(0, index), self.dtype
+            )  # [T, H]
+            for i in self.layer_ids
+        ]
 
     def _copy_out(self, batch: _Encoded, staging: _Staging) -> None:
         """Copy a batch's encoded states into `staging` (on a GPU: on the copy stream, once they are
@@ -310,7 +375,9 @@ class Pipeline:
         if self.copy_stream is None:
             self._copy_all(batch.states, staging, batch.tokens)
             return
-        self.copy_stream.wait_event(batch.ready)  # not wait_stream: the next forward is queued since
+        self.copy_stream.wait_event(
+            batch.ready
+        )  # not wait_stream: the next forward is queued since
         with torch.cuda.stream(self.copy_stream):
             self._copy_all(batch.states, staging, batch.tokens)
             staging.event.record(self.copy_stream)
@@ -363,7 +430,9 @@ class Pipeline:
 
     def _collect(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # per thread: else CUDA calls here open a context on GPU 0
+            torch.cuda.set_device(
+                self.device
+            )  # per thread: else CUDA calls here open a context on GPU 0
         while (item := self.collect_q.get()) is not None:
             staging, pieces = item
             try:
@@ -378,7 +447,9 @@ class Pipeline:
 
     def _place(self, staging: _Staging, pieces: list[_Piece]) -> None:
         for p in pieces:
-            if p.assembly.place(p.sample, staging, p.at, self.layer_ids) and not self._put(self.write_q, p.assembly):
+            if p.assembly.place(p.sample, staging, p.at, self.layer_ids) and not self._put(
+                self.write_q, p.assembly
+            ):
                 return
 
     def _write(self) -> None:
@@ -440,15 +511,21 @@ def _put_nowait(q: queue.Queue) -> bool:
 def _as_user_error(error: BaseException, shard: str | None) -> BaseException:
     """Errors a user acts on get the sentence that says what happens next (`shard`: the one being
     written when the error came, if any)."""
-    resume = "shards published so far are kept, and rerunning the same command resumes after the fix."
+    resume = (
+        "shards published so far are kept, and rerunning the same command resumes after the fix."
+    )
     if isinstance(error, NonFiniteStatesError):
         return NonFiniteStatesError(f"{error} The run stopped; {resume}", error.sample_id)
     if isinstance(error, UserError):
         return UserError(f"{error} The run stopped; {resume}")
-    if is_disk_full(error):  # the failed shard's staging dir is already removed (StoreWriter.write_shard)
+    if is_disk_full(
+        error
+    ):  # the failed shard's staging dir is already removed (StoreWriter.write_shard)
         where = f" while writing shard {shard}" if shard else ""
-        return UserError(f"the store's filesystem is full{where} ({os_reason(error)}); free space (or choose "
-                         f"store.dtype = 'fp8_e4m3'); nothing of that shard is visible, {resume}")
+        return UserError(
+            f"the store's filesystem is full{where} ({os_reason(error)}); free space (or choose "
+            f"store.dtype = 'fp8_e4m3'); nothing of that shard is visible, {resume}"
+        )
     return error
 
 
@@ -459,8 +536,9 @@ def _tree_bytes(path: os.PathLike) -> int:
     return total
 
 
-def _allocate_staging(layers: int, hidden: int, dtype: str, capacity: int, pin: bool,
-                      device: torch.device) -> _Staging:
+def _allocate_staging(
+    layers: int, hidden: int, dtype: str, capacity: int, pin: bool, device: torch.device
+) -> _Staging:
     """One page-aligned host buffer: per layer [capacity, row] stored bits (+ float32 [capacity] scales)."""
     item, row = storage_numpy_dtype(dtype), row_size(dtype, hidden)
     scaled = has_scale(dtype)
@@ -469,19 +547,32 @@ def _allocate_staging(layers: int, hidden: int, dtype: str, capacity: int, pin: 
     total = layers * (region + scale_region)
     backing = torch.empty(total + _PAGE, dtype=torch.uint8)
     start = -backing.data_ptr() % _PAGE  # malloc aligns to 64 bytes, registration pins whole pages
-    raw = backing[start: start + total]
+    raw = backing[start : start + total]
     data_t, scales_t = [], []
     for k in range(layers):
         base = k * (region + scale_region)
-        data_t.append(raw[base: base + capacity * row * item.itemsize].view(storage_torch_dtype(dtype))
-                      .view(capacity, row))
+        data_t.append(
+            raw[base : base + capacity * row * item.itemsize]
+            .view(storage_torch_dtype(dtype))
+            .view(capacity, row)
+        )
         if scaled:
-            scales_t.append(raw[base + region: base + region + capacity * 4].view(torch.float32))
-    staging = _Staging(raw, [t.numpy() for t in data_t], data_t, [t.numpy() for t in scales_t] if scaled else None,
-                       scales_t if scaled else None, _event(device))
+            scales_t.append(raw[base + region : base + region + capacity * 4].view(torch.float32))
+    staging = _Staging(
+        raw,
+        [t.numpy() for t in data_t],
+        data_t,
+        [t.numpy() for t in scales_t] if scaled else None,
+        scales_t if scaled else None,
+        _event(device),
+    )
     if pin:
         torch.cuda.set_device(device)  # this is a pool thread: its CUDA calls go to GPU 0 otherwise
-        err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), total, _CUDA_HOST_REGISTER_PORTABLE))
+        err = int(
+            torch.cuda.cudart().cudaHostRegister(
+                raw.data_ptr(), total, _CUDA_HOST_REGISTER_PORTABLE
+            )
+        )
         if err != 0:
             raise RuntimeError(f"pinning a {total}-byte staging buffer failed (cudaError {err})")
         staging.pinned = True
@@ -531,7 +622,9 @@ class GpuClock:
     synchronisation; nothing on a CPU."""
 
     def __init__(self, device: torch.device):
-        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = [] if device.type == "cuda" else None
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = (
+            [] if device.type == "cuda" else None
+        )
         self._start: torch.cuda.Event | None = None
 
     def start(self) -> None:
@@ -556,24 +649,37 @@ class GpuClock:
         stats.gpu_idle_s += max(0.0, span - busy)
 
 
-def run_sort_windows(target, sort_windows: Iterable[list[UnitWork]], pipe: Pipeline,
-                     token_budget: int,
-                     on_batch: Callable[[int, int], None] = lambda sequences, tokens: None) -> None:
+def run_sort_windows(
+    target,
+    sort_windows: Iterable[list[UnitWork]],
+    pipe: Pipeline,
+    token_budget: int,
+    on_batch: Callable[[int, int], None] = lambda sequences, tokens: None,
+) -> None:
     """Forward every sort window's batches through `target` (a CapturedTarget) into `pipe`. Units
     with a name are assembled and written; the others only run (so the batches match a full run)."""
     device, clock = target.device, GpuClock(target.device)
     with torch.inference_mode():
         for sort_window in sort_windows:
             units = [w.unit for w in sort_window]
-            assemblies = {u: pipe.assembly(w) for u, w in enumerate(sort_window)
-                          if w.name is not None}
+            assemblies = {
+                u: pipe.assembly(w) for u, w in enumerate(sort_window) if w.name is not None
+            }
             for batch in sort_window_batches(units, token_budget):
-                seqs = [units[u].input_ids[units[u].offsets[n]: units[u].offsets[n + 1]] for u, n in batch]
+                seqs = [
+                    units[u].input_ids[units[u].offsets[n] : units[u].offsets[n + 1]]
+                    for u, n in batch
+                ]
                 ids = to_device(pad_right(seqs, pad_id=0), device)  # [B, S]; pads are never kept
-                pieces = [_Piece(assemblies[u], n, row, len(seqs[row]))
-                          for row, (u, n) in enumerate(batch) if u in assemblies]
+                pieces = [
+                    _Piece(assemblies[u], n, row, len(seqs[row]))
+                    for row, (u, n) in enumerate(batch)
+                    if u in assemblies
+                ]
                 clock.start()
-                pipe.submit(_forward(target, ids, token_budget), pieces, clock.stop)  # the states live no longer
+                pipe.submit(
+                    _forward(target, ids, token_budget), pieces, clock.stop
+                )  # the states live no longer
                 _count(pipe.stats, seqs, ids)
                 on_batch(len(seqs), sum(len(s) for s in seqs))
     clock.add_to(pipe.stats)
@@ -583,8 +689,10 @@ def _forward(target, ids: torch.Tensor, token_budget: int) -> dict[int | str, to
     try:
         return dict(zip(target.state_keys, target.forward(ids)))
     except torch.OutOfMemoryError as e:
-        raise UserError(f"the target's forward ran out of GPU memory on a batch of {ids.shape[0]} x {ids.shape[1]} "
-                        f"tokens; lower batching.token_budget (now {token_budget}).") from e
+        raise UserError(
+            f"the target's forward ran out of GPU memory on a batch of {ids.shape[0]} x {ids.shape[1]} "
+            f"tokens; lower batching.token_budget (now {token_budget})."
+        ) from e
 
 
 def _count(stats: PipelineStats, seqs: list[np.ndarray], ids: torch.Tensor) -> None:

@@ -49,8 +49,13 @@ _OFFSET_BYTES = 8  # int64 offset per sample
 def state_key(target: Any, layer_ids: list[int], cfg: PrecomputeConfig) -> str:
     """Hash of every setting that changes the stored states of a given token sequence; `target` is
     the target's fingerprint (the manifest's `target`)."""
-    key = {"target": target, "layer_ids": sorted(layer_ids), "dtype": cfg.target.dtype,
-           "attn_implementation": cfg.target.attn_implementation, "store_dtype": cfg.store.dtype}
+    key = {
+        "target": target,
+        "layer_ids": sorted(layer_ids),
+        "dtype": cfg.target.dtype,
+        "attn_implementation": cfg.target.attn_implementation,
+        "store_dtype": cfg.store.dtype,
+    }
     # only when set, so a store without final states names its shards as if the option did not exist
     if cfg.store.final_state:
         key["final_state"] = True
@@ -119,7 +124,11 @@ class Plan:
             f"  arrays before compression: {human_bytes(self.bytes_total)}, still to write "
             f"{human_bytes(self.bytes_to_write)} (on disk add shard indexes, checksums and metadata)",
             f"  free space at {self.store_path}: {human_bytes(self.free_bytes)} -> "
-            + ("enough" if self.fits else f"NOT enough (need {human_bytes(int(self.bytes_to_write * DISK_MARGIN))})"),
+            + (
+                "enough"
+                if self.fits
+                else f"NOT enough (need {human_bytes(int(self.bytes_to_write * DISK_MARGIN))})"
+            ),
         ]
         for source_id, reason, detail in self.skips.examples:
             lines.append(f"  e.g. skipped {source_id}: {reason} ({detail})")
@@ -131,10 +140,21 @@ class Plan:
         return out
 
 
-def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: int, hidden_size: int,
-              layer_ids: list[int], store_dtype: str, store_path: str, committed: Collection[int] = (),
-              report_first: int = 5, reader_skips: SkipLog | None = None, final_state: bool = False,
-              shards: Collection[str] = ()) -> Plan:
+def make_plan(
+    summaries: list[UnitSummary],
+    records: int,
+    *,
+    samples_per_unit: int,
+    hidden_size: int,
+    layer_ids: list[int],
+    store_dtype: str,
+    store_path: str,
+    committed: Collection[int] = (),
+    report_first: int = 5,
+    reader_skips: SkipLog | None = None,
+    final_state: bool = False,
+    shards: Collection[str] = (),
+) -> Plan:
     """The plan from the unit summaries of all ranks; `committed` holds units the store already has,
     `reader_skips` the files that could not be read to their end (tokenize_units), `shards` the
     names of all units' shards."""
@@ -146,15 +166,24 @@ def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: i
         skips.merge(reader_skips)
     size = {s.index: s.tokens * per + (s.samples + 1) * _OFFSET_BYTES for s in summaries}
     return Plan(
-        records=records, units=num_units(records, samples_per_unit),
-        samples=sum(s.samples for s in summaries), tokens=sum(s.tokens for s in summaries),
+        records=records,
+        units=num_units(records, samples_per_unit),
+        samples=sum(s.samples for s in summaries),
+        tokens=sum(s.tokens for s in summaries),
         response_tokens=sum(s.response_tokens for s in summaries),
-        truncated=sum(s.truncated for s in summaries), skips=skips, hidden_size=hidden_size,
-        layer_ids=list(layer_ids), store_dtype=store_dtype, store_path=store_path,
-        committed_units=len(committed), empty_units=sorted(s.index for s in summaries if s.samples == 0),
+        truncated=sum(s.truncated for s in summaries),
+        skips=skips,
+        hidden_size=hidden_size,
+        layer_ids=list(layer_ids),
+        store_dtype=store_dtype,
+        store_path=store_path,
+        committed_units=len(committed),
+        empty_units=sorted(s.index for s in summaries if s.samples == 0),
         bytes_total=sum(size.values()),
         bytes_to_write=sum(v for u, v in size.items() if u not in committed),
-        free_bytes=free_space(store_path), final_state=final_state, shards=tuple(sorted(shards)),
+        free_bytes=free_space(store_path),
+        final_state=final_state,
+        shards=tuple(sorted(shards)),
     )
 
 
@@ -171,13 +200,18 @@ def check_disk(plan: Plan, force: bool) -> None:
     if plan.fits:
         return
     if force:
-        log.warning("the store needs ~%s but %s has %s free; going on because run.force is set",
-                    human_bytes(plan.bytes_to_write), plan.store_path, human_bytes(plan.free_bytes))
+        log.warning(
+            "the store needs ~%s but %s has %s free; going on because run.force is set",
+            human_bytes(plan.bytes_to_write),
+            plan.store_path,
+            human_bytes(plan.free_bytes),
+        )
         return
     raise UserError(
         f"the store needs ~{human_bytes(int(plan.bytes_to_write * DISK_MARGIN))} but {plan.store_path} has "
         f"{human_bytes(plan.free_bytes)} free; free space, choose store.dtype = 'fp8_e4m3' (half the size), "
-        "or pass --run.force=true.")
+        "or pass --run.force=true."
+    )
 
 
 def check_samples(plan: Plan, input_names: str) -> None:
@@ -186,11 +220,14 @@ def check_samples(plan: Plan, input_names: str) -> None:
     if plan.samples:
         return
     if not plan.records and not plan.skips.total:
-        raise UserError(f"data.inputs ({input_names}) hold no record; give files with one JSON record per line "
-                        "(or a saved dataset); no store was created.")
+        raise UserError(
+            f"data.inputs ({input_names}) hold no record; give files with one JSON record per line "
+            "(or a saved dataset); no store was created."
+        )
     counts = ", ".join(f"{reason} {n:,}" for reason, n in sorted(plan.skips.counts.items()))
     first = "; ".join(f"{source_id}: {reason}" for source_id, reason, _ in plan.skips.examples)
     raise UserError(
         f"every one of the {plan.records:,} input records of {input_names} was skipped ({counts}), e.g. {first}; "
         "fix the inputs (or data.format, data.max_length, data.block_size, which decide the skips) and rerun; "
-        "no store was created.")
+        "no store was created."
+    )

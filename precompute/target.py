@@ -55,7 +55,9 @@ def truncated_config(text_config: Any, num_layers: int) -> Any:
     cut = copy.deepcopy(text_config)
     for name, value in list(vars(cut).items()):
         if isinstance(value, (list, tuple)) and len(value) == full and name != "architectures":
-            setattr(cut, name, type(value)(value[:num_layers]))  # layer_types, per-layer windows, ...
+            setattr(
+                cut, name, type(value)(value[:num_layers])
+            )  # layer_types, per-layer windows, ...
     cut.num_hidden_layers = num_layers
     cut.use_cache = False
     return cut
@@ -64,7 +66,13 @@ def truncated_config(text_config: Any, num_layers: int) -> Any:
 class CapturedTarget:
     """A truncated target whose forward returns the hidden states of `layer_ids`, in that order."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int, final_state: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_ids: list[int],
+        num_target_layers: int,
+        final_state: bool = False,
+    ):
         self.model = model
         self.layer_ids = layer_ids
         self.num_target_layers = num_target_layers  # depth of the full target, before truncation
@@ -111,6 +119,7 @@ class CapturedTarget:
     def _capture(self, layer_id: int | str):
         def hook(module, args, output):
             self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
 
@@ -122,22 +131,33 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             layers = getattr(owner, name, None)
             if isinstance(layers, nn.ModuleList):
                 return layers
-    raise UserError(f"target model {type(model).__name__} has no list of decoder layers named "
-                    f"{' or '.join(_LAYER_LIST_NAMES)}; this architecture is not supported.")
+    raise UserError(
+        f"target model {type(model).__name__} has no list of decoder layers named "
+        f"{' or '.join(_LAYER_LIST_NAMES)}; this architecture is not supported."
+    )
 
 
 def final_norm(model: nn.Module) -> nn.Module:
     for name in _FINAL_NORM_NAMES:
         if isinstance(getattr(model, name, None), nn.Module):
             return getattr(model, name)
-    raise UserError(f"target model {type(model).__name__} has no final norm named {' or '.join(_FINAL_NORM_NAMES)}; "
-                    f"store.final_state is not supported for this architecture.")
+    raise UserError(
+        f"target model {type(model).__name__} has no final norm named {' or '.join(_FINAL_NORM_NAMES)}; "
+        f"store.final_state is not supported for this architecture."
+    )
 
 
-def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "bf16",
-                attn_implementation: str = "sdpa", device: torch.device | str = "cpu",
-                final_state: bool = False, compile: bool = False,
-                text_config: Any = None) -> CapturedTarget:
+def load_target(
+    path: str | Path,
+    layer_ids: list[int] | None,
+    *,
+    dtype: str = "bf16",
+    attn_implementation: str = "sdpa",
+    device: torch.device | str = "cpu",
+    final_state: bool = False,
+    compile: bool = False,
+    text_config: Any = None,
+) -> CapturedTarget:
     """Load the target truncated after its deepest captured layer, without lm_head or final norm;
     with `final_state`, whole (every layer and the final norm, still no lm_head). `compile` compiles
     the decoder layers' parts on CUDA (`compile_decoder_layers`); on a CPU it is ignored.
@@ -151,14 +171,20 @@ def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "
     with _quiet_transformers():
         try:
             model, info = AutoModel.from_pretrained(
-                path, config=config, dtype=torch_dtype(dtype),
+                path,
+                config=config,
+                dtype=torch_dtype(dtype),
                 attn_implementation=attn_implementation,
-                device_map={"": str(device)}, output_loading_info=True)
+                device_map={"": str(device)},
+                output_loading_info=True,
+            )
         except (OSError, ValueError, ImportError) as e:
             raise UserError(f"target.path {path} could not be loaded ({e}).") from e
     if info["missing_keys"]:
-        raise UserError(f"target checkpoint {path} lacks weights {sorted(info['missing_keys'])[:4]}; "
-                        "is it complete and of the architecture its config.json names?")
+        raise UserError(
+            f"target checkpoint {path} lacks weights {sorted(info['missing_keys'])[:4]}; "
+            "is it complete and of the architecture its config.json names?"
+        )
     if final_state:
         final_norm(model)  # the architecture must have one, before any work
     else:
@@ -168,9 +194,15 @@ def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "
     if compiled:
         compile_decoder_layers(model)
         _compile_now(model, torch.device(device))
-    log.info("target %s: %d of %d decoder layers loaded%s, capturing layer ids %s%s", path, config.num_hidden_layers,
-             num_layers, " (their parts compiled)" if compiled else "", ids,
-             " and the final normed state" if final_state else "")
+    log.info(
+        "target %s: %d of %d decoder layers loaded%s, capturing layer ids %s%s",
+        path,
+        config.num_hidden_layers,
+        num_layers,
+        " (their parts compiled)" if compiled else "",
+        ids,
+        " and the final normed state" if final_state else "",
+    )
     return CapturedTarget(model, ids, num_layers, final_state)
 
 

@@ -35,7 +35,14 @@ from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprin
 from dflash_common.fsutil import atomic_write_bytes
 from dflash_common.hf import load_text_config, load_tokenizer
 from precompute.config import DataSection, PrecomputeConfig
-from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
+from precompute.inputs import (
+    Conversation,
+    RawRecord,
+    SkipLog,
+    Source,
+    iter_raw_records,
+    parse_or_skip,
+)
 from precompute.units import iter_unit_records, num_units, owner
 
 # Part of the token cache's key: raised whenever the tokenization rules change (which tokens, loss
@@ -79,23 +86,49 @@ class TokenizedUnit:
         return h.hexdigest()
 
     def summary(self) -> "UnitSummary":
-        return UnitSummary(self.index, self.num_records, self.num_samples, self.num_tokens,
-                           int(self.loss_mask.sum()), self.truncated, self.skips.to_dict(), self.content_digest())
+        return UnitSummary(
+            self.index,
+            self.num_records,
+            self.num_samples,
+            self.num_tokens,
+            int(self.loss_mask.sum()),
+            self.truncated,
+            self.skips.to_dict(),
+            self.content_digest(),
+        )
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
-        meta = {"index": self.index, "num_records": self.num_records, "truncated": self.truncated,
-                "skips": self.skips.to_dict(), "sample_ids": self.sample_ids}
-        np.savez(buf, input_ids=self.input_ids, loss_mask=self.loss_mask, offsets=self.offsets,
-                 meta=np.array(json.dumps(meta)))
+        meta = {
+            "index": self.index,
+            "num_records": self.num_records,
+            "truncated": self.truncated,
+            "skips": self.skips.to_dict(),
+            "sample_ids": self.sample_ids,
+        }
+        np.savez(
+            buf,
+            input_ids=self.input_ids,
+            loss_mask=self.loss_mask,
+            offsets=self.offsets,
+            meta=np.array(json.dumps(meta)),
+        )
         return buf.getvalue()
 
     @classmethod
     def from_file(cls, path: str | Path, report_first: int = 5) -> "TokenizedUnit":
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            return cls(meta["index"], meta["num_records"], z["input_ids"], z["loss_mask"], z["offsets"],
-                       meta["sample_ids"], SkipLog.from_dict(meta["skips"], report_first), meta["truncated"])
+            return cls(
+                meta["index"],
+                meta["num_records"],
+                z["input_ids"],
+                z["loss_mask"],
+                z["offsets"],
+                meta["sample_ids"],
+                SkipLog.from_dict(meta["skips"], report_first),
+                meta["truncated"],
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +157,9 @@ class UnitTokenizer:
         self.vocab_size = vocab_size
 
     @classmethod
-    def from_target(cls, target_path: str, data: DataSection,
-                    vocab_size: int | None = None) -> "UnitTokenizer":
+    def from_target(
+        cls, target_path: str, data: DataSection, vocab_size: int | None = None
+    ) -> "UnitTokenizer":
         """The target's tokenizer and template; `vocab_size`: its config's (read if not given)."""
         tokenizer = load_tokenizer(target_path)
         if vocab_size is None:
@@ -149,9 +183,17 @@ class UnitTokenizer:
             truncated += cut
         offsets = np.zeros(len(ids) + 1, np.int64)
         offsets[1:] = np.cumsum([len(t) for t in ids])
-        cat = (lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt))
-        return TokenizedUnit(index, len(records), cat(ids, np.int32), cat(masks, np.uint8), offsets,
-                             sample_ids, skips, truncated)
+        cat = lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt)
+        return TokenizedUnit(
+            index,
+            len(records),
+            cat(ids, np.int32),
+            cat(masks, np.uint8),
+            offsets,
+            sample_ids,
+            skips,
+            truncated,
+        )
 
     def _sample(self, record: RawRecord, skips: SkipLog):
         """-> ((input_ids, loss_mask), was_truncated) or None (counted in skips)."""
@@ -165,12 +207,19 @@ class UnitTokenizer:
             return None
         cut = len(ids) > self.data.max_length
         if cut and self.data.overlength == "drop":
-            skips.add(record.source_id, "too_long", f"{len(ids)} tokens > data.max_length {self.data.max_length}")
+            skips.add(
+                record.source_id,
+                "too_long",
+                f"{len(ids)} tokens > data.max_length {self.data.max_length}",
+            )
             return None
         ids, mask = ids[: self.data.max_length], mask[: self.data.max_length]
         if int(mask.sum()) < 2 * self.data.block_size:
-            skips.add(record.source_id, "too_few_response_tokens",
-                      f"{int(mask.sum())} response tokens < 2 x data.block_size {self.data.block_size}")
+            skips.add(
+                record.source_id,
+                "too_few_response_tokens",
+                f"{int(mask.sum())} response tokens < 2 x data.block_size {self.data.block_size}",
+            )
             return None
         return (ids, mask), int(cut)
 
@@ -179,8 +228,10 @@ class UnitTokenizer:
             return self.chat.tokenize(parsed.messages, parsed.last_turn_cut)
         ids = np.asarray(parsed.input_ids, np.int64)
         if ids.max() >= self.vocab_size:
-            raise ChatMaskError("token_id_out_of_range",
-                                f"token id {int(ids.max())} >= the target's {self.vocab_size} embeddings")
+            raise ChatMaskError(
+                "token_id_out_of_range",
+                f"token id {int(ids.max())} >= the target's {self.vocab_size} embeddings",
+            )
         return ids.astype(np.int32), np.asarray(parsed.loss_mask, np.uint8)
 
 
@@ -195,19 +246,28 @@ class TokenCache:
         self.report_first = report_first
 
     @classmethod
-    def for_config(cls, cfg: PrecomputeConfig, sources: list[Source],
-                   tokenizer: dict[str, Any] | None = None) -> "TokenCache":
+    def for_config(
+        cls, cfg: PrecomputeConfig, sources: list[Source], tokenizer: dict[str, Any] | None = None
+    ) -> "TokenCache":
         """The cache of this config's units; `tokenizer` is `tokenizer_identity(cfg.target.path)`
         (computed here when not given)."""
         base = Path(cfg.run.cache_dir or f"{cfg.store.path.rstrip('/')}.tokens")
         key = {
             "version": TOKENIZE_VERSION,
-            "tokenizer": tokenizer if tokenizer is not None else tokenizer_identity(cfg.target.path),
-            "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("inputs", "report_first")},
+            "tokenizer": tokenizer
+            if tokenizer is not None
+            else tokenizer_identity(cfg.target.path),
+            "data": {
+                k: v
+                for k, v in dataclasses.asdict(cfg.data).items()
+                if k not in ("inputs", "report_first")
+            },
             "samples_per_unit": cfg.run.samples_per_unit,
             "sources": [_source_stamp(s) for s in sources],
         }
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[
+            :16
+        ]
         return cls(base / digest, cfg.data.report_first)
 
     def path(self, unit: int) -> Path:
@@ -236,7 +296,10 @@ def tokenizer_identity(target_path: str) -> dict[str, Any]:
     """What decides the tokens of a conversation: the tokenizer's vocabulary and special tokens and
     the chat template (the store manifest's fingerprints of them)."""
     tokenizer = load_tokenizer(target_path)
-    return {"tokenizer": tokenizer_fingerprint(tokenizer), "chat_template_sha256": chat_template_sha256(tokenizer)}
+    return {
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "chat_template_sha256": chat_template_sha256(tokenizer),
+    }
 
 
 def _source_stamp(source: Source) -> list[Any]:
@@ -245,17 +308,25 @@ def _source_stamp(source: Source) -> list[Any]:
     return [source.name, stats]
 
 
-def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCache, rank: int = 0,
-                   world_size: int = 1, reader_skips: SkipLog | None = None,
-                   write_cache: bool = True,
-                   vocab_size: int | None = None) -> tuple[list[UnitSummary], int]:
+def tokenize_units(
+    cfg: PrecomputeConfig,
+    sources: list[Source],
+    cache: TokenCache,
+    rank: int = 0,
+    world_size: int = 1,
+    reader_skips: SkipLog | None = None,
+    write_cache: bool = True,
+    vocab_size: int | None = None,
+) -> tuple[list[UnitSummary], int]:
     """Tokenize (or find in the cache) every unit this rank owns. Files that break mid-way are counted
     in `reader_skips` (`unreadable_file`; every rank reads every file, so one rank's count is the job's).
     With `write_cache` false (a dry run) units missing from the cache are tokenized for their summary
     only: nothing is written. `vocab_size`: the target config's (read when not given).
 
     -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
-    counter = _RecordCounter(iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips))
+    counter = _RecordCounter(
+        iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips)
+    )
     per_sort_window = cfg.batching.sort_window_units
     units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, per_sort_window)
     todo = ((u, recs) for u, recs in units if not cache.has(u) or _stale(cache, u, recs))
@@ -272,8 +343,9 @@ def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCac
     return [fresh[u] if u in fresh else cache.load(u).summary() for u in mine], counter.count
 
 
-def _tokenize_one(tokenizer: UnitTokenizer, unit: int, records: list[RawRecord],
-                  cache_root: str | None) -> UnitSummary:
+def _tokenize_one(
+    tokenizer: UnitTokenizer, unit: int, records: list[RawRecord], cache_root: str | None
+) -> UnitSummary:
     """Tokenize one unit, save it in the cache at `cache_root` (None: save nothing) -> its summary."""
     tokenized = tokenizer(unit, records)
     if cache_root is not None:
@@ -313,16 +385,21 @@ def _worker_run(unit: int, records: list[RawRecord], cache_root: str | None) -> 
     return _tokenize_one(_WORKER, unit, records, cache_root)
 
 
-def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache_root: str | None,
-                      vocab_size: int) -> dict[int, UnitSummary]:
+def _tokenize_in_pool(
+    cfg: PrecomputeConfig, todo, cache_root: str | None, vocab_size: int
+) -> dict[int, UnitSummary]:
     """Units go to a pool of processes (spawned: forking a process that holds tokenizer threads can
     deadlock); at most 2 per worker are in flight, so reading never runs far ahead of tokenizing.
     -> the summaries of the units tokenized, by unit."""
     workers = cfg.run.tokenize_workers
     ctx = multiprocessing.get_context("spawn")
     out: dict[int, UnitSummary] = {}
-    with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                initargs=(cfg.target.path, cfg.data, vocab_size)) as pool:
+    with cf.ProcessPoolExecutor(
+        workers,
+        mp_context=ctx,
+        initializer=_worker_init,
+        initargs=(cfg.target.path, cfg.data, vocab_size),
+    ) as pool:
         pending: set[cf.Future] = set()
         for u, recs in todo:
             pending.add(pool.submit(_worker_run, u, [r.portable() for r in recs], cache_root))

@@ -26,9 +26,13 @@ def num_units(num_records: int, samples_per_unit: int) -> int:
     return -(-num_records // samples_per_unit)
 
 
-def iter_unit_records(records: Iterator[RawRecord], samples_per_unit: int, rank: int = 0,
-                      world_size: int = 1,
-                      units_per_sort_window: int = 1) -> Iterator[tuple[int, list[RawRecord]]]:
+def iter_unit_records(
+    records: Iterator[RawRecord],
+    samples_per_unit: int,
+    rank: int = 0,
+    world_size: int = 1,
+    units_per_sort_window: int = 1,
+) -> Iterator[tuple[int, list[RawRecord]]]:
     """Group the record stream into (unit index, records) for the units this rank owns. Records of
     other ranks' units are passed over without being kept or parsed."""
     current, batch = -1, []

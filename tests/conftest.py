@@ -46,7 +46,9 @@ class SmallDisk:
 
     def resize(self, size: str) -> None:
         """Grow (or shrink) it in place, files kept: 'space is freed'."""
-        done = subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-o", f"remount,size={size}", str(self.path)], capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stderr
 
 
@@ -59,10 +61,15 @@ def small_disk(tmp_path):
     def mount(size: str) -> SmallDisk:
         path = tmp_path / f"disk{len(mounted)}"
         path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); the injected test still runs")
+            pytest.skip(
+                f"cannot mount a small tmpfs here ({done.stderr.strip()}); the injected test still runs"
+            )
         mounted.append(path)
         return SmallDisk(path)
 
@@ -79,8 +86,11 @@ def unwritable_dir(request, tmp_path):
     path = tmp_path / "unwritable"
     path.mkdir()
     if request.param == "read-only filesystem":
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.strip()})")
         undo = ["umount", "-l", str(path)]

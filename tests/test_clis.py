@@ -15,9 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-MODULES = {"dflash-generate": "precompute.generate.cli", "dflash-precompute": "precompute.cli",
-           "dflash-store": "dflash_common.store.cli", "dflash-train": "train.cli",
-           "dflash-export": "dflash_common.drafter.export", "dflash-eval": "train.eval.cli"}
+MODULES = {
+    "dflash-generate": "precompute.generate.cli",
+    "dflash-precompute": "precompute.cli",
+    "dflash-store": "dflash_common.store.cli",
+    "dflash-train": "train.cli",
+    "dflash-export": "dflash_common.drafter.export",
+    "dflash-eval": "train.eval.cli",
+}
 
 
 def _main(cli: str):
@@ -37,45 +42,76 @@ def _exits_2(main, argv, capsys) -> str:
 
 # (CLI, argv, what stderr says): a prefix of an option is refused, naming the option it meant
 ABBREVIATED = [
-    ("dflash-export", ["run", "out", "--overwrit"],
-     "unrecognized arguments: --overwrit (did you mean --overwrite?)"),
-    ("dflash-train", ["--stor", "S", "--out", "R"],
-     "unrecognized argument '--stor' (did you mean --store?)"),
+    (
+        "dflash-export",
+        ["run", "out", "--overwrit"],
+        "unrecognized arguments: --overwrit (did you mean --overwrite?)",
+    ),
+    (
+        "dflash-train",
+        ["--stor", "S", "--out", "R"],
+        "unrecognized argument '--stor' (did you mean --store?)",
+    ),
     ("dflash-precompute", ["--dry"], "unrecognized argument '--dry' (did you mean --dry-run?)"),
     ("dflash-generate", ["--dry"], "unrecognized argument '--dry' (did you mean --dry-run?)"),
     ("dflash-eval", ["--offlin"], "unrecognized argument '--offlin' (did you mean --offline?)"),
-    ("dflash-store", ["info", "S", "--jso"],
-     "unrecognized arguments: --jso (did you mean --json?)"),
+    (
+        "dflash-store",
+        ["info", "S", "--jso"],
+        "unrecognized arguments: --jso (did you mean --json?)",
+    ),
 ]
 # mistyped switches, options and config sections
 MISTYPED = [
-    ("dflash-precompute", ["--confg", TINY],
-     "unrecognized argument '--confg' (did you mean --config?)"),
-    ("dflash-precompute", ["--dryrun"],
-     "unrecognized argument '--dryrun' (did you mean --dry-run?)"),
+    (
+        "dflash-precompute",
+        ["--confg", TINY],
+        "unrecognized argument '--confg' (did you mean --config?)",
+    ),
+    (
+        "dflash-precompute",
+        ["--dryrun"],
+        "unrecognized argument '--dryrun' (did you mean --dry-run?)",
+    ),
     ("dflash-generate", ["--dryrun"], "unrecognized argument '--dryrun' (did you mean --dry-run?)"),
-    ("dflash-train", ["--confg=x.toml"],
-     "unrecognized argument '--confg=x.toml' (did you mean --config?)"),
-    ("dflash-train", ["--optm.lr=1e-3"],
-     "Unknown config key 'optm' in --optm.lr (did you mean --optim.lr?)"),
-    ("dflash-train", ["--optim.lrr", "1e-3"],
-     "Unknown config key 'optim.lrr' in --optim.lrr (did you mean --optim.lr?)"),
+    (
+        "dflash-train",
+        ["--confg=x.toml"],
+        "unrecognized argument '--confg=x.toml' (did you mean --config?)",
+    ),
+    (
+        "dflash-train",
+        ["--optm.lr=1e-3"],
+        "Unknown config key 'optm' in --optm.lr (did you mean --optim.lr?)",
+    ),
+    (
+        "dflash-train",
+        ["--optim.lrr", "1e-3"],
+        "Unknown config key 'optim.lrr' in --optim.lrr (did you mean --optim.lr?)",
+    ),
     ("dflash-eval", ["--generaton.block_size=8"], "(did you mean --generation.block_size?)"),
     ("dflash-export", ["run", "out", "--dtyp", "fp32"], "(did you mean --dtype?)"),
 ]
 
 
 @pytest.mark.parametrize("cli, argv, says", ABBREVIATED + MISTYPED)
-def test_an_abbreviated_or_mistyped_option_is_refused_naming_the_closest_one(cli, argv, says,
-                                                                             capsys):
+def test_an_abbreviated_or_mistyped_option_is_refused_naming_the_closest_one(
+    cli, argv, says, capsys
+):
     err = _exits_2(_main(cli), argv, capsys)
     assert says in err, err
 
 
 def test_every_cli_shows_examples_in_its_help_and_generate_its_dry_run_in_the_usage_line():
     for cli, module in MODULES.items():
-        shown = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=ENV,
-                               capture_output=True, text=True, timeout=120)
+        shown = subprocess.run(
+            [sys.executable, "-m", module, "--help"],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert shown.returncode == 0, shown.stderr
         lines = shown.stdout.splitlines()
         examples = [line for line in lines if line.lstrip().startswith(f"{cli} ")]
@@ -91,33 +127,50 @@ def _cannot_write(err: str, what: str, path: Path) -> None:
     assert err.count("\n") == 1 and f"error: {what} {path} cannot be written (" in err, err
 
 
-def test_precompute_refuses_a_store_it_cannot_write_before_any_work(unwritable_dir, tiny_target,
-                                                                   capsys):
+def test_precompute_refuses_a_store_it_cannot_write_before_any_work(
+    unwritable_dir, tiny_target, capsys
+):
     from precompute.cli import main
 
     store = unwritable_dir / "store"
     inputs = json.dumps([str(ROOT / "data" / "tiny-train.jsonl")])
-    args = ["--config", TINY, "--out", str(store), f"--target.path={tiny_target}",
-            f"--data.inputs={inputs}", "--run.progress=false"]
+    args = [
+        "--config",
+        TINY,
+        "--out",
+        str(store),
+        f"--target.path={tiny_target}",
+        f"--data.inputs={inputs}",
+        "--run.progress=false",
+    ]
     for extra in ([], ["--dry-run"]):  # the dry run's plan must not call the place "enough"
         _cannot_write(_exits_2(main, args + extra, capsys), "store.path", store)
         assert capsys.readouterr().out == ""  # refused before the plan
 
 
-def test_generate_refuses_an_output_it_cannot_write_before_any_work(unwritable_dir, tiny_target,
-                                                                   capsys):
+def test_generate_refuses_an_output_it_cannot_write_before_any_work(
+    unwritable_dir, tiny_target, capsys
+):
     from precompute.generate.cli import main
 
     out = unwritable_dir / "generated"
     inputs = json.dumps([str(ROOT / "data" / "tiny-train-prompts.txt")])
-    args = ["--config", TINY, "--out", str(out), f"--target.path={tiny_target}",
-            f"--data.inputs={inputs}", "--run.progress=false"]
+    args = [
+        "--config",
+        TINY,
+        "--out",
+        str(out),
+        f"--target.path={tiny_target}",
+        f"--data.inputs={inputs}",
+        "--run.progress=false",
+    ]
     for extra in ([], ["--dry-run"]):
         _cannot_write(_exits_2(main, args + extra, capsys), "output.dir", out)
 
 
-def test_train_refuses_a_run_directory_it_cannot_write_before_any_work(unwritable_dir, tmp_path,
-                                                                      capsys):
+def test_train_refuses_a_run_directory_it_cannot_write_before_any_work(
+    unwritable_dir, tmp_path, capsys
+):
     from train.cli import main
 
     run = unwritable_dir / "run"
@@ -143,8 +196,9 @@ def test_export_refuses_an_out_dir_it_cannot_write(unwritable_dir, tiny_target, 
     _cannot_write(_exits_2(main, [str(source), str(out)], capsys), "OUT_DIR", out)
 
 
-def test_eval_refuses_a_report_it_cannot_write_before_the_evaluation(unwritable_dir, tiny_target,
-                                                                   tmp_path, capsys, monkeypatch):
+def test_eval_refuses_a_report_it_cannot_write_before_the_evaluation(
+    unwritable_dir, tiny_target, tmp_path, capsys, monkeypatch
+):
     import train.eval.cli as cli
 
     evaluations = []

@@ -6,7 +6,9 @@ from pathlib import Path
 from dflash_common.config import iter_fields
 from dflash_common.config_doc import COMMAND, DOC, render
 
-_spec = importlib.util.spec_from_file_location("config_doc_tool", Path(__file__).parents[1] / "tools" / "config_doc.py")
+_spec = importlib.util.spec_from_file_location(
+    "config_doc_tool", Path(__file__).parents[1] / "tools" / "config_doc.py"
+)
 _tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_tool)
 STAGES = _tool.STAGES

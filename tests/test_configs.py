@@ -27,8 +27,13 @@ def stage_classes(path: Path) -> list[type]:
     data = read_toml(path)
     stages = sorted(data) if data and set(data) <= set(STAGES) else [path.stem.split("-", 1)[0]]
     for stage in stages:
-        assert stage in STAGES, f"{path.name}: no config class known for stage '{stage}'; add it to STAGES"
-    return [getattr(importlib.import_module(STAGES[s].split(":")[0]), STAGES[s].split(":")[1]) for s in stages]
+        assert stage in STAGES, (
+            f"{path.name}: no config class known for stage '{stage}'; add it to STAGES"
+        )
+    return [
+        getattr(importlib.import_module(STAGES[s].split(":")[0]), STAGES[s].split(":")[1])
+        for s in stages
+    ]
 
 
 SHIPPED = sorted(CONFIGS.glob("*.toml"))
@@ -40,13 +45,20 @@ def test_configs_are_shipped():
 
 
 def test_the_embedded_default_holds_every_stage():
-    assert [cls.STAGE for cls in stage_classes(CONFIGS / "tiny.toml")] == ["eval", "generate", "precompute", "train"]
+    assert [cls.STAGE for cls in stage_classes(CONFIGS / "tiny.toml")] == [
+        "eval",
+        "generate",
+        "precompute",
+        "train",
+    ]
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_config_loads(path):
     for cls in stage_classes(path):
-        cfg = load_config(cls, path)  # unknown keys, wrong types and failed checks raise ConfigError
+        cfg = load_config(
+            cls, path
+        )  # unknown keys, wrong types and failed checks raise ConfigError
         assert cfg != cls(), f"{path.name} sets nothing for {cls.STAGE}"
 
 
@@ -56,5 +68,7 @@ def test_a_file_of_stage_tables_without_this_stage_is_one_sentence(tmp_path):
 
     path = tmp_path / "exp.toml"
     path.write_text("[precompute.store]\npath = 's'\n")
-    with pytest.raises(ConfigError, match=r"holds the stages \['precompute'\] but no \[train\] table"):
+    with pytest.raises(
+        ConfigError, match=r"holds the stages \['precompute'\] but no \[train\] table"
+    ):
         load_config(TrainConfig, path)

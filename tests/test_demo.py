@@ -53,8 +53,13 @@ def test_the_readme_holds_a_demo_summary():
 @pytest.mark.slow
 def test_demo_runs_every_stage_and_summarises_them(tmp_path):
     out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "dflash_common.demo", f"--out={out}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_common.demo", f"--out={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout
     assert "lossless: yes" in text
@@ -62,8 +67,14 @@ def test_demo_runs_every_stage_and_summarises_them(tmp_path):
     for name, (_, _, kind) in FIGURES.items():
         allowed = TOLERANCE[kind] * (want[name] if kind == "tokens" else 1.0)
         assert abs(got[name] - want[name]) <= allowed, (name, got[name], want[name], allowed)
-    for made in ("store/zarr.json", "train/report.png", "train/metrics.jsonl", "drafter/config.json",
-                 "drafter/model.safetensors", "eval.json"):
+    for made in (
+        "store/zarr.json",
+        "train/report.png",
+        "train/metrics.jsonl",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "eval.json",
+    ):
         assert (out / made).is_file(), made
     assert str(out / "train" / "report.png") in text
     # not a terminal (as in CI): no progress-bar frames, and a handful of lines per stage (issue 13: ~900)

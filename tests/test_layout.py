@@ -28,13 +28,17 @@ def test_precompute_and_train_never_import_each_other():
         files = _sources(package)
         assert files, f"{package}/ has no sources"
         for path in files:
-            assert forbidden not in _imported_top_levels(path), f"{path.relative_to(ROOT)} imports {forbidden}"
+            assert forbidden not in _imported_top_levels(path), (
+                f"{path.relative_to(ROOT)} imports {forbidden}"
+            )
 
 
 def test_common_imports_neither_stage():
     for path in _sources("dflash_common"):
         bad = _imported_top_levels(path) & {"precompute", "train"}
-        assert not bad, f"{path.relative_to(ROOT)} imports {bad}; shared code must not depend on a stage"
+        assert not bad, (
+            f"{path.relative_to(ROOT)} imports {bad}; shared code must not depend on a stage"
+        )
 
 
 def test_the_checker_sees_imports(tmp_path):
@@ -55,7 +59,9 @@ def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the project modules it imports (at the top or inside a function: a lazy import that
     closes a cycle is still a cycle). `from a.b import c` names module a.b.c when it exists, else a.b;
     importing a submodule does not count as importing its package's __init__."""
-    files = {_module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))}
+    files = {
+        _module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))
+    }
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         edges = set()
@@ -85,7 +91,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 state[path.pop()] = 2
                 stack.pop()
             elif state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif nxt not in state:
                 state[nxt] = 1
                 path.append(nxt)
@@ -122,18 +128,34 @@ def test_the_store_and_the_drafter_have_their_rooms():
 
 
 def test_evaluation_is_one_package_and_the_objective_a_training_module():
-    for room in ("cli", "config", "run", "prompts", "load", "spec_decode", "report", "offline", "baseline_cache",
-                 "vllm_engine"):
+    for room in (
+        "cli",
+        "config",
+        "run",
+        "prompts",
+        "load",
+        "spec_decode",
+        "report",
+        "offline",
+        "baseline_cache",
+        "vllm_engine",
+    ):
         assert (ROOT / "train" / "eval" / f"{room}.py").is_file(), room
     for moved in ("evaluate", "eval_config", "spec_decode", "vllm_engine", "baseline_cache"):
-        assert not (ROOT / "train" / f"{moved}.py").exists(), f"train/{moved}.py belongs in train/eval/"
-    assert (ROOT / "train" / "objective.py").is_file(), "the step's objective lives in train/objective.py"
+        assert not (ROOT / "train" / f"{moved}.py").exists(), (
+            f"train/{moved}.py belongs in train/eval/"
+        )
+    assert (ROOT / "train" / "objective.py").is_file(), (
+        "the step's objective lives in train/objective.py"
+    )
 
 
 def test_generate_and_the_precompute_plan_have_their_rooms():
     for room in ("cli", "config", "job", "chats", "decode", "attention", "cuda_graph"):
         assert (ROOT / "precompute" / "generate" / f"{room}.py").is_file(), room
-    assert not sorted((ROOT / "precompute").glob("generate_*.py")), "dflash-generate lives in precompute/generate/"
+    assert not sorted((ROOT / "precompute").glob("generate_*.py")), (
+        "dflash-generate lives in precompute/generate/"
+    )
     for room in ("units", "tokenizing", "plan"):
         assert (ROOT / "precompute" / f"{room}.py").is_file(), room
 
@@ -199,7 +221,7 @@ def test_no_helper_is_defined_twice():
     assert _duplicate_bodies() == [], "the same function body twice: keep one and call it"
 
 
-_A = '''
+_A = """
 def run():
     pass
 
@@ -212,7 +234,7 @@ def load(p):
 
 def human_bytes(n):
     return f"{n} B"
-'''
+"""
 _B = '''
 def run():
     pass

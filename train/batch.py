@@ -58,4 +58,9 @@ class HostBatch:
 
     def split_small(self, small: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t, a = self.tokens, self.anchors.numel()
-        return small[:t], small[t:2 * t], small[2 * t:2 * t + a], small[2 * t + a:2 * t + a + self.cu_seqlens.numel()]
+        return (
+            small[:t],
+            small[t : 2 * t],
+            small[2 * t : 2 * t + a],
+            small[2 * t + a : 2 * t + a + self.cu_seqlens.numel()],
+        )

@@ -56,20 +56,35 @@ class SlotSlab:
         """One allocation of `n_slots` page-aligned slots of at least `slot_bytes`; pinned by default
         when CUDA is present."""
         if n_slots < 1 or slot_bytes < 1:
-            raise ValueError(f"a slab needs at least one slot of at least one byte, got {n_slots} x {slot_bytes}")
+            raise ValueError(
+                f"a slab needs at least one slot of at least one byte, got {n_slots} x {slot_bytes}"
+            )
         pin = torch.cuda.is_available() if pin is None else pin
         slot_bytes = -(-slot_bytes // PAGE) * PAGE
-        raw = torch.empty(n_slots * slot_bytes + PAGE, dtype=torch.uint8)  # malloc aligns to 64 bytes, not pages
+        raw = torch.empty(
+            n_slots * slot_bytes + PAGE, dtype=torch.uint8
+        )  # malloc aligns to 64 bytes, not pages
         start = -raw.data_ptr() % PAGE
-        slab = cls(raw[start:start + n_slots * slot_bytes], slot_bytes, pinned=False)
+        slab = cls(raw[start : start + n_slots * slot_bytes], slot_bytes, pinned=False)
         if pin:
             started = time.perf_counter()
             slab._register()
-            log.info("shard cache: pinned %s in %.1f s", human_bytes(n_slots * slot_bytes),
-                     time.perf_counter() - started)
+            log.info(
+                "shard cache: pinned %s in %.1f s",
+                human_bytes(n_slots * slot_bytes),
+                time.perf_counter() - started,
+            )
         else:
-            why = "no CUDA: nothing to copy to" if not torch.cuda.is_available() else "pinning turned off"
-            log.info("shard cache: %s of ordinary memory, not pinned (%s)", human_bytes(n_slots * slot_bytes), why)
+            why = (
+                "no CUDA: nothing to copy to"
+                if not torch.cuda.is_available()
+                else "pinning turned off"
+            )
+            log.info(
+                "shard cache: %s of ordinary memory, not pinned (%s)",
+                human_bytes(n_slots * slot_bytes),
+                why,
+            )
         return slab
 
     def _register(self) -> None:
@@ -77,18 +92,24 @@ class SlotSlab:
         device = torch.cuda.current_device()  # this rank's GPU; a new thread starts on GPU 0
 
         def pin(i: int) -> None:
-            torch.cuda.set_device(device)  # else every rank's pin threads make a CUDA context on GPU 0
+            torch.cuda.set_device(
+                device
+            )  # else every rank's pin threads make a CUDA context on GPU 0
             ptr = self.buffer.data_ptr() + i * self.slot_bytes
-            err = int(cudart.cudaHostRegister(ptr, self.slot_bytes, 1))  # 1: cudaHostRegisterPortable
+            err = int(
+                cudart.cudaHostRegister(ptr, self.slot_bytes, 1)
+            )  # 1: cudaHostRegisterPortable
             if err != 0:
-                raise RuntimeError(f"pinning {self.slot_bytes} bytes of the shard cache failed (cudaError {err})")
+                raise RuntimeError(
+                    f"pinning {self.slot_bytes} bytes of the shard cache failed (cudaError {err})"
+                )
 
         with ThreadPoolExecutor(_PIN_THREADS) as pool:
             list(pool.map(pin, range(self.n_slots)))
         self.pinned = True
 
     def view(self, i: int) -> torch.Tensor:
-        return self.buffer[i * self.slot_bytes:(i + 1) * self.slot_bytes]  # uint8 [slot_bytes]
+        return self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes]  # uint8 [slot_bytes]
 
     def close(self) -> None:
         """Unpin (the caller guarantees no copy out of the slab is still in flight)."""
@@ -167,19 +188,27 @@ class ShardCache:
 
     def __init__(self, slab: SlotSlab, slots_per_entry: int, read_fn: ReadFn, threads: int):
         if slots_per_entry > slab.n_slots:
-            raise ValueError(f"a shard needs {slots_per_entry} slots but the cache has {slab.n_slots}")
+            raise ValueError(
+                f"a shard needs {slots_per_entry} slots but the cache has {slab.n_slots}"
+            )
         self.slab = slab
         self.slots_per_entry = slots_per_entry
         self.read_fn = read_fn
         self.stats = CacheStats()
         self._lock = threading.Condition()
         self._entries: dict[Hashable, _Entry] = {}
-        self._evictable: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()  # LRU first
-        self._pending: collections.deque[_Entry] = collections.deque()  # waiting for slots, in request order
+        self._evictable: collections.OrderedDict[Hashable, _Entry] = (
+            collections.OrderedDict()
+        )  # LRU first
+        self._pending: collections.deque[_Entry] = (
+            collections.deque()
+        )  # waiting for slots, in request order
         self._free = list(range(slab.n_slots))
         self._closed = False
-        self._threads = [threading.Thread(target=self._reader, name=f"shard-reader-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._reader, name=f"shard-reader-{i}", daemon=True)
+            for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -251,7 +280,9 @@ class ShardCache:
             else:
                 self._finish(entry, data, nbytes, started, None)
 
-    def _finish(self, entry: _Entry, data: Any, nbytes: int, started: float, error: BaseException | None) -> None:
+    def _finish(
+        self, entry: _Entry, data: Any, nbytes: int, started: float, error: BaseException | None
+    ) -> None:
         with self._lock:
             entry.data, entry.error = data, error
             self.stats.read_s += time.perf_counter() - started

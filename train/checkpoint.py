@@ -62,7 +62,9 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
             if (path / COMPLETE).is_file():
                 found.append((int(match.group(1)), path))
             else:
-                log.warning("ignoring %s: it has no %s marker (an interrupted save)", path, COMPLETE)
+                log.warning(
+                    "ignoring %s: it has no %s marker (an interrupted save)", path, COMPLETE
+                )
     return sorted(found)
 
 
@@ -77,8 +79,13 @@ def rng_state() -> dict[str, Any]:
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -90,7 +97,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -111,7 +120,9 @@ def save_checkpoint(
     scheduler state dicts and counters; `rank_states[r]` the data position and RNG states of rank r.
     """
     final = step_dir(run_dir, step)
-    if (final / COMPLETE).is_file():  # a resumed run reaching a step it already saved: that save stands
+    if (
+        final / COMPLETE
+    ).is_file():  # a resumed run reaching a step it already saved: that save stands
         return final
     shutil.rmtree(final, ignore_errors=True)  # a step dir without its marker is never a checkpoint
     tmp = temp_sibling(final)
@@ -122,7 +133,9 @@ def save_checkpoint(
         if os.environ.get(PAUSE_IN_SAVE_ENV):
             time.sleep(float(os.environ[PAUSE_IN_SAVE_ENV]))
         _torch_save(rank_states, tmp / "ranks.pt")
-        write_run_record(tmp, cfg, name="run")  # not config.json: that name means "a drafter directory"
+        write_run_record(
+            tmp, cfg, name="run"
+        )  # not config.json: that name means "a drafter directory"
         atomic_write_text(tmp / COMPLETE, f"step {step}\n", durable=False)
         fsync_tree(tmp)
         publish_dir(tmp, final)
@@ -142,7 +155,9 @@ def _torch_save(obj: Any, path: Path) -> None:
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` complete checkpoints (incomplete ones are left alone)."""
     for _, path in complete_checkpoints(run_dir)[:-keep_last]:
-        (path / COMPLETE).unlink()  # first, so a crash mid-delete leaves nothing that looks complete
+        (
+            path / COMPLETE
+        ).unlink()  # first, so a crash mid-delete leaves nothing that looks complete
         shutil.rmtree(path)
 
 
@@ -158,7 +173,11 @@ def remove_stale_saves(run_dir: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     for path in run_dir.glob("step-*"):
         if _STEP_DIR.match(path.name) and path.is_dir() and not (path / COMPLETE).is_file():
-            log.info("removing %s, a checkpoint without its %s marker (its deletion was cut short)", path, COMPLETE)
+            log.info(
+                "removing %s, a checkpoint without its %s marker (its deletion was cut short)",
+                path,
+                COMPLETE,
+            )
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -193,8 +212,11 @@ class StopRequest:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        log.warning("%s received: saving a checkpoint at the end of this step, then exiting "
-                    "(press Ctrl-C again to stop at once without saving)", signal.Signals(signum).name)
+        log.warning(
+            "%s received: saving a checkpoint at the end of this step, then exiting "
+            "(press Ctrl-C again to stop at once without saving)",
+            signal.Signals(signum).name,
+        )
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():

@@ -19,8 +19,12 @@ from train.config import TrainConfig
 def parse(argv: Sequence[str] | None = None) -> TrainConfig:
     """`--config FILE`, `--store PATH` (repeatable), `--out DIR` and `--section.field=value` -> the config."""
     cfg, _ = parse_args(
-        TrainConfig, argv, prog="dflash-train", description=__doc__.split("\n\n")[0],
-        shortcuts={"store": "data.stores", "out": "run.out_dir"}, repeatable=["store"],
+        TrainConfig,
+        argv,
+        prog="dflash-train",
+        description=__doc__.split("\n\n")[0],
+        shortcuts={"store": "data.stores", "out": "run.out_dir"},
+        repeatable=["store"],
         examples=__doc__.split("\n\n")[1],
     )
     return cfg
@@ -30,8 +34,12 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse(argv)
     setup_logging()
-    with interrupt_says(lambda: f"the checkpoints already saved in {cfg.run.out_dir} are kept (a save "
-                        f"being written is not visible); rerun the same command to resume from the newest."):
+    with interrupt_says(
+        lambda: (
+            f"the checkpoints already saved in {cfg.run.out_dir} are kept (a save "
+            f"being written is not visible); rerun the same command to resume from the newest."
+        )
+    ):
         from train.loop import run  # after argument parsing: --help stays fast
 
         run(cfg)  # once the loop runs, Ctrl-C saves a checkpoint at the end of the step and exits 0

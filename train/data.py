@@ -69,14 +69,18 @@ class BadShards:
     def met(self, key: tuple[int, str], error: StoreCorruptError, *, at_scan: bool = False) -> None:
         """Raise (stop) or record (skip) a corrupt shard."""
         if self.policy == "stop":
-            raise StoreCorruptError(str(error).rstrip(".") + self.hint + ".", error.shard) from error
+            raise StoreCorruptError(
+                str(error).rstrip(".") + self.hint + ".", error.shard
+            ) from error
         with self._lock:
             if key in self.skipped:
                 return
             self.skipped[key] = str(error)
             self.at_scan += at_scan
             n = len(self.skipped)
-        log.warning("skipping a corrupt shard (data.on_bad_shard = skip; %d skipped so far): %s", n, error)
+        log.warning(
+            "skipping a corrupt shard (data.on_bad_shard = skip; %d skipped so far): %s", n, error
+        )
 
     def found_while_reading(self) -> int:
         return len(self.skipped) - self.at_scan
@@ -91,18 +95,25 @@ def check_contents(stores: Sequence[Store], policy: str = "stop", option: str = 
     for store in stores:
         contents = store_contents(store)
         if contents.status == "incomplete":
-            log.warning("%s; reading the %d shard(s) it has", incomplete_sentence(store.path),
-                        contents.shards)
+            log.warning(
+                "%s; reading the %d shard(s) it has",
+                incomplete_sentence(store.path),
+                contents.shards,
+            )
         elif contents.missing and policy == "stop":
             fix = option.format(present=contents.shards)
             raise StoreError(missing_sentence(store.path, contents) + fix + ".")
         elif contents.missing:
-            log.warning("%s; training on the %d shard(s) there (data.on_bad_shard = skip)",
-                        missing_sentence(store.path, contents), contents.shards)
+            log.warning(
+                "%s; training on the %d shard(s) there (data.on_bad_shard = skip)",
+                missing_sentence(store.path, contents),
+                contents.shards,
+            )
 
 
-def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int,
-                bad: BadShards | None = None) -> list[ShardMeta]:
+def scan_stores(
+    stores: Sequence[Store], threads: int, batch_tokens: int, bad: BadShards | None = None
+) -> list[ShardMeta]:
     """Sequence lengths and response-token counts of every shard (token arrays only, no layer).
     Responses are counted in the part of a sequence a batch keeps (its first `batch_tokens`), so a
     sequence that passes the 2B-response rule always yields anchors. A shard whose metadata or token
@@ -127,14 +138,20 @@ def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int,
         found = [m for m in pool.map(scan, jobs) if m is not None]
     if not found:
         paths = ", ".join(str(s.path) for s in stores)
-        raise UserError(f"{paths} hold{'s' if len(stores) == 1 else ''} no readable shard"
-                        + (f" ({len(bad.skipped)} corrupt ones skipped)" if bad.skipped else "")
-                        + "; run dflash-precompute to fill the store before training from it.")
+        raise UserError(
+            f"{paths} hold{'s' if len(stores) == 1 else ''} no readable shard"
+            + (f" ({len(bad.skipped)} corrupt ones skipped)" if bad.skipped else "")
+            + "; run dflash-precompute to fill the store before training from it."
+        )
     return found
 
 
-def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int],
-                 final: bool = False):
+def shard_reader(
+    stores: Sequence[Store],
+    shards: Sequence[ShardMeta],
+    layer_ids: Sequence[int],
+    final: bool = False,
+):
     """The cache's read_fn: read shard `key` (an index into `shards`) straight into its slot; with
     `final`, the target's final normed state travels as one more state after the layers."""
 
@@ -142,10 +159,16 @@ def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids
         meta = shards[key]
         store = stores[meta.store]
         specs = store.buffer_specs(meta.name, layer_ids, final)
-        data = store.read_shard(meta.name, layer_ids, out=carve_buffers(specs, views[0]), final=final)
+        data = store.read_shard(
+            meta.name, layer_ids, out=carve_buffers(specs, views[0]), final=final
+        )
         bits = [data.layers[i] for i in layer_ids] + ([data.final] if final else [])
-        states = [torch.from_numpy(b) for b in bits]  # the stored dtype, as the rule says: no reinterpretation
-        scale_arrays = [data.scales.get(i) for i in layer_ids] + ([data.final_scale] if final else [])
+        states = [
+            torch.from_numpy(b) for b in bits
+        ]  # the stored dtype, as the rule says: no reinterpretation
+        scale_arrays = [data.scales.get(i) for i in layer_ids] + (
+            [data.final_scale] if final else []
+        )
         scales = [torch.from_numpy(x) for x in scale_arrays] if has_scale(data.dtype) else None
         slot = ShardSlot(data.input_ids, data.loss_mask, data.offsets, states, scales, data.dtype)
         return slot, sum(s.nbytes for s in specs.values())
@@ -153,17 +176,31 @@ def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids
     return read
 
 
-def slot_size(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int],
-              final: bool = False) -> tuple[int, float]:
+def slot_size(
+    stores: Sequence[Store],
+    shards: Sequence[ShardMeta],
+    layer_ids: Sequence[int],
+    final: bool = False,
+) -> tuple[int, float]:
     """Bytes of a slot (the largest shard's read, chosen layers only) and the mean fill of a slot."""
     sizes = [stores[m.store].shard_nbytes(m.name, layer_ids, final) for m in shards]
     biggest = max(sizes)
     return biggest, float(np.mean(sizes)) / biggest
 
 
-def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int], generator: torch.Generator,
-             block_size: int, max_anchors: int, epoch: int, index: int, handles: list[Handle],
-             anchor_rule: str = "block", prompt_anchors: bool = False) -> HostBatch:
+def assemble(
+    rows: np.ndarray,
+    shards: list[ShardSlot],
+    slot_of: dict[int, int],
+    generator: torch.Generator,
+    block_size: int,
+    max_anchors: int,
+    epoch: int,
+    index: int,
+    handles: list[Handle],
+    anchor_rule: str = "block",
+    prompt_anchors: bool = False,
+) -> HostBatch:
     """Planned rows [n, 3] (shard, sequence, tokens) -> a HostBatch, anchors drawn from `generator` by
     `anchor_rule` (objective.sample_anchors) among response positions (any position with
     `prompt_anchors`: targets.prompt_anchors)."""
@@ -171,8 +208,8 @@ def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int],
     for shard, seq, n in rows.tolist():
         slot = shards[slot_of[shard]]
         src = int(slot.offsets[seq])
-        ids.append(slot.input_ids[src:src + n])
-        mask.append(slot.loss_mask[src:src + n])
+        ids.append(slot.input_ids[src : src + n])
+        mask.append(slot.loss_mask[src : src + n])
         segments.append((slot_of[shard], src, dst, n))
         lengths.append(n)
         dst += n
@@ -216,7 +253,9 @@ def usable_rows(rows: np.ndarray, shards: Sequence[ShardMeta], bad: BadShards) -
     return rows[np.array(keep, dtype=bool)]
 
 
-def wait_for_shards(rows: np.ndarray, cache: ShardCache, shards: Sequence[ShardMeta], bad: BadShards):
+def wait_for_shards(
+    rows: np.ndarray, cache: ShardCache, shards: Sequence[ShardMeta], bad: BadShards
+):
     """(keys, handles, slots) of the shards planned rows need, once all are read; None when one turned
     out corrupt (it went to `bad`, which raised or recorded it: drop its rows and try again)."""
     keys = sorted(set(rows[:, 0].tolist()))
@@ -233,7 +272,9 @@ def wait_for_shards(rows: np.ndarray, cache: ShardCache, shards: Sequence[ShardM
     return keys, handles, slots
 
 
-def wait_for_usable(planned: np.ndarray, cache: ShardCache, shards: Sequence[ShardMeta], bad: BadShards):
+def wait_for_usable(
+    planned: np.ndarray, cache: ShardCache, shards: Sequence[ShardMeta], bad: BadShards
+):
     """(rows, keys, handles, slots) of a planned batch's rows whose shards are readable, once read;
     None when none is left (every shard it needs is corrupt and skipped)."""
     while True:
@@ -248,9 +289,19 @@ def wait_for_usable(planned: np.ndarray, cache: ShardCache, shards: Sequence[Sha
 class BatchNode(BaseNode[HostBatch]):
     """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next batch."""
 
-    def __init__(self, plan: DataPlan, cache: ShardCache, *, rank: int, seed: int, block_size: int,
-                 max_anchors: int, bad: BadShards | None = None, anchor_rule: str = "block",
-                 prompt_anchors: bool = False):
+    def __init__(
+        self,
+        plan: DataPlan,
+        cache: ShardCache,
+        *,
+        rank: int,
+        seed: int,
+        block_size: int,
+        max_anchors: int,
+        bad: BadShards | None = None,
+        anchor_rule: str = "block",
+        prompt_anchors: bool = False,
+    ):
         super().__init__()
         self.prompt_anchors = prompt_anchors
         self.plan = plan
@@ -280,8 +331,10 @@ class BatchNode(BaseNode[HostBatch]):
     def _current(self) -> EpochPlan:
         p = self.plan.epoch(self.epoch, self.rank)
         if not p.batches:
-            raise RuntimeError(f"epoch {self.epoch} has no batches for rank {self.rank}: too few shards or "
-                               f"usable sequences for {self.plan.world} rank(s)")
+            raise RuntimeError(
+                f"epoch {self.epoch} has no batches for rank {self.rank}: too few shards or "
+                f"usable sequences for {self.plan.world} rank(s)"
+            )
         if self.index >= len(p.batches):
             self.epoch, self.index = self.epoch + 1, 0
             return self._current()
@@ -306,15 +359,28 @@ class BatchNode(BaseNode[HostBatch]):
             self.index += 1
         rows, keys, handles, slots = got
         gen = seeded_generator(self.seed, _ANCHORS, self.epoch, self.rank, self.index)
-        batch = assemble(rows, slots, {k: i for i, k in enumerate(keys)}, gen, self.block_size,
-                         self.max_anchors, self.epoch, self.index, handles, self.anchor_rule, self.prompt_anchors)
+        batch = assemble(
+            rows,
+            slots,
+            {k: i for i, k in enumerate(keys)},
+            gen,
+            self.block_size,
+            self.max_anchors,
+            self.epoch,
+            self.index,
+            handles,
+            self.anchor_rule,
+            self.prompt_anchors,
+        )
         self.index += 1
         return batch
 
     def _check_some_shard_left(self) -> None:
         if all((m.store, m.name) in self.bad for m in self.plan.shards):
-            raise UserError(f"every one of the {len(self.plan.shards)} shards planned for training is corrupt; "
-                            f"rerun dflash-precompute to rewrite them.")
+            raise UserError(
+                f"every one of the {len(self.plan.shards)} shards planned for training is corrupt; "
+                f"rerun dflash-precompute to rewrite them."
+            )
 
     def _hold_shuffle_windows(self, p: EpochPlan, window: int) -> None:
         """Keep the current shuffle window and the next one (maybe the next epoch's first)
@@ -328,10 +394,14 @@ class BatchNode(BaseNode[HostBatch]):
             if (epoch, w) not in self._shuffle_windows:
                 plan = p if epoch == p.epoch else self.plan.epoch(epoch, self.rank)
                 shards = plan.shuffle_windows[w].tolist() if w < len(plan.shuffle_windows) else []
-                usable = [s for s in shards if (self.plan.shards[s].store, self.plan.shards[s].name)
-                          not in self.bad]
-                self._shuffle_windows[(epoch, w)] = [self.cache.request(s, count=False)
-                                                     for s in usable]
+                usable = [
+                    s
+                    for s in shards
+                    if (self.plan.shards[s].store, self.plan.shards[s].name) not in self.bad
+                ]
+                self._shuffle_windows[(epoch, w)] = [
+                    self.cache.request(s, count=False) for s in usable
+                ]
         self._release_shuffle_windows(keep=wanted)
 
     def _release_shuffle_windows(self, keep: Sequence[tuple[int, int]]) -> None:
@@ -340,8 +410,15 @@ class BatchNode(BaseNode[HostBatch]):
                 h.release()
 
 
-def val_batches(plan: DataPlan, cache: ShardCache, *, rank: int, block_size: int, max_anchors: int,
-                bad: BadShards | None = None):
+def val_batches(
+    plan: DataPlan,
+    cache: ShardCache,
+    *,
+    rank: int,
+    block_size: int,
+    max_anchors: int,
+    bad: BadShards | None = None,
+):
     """This rank's held-out batches, with fixed anchors (seeded by the batch, not the run): every
     validation of every run of the same store draws the same blocks. Generator of HostBatch."""
     bad = bad if bad is not None else BadShards()
@@ -351,7 +428,17 @@ def val_batches(plan: DataPlan, cache: ShardCache, *, rank: int, block_size: int
             continue
         rows, keys, handles, slots = got
         gen = seeded_generator(0, _VAL_ANCHORS, rank, i)
-        yield assemble(rows, slots, {k: j for j, k in enumerate(keys)}, gen, block_size, max_anchors, -1, i, handles)
+        yield assemble(
+            rows,
+            slots,
+            {k: j for j, k in enumerate(keys)},
+            gen,
+            block_size,
+            max_anchors,
+            -1,
+            i,
+            handles,
+        )
 
 
 def build_loader(node: BatchNode, host_prefetch: int) -> Loader:
@@ -359,21 +446,43 @@ def build_loader(node: BatchNode, host_prefetch: int) -> Loader:
     return Loader(Prefetcher(node, prefetch_factor=host_prefetch), restart_on_stop_iteration=False)
 
 
-def allocate_cache(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids: Sequence[int], *,
-                   cache_gb: float, min_shards: int, threads: int, what: str, final: bool = False) -> ShardCache:
+def allocate_cache(
+    stores: Sequence[Store],
+    shards: Sequence[ShardMeta],
+    layer_ids: Sequence[int],
+    *,
+    cache_gb: float,
+    min_shards: int,
+    threads: int,
+    what: str,
+    final: bool = False,
+) -> ShardCache:
     """A cache of as many whole-shard slots as `cache_gb` holds (at least `min_shards`)."""
     nbytes, fill = slot_size(stores, shards, layer_ids, final)
-    n = min(int(cache_gb * 2**30) // nbytes, len(shards))  # more slots than shards would never be used
+    n = min(
+        int(cache_gb * 2**30) // nbytes, len(shards)
+    )  # more slots than shards would never be used
     min_shards = min(min_shards, len(shards))  # a store smaller than two shuffle windows fits whole
     if n < min_shards:
         from dflash_common.errors import UserError
 
-        raise UserError(f"data.cache_gb = {cache_gb} (GiB) holds {n} shard(s) of {nbytes / 2**30:.3f} GiB, but "
-                        f"the {what} needs {min_shards}; raise data.cache_gb to at least "
-                        f"{min_shards * nbytes / 2**30:.3f} or lower data.window_shards.")
-    log.info("%s shard cache: %d slots of %.1f MiB, one shard each (slots fit the largest shard of layers "
-             "%s; shards fill %.0f%% of a slot on average)", what, n, nbytes / 2**20, list(layer_ids), 100 * fill)
-    return ShardCache(SlotSlab.allocate(n, nbytes), 1, shard_reader(stores, shards, layer_ids, final), threads)
+        raise UserError(
+            f"data.cache_gb = {cache_gb} (GiB) holds {n} shard(s) of {nbytes / 2**30:.3f} GiB, but "
+            f"the {what} needs {min_shards}; raise data.cache_gb to at least "
+            f"{min_shards * nbytes / 2**30:.3f} or lower data.window_shards."
+        )
+    log.info(
+        "%s shard cache: %d slots of %.1f MiB, one shard each (slots fit the largest shard of layers "
+        "%s; shards fill %.0f%% of a slot on average)",
+        what,
+        n,
+        nbytes / 2**20,
+        list(layer_ids),
+        100 * fill,
+    )
+    return ShardCache(
+        SlotSlab.allocate(n, nbytes), 1, shard_reader(stores, shards, layer_ids, final), threads
+    )
 
 
 def feature_dtype(autocast: str) -> torch.dtype:
@@ -381,14 +490,33 @@ def feature_dtype(autocast: str) -> torch.dtype:
     return torch.bfloat16 if autocast == "bf16" else torch.float32
 
 
-def make_feeder(source, position, stores: Sequence[Store], layer_ids: Sequence[int], *, device: torch.device,
-                batch_tokens: int, autocast: str, prefetch: int, final: bool = False):
+def make_feeder(
+    source,
+    position,
+    stores: Sequence[Store],
+    layer_ids: Sequence[int],
+    *,
+    device: torch.device,
+    batch_tokens: int,
+    autocast: str,
+    prefetch: int,
+    final: bool = False,
+):
     from train.transfer import DeviceFeeder
 
     dtypes = sorted({s.manifest.dtype for s in stores})  # stores of several dtypes mix in one batch
-    return DeviceFeeder(source, position, device=device, layers=len(layer_ids) + (1 if final else 0), final=final,
-                        hidden=stores[0].manifest.hidden_size, dtypes=dtypes, batch_tokens=batch_tokens,
-                        feature_dtype=feature_dtype(autocast), prefetch=prefetch)
+    return DeviceFeeder(
+        source,
+        position,
+        device=device,
+        layers=len(layer_ids) + (1 if final else 0),
+        final=final,
+        hidden=stores[0].manifest.hidden_size,
+        dtypes=dtypes,
+        batch_tokens=batch_tokens,
+        feature_dtype=feature_dtype(autocast),
+        prefetch=prefetch,
+    )
 
 
 def check_final_states(stores: Sequence[Store]) -> None:
@@ -397,9 +525,11 @@ def check_final_states(stores: Sequence[Store]) -> None:
 
     for store in stores:
         if not store.manifest.final_state:
-            raise UserError(f"store {store.path} holds no final states, which targets.soft and "
-                            f"targets.prompt_anchors need; precompute it with --store.final_state=true, or train "
-                            f"with --targets.soft=none --targets.prompt_anchors=false.")
+            raise UserError(
+                f"store {store.path} holds no final states, which targets.soft and "
+                f"targets.prompt_anchors need; precompute it with --store.final_state=true, or train "
+                f"with --targets.soft=none --targets.prompt_anchors=false."
+            )
 
 
 def check_stores_agree(stores: Sequence[Store]) -> None:
@@ -411,16 +541,27 @@ def check_stores_agree(stores: Sequence[Store]) -> None:
     for store in stores[1:]:
         m = store.manifest
         if m.hidden_size != first.hidden_size:
-            raise UserError(f"store {store.path} holds states of hidden size {m.hidden_size} but "
-                            f"{stores[0].path} holds {first.hidden_size}; mix only stores of one target.")
+            raise UserError(
+                f"store {store.path} holds states of hidden size {m.hidden_size} but "
+                f"{stores[0].path} holds {first.hidden_size}; mix only stores of one target."
+            )
 
 
 class TrainData:
     """Everything between the stores and the training loop, for one rank: the plan, the shard caches
     (training, and a small one for held-out shards), the checkpointable loader and the GPU feeder."""
 
-    def __init__(self, plan: DataPlan, cache: ShardCache, val_cache: ShardCache | None, node: BatchNode,
-                 loader: Loader, feeder_args: dict[str, Any], gpu_prefetch: int, bad: BadShards):
+    def __init__(
+        self,
+        plan: DataPlan,
+        cache: ShardCache,
+        val_cache: ShardCache | None,
+        node: BatchNode,
+        loader: Loader,
+        feeder_args: dict[str, Any],
+        gpu_prefetch: int,
+        bad: BadShards,
+    ):
         self.plan = plan
         self.cache = cache
         self.val_cache = val_cache
@@ -432,9 +573,17 @@ class TrainData:
         self.feeder = None
 
     @classmethod
-    def build(cls, cfg: TrainConfig, stores: Sequence[Store], layer_ids: Sequence[int], *,
-              rank: int, world: int, device: torch.device,
-              block_size: int | None = None) -> "TrainData":
+    def build(
+        cls,
+        cfg: TrainConfig,
+        stores: Sequence[Store],
+        layer_ids: Sequence[int],
+        *,
+        rank: int,
+        world: int,
+        device: torch.device,
+        block_size: int | None = None,
+    ) -> "TrainData":
         """`layer_ids`: the drafter's target_layer_ids (their order is kept); `block_size` the
         verified block's tokens (DrafterConfig.verify_block_size: a DSpark block's labels reach one
         token further), by default drafter.block_size."""
@@ -444,39 +593,88 @@ class TrainData:
         final = cfg.targets.needs_final_state
         if final:
             check_final_states(stores)
-        check_contents(stores, d.on_bad_shard,
-                       ', or set data.on_bad_shard = "skip" to train on the {present} shards there')
-        bad = BadShards(d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it')
+        check_contents(
+            stores,
+            d.on_bad_shard,
+            ', or set data.on_bad_shard = "skip" to train on the {present} shards there',
+        )
+        bad = BadShards(
+            d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it'
+        )
         shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
-        split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,
-                              2 * block_size)  # sequences with < 2B response tokens are dropped
-        plan = DataPlan(shards, split, n_stores=len(stores), weights=d.weights, seed=cfg.run.seed,
-                        batch_tokens=d.batch_tokens, shuffle_window_shards=d.window_shards,
-                        world=world,
-                        grad_accum=cfg.optim.grad_accum)
-        cache = allocate_cache(stores, shards, layer_ids, cache_gb=d.cache_gb, min_shards=2 * d.window_shards,
-                               threads=d.reader_threads, what="training", final=final)
+        split = holdout_split(
+            shards, len(stores), d.holdout_sequences, d.holdout_fraction, 2 * block_size
+        )  # sequences with < 2B response tokens are dropped
+        plan = DataPlan(
+            shards,
+            split,
+            n_stores=len(stores),
+            weights=d.weights,
+            seed=cfg.run.seed,
+            batch_tokens=d.batch_tokens,
+            shuffle_window_shards=d.window_shards,
+            world=world,
+            grad_accum=cfg.optim.grad_accum,
+        )
+        cache = allocate_cache(
+            stores,
+            shards,
+            layer_ids,
+            cache_gb=d.cache_gb,
+            min_shards=2 * d.window_shards,
+            threads=d.reader_threads,
+            what="training",
+            final=final,
+        )
         val_shards = sum(1 for v in split.val if len(v))
         val_cache = None
-        if val_shards:  # held-out shards get their own slots, so validation never waits on training's
+        if (
+            val_shards
+        ):  # held-out shards get their own slots, so validation never waits on training's
             n = min(val_shards, 2)
-            log.info("validation shard cache: %d slot(s) for the %d shard(s) holding held-out sequences", n, val_shards)
-            val_cache = ShardCache(SlotSlab.allocate(n, cache.slab.slot_bytes), 1,
-                                   shard_reader(stores, shards, layer_ids, final), threads=1)
-        node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=block_size,
-                         max_anchors=cfg.objective.max_anchors, bad=bad, anchor_rule=cfg.objective.anchors,
-                         prompt_anchors=cfg.targets.prompt_anchors)
+            log.info(
+                "validation shard cache: %d slot(s) for the %d shard(s) holding held-out sequences",
+                n,
+                val_shards,
+            )
+            val_cache = ShardCache(
+                SlotSlab.allocate(n, cache.slab.slot_bytes),
+                1,
+                shard_reader(stores, shards, layer_ids, final),
+                threads=1,
+            )
+        node = BatchNode(
+            plan,
+            cache,
+            rank=rank,
+            seed=cfg.run.seed,
+            block_size=block_size,
+            max_anchors=cfg.objective.max_anchors,
+            bad=bad,
+            anchor_rule=cfg.objective.anchors,
+            prompt_anchors=cfg.targets.prompt_anchors,
+        )
         loader = build_loader(node, d.host_prefetch)
-        feeder_args = dict(stores=stores, layer_ids=list(layer_ids), device=device, batch_tokens=d.batch_tokens,
-                           autocast=cfg.precision.autocast, final=final)
+        feeder_args = dict(
+            stores=stores,
+            layer_ids=list(layer_ids),
+            device=device,
+            batch_tokens=d.batch_tokens,
+            autocast=cfg.precision.autocast,
+            final=final,
+        )
         return cls(plan, cache, val_cache, node, loader, feeder_args, d.gpu_prefetch, bad)
 
     def start(self, position: dict[str, Any] | None = None):
         """Begin iterating, at `position` (a loader state from a checkpoint) or at the start."""
         if position is not None:
             self.loader.load_state_dict(position)
-        self.feeder = make_feeder(raise_failures(iter(self.loader)), self.loader.state_dict,
-                                  prefetch=self.gpu_prefetch, **self.feeder_args)
+        self.feeder = make_feeder(
+            raise_failures(iter(self.loader)),
+            self.loader.state_dict,
+            prefetch=self.gpu_prefetch,
+            **self.feeder_args,
+        )
         return self.feeder
 
     def val_batches(self):
@@ -484,8 +682,14 @@ class TrainData:
         if self.val_cache is None:
             return
         node = self.node
-        host = val_batches(self.plan, self.val_cache, rank=node.rank, block_size=node.block_size,
-                           max_anchors=node.max_anchors, bad=self.bad)
+        host = val_batches(
+            self.plan,
+            self.val_cache,
+            rank=node.rank,
+            block_size=node.block_size,
+            max_anchors=node.max_anchors,
+            bad=self.bad,
+        )
         feeder = make_feeder(host, dict, prefetch=0, **self.feeder_args)
         try:
             yield from feeder
@@ -499,7 +703,9 @@ class TrainData:
         for cache in (self.cache, self.val_cache):
             if cache is not None:
                 cache.close()  # wakes a loader thread waiting for a shard
-        prefetch = getattr(self.loader.root, "_it", None)  # torchdata offers no public way to stop it
+        prefetch = getattr(
+            self.loader.root, "_it", None
+        )  # torchdata offers no public way to stop it
         if prefetch is not None:
             prefetch._shutdown()
         for cache in (self.cache, self.val_cache):

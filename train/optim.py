@@ -19,7 +19,9 @@ from torch import nn
 from train.config import OptimSection
 
 
-def lr_factor(step: int, total: int, warmup_fraction: float, schedule: str, min_ratio: float) -> float:
+def lr_factor(
+    step: int, total: int, warmup_fraction: float, schedule: str, min_ratio: float
+) -> float:
     """Multiplier of the peak lr after `step` optimiser steps: linear warmup, then cosine (or flat)."""
     warmup = math.ceil(warmup_fraction * total)
     if step < warmup:
@@ -40,7 +42,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self.muon, self.adamw = muon, adamw
         super().__init__([*muon.param_groups, *adamw.param_groups], {})
         # Optimizer.__init__ keeps the group dicts it is given: they are the inner optimisers' own
-        assert all(a is b for a, b in zip(self.param_groups, [*muon.param_groups, *adamw.param_groups]))
+        assert all(
+            a is b for a, b in zip(self.param_groups, [*muon.param_groups, *adamw.param_groups])
+        )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -68,8 +72,11 @@ def muon_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramet
     """(weights Muon orthogonalises, the others): the trainable weight matrices of `nn.Linear`
     layers with both sides > 1 (a [1, H] row, such as a confidence head's, has no orthogonal
     direction to take), and everything else."""
-    matrices = {id(m.weight) for m in model.modules()
-                if isinstance(m, nn.Linear) and m.weight.requires_grad and min(m.weight.shape) > 1}
+    matrices = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m.weight.requires_grad and min(m.weight.shape) > 1
+    }
     params = [p for p in model.parameters() if p.requires_grad]
     return [p for p in params if id(p) in matrices], [p for p in params if id(p) not in matrices]
 
@@ -79,15 +86,32 @@ def build_optimizer(o: OptimSection, model: nn.Module, total: int, device: torch
     fused = device.type == "cuda"
     if o.name == "adamw":
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-            weight_decay=o.weight_decay, fused=fused)
+            [p for p in model.parameters() if p.requires_grad],
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=fused,
+        )
     else:
         matrices, others = muon_matrices(model)
-        muon = torch.optim.Muon(matrices, lr=o.lr, weight_decay=o.weight_decay, momentum=o.muon_momentum,
-                                adjust_lr_fn="match_rms_adamw")
-        adamw = torch.optim.AdamW(others, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=fused)
+        muon = torch.optim.Muon(
+            matrices,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            momentum=o.muon_momentum,
+            adjust_lr_fn="match_rms_adamw",
+        )
+        adamw = torch.optim.AdamW(
+            others,
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=fused,
+        )
         optimizer = MuonAdamW(muon, adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, o.warmup_fraction, o.schedule, o.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, total, o.warmup_fraction, o.schedule, o.min_lr_ratio)
+    )
     return optimizer, scheduler

@@ -41,7 +41,9 @@ class ShardMeta:
     store: int  # index into the run's list of stores
     name: str
     lengths: np.ndarray  # int64 [N] tokens per sequence
-    responses: np.ndarray  # int64 [N] loss-mask (response) tokens in the part of each sequence trained on
+    responses: (
+        np.ndarray
+    )  # int64 [N] loss-mask (response) tokens in the part of each sequence trained on
 
     @property
     def tokens(self) -> int:
@@ -70,7 +72,9 @@ class Split:
     val: list[np.ndarray]
 
 
-def holdout_split(shards: list[ShardMeta], n_stores: int, count: int, fraction: float, min_response: int) -> Split:
+def holdout_split(
+    shards: list[ShardMeta], n_stores: int, count: int, fraction: float, min_response: int
+) -> Split:
     """Hold out the first max(count, fraction * sequences) sequences of each store, walking its shards
     in the order of a hash of their names (no seed: every run of every drafter holds out the same ones).
     Sequences with fewer than `min_response` response tokens are neither trained nor validated on."""
@@ -86,8 +90,10 @@ def holdout_split(shards: list[ShardMeta], n_stores: int, count: int, fraction: 
             if left == 0:
                 break
     usable = [s.responses >= min_response for s in shards]
-    return Split(train=[np.flatnonzero(u & ~h) for u, h in zip(usable, held)],
-                 val=[np.flatnonzero(u & h) for u, h in zip(usable, held)])
+    return Split(
+        train=[np.flatnonzero(u & ~h) for u, h in zip(usable, held)],
+        val=[np.flatnonzero(u & h) for u, h in zip(usable, held)],
+    )
 
 
 def pack(seqs: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]:
@@ -108,9 +114,19 @@ def pack(seqs: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]
 class DataPlan:
     """The batches of every epoch for every rank, derived from the stores' metadata alone."""
 
-    def __init__(self, shards: list[ShardMeta], split: Split, *, n_stores: int, weights: list[float] | None,
-                 seed: int, batch_tokens: int, shuffle_window_shards: int, world: int,
-                 grad_accum: int):
+    def __init__(
+        self,
+        shards: list[ShardMeta],
+        split: Split,
+        *,
+        n_stores: int,
+        weights: list[float] | None,
+        seed: int,
+        batch_tokens: int,
+        shuffle_window_shards: int,
+        world: int,
+        grad_accum: int,
+    ):
         self.shards = shards
         self.split = split
         self.n_stores = n_stores
@@ -121,7 +137,9 @@ class DataPlan:
         self.world = world
         self.grad_accum = grad_accum
         self._plans: dict[int, tuple[int, list[EpochPlan]]] = {}  # the two latest epochs planned
-        self._lock = threading.Lock()  # the loader thread plans ahead while the loop asks for counts
+        self._lock = (
+            threading.Lock()
+        )  # the loader thread plans ahead while the loop asks for counts
 
     def train_tokens(self, shard: int) -> int:
         return int(self.shards[shard].lengths[self.split.train[shard]].sum())
@@ -130,9 +148,17 @@ class DataPlan:
         """The epoch's global shard order (before the split over ranks)."""
         per_store = []
         for store in range(self.n_stores):
-            mine = np.array([i for i, s in enumerate(self.shards)
-                             if s.store == store and len(self.split.train[i])], dtype=np.int64)
-            per_store.append(mine[rng(self.seed, _SHARD_ORDER, epoch, store).permutation(len(mine))])
+            mine = np.array(
+                [
+                    i
+                    for i, s in enumerate(self.shards)
+                    if s.store == store and len(self.split.train[i])
+                ],
+                dtype=np.int64,
+            )
+            per_store.append(
+                mine[rng(self.seed, _SHARD_ORDER, epoch, store).permutation(len(mine))]
+            )
         if self.weights is not None:
             per_store = self._mix(per_store)
         order = np.concatenate(per_store) if per_store else np.zeros(0, dtype=np.int64)
@@ -154,20 +180,27 @@ class DataPlan:
 
     def _rank_plan(self, epoch: int, rank: int, order: np.ndarray) -> EpochPlan:
         usable = len(order) - len(order) % self.world
-        mine = order[:usable][rank::self.world]
+        mine = order[:usable][rank :: self.world]
         size = self.shuffle_window_shards
-        shuffle_windows = [mine[i:i + size] for i in range(0, len(mine), size)]
+        shuffle_windows = [mine[i : i + size] for i in range(0, len(mine), size)]
         batches, batch_shuffle_window = [], []
         for w, shards in enumerate(shuffle_windows):
-            seqs = np.concatenate([np.column_stack([np.full(len(self.split.train[s]), s), self.split.train[s]])
-                                   for s in shards]).astype(np.int64)  # [n, 2] (shard, sequence)
-            lengths = np.concatenate([self.shards[s].lengths[self.split.train[s]] for s in shards])  # [n]
+            seqs = np.concatenate(
+                [
+                    np.column_stack([np.full(len(self.split.train[s]), s), self.split.train[s]])
+                    for s in shards
+                ]
+            ).astype(np.int64)  # [n, 2] (shard, sequence)
+            lengths = np.concatenate(
+                [self.shards[s].lengths[self.split.train[s]] for s in shards]
+            )  # [n]
             order = rng(self.seed, _SHUFFLE_WINDOW, epoch, rank, w).permutation(len(seqs))
             packed = pack(seqs[order], lengths[order], self.batch_tokens)
             batches += packed
             batch_shuffle_window += [w] * len(packed)
-        return EpochPlan(epoch, batches, np.array(batch_shuffle_window, dtype=np.int64),
-                         shuffle_windows)
+        return EpochPlan(
+            epoch, batches, np.array(batch_shuffle_window, dtype=np.int64), shuffle_windows
+        )
 
     def epoch(self, epoch: int, rank: int) -> EpochPlan:
         """Rank `rank`'s batches of `epoch`, cut to the length every rank shares."""
@@ -198,4 +231,4 @@ class DataPlan:
             if len(seqs):
                 pairs = np.column_stack([np.full(len(seqs), s), seqs]).astype(np.int64)
                 batches += pack(pairs, self.shards[s].lengths[seqs], self.batch_tokens)
-        return batches[rank::self.world]
+        return batches[rank :: self.world]

@@ -24,19 +24,27 @@ from train.plan import rng
 _NOISE = 13  # random-stream tag (train/data.py uses 11-12, train/plan.py 1-3)
 
 
-def noise_generator(device: torch.device, seed: int, epoch: int, rank: int, index: int) -> torch.Generator:
+def noise_generator(
+    device: torch.device, seed: int, epoch: int, rank: int, index: int
+) -> torch.Generator:
     """The generator of one batch's feature noise, on the features' device."""
-    return torch.Generator(device=device).manual_seed(int(rng(seed, _NOISE, epoch, rank, index).integers(0, 2**63 - 1)))
+    return torch.Generator(device=device).manual_seed(
+        int(rng(seed, _NOISE, epoch, rank, index).integers(0, 2**63 - 1))
+    )
 
 
 @torch.no_grad()
-def add_feature_noise(features: torch.Tensor, hidden_size: int, scale: float, generator: torch.Generator) -> None:
+def add_feature_noise(
+    features: torch.Tensor, hidden_size: int, scale: float, generator: torch.Generator
+) -> None:
     """features [T, K*H] += N(0, (scale * RMS_k)^2) per token and layer k, in place (one [T, H]
     temporary at a time, not a [T, K*H] one)."""
     for k in range(features.shape[1] // hidden_size):
-        layer = features[:, k * hidden_size:(k + 1) * hidden_size]  # [T, H] view
+        layer = features[:, k * hidden_size : (k + 1) * hidden_size]  # [T, H] view
         rms = layer.float().pow(2).mean(-1, keepdim=True).sqrt()  # [T, 1]
-        noise = torch.randn(layer.shape, generator=generator, device=layer.device, dtype=torch.float32)
+        noise = torch.randn(
+            layer.shape, generator=generator, device=layer.device, dtype=torch.float32
+        )
         layer.add_((noise.mul_(rms * scale)).to(layer.dtype))
 
 
@@ -52,7 +60,9 @@ class WeightAverage:
     @torch.no_grad()
     def update(self) -> None:
         """shadow += (1 - decay) * (weights - shadow): one fused op over all tensors."""
-        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay)
+        torch._foreach_lerp_(
+            self.shadow, [p.detach().float() for p in self.params], 1.0 - self.decay
+        )
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:

@@ -64,8 +64,11 @@ def draw_report(run_dir: str | Path, title: str | None = None):
         return None
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     losses, comparable = loss_labels(run_dir)
-    panels = ((axes[0, 0], "loss", "loss"), (axes[0, 1], "acc", "accuracy"),
-              (axes[1, 1], "tau", "tau"))
+    panels = (
+        (axes[0, 0], "loss", "loss"),
+        (axes[0, 1], "acc", "accuracy"),
+        (axes[1, 1], "tau", "tau"),
+    )
     for ax, key, label in panels:
         for records_, name, style in ((train, "train", "-"), (val, "validation", "o-")):
             if records_:
@@ -77,11 +80,14 @@ def draw_report(run_dir: str | Path, title: str | None = None):
         ax.grid(alpha=0.3)
         ax.legend()
     if not comparable:
-        axes[0, 0].set_title("loss: train and validation weigh block positions differently",
-                             fontsize=10)
+        axes[0, 0].set_title(
+            "loss: train and validation weigh block positions differently", fontsize=10
+        )
     path = [r for r in val if r.get("path_tau") is not None]
     if path:  # greedy decoding replayed from the held-out responses (train/path_tau.py)
-        axes[1, 1].plot(*_series(path, "path_tau"), "s--", label="validation, path tau", markersize=4)
+        axes[1, 1].plot(
+            *_series(path, "path_tau"), "s--", label="validation, path tau", markersize=4
+        )
         axes[1, 1].legend()
     axes[1, 1].set_title("acceptance length (estimated; path tau: decoding replayed)")
     _by_position(axes[1, 0], train, val)
@@ -98,8 +104,10 @@ def loss_labels(run_dir: Path) -> tuple[dict[str, str], bool]:
     try:
         cfg = tomllib.loads((run_dir / "run.toml").read_text())
     except (OSError, ValueError):
-        return {"train": "train (the training objective)",
-                "validation": "validation (gamma weights)"}, False
+        return {
+            "train": "train (the training objective)",
+            "validation": "validation (gamma weights)",
+        }, False
     o = cfg.get("objective", {})
     weights = {"dpace": "D-PACE weights", "gamma": "gamma weights"}[o.get("weights", "dpace")]
     parts = [weights]

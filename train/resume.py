@@ -89,12 +89,14 @@ def checkpoint_to_resume(
     )
     differ = [
         # (a config of another arch has other fields: None there)
-        f.name for f in dataclasses.fields(dcfg)
+        f.name
+        for f in dataclasses.fields(dcfg)
         if getattr(saved, f.name, None) != getattr(dcfg, f.name)
     ]
     if differ:
         detail = ", ".join(
-            f"{f} = {getattr(saved, f, None)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3]
+            f"{f} = {getattr(saved, f, None)!r} there vs {getattr(dcfg, f)!r} here"
+            for f in differ[:3]
         )
         raise UserError(
             f"cannot resume from {path}: it holds another drafter ({detail}); resume with the "
@@ -121,7 +123,8 @@ def changed_settings(path: Path, cfg: TrainConfig, out: Path) -> dict[str, Any]:
     refused = [k for k in keys if not applied_on_resume(k)]
     if refused:
         detail = ", ".join(
-            f"{k} = {_setting_value(before.get(k))} there vs {_setting_value(now.get(k))} here" for k in refused
+            f"{k} = {_setting_value(before.get(k))} there vs {_setting_value(now.get(k))} here"
+            for k in refused
         )
         raise UserError(
             f"cannot resume from {path} with other settings of what it trains ({detail}): the "

@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_common.errors import UserError
-from dflash_common.fingerprint import DRAFTER_CONFIG_KEYS, head_fingerprint, target_fingerprint, tokenizer_fingerprint
+from dflash_common.fingerprint import (
+    DRAFTER_CONFIG_KEYS,
+    head_fingerprint,
+    target_fingerprint,
+    tokenizer_fingerprint,
+)
 from dflash_common.hf import check_model_dir, load_tokenizer, read_config_json
 
 if TYPE_CHECKING:
@@ -19,8 +24,10 @@ MASK_TOKEN = "<|mask|>"  # the token DFlash adds to the tokenizer (dflash_common
 
 def _target_dir(path: str | None) -> Path:
     if path is None:
-        raise UserError("No target given; set run.target to the target model's directory (its embedding, "
-                        "lm_head and tokenizer are needed).")
+        raise UserError(
+            "No target given; set run.target to the target model's directory (its embedding, "
+            "lm_head and tokenizer are needed)."
+        )
     return check_model_dir(path, "run.target")
 
 
@@ -44,8 +51,10 @@ def mask_token_id(path: str | None, configured: int | None) -> int:
     token_id = _tokenizer(str(_target_dir(path))).convert_tokens_to_ids(MASK_TOKEN)
     unk = _tokenizer(str(_target_dir(path))).unk_token_id
     if token_id is None or token_id == unk:
-        raise UserError(f"the tokenizer of {path} has no {MASK_TOKEN} token; set drafter.mask_token_id to an "
-                        f"unused embedding row (151669 for Qwen3).")
+        raise UserError(
+            f"the tokenizer of {path} has no {MASK_TOKEN} token; set drafter.mask_token_id to an "
+            f"unused embedding row (151669 for Qwen3)."
+        )
     return int(token_id)
 
 
@@ -55,26 +64,41 @@ def check_same_target(manifest: StoreManifest, store: str | Path, path: str | No
     a copy in a directory of another name passes. Stores without a `target_head` record (older
     dflash) compare the whole-checkpoint fingerprints they hold instead."""
     target = str(_target_dir(path))
-    differ = _head_differences(manifest.target_head, target) if manifest.target_head else \
-        _fingerprint_differences(manifest.target, target)
+    differ = (
+        _head_differences(manifest.target_head, target)
+        if manifest.target_head
+        else _fingerprint_differences(manifest.target, target)
+    )
     if differ:
-        raise UserError(f"run.target = {path} is not the target store {store} was precomputed from "
-                        f"({manifest.target.get('name')!r}): {'; '.join(differ[:4])}; pass that target as "
-                        f"--run.target, or precompute a store from this one.")
+        raise UserError(
+            f"run.target = {path} is not the target store {store} was precomputed from "
+            f"({manifest.target.get('name')!r}): {'; '.join(differ[:4])}; pass that target as "
+            f"--run.target, or precompute a store from this one."
+        )
 
 
 def _head_differences(recorded: dict[str, Any], target: str) -> list[str]:
     mine = _head(target)
-    differ = ["its embedding/lm_head weights differ"] if recorded.get("head_sha256") != mine["head_sha256"] else []
+    differ = (
+        ["its embedding/lm_head weights differ"]
+        if recorded.get("head_sha256") != mine["head_sha256"]
+        else []
+    )
     theirs = recorded.get("config", {})
-    return differ + [f"{k} = {mine['config'].get(k)!r} vs {theirs.get(k)!r} in the store"
-                     for k in DRAFTER_CONFIG_KEYS if k in theirs and theirs[k] != mine["config"].get(k)]
+    return differ + [
+        f"{k} = {mine['config'].get(k)!r} vs {theirs.get(k)!r} in the store"
+        for k in DRAFTER_CONFIG_KEYS
+        if k in theirs and theirs[k] != mine["config"].get(k)
+    ]
 
 
 def _fingerprint_differences(recorded: dict[str, Any], target: str) -> list[str]:
     mine = target_fingerprint(target)
-    return [f"its {what} differ ({key})" for key, what in (("weights_sha256", "weights"), ("config_sha256", "config.json"))
-            if recorded.get(key) is not None and recorded[key] != mine[key]]
+    return [
+        f"its {what} differ ({key})"
+        for key, what in (("weights_sha256", "weights"), ("config_sha256", "config.json"))
+        if recorded.get(key) is not None and recorded[key] != mine[key]
+    ]
 
 
 @functools.lru_cache(maxsize=4)

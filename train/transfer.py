@@ -49,7 +49,9 @@ class DeviceBatch:
       0/1 it travels as in that vector, is here.
     """
 
-    features: torch.Tensor  # [T, K*H] context features, K layers in the drafter's target_layer_ids order
+    features: (
+        torch.Tensor
+    )  # [T, K*H] context features, K layers in the drafter's target_layer_ids order
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # bool [T]
     cu_seqlens: torch.Tensor  # int64 [N+1]
@@ -59,7 +61,9 @@ class DeviceBatch:
     index: int  # position of this batch in its epoch's plan
     position: dict[str, Any]  # the data-pipeline state that resumes right after this batch
     data_wait_s: float  # time the host waited for the batch to be assembled
-    final: torch.Tensor | None = None  # [T, H] the target's final normed states (soft targets), else None
+    final: torch.Tensor | None = (
+        None  # [T, H] the target's final normed states (soft targets), else None
+    )
 
 
 @dataclasses.dataclass
@@ -67,7 +71,9 @@ class _Buffers:
     """One set of device buffers (and their small pinned host twins) that a batch is copied into."""
 
     states: dict[str, list[torch.Tensor]]  # storage dtype -> K x [batch_tokens, row] stored bits
-    scales: dict[str, list[torch.Tensor] | None]  # storage dtype -> K x float32 [batch_tokens] (scaled)
+    scales: dict[
+        str, list[torch.Tensor] | None
+    ]  # storage dtype -> K x float32 [batch_tokens] (scaled)
     # int64 [4 * batch_tokens + 1]: ids, mask, anchors, cu_seqlens, then (stores of several dtypes in
     # one batch) each buffered row's place in the batch (pinned)
     small_host: torch.Tensor
@@ -79,9 +85,20 @@ class _Buffers:
 class DeviceFeeder:
     """Pulls host batches from `source` and hands out device batches, one copy ahead (or none)."""
 
-    def __init__(self, source: Iterator[HostBatch], position: Callable[[], dict[str, Any]], *,
-                 device: torch.device, layers: int, hidden: int, dtypes: list[str], batch_tokens: int,
-                 feature_dtype: torch.dtype, prefetch: int, final: bool = False):
+    def __init__(
+        self,
+        source: Iterator[HostBatch],
+        position: Callable[[], dict[str, Any]],
+        *,
+        device: torch.device,
+        layers: int,
+        hidden: int,
+        dtypes: list[str],
+        batch_tokens: int,
+        feature_dtype: torch.dtype,
+        prefetch: int,
+        final: bool = False,
+    ):
         self.source = source
         self.position = position
         self.device = device
@@ -93,16 +110,31 @@ class DeviceFeeder:
         self.buffers = [self._buffers(layers, dtypes, batch_tokens) for _ in range(1 + prefetch)]
         self._next_buffer = 0
         # (batch, its buffers, the position after it, host wait, rows per storage dtype)
-        self._in_flight: list[tuple[HostBatch, _Buffers, dict[str, Any], float, dict[str, int]]] = []
-        self._held: list[tuple[Any, list]] = []  # (event, handles) waiting for their copies to finish
+        self._in_flight: list[
+            tuple[HostBatch, _Buffers, dict[str, Any], float, dict[str, int]]
+        ] = []
+        self._held: list[
+            tuple[Any, list]
+        ] = []  # (event, handles) waiting for their copies to finish
 
     def _buffers(self, layers: int, dtypes: list[str], n: int) -> _Buffers:
         dev, small = self.device, 3 * n + 1 + (n if len(dtypes) > 1 else 0)
         return _Buffers(
-            states={d: [torch.empty(n, row_size(d, self.hidden), dtype=storage_torch_dtype(d), device=dev)
-                        for _ in range(layers)] for d in dtypes},
-            scales={d: [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(layers)]
-                    if has_scale(d) else None for d in dtypes},
+            states={
+                d: [
+                    torch.empty(
+                        n, row_size(d, self.hidden), dtype=storage_torch_dtype(d), device=dev
+                    )
+                    for _ in range(layers)
+                ]
+                for d in dtypes
+            },
+            scales={
+                d: [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(layers)]
+                if has_scale(d)
+                else None
+                for d in dtypes
+            },
             small_host=torch.empty(small, dtype=torch.int64, pin_memory=self.cuda),
             small_dev=torch.empty(small, dtype=torch.int64, device=dev),
         )
@@ -122,7 +154,9 @@ class DeviceFeeder:
                 break  # without a side stream there is nothing to overlap: copy one at a time
         return self._finish(*self._in_flight.pop(0))
 
-    def _issue(self, host: HostBatch, buf: _Buffers, position: dict[str, Any], waited: float) -> None:
+    def _issue(
+        self, host: HostBatch, buf: _Buffers, position: dict[str, Any], waited: float
+    ) -> None:
         """Start copying `host` into `buf` (on the side stream when there is one)."""
         stream = self.copy_stream or (torch.cuda.current_stream(self.device) if self.cuda else None)
         if buf.copied is not None:
@@ -131,7 +165,7 @@ class DeviceFeeder:
         counts, order = _buffer_rows(host, list(buf.states))
         if order is not None:  # rows of several dtypes: where each buffered row belongs
             small = torch.cat([small, order])
-        buf.small_host[:small.numel()].copy_(small)
+        buf.small_host[: small.numel()].copy_(small)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if buf.decoded is not None:
                 stream.wait_event(buf.decoded)
@@ -140,30 +174,46 @@ class DeviceFeeder:
                 data = host.shards[shard]
                 states, scales, a = buf.states[data.dtype], buf.scales[data.dtype], at[data.dtype]
                 for k, bits in enumerate(data.states):
-                    states[k][a:a + n].copy_(bits[src:src + n], non_blocking=self.cuda)
+                    states[k][a : a + n].copy_(bits[src : src + n], non_blocking=self.cuda)
                     if scales is not None:
-                        scales[k][a:a + n].copy_(data.scales[k][src:src + n], non_blocking=self.cuda)
+                        scales[k][a : a + n].copy_(
+                            data.scales[k][src : src + n], non_blocking=self.cuda
+                        )
                 at[data.dtype] = a + n
-            buf.small_dev[:small.numel()].copy_(buf.small_host[:small.numel()], non_blocking=self.cuda)
+            buf.small_dev[: small.numel()].copy_(
+                buf.small_host[: small.numel()], non_blocking=self.cuda
+            )
             if self.cuda:
                 buf.copied = torch.cuda.Event()
                 buf.copied.record(stream)
         self._held.append((buf.copied, host.take_handles()))
         self._in_flight.append((host, buf, position, waited, counts))
 
-    def _finish(self, host: HostBatch, buf: _Buffers, position: dict[str, Any], waited: float,
-                counts: dict[str, int]) -> DeviceBatch:
+    def _finish(
+        self,
+        host: HostBatch,
+        buf: _Buffers,
+        position: dict[str, Any],
+        waited: float,
+        counts: dict[str, int],
+    ) -> DeviceBatch:
         """Decode `buf` into the batch's features on the compute stream."""
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(buf.copied)
         t, n_small = host.tokens, host.small_numel()
         mixed = sum(c > 0 for c in counts.values()) > 1
-        order = buf.small_dev[n_small:n_small + t] if mixed else None  # [T] batch row of each buffered row
-        feats = [self._decode(buf, k, counts, order) for k in range(len(next(iter(buf.states.values()))))]
+        order = (
+            buf.small_dev[n_small : n_small + t] if mixed else None
+        )  # [T] batch row of each buffered row
+        feats = [
+            self._decode(buf, k, counts, order) for k in range(len(next(iter(buf.states.values()))))
+        ]
         final = feats.pop() if self.final else None  # [T, H]
         if final is not None and _shares_memory(final, buf):
-            final = final.clone()  # a bf16 view of the buffer, which takes the next batch after the decode
+            final = (
+                final.clone()
+            )  # a bf16 view of the buffer, which takes the next batch after the decode
         features = torch.cat(feats, dim=-1)  # K x [T, H] -> [T, K*H]
         small = buf.small_dev[:n_small].clone()  # the batch's own copy: buf takes the next batch
         if self.cuda:
@@ -171,13 +221,34 @@ class DeviceFeeder:
             buf.decoded.record(compute)
         ids, mask, anchors, cu = host.split_small(small)
         self._release_finished()
-        return DeviceBatch(features, ids, mask.bool(), cu, anchors, t, host.epoch, host.index,
-                           position, waited, final)
+        return DeviceBatch(
+            features,
+            ids,
+            mask.bool(),
+            cu,
+            anchors,
+            t,
+            host.epoch,
+            host.index,
+            position,
+            waited,
+            final,
+        )
 
-    def _decode(self, buf: _Buffers, k: int, counts: dict[str, int], order: torch.Tensor | None) -> torch.Tensor:
+    def _decode(
+        self, buf: _Buffers, k: int, counts: dict[str, int], order: torch.Tensor | None
+    ) -> torch.Tensor:
         """State k of the batch [T, H]: each dtype's rows decoded, then (several dtypes) put in place."""
-        parts = [decode_states(buf.states[d][k][:c], None if buf.scales[d] is None else buf.scales[d][k][:c], d,
-                               out_dtype=self.feature_dtype) for d, c in counts.items() if c]
+        parts = [
+            decode_states(
+                buf.states[d][k][:c],
+                None if buf.scales[d] is None else buf.scales[d][k][:c],
+                d,
+                out_dtype=self.feature_dtype,
+            )
+            for d, c in counts.items()
+            if c
+        ]
         if order is None:
             return parts[0]
         out = torch.empty(len(order), self.hidden, dtype=self.feature_dtype, device=self.device)
@@ -216,12 +287,17 @@ def _buffer_rows(host: HostBatch, dtypes: list[str]) -> tuple[dict[str, int], to
         counts[host.shards[shard].dtype] += n
     if sum(c > 0 for c in counts.values()) < 2:
         return counts, None
-    order = [torch.arange(dst, dst + n) for d in dtypes for shard, _, dst, n in host.segments
-             if host.shards[shard].dtype == d]
+    order = [
+        torch.arange(dst, dst + n)
+        for d in dtypes
+        for shard, _, dst, n in host.segments
+        if host.shards[shard].dtype == d
+    ]
     return counts, torch.cat(order)
 
 
 def _shares_memory(x: torch.Tensor, buf: _Buffers) -> bool:
     ptr = x.untyped_storage().data_ptr()
-    return any(ptr == s.untyped_storage().data_ptr() for states in buf.states.values() for s in states)
-
+    return any(
+        ptr == s.untyped_storage().data_ptr() for states in buf.states.values() for s in states
+    )

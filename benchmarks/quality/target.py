@@ -84,15 +84,23 @@ CHAT_TEMPLATE = (
 # Qwen2/3's pre-tokenizer split. Unlike GPT-2's, it keeps a newline apart from the next line's indentation,
 # so the template's "assistant\n" is one token whether or not an answer follows: the prompt of a greedy
 # answer ends with the same token as in training, and assistant masks do not start a character early.
-PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PROMPT_PREFIX = "Complete the function:\n"
 PROMPT_MIN_ANSWER_CHARS = 64  # a one-line body leaves a drafter next to nothing to draft
 MAX_POSITIONS = 4096  # beyond --seq-len: prompt + answer of the later stages must fit
 ROPE_THETA = 10000.0
-CALIBRATION_STEPS = 10  # --minutes: steps timed (after the first 3, which compile/warm up) to fix the total
+CALIBRATION_STEPS = (
+    10  # --minutes: steps timed (after the first 3, which compile/warm up) to fix the total
+)
 GEN_BATCH = 64  # greedy report prompts per generate() call
-SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}  # stdlib holds the base interpreter's packages
+SKIP_DIRS = {
+    "__pycache__",
+    "site-packages",
+    "dist-packages",
+}  # stdlib holds the base interpreter's packages
 # Settings that do not change what is built (the cache compares all the others).
 NOT_SETTINGS = {"out", "force", "log_every", "workers"}
 
@@ -103,13 +111,19 @@ def _opt(default, help: str):
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    out: str = _opt("", "output directory (required); reused when its manifest holds the same settings")
+    out: str = _opt(
+        "", "output directory (required); reused when its manifest holds the same settings"
+    )
     seed: int = _opt(0, "seed of file selection, shuffling, initialisation and batch order")
     device: str = _opt("auto", "cuda, cpu, or auto (cuda when available)")
     corpus_mb: float = _opt(200.0, "MB of Python source read (train + held-out)")
-    heldout_frac: float = _opt(0.02, "fraction of files held out (by a hash of their relative path)")
+    heldout_frac: float = _opt(
+        0.02, "fraction of files held out (by a hash of their relative path)"
+    )
     max_file_kb: int = _opt(256, "larger files are skipped (mostly generated tables)")
-    vocab_size: int = _opt(8192, "BPE vocabulary, special tokens included; also the model's vocab_size")
+    vocab_size: int = _opt(
+        8192, "BPE vocabulary, special tokens included; also the model's vocab_size"
+    )
     bpe_train_mb: float = _opt(50.0, "MB of training files the BPE is trained on")
     context_chars: int = _opt(600, "chars of the file before a def given in its prompt")
     answer_chars: int = _opt(1200, "longest function body used as an answer (chars)")
@@ -124,7 +138,9 @@ class TargetConfig:
     batch: int = _opt(128, "rows per step")
     # 3600 x 62 ms (eager, batch 128 x 512 on one H200: ~1.0M tok/s) = ~4 min; --compile runs them ~2.4x faster
     steps: int = _opt(3600, "optimizer steps (ignored when --minutes is given)")
-    minutes: float | None = _opt(None, "train this long instead of --steps (count fixed after 10 timed steps)")
+    minutes: float | None = _opt(
+        None, "train this long instead of --steps (count fixed after 10 timed steps)"
+    )
     warmup_steps: int = _opt(100, "linear warmup steps, then cosine decay")
     lr: float = _opt(2e-3, "peak learning rate")
     min_lr_frac: float = _opt(0.1, "final learning rate as a fraction of --lr")
@@ -143,20 +159,37 @@ class TargetConfig:
     force: bool = _opt(False, "rebuild even when --out holds another target")
 
     def __post_init__(self):
-        warmup_ok = (self.warmup_steps < self.steps if self.minutes is None
-                     else self.warmup_steps >= CALIBRATION_STEPS)  # --minutes times steps inside the warmup
+        warmup_ok = (
+            self.warmup_steps < self.steps
+            if self.minutes is None
+            else self.warmup_steps >= CALIBRATION_STEPS
+        )  # --minutes times steps inside the warmup
         checks = {  # field: (valid, what it must be)
             "out": (bool(self.out), "a directory"),
             "device": (self.device in ("auto", "cuda", "cpu"), "cuda, cpu or auto"),
             "heldout_frac": (0 < self.heldout_frac < 1, "between 0 and 1"),
             "head_dim": (self.hidden == self.heads * self.head_dim, "--hidden / --heads"),
-            "kv_heads": (self.kv_heads > 0 and self.heads % self.kv_heads == 0, "a divisor of --heads"),
-            "vocab_size": (self.vocab_size > 256 + len(SPECIAL_TOKENS), "above 260 (bytes + special tokens)"),
+            "kv_heads": (
+                self.kv_heads > 0 and self.heads % self.kv_heads == 0,
+                "a divisor of --heads",
+            ),
+            "vocab_size": (
+                self.vocab_size > 256 + len(SPECIAL_TOKENS),
+                "above 260 (bytes + special tokens)",
+            ),
             "seq_len": (0 < self.seq_len < MAX_POSITIONS, f"below {MAX_POSITIONS}"),
-            "warmup_steps": (warmup_ok, f"below --steps, or at least {CALIBRATION_STEPS} with --minutes"),
-            "loop_window": (self.loop_max_period < self.loop_window <= self.max_new_tokens,
-                            "above --loop-max-period and at most --max-new-tokens"),
-            "report_prompts": (self.report_prompts <= self.heldout_prompts, "at most --heldout-prompts"),
+            "warmup_steps": (
+                warmup_ok,
+                f"below --steps, or at least {CALIBRATION_STEPS} with --minutes",
+            ),
+            "loop_window": (
+                self.loop_max_period < self.loop_window <= self.max_new_tokens,
+                "above --loop-max-period and at most --max-new-tokens",
+            ),
+            "report_prompts": (
+                self.report_prompts <= self.heldout_prompts,
+                "at most --heldout-prompts",
+            ),
         }
         for name, (ok, must) in checks.items():
             if not ok:
@@ -170,6 +203,7 @@ class TargetConfig:
 
 
 # ---------------------------------------------------------------------------------------------- corpus
+
 
 @dataclasses.dataclass(frozen=True)
 class SourceFile:
@@ -216,7 +250,9 @@ def read_source(path: Path) -> tuple[str | None, str, str]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return None, digest, "not utf-8"
-    if any(token in text for token in SPECIAL_TOKENS):  # the tokenizer would read them as control tokens
+    if any(
+        token in text for token in SPECIAL_TOKENS
+    ):  # the tokenizer would read them as control tokens
         return None, digest, "holds a special token"
     return text.replace("\r\n", "\n").replace("\r", "\n"), digest, ""
 
@@ -237,27 +273,38 @@ def select_corpus(cfg: TargetConfig) -> tuple[list[SourceFile], dict]:
         seen.add(digest)
         files.append(SourceFile(rel, text, digest, _unit_hash("split", rel) < cfg.heldout_frac))
         total += len(text.encode())
-    info = {"roots": [f"{label}={root}" for label, root in corpus_roots()], "candidates": len(candidates),
-            "bytes": total, "skipped": dict(skipped)}
+    info = {
+        "roots": [f"{label}={root}" for label, root in corpus_roots()],
+        "candidates": len(candidates),
+        "bytes": total,
+        "skipped": dict(skipped),
+    }
     return files, info
 
 
 def corpus_record(files: list[SourceFile]) -> tuple[list[dict], str]:
     """The per-file record written to corpus_files.jsonl, and one hash of it for the manifest."""
-    rows = [{"path": f.rel, "sha256": f.sha256, "split": "heldout" if f.heldout else "train"}
-            for f in sorted(files, key=lambda f: f.rel)]
-    digest = hashlib.sha256("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()).hexdigest()
+    rows = [
+        {"path": f.rel, "sha256": f.sha256, "split": "heldout" if f.heldout else "train"}
+        for f in sorted(files, key=lambda f: f.rel)
+    ]
+    digest = hashlib.sha256(
+        "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+    ).hexdigest()
     return rows, digest
 
 
 # --------------------------------------------------------------------------------------------- samples
+
 
 def function_spans(text: str) -> list[tuple[int, int, int]]:
     """(def line, first body line, end line), 0-based and end-exclusive, of every function whose body
     starts on a line of its own; [] for a file `ast` cannot parse (it still serves as plain text)."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # invalid escapes and the like: SyntaxWarnings, not errors
+            warnings.simplefilter(
+                "ignore"
+            )  # invalid escapes and the like: SyntaxWarnings, not errors
             tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
@@ -268,7 +315,10 @@ def function_spans(text: str) -> list[tuple[int, int, int]]:
         first = node.body[0]
         body_line = lines[first.lineno - 1]
         # `def f(a,\n b): return a`: the body shares a line with the signature; not a clean split
-        if first.lineno > node.lineno and len(body_line) - len(body_line.lstrip()) == first.col_offset:
+        if (
+            first.lineno > node.lineno
+            and len(body_line) - len(body_line.lstrip()) == first.col_offset
+        ):
             spans.append((node.lineno - 1, first.lineno - 1, node.end_lineno))
     return sorted(spans)
 
@@ -283,7 +333,9 @@ def all_function_spans(files: list[SourceFile], workers: int) -> list[list[tuple
         return pool.map(function_spans, [f.text for f in files], chunksize=32)
 
 
-def chat_pair(lines: list[str], span: tuple[int, int, int], cfg: TargetConfig) -> tuple[str, str] | None:
+def chat_pair(
+    lines: list[str], span: tuple[int, int, int], cfg: TargetConfig
+) -> tuple[str, str] | None:
     """(user, assistant) for one function: context + signature -> body; None when the body is too long."""
     def_i, body_i, end_i = span
     answer = "\n".join(lines[body_i:end_i]).rstrip()
@@ -318,19 +370,35 @@ def function_pairs(files, spans, cfg) -> list[tuple[float, bool, str, str]]:
 def split_documents(files, pairs, cfg) -> dict:
     """Training and held-out documents, and the prompts of both splits (kept out of the chat samples)."""
     out = {}
-    for split, heldout, n_prompts in (("train", False, cfg.train_prompts), ("heldout", True, cfg.heldout_prompts)):
+    for split, heldout, n_prompts in (
+        ("train", False, cfg.train_prompts),
+        ("heldout", True, cfg.heldout_prompts),
+    ):
         mine = sorted(p for p in pairs if p[1] == heldout)
-        eligible = [i for i, p in enumerate(mine) if len(p[3]) >= PROMPT_MIN_ANSWER_CHARS][:n_prompts]
-        reserved = set(eligible) if split == "train" else set()  # held-out files are never trained anyway
-        docs = [render_chat(user, answer) for i, (_, _, user, answer) in enumerate(mine) if i not in reserved]
+        eligible = [i for i, p in enumerate(mine) if len(p[3]) >= PROMPT_MIN_ANSWER_CHARS][
+            :n_prompts
+        ]
+        reserved = (
+            set(eligible) if split == "train" else set()
+        )  # held-out files are never trained anyway
+        docs = [
+            render_chat(user, answer)
+            for i, (_, _, user, answer) in enumerate(mine)
+            if i not in reserved
+        ]
         n_chat = len(docs)
         if cfg.plain_text or heldout:
             docs += [f.text for f in files if f.heldout == heldout]
-        out[split] = {"docs": docs, "chat_samples": n_chat, "prompts": [mine[i][2] for i in eligible]}
+        out[split] = {
+            "docs": docs,
+            "chat_samples": n_chat,
+            "prompts": [mine[i][2] for i in eligible],
+        }
     return out
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
+
 
 def train_bpe(files: list[SourceFile], cfg: TargetConfig):
     """Byte-level BPE on the first --bpe-train-mb of training files; the special tokens get ids 0..3."""
@@ -342,12 +410,20 @@ def train_bpe(files: list[SourceFile], cfg: TargetConfig):
             texts.append(f.text)
             total += len(f.text)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
     return tok
@@ -357,8 +433,12 @@ def wrap_tokenizer(tok):
     """The transformers tokenizer saved with the model: eos <|im_end|>, pad <|endoftext|>, chat template."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=EOT,
-                                   additional_special_tokens=[IM_START, MASK])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=EOT,
+        additional_special_tokens=[IM_START, MASK],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -370,7 +450,7 @@ def encode_stream(tok, docs: list[str], seed: int) -> np.ndarray:
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets: ~2x faster
     pieces = []
     for start in range(0, len(docs), 8192):  # bounded batches: Encoding objects are heavy
-        batch = [docs[i] for i in order[start:start + 8192]]
+        batch = [docs[i] for i in order[start : start + 8192]]
         for enc in encode(batch, add_special_tokens=False):
             pieces += [np.asarray(enc.ids, dtype=np.uint16), eot]  # vocab <= 65536
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
@@ -384,16 +464,26 @@ def to_rows(stream: np.ndarray, seq_len: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ model, train
 
+
 def build_model(cfg: TargetConfig):
     """Qwen3ForCausalLM from a config, initialised from the seed."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=MAX_POSITIONS, rope_theta=ROPE_THETA,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=SPECIAL_TOKENS.index(IM_END), pad_token_id=SPECIAL_TOKENS.index(EOT),
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_theta=ROPE_THETA,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=SPECIAL_TOKENS.index(IM_END),
+        pad_token_id=SPECIAL_TOKENS.index(EOT),
     )
     torch.manual_seed(cfg.seed)
     return Qwen3ForCausalLM(config)
@@ -402,8 +492,10 @@ def build_model(cfg: TargetConfig):
 def make_optimizer(model, cfg: TargetConfig, device: str) -> torch.optim.AdamW:
     """AdamW; matrices decay, norm weights do not (decaying a gain towards 0 only fights the loss)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device == "cuda")
 
 
@@ -412,7 +504,9 @@ def lr_at(step: int, total: int | None, cfg: TargetConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cfg.lr * (
+        cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
 
 
 def batch_indices(n_rows: int, batch: int, seed: int):
@@ -421,7 +515,7 @@ def batch_indices(n_rows: int, batch: int, seed: int):
     while True:
         perm = torch.randperm(n_rows, generator=gen)
         for start in range(0, n_rows - batch + 1, batch):
-            yield perm[start:start + batch]
+            yield perm[start : start + batch]
 
 
 def train_step(model, opt, rows: torch.Tensor, lr: float, cfg: TargetConfig, device: str):
@@ -441,7 +535,9 @@ def train_step(model, opt, rows: torch.Tensor, lr: float, cfg: TargetConfig, dev
 
 def planned_steps(cfg: TargetConfig, step_times: list[float]) -> int:
     """--minutes: the step count that fills the budget at the speed of the calibration steps."""
-    per_step = sum(step_times[3:]) / max(1, len(step_times) - 3)  # the first steps compile and warm up
+    per_step = sum(step_times[3:]) / max(
+        1, len(step_times) - 3
+    )  # the first steps compile and warm up
     return max(cfg.warmup_steps + 1, int(cfg.minutes * 60 / per_step))
 
 
@@ -458,7 +554,9 @@ def train(model, rows: torch.Tensor, cfg: TargetConfig, device: str, log_path: P
         step = 0
         while total is None or step < total:
             lr = lr_at(step, total, cfg)
-            loss, grad_norm = train_step(step_model, opt, rows[next(batches).to(device)], lr, cfg, device)
+            loss, grad_norm = train_step(
+                step_model, opt, rows[next(batches).to(device)], lr, cfg, device
+            )
             step += 1
             if total is None:
                 _sync(device)
@@ -467,14 +565,30 @@ def train(model, rows: torch.Tensor, cfg: TargetConfig, device: str, log_path: P
                 total = planned_steps(cfg, step_times) if step == CALIBRATION_STEPS else None
             if step % cfg.log_every == 0 or step == total:
                 since = step - (logged[-1]["step"] if logged else 0)
-                logged.append(_log_line(step, total, loss, grad_norm, lr, since, cfg, time.perf_counter() - t_log,
-                                        device))
+                logged.append(
+                    _log_line(
+                        step,
+                        total,
+                        loss,
+                        grad_norm,
+                        lr,
+                        since,
+                        cfg,
+                        time.perf_counter() - t_log,
+                        device,
+                    )
+                )
                 log.write(json.dumps(logged[-1]) + "\n")
                 t_log = time.perf_counter()
     seconds = time.perf_counter() - t_start
     tokens = step * cfg.batch * cfg.seq_len
-    return {"steps": step, "final_loss": logged[-1]["loss"], "seconds": seconds, "tokens": tokens,
-            "tokens_per_s": tokens / seconds}
+    return {
+        "steps": step,
+        "final_loss": logged[-1]["loss"],
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+    }
 
 
 def _sync(device: str) -> None:
@@ -486,14 +600,24 @@ def _log_line(step, total, loss, grad_norm, lr, steps_since, cfg, seconds, devic
     """One fixed-format line per logging step; the same figures go to train_log.jsonl."""
     tok_s = steps_since * cfg.batch * cfg.seq_len / max(seconds, 1e-9)
     mem = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
-    record = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(), "tok_s": tok_s,
-              "mem_gib": mem}
-    print(f"step {step:6d}/{total} loss {record['loss']:.4f} lr {lr:.2e} grad_norm {record['grad_norm']:.3f} "
-          f"tok/s {tok_s:,.0f} mem {mem:.1f}GiB", flush=True)
+    record = {
+        "step": step,
+        "loss": loss.item(),
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        "tok_s": tok_s,
+        "mem_gib": mem,
+    }
+    print(
+        f"step {step:6d}/{total} loss {record['loss']:.4f} lr {lr:.2e} grad_norm {record['grad_norm']:.3f} "
+        f"tok/s {tok_s:,.0f} mem {mem:.1f}GiB",
+        flush=True,
+    )
     return record
 
 
 # ---------------------------------------------------------------------------------------------- report
+
 
 @torch.no_grad()
 def heldout_loss(model, rows: torch.Tensor, device: str, batch: int) -> float:
@@ -501,9 +625,11 @@ def heldout_loss(model, rows: torch.Tensor, device: str, batch: int) -> float:
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(rows), batch):
-        chunk = rows[start:start + batch].to(device).long()
+        chunk = rows[start : start + batch].to(device).long()
         logits = model(input_ids=chunk[:, :-1]).logits.float()
-        total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+        ).item()
         count += chunk[:, 1:].numel()
     return total / max(count, 1)
 
@@ -513,38 +639,59 @@ def ends_in_loop(ids: list[int], window: int, max_period: int) -> bool:
     if len(ids) < window:
         return False
     tail = ids[-window:]
-    return any(all(tail[i] == tail[i + p] for i in range(window - p)) for p in range(1, max_period + 1))
+    return any(
+        all(tail[i] == tail[i + p] for i in range(window - p)) for p in range(1, max_period + 1)
+    )
 
 
 def repeats_lines(text: str, ended: bool, times: int = 3) -> bool:
     """True when the answer's last `times` complete lines are one non-blank line repeated: a loop whose
     period (a line, ~10-20 tokens) is too long for ends_in_loop, and as easy for a drafter to predict."""
-    lines = text.split("\n") if ended else text.split("\n")[:-1]  # an answer cut by the limit ends mid-line
+    lines = (
+        text.split("\n") if ended else text.split("\n")[:-1]
+    )  # an answer cut by the limit ends mid-line
     tail = [line for line in lines if line.strip()][-times:]
     return len(tail) == times and len(set(tail)) == 1
 
 
 @torch.no_grad()
-def greedy_answers(model, tokenizer, users: list[str], cfg: TargetConfig, device: str) -> list[dict]:
+def greedy_answers(
+    model, tokenizer, users: list[str], cfg: TargetConfig, device: str
+) -> list[dict]:
     """Greedy answers (float32, left-padded batches) to the given user turns: ids, ended, loops."""
     model.eval()
     eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.pad_token_id
     results = []
     for start in range(0, len(users), GEN_BATCH):
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False,
-                                                 add_generation_prompt=True) for u in users[start:start + GEN_BATCH]]
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": u}], tokenize=False, add_generation_prompt=True
+            )
+            for u in users[start : start + GEN_BATCH]
+        ]
         ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
-        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=pad)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
         for row in out[:, width:].tolist():
             ended = eos in row
             answer = row[: row.index(eos)] if ended else row
-            results.append({"ids": answer, "ended": ended,
-                            "loops": ends_in_loop(answer, cfg.loop_window, cfg.loop_max_period),
-                            "repeats_lines": repeats_lines(tokenizer.decode(answer), ended)})
+            results.append(
+                {
+                    "ids": answer,
+                    "ended": ended,
+                    "loops": ends_in_loop(answer, cfg.loop_window, cfg.loop_max_period),
+                    "repeats_lines": repeats_lines(tokenizer.decode(answer), ended),
+                }
+            )
     return results
 
 
@@ -554,7 +701,9 @@ def quality_report(model, tokenizer, heldout_rows, heldout_users, cfg, device) -
     answers = greedy_answers(model, tokenizer, heldout_users[: cfg.report_prompts], cfg, device)
     n = max(len(answers), 1)
     return {
-        "heldout_loss": loss, "heldout_ppl": math.exp(loss), "heldout_tokens": int(heldout_rows[:, 1:].numel()),
+        "heldout_loss": loss,
+        "heldout_ppl": math.exp(loss),
+        "heldout_tokens": int(heldout_rows[:, 1:].numel()),
         "answers": len(answers),
         "loop_frac": sum(a["loops"] for a in answers) / n,
         "ended_frac": sum(a["ended"] for a in answers) / n,
@@ -562,20 +711,26 @@ def quality_report(model, tokenizer, heldout_rows, heldout_users, cfg, device) -
         "mean_answer_tokens": sum(len(a["ids"]) for a in answers) / n,
         "loop_definition": f"last {cfg.loop_window} answer tokens repeat with a period <= {cfg.loop_max_period}",
         "line_repeat_definition": "last 3 complete non-blank lines of the answer are the same line",
-        "examples": [{"prompt": u[-300:], "answer": tokenizer.decode(a["ids"])}
-                     for u, a in zip(heldout_users, answers[:3])],
+        "examples": [
+            {"prompt": u[-300:], "answer": tokenizer.decode(a["ids"])}
+            for u, a in zip(heldout_users, answers[:3])
+        ],
     }
 
 
 def print_report(report: dict, training: dict, params: int) -> None:
-    rows = [("parameters", f"{params / 1e6:.2f} M"), ("train steps", str(training["steps"])),
-            ("train tokens/s", f"{training['tokens_per_s']:,.0f}"),
-            ("final train loss", f"{training['final_loss']:.4f}"),
-            ("held-out loss", f"{report['heldout_loss']:.4f}"), ("held-out perplexity", f"{report['heldout_ppl']:.2f}"),
-            ("greedy answers that loop", f"{report['loop_frac']:.1%} of {report['answers']}"),
-            ("greedy answers repeating a line 3 times", f"{report['line_repeat_frac']:.1%}"),
-            ("greedy answers ending with <|im_end|>", f"{report['ended_frac']:.1%}"),
-            ("mean answer tokens", f"{report['mean_answer_tokens']:.1f}")]
+    rows = [
+        ("parameters", f"{params / 1e6:.2f} M"),
+        ("train steps", str(training["steps"])),
+        ("train tokens/s", f"{training['tokens_per_s']:,.0f}"),
+        ("final train loss", f"{training['final_loss']:.4f}"),
+        ("held-out loss", f"{report['heldout_loss']:.4f}"),
+        ("held-out perplexity", f"{report['heldout_ppl']:.2f}"),
+        ("greedy answers that loop", f"{report['loop_frac']:.1%} of {report['answers']}"),
+        ("greedy answers repeating a line 3 times", f"{report['line_repeat_frac']:.1%}"),
+        ("greedy answers ending with <|im_end|>", f"{report['ended_frac']:.1%}"),
+        ("mean answer tokens", f"{report['mean_answer_tokens']:.1f}"),
+    ]
     width = max(len(name) for name, _ in rows)
     print(f"| {'metric':<{width}} | value |\n|{'-' * (width + 2)}|-------|")
     for name, value in rows:
@@ -585,6 +740,7 @@ def print_report(report: dict, training: dict, params: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ output, cache
+
 
 @torch.no_grad()
 def round_to_bf16(model) -> None:
@@ -600,8 +756,11 @@ def save_target(model, tokenizer, path: Path) -> None:
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.pad_token_id, do_sample=False)
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     # transformers 5 writes only rope_parameters; loaders on 4.x would then silently assume a default theta
@@ -614,18 +773,28 @@ def write_prompts(path: Path, users: list[str]) -> None:
     """OpenAI `messages` JSONL, one user turn per line, for dflash-generate."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        f.writelines(json.dumps({"messages": [{"role": "user", "content": user}]}) + "\n" for user in users)
+        f.writelines(
+            json.dumps({"messages": [{"role": "user", "content": user}]}) + "\n" for user in users
+        )
 
 
 def cached(out: Path, settings: dict, force: bool) -> bool:
     """True when `out` already holds a target built with these settings; refuses to overwrite another."""
     manifest = out / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("settings") == settings:
-        print(f"{out}: a target with these settings is already there (manifest.json matches); skipping")
+        print(
+            f"{out}: a target with these settings is already there (manifest.json matches); skipping"
+        )
         return True
     if out.exists() and any(out.iterdir()) and not force:
-        what = "a target built with other settings" if manifest.is_file() else "files but no manifest.json"
-        raise SystemExit(f"{out} holds {what}; pass --force to rebuild it there, or choose another --out")
+        what = (
+            "a target built with other settings"
+            if manifest.is_file()
+            else "files but no manifest.json"
+        )
+        raise SystemExit(
+            f"{out} holds {what}; pass --force to rebuild it there, or choose another --out"
+        )
     return False
 
 
@@ -640,8 +809,13 @@ def versions() -> dict:
     import tokenizers
     import transformers
 
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "numpy": np.__version__}
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "numpy": np.__version__,
+    }
 
 
 @contextlib.contextmanager
@@ -655,6 +829,7 @@ def timed(name: str, timings: dict):
 
 # ------------------------------------------------------------------------------------------------- run
 
+
 def prepare_data(cfg: TargetConfig, timings: dict) -> dict:
     """Corpus -> tokenizer -> shuffled, tokenized train/held-out rows, and the prompts of both splits."""
     with timed("corpus", timings):
@@ -667,22 +842,31 @@ def prepare_data(cfg: TargetConfig, timings: dict) -> dict:
         train_stream = encode_stream(tok, splits["train"]["docs"], cfg.seed)
         heldout_stream = encode_stream(tok, splits["heldout"]["docs"], cfg.seed)
     n_text = sum(len(d) for s in splits.values() for d in s["docs"])
-    print(f"corpus: {len(files)} files, {corpus['bytes'] / 1e6:.1f} MB; {n_text / 1e6:.1f} MB of documents -> "
-          f"{len(train_stream) + len(heldout_stream):,} tokens "
-          f"({n_text / max(timings['encode'], 1e-9) / 1e6:.1f} MB/s)")
+    print(
+        f"corpus: {len(files)} files, {corpus['bytes'] / 1e6:.1f} MB; {n_text / 1e6:.1f} MB of documents -> "
+        f"{len(train_stream) + len(heldout_stream):,} tokens "
+        f"({n_text / max(timings['encode'], 1e-9) / 1e6:.1f} MB/s)"
+    )
     record, corpus["files_sha256"] = corpus_record(files)
     mask_id = tok.token_to_id(MASK)
     corpus.update(
-        train_files=sum(not f.heldout for f in files), heldout_files=sum(f.heldout for f in files),
-        train_tokens=len(train_stream), heldout_tokens=len(heldout_stream),
+        train_files=sum(not f.heldout for f in files),
+        heldout_files=sum(f.heldout for f in files),
+        train_tokens=len(train_stream),
+        heldout_tokens=len(heldout_stream),
         chat_samples={k: v["chat_samples"] for k, v in splits.items()},
         documents={k: len(v["docs"]) for k, v in splits.items()},
-        mask_tokens_in_training_data=int(np.count_nonzero(train_stream == mask_id)))
+        mask_tokens_in_training_data=int(np.count_nonzero(train_stream == mask_id)),
+    )
     assert corpus["mask_tokens_in_training_data"] == 0, "the MASK token must never be trained on"
-    return {"tokenizer": wrap_tokenizer(tok), "corpus": corpus, "files_record": record,
-            "train_rows": to_rows(train_stream, cfg.seq_len),
-            "heldout_rows": to_rows(heldout_stream, cfg.seq_len)[: cfg.eval_rows],
-            "prompts": {k: v["prompts"] for k, v in splits.items()}}
+    return {
+        "tokenizer": wrap_tokenizer(tok),
+        "corpus": corpus,
+        "files_record": record,
+        "train_rows": to_rows(train_stream, cfg.seq_len),
+        "heldout_rows": to_rows(heldout_stream, cfg.seq_len)[: cfg.eval_rows],
+        "prompts": {k: v["prompts"] for k, v in splits.items()},
+    }
 
 
 def write_outputs(partial: Path, model, data: dict, manifest: dict, report: dict) -> None:
@@ -692,12 +876,16 @@ def write_outputs(partial: Path, model, data: dict, manifest: dict, report: dict
     with open(partial / "corpus_files.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in data["files_record"])
     (partial / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (partial / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")  # last: it marks completion
+    (partial / "manifest.json").write_text(
+        json.dumps(manifest, indent=2) + "\n"
+    )  # last: it marks completion
 
 
 def run(cfg: TargetConfig) -> Path:
     """Build the target into cfg.out (or reuse it there); returns the directory."""
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    device = (
+        ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    )
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible here; use --device cpu")
     out, settings, timings = Path(cfg.out), cfg.settings(device), {}
@@ -710,24 +898,39 @@ def run(cfg: TargetConfig) -> Path:
     data = prepare_data(cfg, timings)
     model = build_model(cfg).to(device)
     params = sum(p.numel() for p in model.parameters())  # tied: the embedding is counted once
-    print(f"model: {params / 1e6:.2f} M parameters; {len(data['train_rows']):,} training rows of {cfg.seq_len}")
+    print(
+        f"model: {params / 1e6:.2f} M parameters; {len(data['train_rows']):,} training rows of {cfg.seq_len}"
+    )
     with timed("train", timings):
         training = train(model, data["train_rows"], cfg, device, partial / "train_log.jsonl")
-    round_to_bf16(model)  # the target *is* its bf16 weights from here on: report, save, every later stage
+    round_to_bf16(
+        model
+    )  # the target *is* its bf16 weights from here on: report, save, every later stage
     with timed("report", timings):
-        report = quality_report(model, data["tokenizer"], data["heldout_rows"], data["prompts"]["heldout"], cfg, device)
+        report = quality_report(
+            model, data["tokenizer"], data["heldout_rows"], data["prompts"]["heldout"], cfg, device
+        )
     report.update(training=training, parameters=params)
     print_report(report, training, params)
     timings["total"] = round(time.perf_counter() - t0, 3)
     tok = data["tokenizer"]
     manifest = {
-        "settings": settings, "versions": versions(), "parameters": params, "timings_s": timings,
+        "settings": settings,
+        "versions": versions(),
+        "parameters": params,
+        "timings_s": timings,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "token_ids": {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS},
-        "corpus": data["corpus"], "training": training,
-        "heldout_loss": report["heldout_loss"], "heldout_ppl": report["heldout_ppl"],
-        "prompts": {"train": "prompts/train.jsonl", "heldout": "prompts/heldout.jsonl",
-                    "train_count": len(data["prompts"]["train"]), "heldout_count": len(data["prompts"]["heldout"])},
+        "corpus": data["corpus"],
+        "training": training,
+        "heldout_loss": report["heldout_loss"],
+        "heldout_ppl": report["heldout_ppl"],
+        "prompts": {
+            "train": "prompts/train.jsonl",
+            "heldout": "prompts/heldout.jsonl",
+            "train_count": len(data["prompts"]["train"]),
+            "heldout_count": len(data["prompts"]["heldout"]),
+        },
     }
     write_outputs(partial, model.cpu().to(torch.bfloat16), data, manifest, report)
     publish(partial, out)
@@ -737,19 +940,33 @@ def run(cfg: TargetConfig) -> Path:
 
 def parse_args(argv: list[str] | None = None) -> TargetConfig:
     """The CLI is the dataclass: one --flag per field, its help from the field's metadata."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     hints = typing.get_type_hints(TargetConfig)
     for field in dataclasses.fields(TargetConfig):
         flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                                help=field.metadata["help"])
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=field.metadata["help"],
+            )
             continue
-        kind = next(a for a in typing.get_args(kind) if a is not type(None)) if typing.get_args(kind) else kind
+        kind = (
+            next(a for a in typing.get_args(kind) if a is not type(None))
+            if typing.get_args(kind)
+            else kind
+        )
         required = field.name == "out"
-        parser.add_argument(flag, type=kind, default=argparse.SUPPRESS if required else field.default,
-                            help=field.metadata["help"], required=required)
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=argparse.SUPPRESS if required else field.default,
+            help=field.metadata["help"],
+            required=required,
+        )
     try:
         return TargetConfig(**vars(parser.parse_args(argv)))
     except ValueError as err:

@@ -48,7 +48,9 @@ class BlockLayout:
     block_size: int  # B
 
     @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, anchors: torch.Tensor, total: int, block_size: int) -> "BlockLayout":
+    def build(
+        cls, cu_seqlens: torch.Tensor, anchors: torch.Tensor, total: int, block_size: int
+    ) -> "BlockLayout":
         """cu_seqlens int64 [N+1] and anchors int64 [A] (dflash_common/drafter/packed.py)."""
         tokens = torch.arange(total, device=anchors.device)
         seq_of_token = sequence_index(cu_seqlens, tokens)  # [T]
@@ -84,19 +86,24 @@ class BlockLayout:
                 in_ctx = in_ctx & (anchor + k - kv < window)
                 in_block = in_block & (k - rel < window) & (causal or rel - k < window)
             if causal:
-                in_block = in_block & (rel <= k)  # a sliding layer's block: the query and what precedes it
+                in_block = in_block & (
+                    rel <= k
+                )  # a sliding layer's block: the query and what precedes it
             return in_ctx | in_block
 
         return visible
 
-    def row_intervals(self, sliding_window: int | None,
-                      causal: bool = False) -> tuple[torch.Tensor, ...]:
+    def row_intervals(
+        self, sliding_window: int | None, causal: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """Per query row, the key columns it sees as two half-open intervals (context, block):
         (ctx_lo, ctx_hi, blk_lo, blk_hi), each [A*B]; the same set as `mask_mod`."""
         b = self.block_size
         k = torch.arange(b, device=self.anchors.device)
         anchor, start = self.anchors[:, None], self.starts[:, None]  # [A, 1]
-        block0 = self.total + torch.arange(self.anchors.shape[0], device=k.device)[:, None] * b  # [A, 1]
+        block0 = (
+            self.total + torch.arange(self.anchors.shape[0], device=k.device)[:, None] * b
+        )  # [A, 1]
         ctx_lo, ctx_hi = start.expand(-1, b), anchor.expand(-1, b)
         blk_lo, blk_hi = block0.expand(-1, b), (block0 + b).expand(-1, b)
         if sliding_window is not None:
@@ -107,8 +114,9 @@ class BlockLayout:
             blk_hi = torch.minimum(blk_hi, block0 + k + 1)
         return tuple(x.flatten() for x in (ctx_lo, ctx_hi, blk_lo, blk_hi))
 
-    def block_mask(self, sliding_window: int | None, causal: bool = False,
-                   tile: int = FLEX_TILE) -> BlockMask:
+    def block_mask(
+        self, sliding_window: int | None, causal: bool = False, tile: int = FLEX_TILE
+    ) -> BlockMask:
         """The sparse BlockMask, its tile tables computed from `row_intervals` in chunks of rows
         (no dense [Q, KV] mask is ever built)."""
         q_len = self.anchors.shape[0] * self.block_size
@@ -116,8 +124,10 @@ class BlockLayout:
         intervals = self.row_intervals(sliding_window, causal)
         partial, full = _tile_tables(intervals, q_len, kv_len, tile)
         return BlockMask.from_kv_blocks(
-            *_tables_to_indices(partial), *_tables_to_indices(full),
-            BLOCK_SIZE=tile, mask_mod=self.mask_mod(sliding_window, causal),
+            *_tables_to_indices(partial),
+            *_tables_to_indices(full),
+            BLOCK_SIZE=tile,
+            mask_mod=self.mask_mod(sliding_window, causal),
             seq_lengths=(q_len, kv_len),
         )
 
@@ -126,7 +136,9 @@ class BlockLayout:
 _TILE_TABLE_CHUNK = 1 << 24
 
 
-def _tile_tables(intervals, q_len: int, kv_len: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_tables(
+    intervals, q_len: int, kv_len: int, tile: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) bool [Q_tiles, KV_tiles]: tiles some / every query row sees entirely.
 
     A tile is full when every row of the q tile covers all its columns with one interval; rows and
@@ -142,9 +154,15 @@ def _tile_tables(intervals, q_len: int, kv_len: int, tile: int) -> tuple[torch.T
     rows_per_chunk = max(tile, (_TILE_TABLE_CHUNK // max(n_kv, 1)) // tile * tile)
     any_parts, full_parts = [], []
     for r0 in range(0, n_q * tile, rows_per_chunk):
-        ctx_lo, ctx_hi, blk_lo, blk_hi = (x[r0:r0 + rows_per_chunk, None] for x in lo_hi)  # [r, 1]
-        seen = _overlaps(ctx_lo, ctx_hi, col_lo, col_hi_clip) | _overlaps(blk_lo, blk_hi, col_lo, col_hi_clip)
-        whole = ((ctx_lo <= col_lo) & (col_lo + tile <= ctx_hi)) | ((blk_lo <= col_lo) & (col_lo + tile <= blk_hi))
+        ctx_lo, ctx_hi, blk_lo, blk_hi = (
+            x[r0 : r0 + rows_per_chunk, None] for x in lo_hi
+        )  # [r, 1]
+        seen = _overlaps(ctx_lo, ctx_hi, col_lo, col_hi_clip) | _overlaps(
+            blk_lo, blk_hi, col_lo, col_hi_clip
+        )
+        whole = ((ctx_lo <= col_lo) & (col_lo + tile <= ctx_hi)) | (
+            (blk_lo <= col_lo) & (col_lo + tile <= blk_hi)
+        )
         whole = whole & col_whole  # padding rows have empty intervals: their tile is never full
         any_parts.append(seen.unflatten(0, (-1, tile)).any(1))
         full_parts.append(whole.unflatten(0, (-1, tile)).all(1))
@@ -189,7 +207,9 @@ _CPU_ROWS_PER_CHUNK = 1024
 _CPU_SCORES_PER_CHUNK = 1 << 25
 
 
-def block_attend(layout: "BlockLayout", modes: set[LayerMode], head_dim: int, device: torch.device) -> Attend:
+def block_attend(
+    layout: "BlockLayout", modes: set[LayerMode], head_dim: int, device: torch.device
+) -> Attend:
     """The blocks' sparse attention: compiled flex on the GPU; on the CPU, dense attention over chunks
     of query rows, whose masks come from the same row intervals (flex's eager CPU path materialises
     every score of the batch at once: ~17 GiB for one validation batch of the quality benchmark)."""
@@ -203,15 +223,30 @@ def _flex_attend(masks: dict[LayerMode, BlockMask], head_dim: int) -> Attend:
         # [R, heads, D] -> [1, heads, R, D]
         q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
         gqa, scale, mask = q.shape[1] != k.shape[1], head_dim**-0.5, masks[mode]
-        if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        if (
+            q.device.type == "cpu"
+            and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k, v))
+        ):
             # flex_attention has no CPU backward: the same mask_mod, densified, through SDPA (tests only)
             dense = create_mask(mask.mask_mod, None, None, q.shape[2], k.shape[2], q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa
+            )
         else:
             with warnings.catch_warnings():  # eager on the CPU is intended (tests); say nothing
-                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                out = _flex_fn(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa,
-                                         kernel_options=_FLEX_OPTIONS if q.device.type == "cuda" else None)
+                warnings.filterwarnings(
+                    "ignore", message="flex_attention called without torch.compile"
+                )
+                out = _flex_fn(q.device)(
+                    q,
+                    k,
+                    v,
+                    block_mask=mask,
+                    scale=scale,
+                    enable_gqa=gqa,
+                    kernel_options=_FLEX_OPTIONS if q.device.type == "cuda" else None,
+                )
         return out[0].transpose(0, 1)
 
     return attend
@@ -230,19 +265,32 @@ def _chunked_attend(intervals: dict[LayerMode, tuple[torch.Tensor, ...]], head_d
         while r0 < q.shape[0]:
             r1 = min(q.shape[0], r0 + _CPU_ROWS_PER_CHUNK)
             while True:  # fewer rows while the chunk's scores would pass the budget
-                spans = [(int(lo[r0:r1].min()), int(hi[r0:r1].max())) for lo, hi in ((ctx_lo, ctx_hi), (blk_lo, blk_hi))]
+                spans = [
+                    (int(lo[r0:r1].min()), int(hi[r0:r1].max()))
+                    for lo, hi in ((ctx_lo, ctx_hi), (blk_lo, blk_hi))
+                ]
                 width = sum(max(0, b - a) for a, b in spans)
                 if r1 - r0 == 1 or (r1 - r0) * heads * width <= _CPU_SCORES_PER_CHUNK:
                     break
                 r1 = r0 + (r1 - r0) // 2
-            cols = torch.cat([torch.arange(a, b, device=k.device) for a, b in spans])  # [W] key columns
+            cols = torch.cat(
+                [torch.arange(a, b, device=k.device) for a, b in spans]
+            )  # [W] key columns
             r = slice(r0, r1)
-            mask = (((cols >= ctx_lo[r, None]) & (cols < ctx_hi[r, None]))
-                    | ((cols >= blk_lo[r, None]) & (cols < blk_hi[r, None])))  # [rows, W]
+            mask = ((cols >= ctx_lo[r, None]) & (cols < ctx_hi[r, None])) | (
+                (cols >= blk_lo[r, None]) & (cols < blk_hi[r, None])
+            )  # [rows, W]
             k_, v_ = (x[cols].transpose(0, 1)[None] for x in (k, v))  # [1, nkv, W, D]
-            out.append(F.scaled_dot_product_attention(
-                q[r].transpose(0, 1)[None], k_, v_, attn_mask=mask, scale=head_dim**-0.5,
-                enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1))  # [rows, nh, D]
+            out.append(
+                F.scaled_dot_product_attention(
+                    q[r].transpose(0, 1)[None],
+                    k_,
+                    v_,
+                    attn_mask=mask,
+                    scale=head_dim**-0.5,
+                    enable_gqa=q.shape[1] != k.shape[1],
+                )[0].transpose(0, 1)
+            )  # [rows, nh, D]
             r0 = r1
         return torch.cat(out)
 
@@ -258,15 +306,22 @@ def dense_attend(context_len: int, block_len: int, head_dim: int) -> Attend:
         if sliding_window is not None or causal:
             q_pos = context_len + torch.arange(block_len, device=q.device)[:, None]
             k_pos = torch.arange(context_len + block_len, device=q.device)[None, :]
-            mask = torch.ones(block_len, context_len + block_len, dtype=torch.bool, device=q.device)  # [b, L+b]
+            mask = torch.ones(
+                block_len, context_len + block_len, dtype=torch.bool, device=q.device
+            )  # [b, L+b]
             if sliding_window is not None:
-                mask = ((q_pos - k_pos < sliding_window)
-                        & (causal | (k_pos - q_pos < sliding_window)))
+                mask = (q_pos - k_pos < sliding_window) & (
+                    causal | (k_pos - q_pos < sliding_window)
+                )
             if causal:
                 mask = mask & (k_pos <= q_pos)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, scale=head_dim**-0.5, enable_gqa=q.shape[1] != k.shape[1],
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=head_dim**-0.5,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[0].transpose(0, 1)
 

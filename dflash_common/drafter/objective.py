@@ -67,7 +67,9 @@ def sample_anchors(
         eligible = mask & next_in_mask & (tokens <= cu[seq + 1] - 2)  # p + 1 inside the sequence
     else:
         raise ValueError(f"anchor rule {rule!r} unknown; use 'block' or 'label'")
-    keys = torch.rand(total, generator=generator, device=generator.device, dtype=torch.float64).to(device)
+    keys = torch.rand(total, generator=generator, device=generator.device, dtype=torch.float64).to(
+        device
+    )
     keys = torch.where(eligible, keys, 2.0)  # ineligible positions sort last in their sequence
     order = torch.argsort(seq.double() * 4.0 + keys)  # grouped by sequence, random within
     rank = torch.empty_like(order)
@@ -137,8 +139,9 @@ def response_ids(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Ten
     return response_starts(loss_mask, cu_seqlens).long().cumsum(0)
 
 
-def serving_path(anchors: torch.Tensor, accepted: torch.Tensor, loss_mask: torch.Tensor,
-                 cu_seqlens: torch.Tensor) -> torch.Tensor:
+def serving_path(
+    anchors: torch.Tensor, accepted: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
     """Which blocks [A] (bool) greedy speculative decoding would draft, from anchors [A] (packed,
     sorted, on loss-mask positions) and each block's accepted drafts [A] (`accepted_drafts`).
 
@@ -164,8 +167,12 @@ def serving_path(anchors: torch.Tensor, accepted: torch.Tensor, loss_mask: torch
     first = torch.ones(n, dtype=torch.bool, device=a.device)
     first[1:] = response[1:] != response[:-1]
     on = torch.cat([first, first.new_zeros(1)])  # [A + 1]: the path's starts
-    for _ in range((n - 1).bit_length() or 1):  # after r rounds: all within 2^r - 1 jumps (a path has <= n blocks)
-        pushed = torch.zeros(n + 1, dtype=torch.int32, device=a.device).index_add_(0, jump, on.int())
+    for _ in range(
+        (n - 1).bit_length() or 1
+    ):  # after r rounds: all within 2^r - 1 jumps (a path has <= n blocks)
+        pushed = torch.zeros(n + 1, dtype=torch.int32, device=a.device).index_add_(
+            0, jump, on.int()
+        )
         on = on | (pushed > 0)
         jump = jump[jump]
     return on[:n]
@@ -194,18 +201,28 @@ class AcceptanceCounts:
         )
 
     def __add__(self, other: "AcceptanceCounts") -> "AcceptanceCounts":
-        return AcceptanceCounts(self.correct + other.correct, self.valid + other.valid,
-                                self.accepted + other.accepted, self.blocks + other.blocks)
+        return AcceptanceCounts(
+            self.correct + other.correct,
+            self.valid + other.valid,
+            self.accepted + other.accepted,
+            self.blocks + other.blocks,
+        )
 
     def to_tensor(self) -> torch.Tensor:
         """One float64 vector (for a single all_reduce): [correct (B), valid (B), accepted, blocks]."""
-        return torch.cat([self.correct, self.valid, torch.tensor([self.accepted, self.blocks], dtype=torch.float64)])
+        return torch.cat(
+            [
+                self.correct,
+                self.valid,
+                torch.tensor([self.accepted, self.blocks], dtype=torch.float64),
+            ]
+        )
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "AcceptanceCounts":
         b = (t.numel() - 2) // 2
         t = t.double().cpu()
-        return cls(t[:b], t[b:2 * b], float(t[2 * b]), float(t[2 * b + 1]))
+        return cls(t[:b], t[b : 2 * b], float(t[2 * b]), float(t[2 * b + 1]))
 
     @property
     def per_position_accuracy(self) -> torch.Tensor:

@@ -50,7 +50,9 @@ def load_target_head(
     where = _tensor_files(target_dir)
     embed_name = _first_present(EMBED_NAMES, where)
     if embed_name is None:
-        raise UserError(f"no token embedding found in {target_dir} (looked for {', '.join(EMBED_NAMES)}).")
+        raise UserError(
+            f"no token embedding found in {target_dir} (looked for {', '.join(EMBED_NAMES)})."
+        )
     head_name = _first_present(LM_HEAD_NAMES, where)
     if head_name is None and not tied:
         raise UserError(
@@ -60,7 +62,9 @@ def load_target_head(
     embed = _read(where, embed_name, device, dtype)
     lm_head = embed if head_name is None else _read(where, head_name, device, dtype)
     if embed.shape != lm_head.shape:
-        raise UserError(f"{target_dir}: embedding {tuple(embed.shape)} and lm_head {tuple(lm_head.shape)} differ.")
+        raise UserError(
+            f"{target_dir}: embedding {tuple(embed.shape)} and lm_head {tuple(lm_head.shape)} differ."
+        )
     return TargetHead(embed=embed, lm_head=lm_head, tied=head_name is None)
 
 

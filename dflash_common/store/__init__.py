@@ -25,18 +25,56 @@ a hand-edited root), `verify` (checksums, `dflash-store verify` / `info`) and `c
 """
 
 from dflash_common.store.format import (
-    BUFFER_ALIGN, FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, BufferSpec, NonFiniteStatesError, ShardInfo, ShardPayload,
-    StoreCorruptError, StoreError, StoreManifest, StoreMismatchError, check_compatible, shard_name, shard_unit,
+    BUFFER_ALIGN,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    SHARDS_DIR,
+    BufferSpec,
+    NonFiniteStatesError,
+    ShardInfo,
+    ShardPayload,
+    StoreCorruptError,
+    StoreError,
+    StoreManifest,
+    StoreMismatchError,
+    check_compatible,
+    shard_name,
+    shard_unit,
 )
 from dflash_common.store.quant import decode_states, encode_states
 from dflash_common.store.reader import (
-    ShardData, Store, buffers_nbytes, carve_buffers, open_stores, published_shard_names,
+    ShardData,
+    Store,
+    buffers_nbytes,
+    carve_buffers,
+    open_stores,
+    published_shard_names,
 )
 from dflash_common.store.writer import StoreWriter
 
 __all__ = [
-    "BUFFER_ALIGN", "FORMAT_NAME", "FORMAT_VERSION", "SHARDS_DIR", "BufferSpec", "NonFiniteStatesError",
-    "ShardData", "ShardInfo", "ShardPayload", "Store", "StoreCorruptError", "StoreError", "StoreManifest",
-    "StoreMismatchError", "StoreWriter", "buffers_nbytes", "carve_buffers", "check_compatible", "decode_states",
-    "encode_states", "open_stores", "published_shard_names", "shard_name", "shard_unit",
+    "BUFFER_ALIGN",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "SHARDS_DIR",
+    "BufferSpec",
+    "NonFiniteStatesError",
+    "ShardData",
+    "ShardInfo",
+    "ShardPayload",
+    "Store",
+    "StoreCorruptError",
+    "StoreError",
+    "StoreManifest",
+    "StoreMismatchError",
+    "StoreWriter",
+    "buffers_nbytes",
+    "carve_buffers",
+    "check_compatible",
+    "decode_states",
+    "encode_states",
+    "open_stores",
+    "published_shard_names",
+    "shard_name",
+    "shard_unit",
 ]

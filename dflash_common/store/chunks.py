@@ -59,8 +59,10 @@ def zarr_compressors(codec: str, itemsize: int) -> list[Any]:
     if codec == "zstd":
         return [ZstdCodec(level=ZSTD_LEVEL, checksum=False), Crc32cCodec()]
     if codec == "blosc-lz4-bitshuffle":
-        return [BloscCodec(cname="lz4", clevel=BLOSC_CLEVEL, shuffle="bitshuffle", typesize=itemsize),
-                Crc32cCodec()]
+        return [
+            BloscCodec(cname="lz4", clevel=BLOSC_CLEVEL, shuffle="bitshuffle", typesize=itemsize),
+            Crc32cCodec(),
+        ]
     return [Crc32cCodec()]
 
 
@@ -69,8 +71,9 @@ def _compressor(codec: str, itemsize: int) -> Any | None:
     if codec == "zstd":
         return numcodecs.Zstd(level=ZSTD_LEVEL, checksum=False)
     if codec == "blosc-lz4-bitshuffle":
-        return numcodecs.Blosc(cname="lz4", clevel=BLOSC_CLEVEL, shuffle=numcodecs.Blosc.BITSHUFFLE,
-                               typesize=itemsize)
+        return numcodecs.Blosc(
+            cname="lz4", clevel=BLOSC_CLEVEL, shuffle=numcodecs.Blosc.BITSHUFFLE, typesize=itemsize
+        )
     return None
 
 
@@ -112,16 +115,31 @@ class ArrayLayout:
         return start, min(start + self.chunk_rows, self.shape[0])
 
 
-def create_array(group: Any, name: str, shape: tuple[int, ...], dtype: np.dtype, chunk_rows: int,
-                 codec: str, attributes: dict[str, Any], dimension_names: tuple[str, ...]) -> ArrayLayout:
+def create_array(
+    group: Any,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    chunk_rows: int,
+    codec: str,
+    attributes: dict[str, Any],
+    dimension_names: tuple[str, ...],
+) -> ArrayLayout:
     """Write the zarr.json of one array (through zarr); its data file is written by `write_data`."""
     layout = ArrayLayout(tuple(shape), np.dtype(dtype), chunk_rows, codec)
     inner = (chunk_rows, *shape[1:])
     group.create_array(
-        name=name, shape=shape, dtype=layout.dtype, chunks=inner,
+        name=name,
+        shape=shape,
+        dtype=layout.dtype,
+        chunks=inner,
         shards=(layout.n_chunks * chunk_rows, *shape[1:]),
-        serializer=BytesCodec(endian="little"), compressors=zarr_compressors(codec, layout.dtype.itemsize),
-        filters=None, fill_value=0, attributes=attributes, dimension_names=dimension_names,
+        serializer=BytesCodec(endian="little"),
+        compressors=zarr_compressors(codec, layout.dtype.itemsize),
+        filters=None,
+        fill_value=0,
+        attributes=attributes,
+        dimension_names=dimension_names,
     )
     return layout
 
@@ -149,10 +167,15 @@ def parse_layout(meta: dict[str, Any]) -> ArrayLayout:
         cfg = sharding["configuration"]
         shape, inner_shape = tuple(meta["shape"]), tuple(cfg["chunk_shape"])
         outer = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-        ok = (sharding["name"] == "sharding_indexed" and cfg.get("index_location", "end") == "end"
-              and [c["name"] for c in cfg["index_codecs"]] == ["bytes", "crc32c"]
-              and inner_shape[1:] == shape[1:] and outer[1:] == shape[1:] and outer[0] >= shape[0]
-              and meta["chunk_key_encoding"]["configuration"]["separator"] == "/")
+        ok = (
+            sharding["name"] == "sharding_indexed"
+            and cfg.get("index_location", "end") == "end"
+            and [c["name"] for c in cfg["index_codecs"]] == ["bytes", "crc32c"]
+            and inner_shape[1:] == shape[1:]
+            and outer[1:] == shape[1:]
+            and outer[0] >= shape[0]
+            and meta["chunk_key_encoding"]["configuration"]["separator"] == "/"
+        )
         codec = _codec_name(cfg["codecs"])
         dtype = np.dtype(meta["data_type"])
     except (KeyError, TypeError, ValueError) as e:
@@ -171,13 +194,15 @@ def _crc(data: Any, crc: int = 0) -> int:
 
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def write_data(array_dir: Path, layout: ArrayLayout, data: np.ndarray) -> int:
     """Encode `data` chunk by chunk into the array's shard file; returns the bytes written."""
     if data.shape != layout.shape:
-        raise ValueError(f"data of shape {data.shape} does not fit an array of shape {layout.shape}")
+        raise ValueError(
+            f"data of shape {data.shape} does not fit an array of shape {layout.shape}"
+        )
     data = np.ascontiguousarray(data, dtype=layout.dtype.newbyteorder("<"))
     compressor = _compressor(layout.codec, layout.dtype.itemsize)
     path = array_dir / layout.key
@@ -188,7 +213,9 @@ def write_data(array_dir: Path, layout: ArrayLayout, data: np.ndarray) -> int:
         offset = 0
         for i in range(layout.n_chunks):
             chunk = _padded_chunk(data, layout, i)  # [chunk_rows, ...]
-            encoded = memoryview(chunk if compressor is None else compressor.encode(chunk)).cast("B")
+            encoded = memoryview(chunk if compressor is None else compressor.encode(chunk)).cast(
+                "B"
+            )
             crc = struct.pack("<I", _crc(encoded))
             _write_all(fd, encoded)
             _write_all(fd, memoryview(crc))
@@ -240,7 +267,9 @@ def _pread_into(fd: int, views: list[memoryview], offset: int, path: Path) -> No
 
 def _pieces(views: list[memoryview]) -> list[memoryview]:
     """Split buffers into READ_PIECE_BYTES pieces, in order (empty buffers dropped)."""
-    return [v[i: i + READ_PIECE_BYTES] for v in views for i in range(0, v.nbytes, READ_PIECE_BYTES)]
+    return [
+        v[i : i + READ_PIECE_BYTES] for v in views for i in range(0, v.nbytes, READ_PIECE_BYTES)
+    ]
 
 
 def _check_crc(payload: Any, stored: bytes, what: str) -> None:
@@ -265,11 +294,15 @@ class ArrayFile:
         try:
             meta = json.loads((array_dir / "zarr.json").read_bytes())
         except FileNotFoundError:
-            raise ChunkError(f"array {array_dir.name} is missing (no {array_dir / 'zarr.json'})") from None
+            raise ChunkError(
+                f"array {array_dir.name} is missing (no {array_dir / 'zarr.json'})"
+            ) from None
         layout = parse_layout(meta)
         if layout.shape != tuple(shape) or layout.dtype != dtype:
-            raise ChunkError(f"array {array_dir.name} is {layout.dtype} {layout.shape}, expected {dtype} "
-                             f"{tuple(shape)}")
+            raise ChunkError(
+                f"array {array_dir.name} is {layout.dtype} {layout.shape}, expected {dtype} "
+                f"{tuple(shape)}"
+            )
         return cls.open(array_dir, layout)
 
     @classmethod
@@ -314,7 +347,9 @@ class ArrayFile:
         """Decode inner chunk i into its rows of `out` (the whole array's buffer, C-contiguous)."""
         start, stop = self.layout.rows(i)
         dest = out[start:stop]
-        full_bytes = self.layout.chunk_rows * self.layout.row_bytes  # the last chunk is stored padded
+        full_bytes = (
+            self.layout.chunk_rows * self.layout.row_bytes
+        )  # the last chunk is stored padded
         if self.layout.codec == "none":  # the stored bytes are the values: read them into place
             pad = _scratch_buffer("pad", full_bytes - dest.nbytes)
             self._read_checked(i, [memoryview(dest).cast("B"), memoryview(pad)], fd)
@@ -331,14 +366,18 @@ class ArrayFile:
 
     def check_chunk(self, i: int) -> None:
         """Check inner chunk i against its crc32c without decoding it."""
-        self._read_checked(i, [memoryview(_scratch_buffer("encoded", int(self.index[i, 1]) - CRC_BYTES))])
+        self._read_checked(
+            i, [memoryview(_scratch_buffer("encoded", int(self.index[i, 1]) - CRC_BYTES))]
+        )
 
     def _read_checked(self, i: int, views: list[memoryview], fd: int | None = None) -> None:
         """Read chunk i's stored bytes (less the crc) into `views`, in L2-sized pieces, each one
         checksummed right after its read while it is still in the CPU cache; then compare crc32c."""
         offset, nbytes = (int(v) for v in self.index[i])
         if sum(v.nbytes for v in views) != nbytes - CRC_BYTES:
-            raise ChunkError(f"chunk {i} of {self.path} has {nbytes} bytes, not what its array needs")
+            raise ChunkError(
+                f"chunk {i} of {self.path} has {nbytes} bytes, not what its array needs"
+            )
         fd = self.fd if fd is None else fd
         value = 0
         for piece in _pieces(views):
@@ -360,15 +399,23 @@ def _read_index(fd: int, path: Path, layout: ArrayLayout) -> np.ndarray:
         raise ChunkError(f"{path} is too short ({size} bytes) to hold its index")
     raw_size = layout.chunk_rows * layout.row_bytes + CRC_BYTES
     expected = n * (raw_size + INDEX_ENTRY_BYTES) + CRC_BYTES
-    if layout.codec == "none" and size != expected:  # uncompressed: the size is known, say what is wrong
-        raise ChunkError(f"{path} is {size} bytes, but its array needs {expected} (the file was cut short "
-                         f"or overwritten)")
+    if (
+        layout.codec == "none" and size != expected
+    ):  # uncompressed: the size is known, say what is wrong
+        raise ChunkError(
+            f"{path} is {size} bytes, but its array needs {expected} (the file was cut short "
+            f"or overwritten)"
+        )
     raw = bytearray(n * INDEX_ENTRY_BYTES + CRC_BYTES)
     _pread_into(fd, [memoryview(raw)], index_start, path)
     _check_crc(memoryview(raw)[:-CRC_BYTES], bytes(raw[-CRC_BYTES:]), f"the index of {path}")
     index = np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2)
     ends = index[:, 0] + index[:, 1]
-    if (index == EMPTY_CHUNK).any() or (ends > index_start).any() or (index[:, 1] <= CRC_BYTES).any():
+    if (
+        (index == EMPTY_CHUNK).any()
+        or (ends > index_start).any()
+        or (index[:, 1] <= CRC_BYTES).any()
+    ):
         raise ChunkError(f"the index of {path} points outside its data or at missing chunks")
     if layout.codec == "none" and (index[:, 1] != raw_size).any():
         raise ChunkError(f"the index of {path} gives chunk sizes other than {raw_size} bytes")

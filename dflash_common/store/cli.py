@@ -21,7 +21,11 @@ from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 from dflash_common.fsutil import human_bytes
 from dflash_common.store import Store
 from dflash_common.store.contents import (
-    StoreContents, incomplete_sentence, missing_sentence, refill_advice, store_contents,
+    StoreContents,
+    incomplete_sentence,
+    missing_sentence,
+    refill_advice,
+    store_contents,
 )
 from dflash_common.store.verify import store_info, verify_store
 
@@ -46,14 +50,30 @@ def format_info(info: dict[str, Any]) -> str:
         ("shards", f"{info['shards']:,}" + _of_expected(info["shards"], info["expected_shards"])),
         ("sequences", f"{info['sequences']:,}"),
         ("tokens", f"{info['tokens']:,}" + _of_expected(info["tokens"], info["expected_tokens"])),
-        ("arrays (decoded)", (f"{human_bytes(info['decoded_bytes'])}: {info['array_bytes_per_token'] or 0:,} "
-                              "array bytes/token + 8 per sequence (offsets)")),
-        ("on disk", f"{human_bytes(info['bytes_on_disk'])} ({info['bytes_on_disk']:,} B"
-                    + ("" if per_token is None else f", {per_token:,.1f} bytes/token") + "), incl. shard indexes, "
-                    "checksums and metadata"),
+        (
+            "arrays (decoded)",
+            (
+                f"{human_bytes(info['decoded_bytes'])}: {info['array_bytes_per_token'] or 0:,} "
+                "array bytes/token + 8 per sequence (offsets)"
+            ),
+        ),
+        (
+            "on disk",
+            f"{human_bytes(info['bytes_on_disk'])} ({info['bytes_on_disk']:,} B"
+            + ("" if per_token is None else f", {per_token:,.1f} bytes/token")
+            + "), incl. shard indexes, "
+            "checksums and metadata",
+        ),
     ]
-    if ratio is not None:  # codec none compresses nothing: its decoded/disk measures only the metadata
-        rows.append(("compression ratio", f"{ratio:.3f} (decoded bytes / bytes on disk, codec {info['codec']})"))
+    if (
+        ratio is not None
+    ):  # codec none compresses nothing: its decoded/disk measures only the metadata
+        rows.append(
+            (
+                "compression ratio",
+                f"{ratio:.3f} (decoded bytes / bytes on disk, codec {info['codec']})",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -61,8 +81,10 @@ def format_info(info: dict[str, Any]) -> str:
 def _status_row(info: dict[str, Any]) -> str:
     missing = info["missing_shards"]
     if info["status"] == "incomplete":
-        return ("incomplete: no summary yet (dflash-precompute is still writing it, or stopped "
-                "before the end)")
+        return (
+            "incomplete: no summary yet (dflash-precompute is still writing it, or stopped "
+            "before the end)"
+        )
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         shown = ", ".join(missing[:3]) + more
@@ -92,8 +114,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"  {why}", file=sys.stderr)
     _print_missing(args.store, contents)
     if report.staging:
-        print(f"note: {len(report.staging)} unpublished staging dir(s) in {args.store}/.staging "
-              f"(invisible to readers; the next writer removes dead ones)", file=sys.stderr)
+        print(
+            f"note: {len(report.staging)} unpublished staging dir(s) in {args.store}/.staging "
+            f"(invisible to readers; the next writer removes dead ones)",
+            file=sys.stderr,
+        )
     problems = [f"{len(report.bad)} bad shard(s)"] if report.bad else []
     problems += [f"{len(contents.missing)} missing shard(s)"] if contents.missing else []
     incomplete = contents.status == "incomplete"
@@ -113,9 +138,12 @@ def _print_missing(path: str, contents: StoreContents) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="dflash-store", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser = ArgumentParser(
+        prog="dflash-store",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="what a store holds and how big it is")
     info.add_argument("store", help="store directory")

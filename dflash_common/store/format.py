@@ -27,7 +27,9 @@ READ_VERSIONS = (1, 2)
 SHARDS_DIR = "shards"
 STAGING_DIR = ".staging"
 STALE_STAGING_S = 24 * 3600  # a shard write takes minutes; a day-old staging dir is a dead writer's
-BUFFER_ALIGN = 4096  # carved arrays start at page offsets of their buffer (DMA- and O_DIRECT-friendly)
+BUFFER_ALIGN = (
+    4096  # carved arrays start at page offsets of their buffer (DMA- and O_DIRECT-friendly)
+)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -67,10 +69,16 @@ class StoreManifest:
     chat_template_sha256: str | None  # fingerprint.chat_template_sha256(...)
     layer_ids: tuple[int, ...]  # outputs of these decoder layers (HF hidden_states[i + 1])
     hidden_size: int
-    dtype: str = "bf16"  # storage dtype: bf16 | fp8_e4m3 | q4_hadamard (dflash_common/store/quant.py)
+    dtype: str = (
+        "bf16"  # storage dtype: bf16 | fp8_e4m3 | q4_hadamard (dflash_common/store/quant.py)
+    )
     codec: str = "none"  # none | zstd | blosc-lz4-bitshuffle (dflash_common/store/chunks.py)
-    chunk_tokens: int = 1024  # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
-    dataset: dict[str, Any] = dataclasses.field(default_factory=dict)  # fingerprint.dataset_fingerprint
+    chunk_tokens: int = (
+        1024  # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
+    )
+    dataset: dict[str, Any] = dataclasses.field(
+        default_factory=dict
+    )  # fingerprint.dataset_fingerprint
     precompute: dict[str, Any] = dataclasses.field(default_factory=dict)  # the precompute config
     # fingerprint.head_fingerprint: the target's embedding/lm_head and drafter-copied config fields;
     # {} in stores written before it was recorded (the trainer then compares `target` as a whole)
@@ -84,7 +92,9 @@ class StoreManifest:
         ids = tuple(int(i) for i in self.layer_ids)
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"layer_ids {list(self.layer_ids)} must be distinct non-negative ids")
-        object.__setattr__(self, "layer_ids", tuple(sorted(ids)))  # a set of layers: one canonical order
+        object.__setattr__(
+            self, "layer_ids", tuple(sorted(ids))
+        )  # a set of layers: one canonical order
         if self.hidden_size < 1 or self.chunk_tokens < 1:
             raise ValueError("hidden_size and chunk_tokens must be positive")
         check_hidden_size(self.dtype, self.hidden_size)
@@ -100,25 +110,33 @@ class StoreManifest:
         d["layer_ids"] = list(self.layer_ids)
         if not self.final_state:
             del d["final_state"]  # absent means false: older stores compare equal, byte for byte
-        if not d["target_head"]:  # a store of a dflash before it was recorded: its manifest as it was
+        if not d[
+            "target_head"
+        ]:  # a store of a dflash before it was recorded: its manifest as it was
             del d["target_head"]
         return json.loads(json.dumps({"format": FORMAT_NAME, **d}))  # plain JSON types, as stored
 
     @classmethod
     def from_json(cls, attrs: Mapping[str, Any], where: str = "store") -> StoreManifest:
         if attrs.get("format") != FORMAT_NAME:
-            raise StoreError(f"{where} is not a dflash hidden-state store (its zarr.json has no "
-                             f"'format: {FORMAT_NAME}'); pass the directory dflash-precompute wrote.")
+            raise StoreError(
+                f"{where} is not a dflash hidden-state store (its zarr.json has no "
+                f"'format: {FORMAT_NAME}'); pass the directory dflash-precompute wrote."
+            )
         version = attrs.get("format_version")
         if version not in READ_VERSIONS:
-            raise StoreError(f"{where} has store format version {version!r}, but this dflash reads "
-                             f"versions {', '.join(map(str, READ_VERSIONS))}; use the dflash version "
-                             f"that wrote it.")
+            raise StoreError(
+                f"{where} has store format version {version!r}, but this dflash reads "
+                f"versions {', '.join(map(str, READ_VERSIONS))}; use the dflash version "
+                f"that wrote it."
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in attrs.items() if k in names})
         except (TypeError, ValueError) as e:
-            raise StoreError(f"{where} has a malformed manifest ({e}); the store is damaged.") from e
+            raise StoreError(
+                f"{where} has a malformed manifest ({e}); the store is damaged."
+            ) from e
 
 
 def format_version_for(dtype: str) -> int:
@@ -140,7 +158,9 @@ class ShardPayload:
     offsets: Any
     sample_ids: Sequence[str]
     layers: Mapping[int, EncodedStates]
-    final: EncodedStates | None = None  # the final normed state [T, row]; exactly when the manifest says so
+    final: EncodedStates | None = (
+        None  # the final normed state [T, row]; exactly when the manifest says so
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +186,9 @@ def shard_name(unit_index: int, digest: str) -> str:
     """Name of a work unit's shard: its index (for ordering and humans) and a digest of its content
     (sample ids, tokens), so a rerun of the same unit writes the same name and can skip it."""
     if unit_index < 0 or not re.fullmatch(r"[0-9a-fA-F]{8,}", digest):
-        raise ValueError(f"unit index {unit_index} must be >= 0 and digest {digest!r} hex (8+ digits)")
+        raise ValueError(
+            f"unit index {unit_index} must be >= 0 and digest {digest!r} hex (8+ digits)"
+        )
     return f"u{unit_index:08d}-{digest[:16].lower()}"
 
 
@@ -183,8 +205,10 @@ def shard_glob(unit: int) -> str:
 
 def check_shard_name(name: str) -> None:
     if not _NAME_RE.match(name) or name == "zarr.json":
-        raise ValueError(f"shard name {name!r} must be 1-128 of [A-Za-z0-9_.-], not starting with '.' "
-                         f"or '-' (hidden names are invisible to readers)")
+        raise ValueError(
+            f"shard name {name!r} must be 1-128 of [A-Za-z0-9_.-], not starting with '.' "
+            f"or '-' (hidden names are invisible to readers)"
+        )
 
 
 def layer_array(layer_id: int) -> str:
@@ -224,33 +248,52 @@ def read_root_attributes(path: Path) -> dict[str, Any]:
         if not isinstance(attrs, dict):
             raise ValueError("its attributes are not a table")
     except (ValueError, AttributeError) as e:  # JSONDecodeError is a ValueError
-        raise StoreError(f"store {path} has an unreadable zarr.json ({e}); delete that file and rerun "
-                         f"dflash-precompute with the store's config, which rewrites it and keeps the "
-                         f"shards.") from e
+        raise StoreError(
+            f"store {path} has an unreadable zarr.json ({e}); delete that file and rerun "
+            f"dflash-precompute with the store's config, which rewrites it and keeps the "
+            f"shards."
+        ) from e
     return attrs
 
 
 def check_offsets(offsets: np.ndarray, num_tokens: int) -> None:
     """Sequence boundaries must rise strictly from 0 to T (no empty sequence)."""
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != num_tokens or (np.diff(offsets) <= 0).any():
+    if (
+        len(offsets) < 2
+        or offsets[0] != 0
+        or offsets[-1] != num_tokens
+        or (np.diff(offsets) <= 0).any()
+    ):
         raise ValueError(f"its offsets do not rise strictly from 0 to {num_tokens}")
 
 
-def check_compatible(manifest: StoreManifest, *, layer_ids: Sequence[int], hidden_size: int,
-                     tokenizer_sha256: str | None = None, where: str = "the store") -> None:
+def check_compatible(
+    manifest: StoreManifest,
+    *,
+    layer_ids: Sequence[int],
+    hidden_size: int,
+    tokenizer_sha256: str | None = None,
+    where: str = "the store",
+) -> None:
     """Raise StoreMismatchError (one sentence: what differs, what to do) unless a drafter reading
     `layer_ids` at `hidden_size` with this tokenizer can train from a store of this manifest."""
     m = manifest
     if hidden_size != m.hidden_size:
-        raise StoreMismatchError(f"{where} holds states of hidden size {m.hidden_size}, but the drafter "
-                                 f"needs {hidden_size}; use a store precomputed from the drafter's target.")
+        raise StoreMismatchError(
+            f"{where} holds states of hidden size {m.hidden_size}, but the drafter "
+            f"needs {hidden_size}; use a store precomputed from the drafter's target."
+        )
     missing = [i for i in layer_ids if i not in m.layer_ids]
     if missing:
-        raise StoreMismatchError(f"{where} holds target layers {list(m.layer_ids)}, but the drafter also "
-                                 f"reads {missing}; pick layer ids from {list(m.layer_ids)}, or precompute "
-                                 f"a store that captures {sorted(set(layer_ids))}.")
+        raise StoreMismatchError(
+            f"{where} holds target layers {list(m.layer_ids)}, but the drafter also "
+            f"reads {missing}; pick layer ids from {list(m.layer_ids)}, or precompute "
+            f"a store that captures {sorted(set(layer_ids))}."
+        )
     stored = m.tokenizer.get("sha256")
     if tokenizer_sha256 is not None and tokenizer_sha256 != stored:
-        raise StoreMismatchError(f"{where} was precomputed with tokenizer {str(stored)[:12]}, but the "
-                                 f"drafter's tokenizer is {tokenizer_sha256[:12]}; train with the tokenizer "
-                                 f"of the store's target.")
+        raise StoreMismatchError(
+            f"{where} was precomputed with tokenizer {str(stored)[:12]}, but the "
+            f"drafter's tokenizer is {tokenizer_sha256[:12]}; train with the tokenizer "
+            f"of the store's target."
+        )

@@ -17,8 +17,22 @@ import torch
 from dflash_common.store.chunks import ArrayFile, ChunkError
 from dflash_common.store.contents import root_metadata_problem
 from dflash_common.store.format import (
-    BUFFER_ALIGN, FINAL_ARRAY, FINAL_SCALE_ARRAY, SHARDS_DIR, BufferSpec, ShardInfo, StoreCorruptError, StoreError, StoreManifest,
-    StoreMismatchError, check_compatible, check_offsets, layer_array, read_json, read_root_attributes, scale_array,
+    BUFFER_ALIGN,
+    FINAL_ARRAY,
+    FINAL_SCALE_ARRAY,
+    SHARDS_DIR,
+    BufferSpec,
+    ShardInfo,
+    StoreCorruptError,
+    StoreError,
+    StoreManifest,
+    StoreMismatchError,
+    check_compatible,
+    check_offsets,
+    layer_array,
+    read_json,
+    read_root_attributes,
+    scale_array,
     short_json,
 )
 from dflash_common.store.quant import decode_states, has_scale, row_size, storage_numpy_dtype
@@ -39,8 +53,13 @@ class ShardData:
     final: np.ndarray | None = None  # the final normed state's rows [T, row], when read
     final_scale: np.ndarray | None = None  # float32 [T] (scaled dtypes only)
 
-    def states(self, layer_id: int | None, *, device: torch.device | str | None = None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def states(
+        self,
+        layer_id: int | None,
+        *,
+        device: torch.device | str | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
         """Decoded states [T, H] of one layer (None: the final normed state), on `device` (moved
         before decoding: fewer bytes)."""
         if layer_id is None:
@@ -67,8 +86,9 @@ def published_shard_names(path: str | Path) -> list[str]:
 class Store:
     """A store opened for reading. Thread-safe: several threads may read shards at once."""
 
-    def __init__(self, path: Path, manifest: StoreManifest, summary: dict[str, Any] | None,
-                 read_threads: int):
+    def __init__(
+        self, path: Path, manifest: StoreManifest, summary: dict[str, Any] | None, read_threads: int
+    ):
         self.path = path
         self.manifest = manifest
         self.summary = summary
@@ -84,10 +104,14 @@ class Store:
         `read_threads` decode chunks in parallel (reads and crc32c overlap; see docs/benchmarks.md)."""
         path = Path(path)
         if not path.exists():
-            raise StoreError(f"store {path} does not exist; check the path, or run dflash-precompute to write it.")
+            raise StoreError(
+                f"store {path} does not exist; check the path, or run dflash-precompute to write it."
+            )
         if not (path / "zarr.json").is_file():
-            raise StoreError(f"{path} is not a dflash store (no zarr.json); pass the directory "
-                             f"dflash-precompute wrote.")
+            raise StoreError(
+                f"{path} is not a dflash store (no zarr.json); pass the directory "
+                f"dflash-precompute wrote."
+            )
         attrs = read_root_attributes(path)
         manifest = StoreManifest.from_json(attrs, where=f"store {path}")
         store = cls(path, manifest, attrs.get("summary"), max(1, read_threads))
@@ -119,7 +143,9 @@ class Store:
         """Every published shard with its token and sequence counts (one small JSON read per shard;
         cached: `refresh()` lists again)."""
         if self._shards is None:
-            self._shards = [self._info(name, self._shard_attrs(name)) for name in self.shard_names()]
+            self._shards = [
+                self._info(name, self._shard_attrs(name)) for name in self.shard_names()
+            ]
         return self._shards
 
     def refresh(self) -> None:
@@ -132,11 +158,17 @@ class Store:
         try:
             attrs = read_json(self.path / SHARDS_DIR / name / "zarr.json")["attributes"]
             t, n, ids = int(attrs["num_tokens"]), int(attrs["num_sequences"]), attrs["sample_ids"]
-            if not (0 < n <= t and isinstance(ids, list) and len(ids) == n):  # sizes buffers: check first
-                raise ValueError(f"{n} sequences, {t} tokens and {len(ids)} sample ids do not fit together")
+            if not (
+                0 < n <= t and isinstance(ids, list) and len(ids) == n
+            ):  # sizes buffers: check first
+                raise ValueError(
+                    f"{n} sequences, {t} tokens and {len(ids)} sample ids do not fit together"
+                )
         except FileNotFoundError:
             if not (self.path / SHARDS_DIR / name).is_dir():
-                raise StoreError(f"store {self.path} has no shard {name!r}; list store.shards.") from None
+                raise StoreError(
+                    f"store {self.path} has no shard {name!r}; list store.shards."
+                ) from None
             raise self._corrupt(name, "its zarr.json is missing") from None
         except (KeyError, TypeError, ValueError) as e:
             raise self._corrupt(name, f"its zarr.json is unreadable ({e!r})") from e
@@ -149,19 +181,27 @@ class Store:
     def _corrupt(self, name: str, why: str) -> StoreCorruptError:
         return StoreCorruptError(
             f"Shard {name} of store {self.path} is corrupt: {why}; delete {self.path / SHARDS_DIR / name} "
-            f"and rerun dflash-precompute to rewrite it.", shard=name)
+            f"and rerun dflash-precompute to rewrite it.",
+            shard=name,
+        )
 
     # -- reading --------------------------------------------------------------------------------
 
-    def buffer_specs(self, name_or_info: str | ShardInfo, layer_ids: Sequence[int] | None = None,
-                     final: bool | None = None) -> dict[str, BufferSpec]:
+    def buffer_specs(
+        self,
+        name_or_info: str | ShardInfo,
+        layer_ids: Sequence[int] | None = None,
+        final: bool | None = None,
+    ) -> dict[str, BufferSpec]:
         """The arrays `read_shard` fills, by array name, for the chosen layers and, with `final`, the
         final normed state (None: with layer_ids None, whatever the store holds) (no array is read)."""
         info = name_or_info if isinstance(name_or_info, ShardInfo) else self.shard(name_or_info)
         t, n, m = info.num_tokens, info.num_sequences, self.manifest
-        specs = {"input_ids": BufferSpec((t,), np.dtype(np.int32)),
-                 "loss_mask": BufferSpec((t,), np.dtype(np.uint8)),
-                 "offsets": BufferSpec((n + 1,), np.dtype(np.int64))}
+        specs = {
+            "input_ids": BufferSpec((t,), np.dtype(np.int32)),
+            "loss_mask": BufferSpec((t,), np.dtype(np.uint8)),
+            "offsets": BufferSpec((n + 1,), np.dtype(np.int64)),
+        }
         rows = BufferSpec((t, row_size(m.dtype, m.hidden_size)), storage_numpy_dtype(m.dtype))
         scales = BufferSpec((t,), np.dtype(np.float32))
         for layer_id in self._layer_ids(layer_ids):
@@ -178,12 +218,18 @@ class Store:
         if final is None:
             return layer_ids is None and self.manifest.final_state
         if final and not self.manifest.final_state:
-            raise StoreMismatchError(f"store {self.path} holds no final states; precompute it with "
-                                     f"--store.final_state=true.")
+            raise StoreMismatchError(
+                f"store {self.path} holds no final states; precompute it with "
+                f"--store.final_state=true."
+            )
         return final
 
-    def shard_nbytes(self, name_or_info: str | ShardInfo, layer_ids: Sequence[int] | None = None,
-                     final: bool | None = None) -> int:
+    def shard_nbytes(
+        self,
+        name_or_info: str | ShardInfo,
+        layer_ids: Sequence[int] | None = None,
+        final: bool | None = None,
+    ) -> int:
         """Bytes of one buffer that `carve_buffers` splits into the arrays of a shard read."""
         return buffers_nbytes(self.buffer_specs(name_or_info, layer_ids, final))
 
@@ -192,12 +238,19 @@ class Store:
             return list(self.manifest.layer_ids)
         missing = [i for i in layer_ids if i not in self.manifest.layer_ids]
         if missing:
-            raise StoreMismatchError(f"store {self.path} holds layers {list(self.manifest.layer_ids)}, "
-                                     f"not {missing}; read layers the store has.")
+            raise StoreMismatchError(
+                f"store {self.path} holds layers {list(self.manifest.layer_ids)}, "
+                f"not {missing}; read layers the store has."
+            )
         return list(layer_ids)
 
-    def read_shard(self, name: str, layer_ids: Sequence[int] | None = None,
-                   out: Mapping[str, np.ndarray] | None = None, final: bool | None = None) -> ShardData:
+    def read_shard(
+        self,
+        name: str,
+        layer_ids: Sequence[int] | None = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        final: bool | None = None,
+    ) -> ShardData:
         """Read one shard's token arrays, the chosen layers (default: all) and, with `final`, the
         final normed state (default: when all layers are read and the store has it) into `out` (arrays
         shaped as `buffer_specs` says, e.g. from `carve_buffers` over pinned memory) or new arrays.
@@ -215,21 +268,37 @@ class Store:
             raise self._corrupt(name, str(e)) from e
         ids = self._layer_ids(layer_ids)
         return ShardData(
-            name=name, dtype=self.manifest.dtype, input_ids=bufs["input_ids"], loss_mask=bufs["loss_mask"],
-            offsets=bufs["offsets"], sample_ids=list(attrs["sample_ids"]),
+            name=name,
+            dtype=self.manifest.dtype,
+            input_ids=bufs["input_ids"],
+            loss_mask=bufs["loss_mask"],
+            offsets=bufs["offsets"],
+            sample_ids=list(attrs["sample_ids"]),
             layers={i: bufs[layer_array(i)] for i in ids},
             scales={i: bufs[scale_array(i)] for i in ids if scale_array(i) in bufs},
-            final=bufs.get(FINAL_ARRAY), final_scale=bufs.get(FINAL_SCALE_ARRAY))
+            final=bufs.get(FINAL_ARRAY),
+            final_scale=bufs.get(FINAL_SCALE_ARRAY),
+        )
 
-    def _read_arrays(self, shard_dir: Path, specs: Mapping[str, BufferSpec],
-                     bufs: Mapping[str, np.ndarray]) -> None:
+    def _read_arrays(
+        self, shard_dir: Path, specs: Mapping[str, BufferSpec], bufs: Mapping[str, np.ndarray]
+    ) -> None:
         opened: list[tuple[str, ArrayFile]] = []
         try:
             for array_name, spec in specs.items():
-                opened.append((array_name, ArrayFile.open_expecting(shard_dir / array_name, spec.shape, spec.dtype)))
+                opened.append(
+                    (
+                        array_name,
+                        ArrayFile.open_expecting(shard_dir / array_name, spec.shape, spec.dtype),
+                    )
+                )
             pool = self._executor()
-            futures = [pool.submit(f.read_chunks, run, bufs[a])
-                       for a, f in opened if len(f.layout.shape) == 2 for run in f.runs()]
+            futures = [
+                pool.submit(f.read_chunks, run, bufs[a])
+                for a, f in opened
+                if len(f.layout.shape) == 2
+                for run in f.runs()
+            ]
             try:  # the small 1-D arrays are read here, while the pool reads the states
                 for a, f in opened:
                     if len(f.layout.shape) == 1:
@@ -245,16 +314,23 @@ class Store:
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="dflash-store-read")
+                self._pool = ThreadPoolExecutor(
+                    self.read_threads, thread_name_prefix="dflash-store-read"
+                )
             return self._pool
 
     # -- checking -------------------------------------------------------------------------------
 
-    def check_compatible(self, *, layer_ids: Sequence[int], hidden_size: int,
-                         tokenizer_sha256: str | None = None) -> None:
-        check_compatible(self.manifest, layer_ids=layer_ids, hidden_size=hidden_size,
-                         tokenizer_sha256=tokenizer_sha256, where=f"store {self.path}")
-
+    def check_compatible(
+        self, *, layer_ids: Sequence[int], hidden_size: int, tokenizer_sha256: str | None = None
+    ) -> None:
+        check_compatible(
+            self.manifest,
+            layer_ids=layer_ids,
+            hidden_size=hidden_size,
+            tokenizer_sha256=tokenizer_sha256,
+            where=f"store {self.path}",
+        )
 
 
 def _aligned(nbytes: int) -> int:
@@ -266,22 +342,27 @@ def buffers_nbytes(specs: Mapping[str, BufferSpec]) -> int:
     return sum(_aligned(s.nbytes) for s in specs.values())
 
 
-def carve_buffers(specs: Mapping[str, BufferSpec],
-                  buffer: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
+def carve_buffers(
+    specs: Mapping[str, BufferSpec], buffer: np.ndarray | torch.Tensor
+) -> dict[str, np.ndarray]:
     """Split a flat uint8 buffer (e.g. a slot of a pinned torch tensor) into views for `read_shard`'s
     `out`; no copy, so the read lands in the caller's memory."""
     flat = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
     if flat.dtype != np.uint8 or flat.ndim != 1 or flat.nbytes < buffers_nbytes(specs):
-        raise ValueError(f"buffer must be 1-D uint8 of at least {buffers_nbytes(specs)} bytes, got "
-                         f"{flat.dtype} {flat.shape}")
+        raise ValueError(
+            f"buffer must be 1-D uint8 of at least {buffers_nbytes(specs)} bytes, got "
+            f"{flat.dtype} {flat.shape}"
+        )
     views, offset = {}, 0
     for name, s in specs.items():
-        views[name] = flat[offset: offset + s.nbytes].view(s.dtype).reshape(s.shape)
+        views[name] = flat[offset : offset + s.nbytes].view(s.dtype).reshape(s.shape)
         offset += _aligned(s.nbytes)
     return views
 
 
-def _check_out(specs: Mapping[str, BufferSpec], out: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _check_out(
+    specs: Mapping[str, BufferSpec], out: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     bufs = {}
     for name, spec in specs.items():
         buf = out.get(name)
@@ -289,16 +370,27 @@ def _check_out(specs: Mapping[str, BufferSpec], out: Mapping[str, np.ndarray]) -
             raise ValueError(f"out has no buffer for array {name!r} (see Store.buffer_specs)")
         if isinstance(buf, torch.Tensor):
             buf = buf.numpy()
-        if buf.shape != spec.shape or buf.dtype != spec.dtype or not buf.flags.c_contiguous \
-                or not buf.flags.writeable:
-            raise ValueError(f"out[{name!r}] must be a writeable C-contiguous {spec.dtype} array of shape "
-                             f"{spec.shape}, got {buf.dtype} {buf.shape}")
+        if (
+            buf.shape != spec.shape
+            or buf.dtype != spec.dtype
+            or not buf.flags.c_contiguous
+            or not buf.flags.writeable
+        ):
+            raise ValueError(
+                f"out[{name!r}] must be a writeable C-contiguous {spec.dtype} array of shape "
+                f"{spec.shape}, got {buf.dtype} {buf.shape}"
+            )
         bufs[name] = buf
     return bufs
 
 
-_SAME_ACROSS_STORES = ("hidden_size", "tokenizer.sha256", "chat_template_sha256", "target.config_sha256",
-                       "target.weights_sha256")
+_SAME_ACROSS_STORES = (
+    "hidden_size",
+    "tokenizer.sha256",
+    "chat_template_sha256",
+    "target.config_sha256",
+    "target.weights_sha256",
+)
 
 
 def open_stores(paths: Sequence[str | Path], *, read_threads: int = 4) -> list[Store]:
@@ -313,9 +405,11 @@ def open_stores(paths: Sequence[str | Path], *, read_threads: int = 4) -> list[S
         for key in _SAME_ACROSS_STORES:
             a, b = _dig(first, key), _dig(theirs, key)
             if a != b:
-                raise StoreMismatchError(f"stores {stores[0].path} and {other.path} differ in {key} "
-                                         f"({short_json(a)} vs {short_json(b)}); train from stores of one "
-                                         f"target and tokenizer.")
+                raise StoreMismatchError(
+                    f"stores {stores[0].path} and {other.path} differ in {key} "
+                    f"({short_json(a)} vs {short_json(b)}); train from stores of one "
+                    f"target and tokenizer."
+                )
     return stores
 
 

@@ -20,7 +20,14 @@ from dflash_common.cli import progress_bar
 from dflash_common.store.chunks import ArrayFile, ChunkError
 from dflash_common.store.contents import contents_info, disk_bytes
 from dflash_common.store.format import (
-    FINAL_SCALE_ARRAY, FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, check_offsets, layer_array, scale_array,
+    FINAL_SCALE_ARRAY,
+    FORMAT_NAME,
+    SHARDS_DIR,
+    STAGING_DIR,
+    StoreCorruptError,
+    check_offsets,
+    layer_array,
+    scale_array,
 )
 
 if TYPE_CHECKING:
@@ -45,11 +52,14 @@ def verify_store(store: Store, *, progress: bool = True) -> VerifyReport:
     bad = {}
     with ThreadPoolExecutor(store.read_threads, thread_name_prefix="dflash-store-verify") as pool:
         results = pool.map(lambda name: _shard_problem(store, name), names)
-        for name, problem in progress_bar(zip(names, results), enabled=progress, total=len(names), desc="verify",
-                                          unit="shard"):
+        for name, problem in progress_bar(
+            zip(names, results), enabled=progress, total=len(names), desc="verify", unit="shard"
+        ):
             if problem:
                 bad[name] = problem
-    staging = sorted(os.listdir(store.path / STAGING_DIR)) if (store.path / STAGING_DIR).is_dir() else []
+    staging = (
+        sorted(os.listdir(store.path / STAGING_DIR)) if (store.path / STAGING_DIR).is_dir() else []
+    )
     return VerifyReport(len(names), bad, staging)
 
 
@@ -67,17 +77,27 @@ def _shard_problem(store: Store, name: str) -> str | None:
 def _verify_shard(store: Store, name: str) -> None:
     attrs = store._shard_attrs(name)
     m = store.manifest
-    if attrs.get("format") != FORMAT_NAME + "/shard" or attrs.get("format_version") != m.format_version:
-        raise ValueError(f"its format is {attrs.get('format')!r} version {attrs.get('format_version')!r}")
+    if (
+        attrs.get("format") != FORMAT_NAME + "/shard"
+        or attrs.get("format_version") != m.format_version
+    ):
+        raise ValueError(
+            f"its format is {attrs.get('format')!r} version {attrs.get('format_version')!r}"
+        )
     if list(attrs.get("layer_ids", [])) != list(m.layer_ids) or attrs.get("dtype") != m.dtype:
-        raise ValueError(f"it holds layers {attrs.get('layer_ids')} as {attrs.get('dtype')}, the manifest "
-                         f"says {list(m.layer_ids)} as {m.dtype}")
+        raise ValueError(
+            f"it holds layers {attrs.get('layer_ids')} as {attrs.get('dtype')}, the manifest "
+            f"says {list(m.layer_ids)} as {m.dtype}"
+        )
     if bool(attrs.get("final_state", False)) != m.final_state:
-        raise ValueError(f"its final_state is {bool(attrs.get('final_state', False))}, the manifest says "
-                         f"{m.final_state}")
+        raise ValueError(
+            f"its final_state is {bool(attrs.get('final_state', False))}, the manifest says "
+            f"{m.final_state}"
+        )
     if len(attrs["sample_ids"]) != attrs["num_sequences"]:
-        raise ValueError(f"it lists {len(attrs['sample_ids'])} sample ids for {attrs['num_sequences']} "
-                         f"sequences")
+        raise ValueError(
+            f"it lists {len(attrs['sample_ids'])} sample ids for {attrs['num_sequences']} sequences"
+        )
     specs = store.buffer_specs(name)
     shard_dir = store.path / SHARDS_DIR / name
     small = {}
@@ -115,16 +135,32 @@ def store_info(store: Store) -> dict[str, Any]:
     decoded = sum(spec.nbytes for s in shards for spec in store.buffer_specs(s).values())
     disk = disk_bytes(store.path)
     # every array but the offsets holds one row per token: states (and fp8 scales), token ids, loss mask
-    per_token = [sum(v.nbytes for k, v in store.buffer_specs(s).items() if k != "offsets") // s.num_tokens
-                 for s in shards[:1] if s.num_tokens]
+    per_token = [
+        sum(v.nbytes for k, v in store.buffer_specs(s).items() if k != "offsets") // s.num_tokens
+        for s in shards[:1]
+        if s.num_tokens
+    ]
     return {
-        "path": str(store.path), "format_version": m.format_version, "target": m.target.get("name"),
-        "layer_ids": list(m.layer_ids), "final_state": m.final_state, "hidden_size": m.hidden_size, "dtype": m.dtype, "codec": m.codec,
-        "chunk_tokens": m.chunk_tokens, "shards": len(shards), "sequences": sequences, "tokens": tokens,
+        "path": str(store.path),
+        "format_version": m.format_version,
+        "target": m.target.get("name"),
+        "layer_ids": list(m.layer_ids),
+        "final_state": m.final_state,
+        "hidden_size": m.hidden_size,
+        "dtype": m.dtype,
+        "codec": m.codec,
+        "chunk_tokens": m.chunk_tokens,
+        "shards": len(shards),
+        "sequences": sequences,
+        "tokens": tokens,
         # decoded: the arrays a read returns (= the plan's projection); on disk: every published file
-        "decoded_bytes": decoded, "array_bytes_per_token": per_token[0] if per_token else None,
-        "bytes_on_disk": disk, "bytes_per_token": disk / tokens if tokens else None,
-        "compression_ratio": decoded / disk if disk else None,  # the text output shows it only for a codec
+        "decoded_bytes": decoded,
+        "array_bytes_per_token": per_token[0] if per_token else None,
+        "bytes_on_disk": disk,
+        "bytes_per_token": disk / tokens if tokens else None,
+        "compression_ratio": decoded / disk
+        if disk
+        else None,  # the text output shows it only for a codec
         "summary": store.summary,
         **contents_info(store),  # against the summary: complete, incomplete, or what is missing
     }

@@ -26,12 +26,33 @@ from zarr.storage import LocalStore
 from dflash_common.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, publish_dir
 from dflash_common.store.chunks import balanced_chunk_rows, create_array, write_data
 from dflash_common.store.format import (
-    FINAL_ARRAY, FINAL_SCALE_ARRAY, FORMAT_NAME, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError, ShardInfo,
-    ShardPayload, StoreError, StoreManifest, StoreMismatchError, check_shard_name, group_metadata, layer_array,
-    read_json, read_root_attributes, scale_array, short_json,
+    FINAL_ARRAY,
+    FINAL_SCALE_ARRAY,
+    FORMAT_NAME,
+    SHARDS_DIR,
+    STAGING_DIR,
+    STALE_STAGING_S,
+    NonFiniteStatesError,
+    ShardInfo,
+    ShardPayload,
+    StoreError,
+    StoreManifest,
+    StoreMismatchError,
+    check_shard_name,
+    group_metadata,
+    layer_array,
+    read_json,
+    read_root_attributes,
+    scale_array,
+    short_json,
 )
 from dflash_common.store.quant import (
-    LOGICAL_DTYPE_NAMES, EncodedStates, has_scale, nonfinite_rows, row_size, storage_numpy_dtype,
+    LOGICAL_DTYPE_NAMES,
+    EncodedStates,
+    has_scale,
+    nonfinite_rows,
+    row_size,
+    storage_numpy_dtype,
 )
 from dflash_common.store.reader import Store
 
@@ -95,7 +116,9 @@ def _process_alive(pid: int) -> bool:
             stat = f.read()
     except OSError:  # no /proc here (not Linux), or it just ended
         return True
-    return stat[stat.rindex(b")") + 2:][:1] != b"Z"  # the state follows the parenthesised command name
+    return (
+        stat[stat.rindex(b")") + 2 :][:1] != b"Z"
+    )  # the state follows the parenthesised command name
 
 
 def _host() -> str:
@@ -117,11 +140,16 @@ def check_store_place(path: Path) -> None:
         raise StoreError(f"store path {path} is a file; pass a directory (new or a dflash store).")
     if not path.is_dir() or (path / "zarr.json").exists():
         return
-    foreign = [p.name for p in path.iterdir()
-               if not p.name.startswith(".") and p.name not in ("zarr.json", SHARDS_DIR)]
+    foreign = [
+        p.name
+        for p in path.iterdir()
+        if not p.name.startswith(".") and p.name not in ("zarr.json", SHARDS_DIR)
+    ]
     if foreign:
-        raise StoreError(f"{path} is a non-empty directory that is not a dflash store (it holds "
-                         f"{foreign[0]!r}); pass a new or empty directory.")
+        raise StoreError(
+            f"{path} is a non-empty directory that is not a dflash store (it holds "
+            f"{foreign[0]!r}); pass a new or empty directory."
+        )
 
 
 class StoreWriter:
@@ -149,11 +177,15 @@ class StoreWriter:
         diff = _first_difference(stored, manifest.to_json())
         if diff:
             key, old, new = diff
-            fix = ("the dflash version that made it" if key.endswith("_version")  # no setting brings it back
-                   else "the settings the store was made with")
+            fix = (
+                "the dflash version that made it"
+                if key.endswith("_version")  # no setting brings it back
+                else "the settings the store was made with"
+            )
             raise StoreMismatchError(
                 f"Store {path} was made with {key} = {short_json(old)}, but this run has "
-                f"{key} = {short_json(new)}; use a new store path, or {fix}.")
+                f"{key} = {short_json(new)}; use a new store path, or {fix}."
+            )
         (path / SHARDS_DIR).mkdir(exist_ok=True)
         if not (path / SHARDS_DIR / "zarr.json").exists():
             _publish_new_file(path / SHARDS_DIR / "zarr.json", group_metadata({}))
@@ -187,13 +219,23 @@ class StoreWriter:
         try:
             group = zarr.create_group(store=LocalStore(staging), attributes=attrs, zarr_format=3)
             for array_name, (data, array_attrs, dims, rows) in arrays.items():
-                layout = create_array(group, array_name, data.shape, data.dtype, rows, self.manifest.codec,
-                                      array_attrs, dims)
+                layout = create_array(
+                    group,
+                    array_name,
+                    data.shape,
+                    data.dtype,
+                    rows,
+                    self.manifest.codec,
+                    array_attrs,
+                    dims,
+                )
                 write_data(staging / array_name, layout, data)
             fsync_tree(staging)
             published = publish_dir(staging, self.shards_dir / name)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)  # gone after a publish; a failed write's rest
+            shutil.rmtree(
+                staging, ignore_errors=True
+            )  # gone after a publish; a failed write's rest
         return WrittenShard(name, attrs["num_tokens"], attrs["num_sequences"], published)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
@@ -214,28 +256,41 @@ class StoreWriter:
         sample_ids = [str(s) for s in payload.sample_ids]
         _check_sequences(name, t, loss_mask, offsets, sample_ids)
         if sorted(payload.layers) != list(m.layer_ids):
-            raise ValueError(f"shard {name} has layers {sorted(payload.layers)}, the store "
-                             f"{list(m.layer_ids)}")
+            raise ValueError(
+                f"shard {name} has layers {sorted(payload.layers)}, the store {list(m.layer_ids)}"
+            )
         # small 1-D arrays are one chunk each (T int32 is 0.01% of a layer's bytes at H=4096)
-        arrays = {"input_ids": (input_ids, {}, ("token",), t),
-                  "loss_mask": (loss_mask, {}, ("token",), t),
-                  "offsets": (offsets, {}, ("sequence_boundary",), len(offsets))}
+        arrays = {
+            "input_ids": (input_ids, {}, ("token",), t),
+            "loss_mask": (loss_mask, {}, ("token",), t),
+            "offsets": (offsets, {}, ("sequence_boundary",), len(offsets)),
+        }
         rows = balanced_chunk_rows(t, m.chunk_tokens)
         for layer_id in m.layer_ids:
-            data, scale = self._states(name, f"layer {layer_id}", payload.layers[layer_id], t, offsets, sample_ids)
+            data, scale = self._states(
+                name, f"layer {layer_id}", payload.layers[layer_id], t, offsets, sample_ids
+            )
             attrs = {"layer_id": layer_id, "logical_dtype": LOGICAL_DTYPE_NAMES[m.dtype]}
             if scale is not None:
                 attrs["scale_array"] = scale_array(layer_id)
                 arrays[scale_array(layer_id)] = (scale, {"layer_id": layer_id}, ("token",), t)
             arrays[layer_array(layer_id)] = (data, attrs, ("token", "hidden"), rows)
         if (payload.final is not None) != m.final_state:
-            raise ValueError(f"shard {name} {'lacks' if m.final_state else 'has'} the final state, the store "
-                             f"{'holds' if m.final_state else 'does not hold'} final states")
+            raise ValueError(
+                f"shard {name} {'lacks' if m.final_state else 'has'} the final state, the store "
+                f"{'holds' if m.final_state else 'does not hold'} final states"
+            )
         if m.final_state:
             arrays.update(self._final_arrays(name, payload.final, t, offsets, sample_ids, rows))
-        attrs = {"format": FORMAT_NAME + "/shard", "format_version": m.format_version, "num_tokens": t,
-                 "num_sequences": len(sample_ids), "layer_ids": list(m.layer_ids), "dtype": m.dtype,
-                 "sample_ids": sample_ids}
+        attrs = {
+            "format": FORMAT_NAME + "/shard",
+            "format_version": m.format_version,
+            "num_tokens": t,
+            "num_sequences": len(sample_ids),
+            "layer_ids": list(m.layer_ids),
+            "dtype": m.dtype,
+            "sample_ids": sample_ids,
+        }
         if m.final_state:
             attrs["final_state"] = True
         return dict(sorted(arrays.items())), attrs
@@ -254,7 +309,9 @@ class StoreWriter:
         """Check one [T, H] state array of a payload (`what`: 'layer 9', 'the final state')."""
         m = self.manifest
         if enc.dtype != m.dtype:
-            raise ValueError(f"shard {name} {what} is encoded as {enc.dtype}, the store as {m.dtype}")
+            raise ValueError(
+                f"shard {name} {what} is encoded as {enc.dtype}, the store as {m.dtype}"
+            )
         data = _numpy(enc.data, what, storage_numpy_dtype(m.dtype), 2, exact=True)
         shape = (t, row_size(m.dtype, m.hidden_size))
         if data.shape != shape:
@@ -272,7 +329,9 @@ class StoreWriter:
             raise NonFiniteStatesError(
                 f"Hidden states of sample {sample_ids[seq]} ({what}, token "
                 f"{bad[0] - offsets[seq]}) hold NaN or Inf; nothing of shard {name} was written; check that "
-                f"sample and the target's dtype.", sample_id=sample_ids[seq])
+                f"sample and the target's dtype.",
+                sample_id=sample_ids[seq],
+            )
         return data, scale
 
 
@@ -299,6 +358,13 @@ def _check_sequences(name, t, loss_mask, offsets, sample_ids) -> None:
     if loss_mask.max() > 1:
         raise ValueError(f"shard {name}: loss_mask must hold 0/1")
     n = len(sample_ids)
-    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != t or (np.diff(offsets) <= 0).any():
-        raise ValueError(f"shard {name}: offsets must rise strictly from 0 to {t} with one entry per "
-                         f"sample plus one ({n} samples, got {len(offsets)} offsets)")
+    if (
+        len(offsets) != n + 1
+        or offsets[0] != 0
+        or offsets[-1] != t
+        or (np.diff(offsets) <= 0).any()
+    ):
+        raise ValueError(
+            f"shard {name}: offsets must rise strictly from 0 to {t} with one entry per "
+            f"sample plus one ({n} samples, got {len(offsets)} offsets)"
+        )

@@ -21,8 +21,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 DECODE_ATTENTION = "dflash_decode_sdpa"
 
 
-def packed_gqa_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_gqa_sdpa(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, except for a one-token query over grouped key/value heads: the
     query heads that share a key/value head become that head's query rows, [B, Hq, 1, D] ->
     [B, Hkv, Hq/Hkv, D], so the cache is read as it is stored. transformers (before 5.24) repeats the
@@ -34,9 +40,17 @@ def packed_gqa_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     shared_mask = attention_mask is None or attention_mask.shape[1] == 1
     if q_len != 1 or groups == 1 or not shared_mask or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    q = query.reshape(b, heads // groups, groups, dim)  # heads h = kv * groups + g, repeat_kv's order
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
-                                         dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"))
+    q = query.reshape(
+        b, heads // groups, groups, dim
+    )  # heads h = kv * groups + g, repeat_kv's order
+    out = F.scaled_dot_product_attention(
+        q,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+    )
     return out.reshape(b, heads, 1, dim).transpose(1, 2).contiguous(), None  # [B, 1, Hq, D]
 
 
@@ -45,8 +59,12 @@ def decode_attention(model: Any) -> Iterator[None]:
     """Inside the block, the model's sdpa attention is `packed_gqa_sdpa` (registered under
     DECODE_ATTENTION, its masks made as sdpa's); restored after, as the model is the caller's. Every
     config the model's modules read (a composite model's text config too) is switched."""
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
-               and getattr(c, "_attn_implementation", None) == "sdpa"}
+    configs = {
+        id(c): c
+        for m in model.modules()
+        if (c := getattr(m, "config", None)) is not None
+        and getattr(c, "_attn_implementation", None) == "sdpa"
+    }
     if not configs:
         yield
         return
@@ -69,5 +87,8 @@ def static_steps_allowed(config: Any) -> bool:
     whole past (no sliding window) and the attention implementation takes an additive 4D mask."""
     layer_types = getattr(config, "layer_types", None) or []
     sliding = any(t != "full_attention" for t in layer_types) or (
-        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False))
+        not layer_types
+        and getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", False)
+    )
     return not sliding and getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager")

@@ -70,8 +70,13 @@ class Chat:
             self.history.pop()  # the turns nobody answered
 
     def record(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "messages": self.history, "finish_reason": self.finish_reasons[-1],
-                               "generated_turns": len(self.finish_reasons), "source": self.source_id}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "messages": self.history,
+            "finish_reason": self.finish_reasons[-1],
+            "generated_turns": len(self.finish_reasons),
+            "source": self.source_id,
+        }
         if self.tools:
             out["tools"] = self.tools
         return out
@@ -89,7 +94,9 @@ def assistant_message(text: str) -> dict[str, Any]:
 def payload_digest(raw: RawRecord) -> str:
     payload = raw.payload
     if not isinstance(payload, bytes):
-        payload = json.dumps(getattr(payload, "load", lambda: payload)(), sort_keys=True, default=str).encode()
+        payload = json.dumps(
+            getattr(payload, "load", lambda: payload)(), sort_keys=True, default=str
+        ).encode()
     return hashlib.sha256(payload).hexdigest()
 
 
@@ -109,11 +116,19 @@ def parse_chat(raw: RawRecord, fmt: str, turns: str) -> Chat:
             messages = parsed.messages
     history, segments = split_turns(messages, turns)
     if not segments:
-        raise BadRecord("nothing_to_answer", "the conversation has no turn for the assistant to answer")
+        raise BadRecord(
+            "nothing_to_answer", "the conversation has no turn for the assistant to answer"
+        )
     rid = obj.get("id")
     tools = obj.get("tools") if isinstance(obj.get("tools"), list) else None
-    return Chat(str(rid) if isinstance(rid, (str, int)) else raw.source_id, raw.source_id, digest, tools,
-                history, segments)
+    return Chat(
+        str(rid) if isinstance(rid, (str, int)) else raw.source_id,
+        raw.source_id,
+        digest,
+        tools,
+        history,
+        segments,
+    )
 
 
 def _prompt(raw: RawRecord) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -135,7 +150,9 @@ def _prompt(raw: RawRecord) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 def split_turns(messages: list[dict[str, Any]], turns: str) -> tuple[list[dict], list[list[dict]]]:
     """-> (history kept as given, the messages to add before each turn to generate)."""
     if turns == "last":
-        end = len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else len(messages)
+        end = (
+            len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else len(messages)
+        )
         return [dict(m) for m in messages[:end]], ([[]] if end > 0 else [])
     segments, current = [], []
     for m in messages:
@@ -146,4 +163,6 @@ def split_turns(messages: list[dict[str, Any]], turns: str) -> tuple[list[dict],
             current.append(dict(m))
     if current and current[-1]["role"] in ("user", "tool"):
         segments.append(current)
-    return [], [s for s in segments if s]  # an assistant turn right after another (or first) has no prompt
+    return [], [
+        s for s in segments if s
+    ]  # an assistant turn right after another (or first) has no prompt

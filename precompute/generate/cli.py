@@ -27,8 +27,15 @@ def parse(argv: Sequence[str] | None = None) -> GenerateConfig:
     """`--config FILE`, `--out DIR`, `--dry-run` and `--section.field=value` -> the config."""
     argv = sys.argv[1:] if argv is None else argv
     intro, examples = __doc__.split("\n\n")[:2]
-    cfg, _ = parse_args(GenerateConfig, argv, prog="dflash-generate", description=intro,
-                        shortcuts={"out": "output.dir"}, switches=_SWITCHES, examples=examples)
+    cfg, _ = parse_args(
+        GenerateConfig,
+        argv,
+        prog="dflash-generate",
+        description=intro,
+        shortcuts={"out": "output.dir"},
+        switches=_SWITCHES,
+        examples=examples,
+    )
     return cfg
 
 
@@ -37,8 +44,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Returns None: console scripts pass main()'s result to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
-    with interrupt_says(lambda: f"the shards already published in {cfg.output.dir} are kept (a shard being "
-                        f"written is not visible); rerun the same command to resume."):
+    with interrupt_says(
+        lambda: (
+            f"the shards already published in {cfg.output.dir} are kept (a shard being "
+            f"written is not visible); rerun the same command to resume."
+        )
+    ):
         from precompute.generate.job import run  # after argument parsing: --help stays fast
 
         run(cfg)

@@ -40,7 +40,9 @@ class CudaGraph:
                 with torch.cuda.graph(graph):  # records the step; runs nothing
                     self.out = self.fn()
             except RuntimeError as e:
-                log.warning("decode step: CUDA graph capture failed (%s); decoding with eager steps", e)
+                log.warning(
+                    "decode step: CUDA graph capture failed (%s); decoding with eager steps", e
+                )
                 self.eager = True
                 return self.fn()
             self.graph = graph

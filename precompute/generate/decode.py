@@ -61,8 +61,9 @@ OnTokens = Callable[[int], None]  # answer tokens (no end-of-turn token) since i
 SYNC_EVERY = 8  # decode steps between two looks of the host at the device (stop check, progress)
 
 
-def batch_requests(lengths: Sequence[int], max_new_tokens: int, token_budget: int,
-                   max_batch: int) -> list[list[int]]:
+def batch_requests(
+    lengths: Sequence[int], max_new_tokens: int, token_budget: int, max_batch: int
+) -> list[list[int]]:
     """Indices of requests (their prompt `lengths`) grouped into decode batches, longest prompts
     first (sorted: little padding), each within `token_budget` counted as batch size x (longest
     prompt + max_new_tokens), the KV cache it allocates, and `max_batch` requests."""
@@ -79,22 +80,34 @@ def batch_requests(lengths: Sequence[int], max_new_tokens: int, token_budget: in
     return batches
 
 
-def sample_next(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator] | None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, s: Sampling, generators: list[torch.Generator] | None
+) -> torch.Tensor:
     """[B, V] logits -> [B] next token ids: argmax, or a draw per row from its own generator."""
     if s.greedy:
         return logits.argmax(-1)
     # per-row CPU generators: a draw is the same on any device and in any batch
     probs = sampling_probs(logits, s).cpu()
     assert generators is not None
-    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+    return torch.stack(
+        [torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)]
+    )
 
 
 class TransformersDecoder:
     """Batched decoding over a transformers causal LM with a static KV cache."""
 
-    def __init__(self, model: Any, stop_ids: Collection[int], pad_id: int, sampling: Sampling,
-                 token_budget: int, max_batch: int, compile: bool = False,
-                 cuda_graphs: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        stop_ids: Collection[int],
+        pad_id: int,
+        sampling: Sampling,
+        token_budget: int,
+        max_batch: int,
+        compile: bool = False,
+        cuda_graphs: bool = False,
+    ):
         self.model = model
         self.stop_ids = sorted(stop_ids)
         self.pad_id = pad_id
@@ -104,15 +117,21 @@ class TransformersDecoder:
         self.device = next(model.parameters()).device
         self.forward = model.forward
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns, then goes)
-        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_kw = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         if compile and self.device.type == "cuda":
             from precompute.target import compile_decoder_layers
 
-            compile_decoder_layers(model, kv_cache=True)  # the layers' parts, one graph for all layers
+            compile_decoder_layers(
+                model, kv_cache=True
+            )  # the layers' parts, one graph for all layers
         self.static_steps = static_steps_allowed(model.config)
         self.cuda_graphs = cuda_graphs and self.static_steps and self.device.type == "cuda"
 
-    def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
+    def generate(
+        self, requests: list[Request], on_tokens: OnTokens | None = None
+    ) -> list[Generated]:
         out: list[Generated | None] = [None] * len(requests)
         lengths = [len(r.prompt) for r in requests]
         n_new = self.sampling.max_new_tokens
@@ -122,7 +141,9 @@ class TransformersDecoder:
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
-    def decode_batch(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
+    def decode_batch(
+        self, requests: list[Request], on_tokens: OnTokens | None = None
+    ) -> list[Generated]:
         """One left-padded batch, decoded to the end of its longest answer."""
         with decode_attention(self.model):
             return self._decode_batch(requests, on_tokens)
@@ -133,22 +154,38 @@ class TransformersDecoder:
         n_new = self.sampling.max_new_tokens
         bsz, width = len(requests), max(len(r.prompt) for r in requests)
         ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((bsz, width + n_new), dtype=torch.long)  # 1 on real tokens, 0 on left padding
+        mask = torch.zeros(
+            (bsz, width + n_new), dtype=torch.long
+        )  # 1 on real tokens, 0 on left padding
         for i, r in enumerate(requests):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, width - len(r.prompt): width] = 1
+            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt) : width] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # [B, P]: each row counts from 0
         cache = StaticCache(config=self.model.config, max_cache_len=width + n_new)
-        gens = None if self.sampling.greedy else [torch.Generator().manual_seed(r.seed) for r in requests]
+        gens = (
+            None
+            if self.sampling.greedy
+            else [torch.Generator().manual_seed(r.seed) for r in requests]
+        )
         stop = torch.tensor(self.stop_ids, device=self.device)
-        logits = self.forward(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
-                              **{self.cache_kw: cache}, cache_position=torch.arange(width, device=self.device),
-                              use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self.forward(
+            input_ids=ids,
+            attention_mask=mask[:, :width],
+            position_ids=positions,
+            **{self.cache_kw: cache},
+            cache_position=torch.arange(width, device=self.device),
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         tokens, done = [], torch.zeros(bsz, dtype=torch.bool, device=self.device)
-        live = torch.zeros((), dtype=torch.long, device=self.device)  # tokens generated since the last check
+        live = torch.zeros(
+            (), dtype=torch.long, device=self.device
+        )  # tokens generated since the last check
         last = positions[:, -1]
-        step = self._static_step(cache, mask, positions[:, -1:], width) if self.static_steps else None
+        step = (
+            self._static_step(cache, mask, positions[:, -1:], width) if self.static_steps else None
+        )
         for t in range(n_new):
             nxt = sample_next(logits, self.sampling, gens).to(self.device)
             nxt = torch.where(done, self.pad_id, nxt)  # [B]; finished rows only pad
@@ -169,28 +206,41 @@ class TransformersDecoder:
                 continue
             mask[:, width + t] = 1
             last = last + 1
-            logits = self.forward(input_ids=nxt[:, None], attention_mask=mask[:, : width + t + 1],
-                                  position_ids=last[:, None], **{self.cache_kw: cache},
-                                  cache_position=torch.tensor([width + t], device=self.device),
-                                  use_cache=True).logits[:, -1]
+            logits = self.forward(
+                input_ids=nxt[:, None],
+                attention_mask=mask[:, : width + t + 1],
+                position_ids=last[:, None],
+                **{self.cache_kw: cache},
+                cache_position=torch.tensor([width + t], device=self.device),
+                use_cache=True,
+            ).logits[:, -1]
         return [self._finish(row) for row in torch.stack(tokens, 1).tolist()]
 
-    def _static_step(self, cache: Any, mask: torch.Tensor, position: torch.Tensor,
-                     width: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def _static_step(
+        self, cache: Any, mask: torch.Tensor, position: torch.Tensor, width: int
+    ) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """The decode step over fixed buffers: step(next tokens [B], cache slot) -> logits [B, V]. The
         slot is the step's column of the static cache (width + t); with cuda_graphs, a CUDA graph runs it."""
         dtype = next(self.model.parameters()).dtype
         floor = torch.finfo(dtype).min
         # [B, 1, 1, L] additive: 0 where a key is visible (prompt tokens now, each step's own column later)
-        mask4 = torch.full((mask.shape[0], 1, 1, mask.shape[1]), floor, dtype=dtype, device=self.device)
+        mask4 = torch.full(
+            (mask.shape[0], 1, 1, mask.shape[1]), floor, dtype=dtype, device=self.device
+        )
         mask4[:, 0, 0, :width].masked_fill_(mask[:, :width].bool(), 0.0)
         ids = torch.zeros((mask.shape[0], 1), dtype=torch.long, device=self.device)
         pos = position.clone()  # [B, 1]: the last prompt token's position; each step adds one first
         slot = torch.zeros(1, dtype=torch.long, device=self.device)
 
         def forward() -> torch.Tensor:
-            return self.forward(input_ids=ids, attention_mask=mask4, position_ids=pos, **{self.cache_kw: cache},
-                                cache_position=slot, use_cache=True).logits[:, -1]
+            return self.forward(
+                input_ids=ids,
+                attention_mask=mask4,
+                position_ids=pos,
+                **{self.cache_kw: cache},
+                cache_position=slot,
+                use_cache=True,
+            ).logits[:, -1]
 
         run = CudaGraph(forward) if self.cuda_graphs else forward
 
@@ -213,22 +263,44 @@ class TransformersDecoder:
 class VllmDecoder:
     """`vllm.LLM` offline: the whole request list at once (vLLM batches and schedules itself)."""
 
-    def __init__(self, target_path: str, dtype: str, sampling: Sampling, stop_ids: Collection[int],
-                 tensor_parallel: int = 1):
+    def __init__(
+        self,
+        target_path: str,
+        dtype: str,
+        sampling: Sampling,
+        stop_ids: Collection[int],
+        tensor_parallel: int = 1,
+    ):
         import vllm
 
         self.vllm = vllm
         self.sampling = sampling
         self.stop_ids = sorted(stop_ids)
-        self.llm = vllm.LLM(model=target_path, dtype=dtype_name(dtype), seed=sampling.seed,
-                            tensor_parallel_size=tensor_parallel, enable_prefix_caching=True)
+        self.llm = vllm.LLM(
+            model=target_path,
+            dtype=dtype_name(dtype),
+            seed=sampling.seed,
+            tensor_parallel_size=tensor_parallel,
+            enable_prefix_caching=True,
+        )
 
-    def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
+    def generate(
+        self, requests: list[Request], on_tokens: OnTokens | None = None
+    ) -> list[Generated]:
         s = self.sampling
-        params = [self.vllm.SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-            max_tokens=s.max_new_tokens, seed=None if s.greedy else r.seed, stop_token_ids=self.stop_ids,
-            skip_special_tokens=False, detokenize=False) for r in requests]
+        params = [
+            self.vllm.SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else -1,
+                max_tokens=s.max_new_tokens,
+                seed=None if s.greedy else r.seed,
+                stop_token_ids=self.stop_ids,
+                skip_special_tokens=False,
+                detokenize=False,
+            )
+            for r in requests
+        ]
         prompts = [{"prompt_token_ids": r.prompt} for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         result = []

@@ -64,12 +64,18 @@ DEFAULT_MAX_NEW_TOKENS = 2048
 def run(cfg: GenerateConfig) -> Path:
     """Run (or resume) the generation job `cfg` describes; returns the output directory."""
     if not cfg.output.dir.strip():
-        raise UserError("output.dir is not set; pass --out DIR (a new or an existing output directory).")
+        raise UserError(
+            "output.dir is not set; pass --out DIR (a new or an existing output directory)."
+        )
     if not cfg.target.path.strip():
-        raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
+        raise UserError(
+            "target.path is not set; pass --target.path=DIR, a local checkpoint directory."
+        )
     check_writable(cfg.output.dir, "output.dir", "pass --out a directory on a writable filesystem")
-    full = (lambda why: f"the filesystem of {cfg.output.dir} is full ({why}); free space and rerun the same "
-            "command: published shards are kept and the job resumes.")
+    full = lambda why: (
+        f"the filesystem of {cfg.output.dir} is full ({why}); free space and rerun the same "
+        "command: published shards are kept and the job resumes."
+    )
     with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks:
         return _run(cfg, ranks)
 
@@ -96,8 +102,16 @@ def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
     stats = generate_sort_windows(cfg, ranks, work, tokenizer, sampling, stop_ids)
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
-        manifest = write_manifest(out, settings, plan["names"], plan, everyone, time.perf_counter() - planned,
-                                  time.perf_counter() - started, ranks.world)
+        manifest = write_manifest(
+            out,
+            settings,
+            plan["names"],
+            plan,
+            everyone,
+            time.perf_counter() - planned,
+            time.perf_counter() - started,
+            ranks.world,
+        )
         print(format_manifest(manifest), flush=True)
     return out
 
@@ -110,15 +124,20 @@ def resolve_sampling(cfg: GenerateConfig, tokenizer: Any) -> tuple[Sampling, fro
     sample); the stop ids are the tokenizer's eos and generation_config's eos_token_id."""
     gen, s = generation_config(cfg.target.path), cfg.sampling
     samples = bool(gen.get("do_sample", False))
-    temperature = s.temperature if s.temperature is not None else (float(gen.get("temperature", 1.0)) if samples
-                                                                    else 0.0)
+    temperature = (
+        s.temperature
+        if s.temperature is not None
+        else (float(gen.get("temperature", 1.0)) if samples else 0.0)
+    )
     top_p = s.top_p if s.top_p is not None else (float(gen.get("top_p", 1.0)) if samples else 1.0)
     top_k = s.top_k if s.top_k is not None else (int(gen.get("top_k", 0) or 0) if samples else 0)
     max_new = s.max_new_tokens or int(gen.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
     stop = stop_token_ids(gen, tokenizer)
     if not stop:
-        raise UserError(f"target.path {cfg.target.path} names no end-of-turn token (tokenizer eos or "
-                        "generation_config.json eos_token_id); add one.")
+        raise UserError(
+            f"target.path {cfg.target.path} names no end-of-turn token (tokenizer eos or "
+            "generation_config.json eos_token_id); add one."
+        )
     return Sampling(temperature, top_p, top_k, max_new, s.seed), stop
 
 
@@ -127,13 +146,23 @@ def output_settings(cfg: GenerateConfig, sampling: Sampling) -> dict[str, Any]:
     fp = target_fingerprint(cfg.target.path)
     settings = {
         "format": FORMAT,
-        "target": {"config_sha256": fp["config_sha256"], "weights_sha256": fp["weights_sha256"],
-                   "dtype": cfg.target.dtype, "attn_implementation": cfg.target.attn_implementation},
+        "target": {
+            "config_sha256": fp["config_sha256"],
+            "weights_sha256": fp["weights_sha256"],
+            "dtype": cfg.target.dtype,
+            "attn_implementation": cfg.target.attn_implementation,
+        },
         "sampling": dataclasses.asdict(sampling),
-        "generate": {"turns": cfg.generate.turns, "on_length": cfg.generate.on_length,
-                     "backend": cfg.generate.backend},
-        "data": {"format": cfg.data.format, "chat_template_kwargs": cfg.data.chat_template_kwargs,
-                 "max_prompt_length": cfg.data.max_prompt_length},
+        "generate": {
+            "turns": cfg.generate.turns,
+            "on_length": cfg.generate.on_length,
+            "backend": cfg.generate.backend,
+        },
+        "data": {
+            "format": cfg.data.format,
+            "chat_template_kwargs": cfg.data.chat_template_kwargs,
+            "max_prompt_length": cfg.data.max_prompt_length,
+        },
         "samples_per_unit": cfg.run.samples_per_unit,
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -148,35 +177,47 @@ def check_output(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
         return settings
     manifest = out / MANIFEST
     if not manifest.is_file():
-        raise UserError(f"output.dir {out} holds shards but no {MANIFEST}; choose a new output.dir.")
+        raise UserError(
+            f"output.dir {out} holds shards but no {MANIFEST}; choose a new output.dir."
+        )
     try:
         old = json.loads(manifest.read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"output.dir {out} holds answers but its {MANIFEST} cannot be read ({e}); "
-                        "choose a new output.dir.") from e
+        raise UserError(
+            f"output.dir {out} holds answers but its {MANIFEST} cannot be read ({e}); "
+            "choose a new output.dir."
+        ) from e
     if old.get("key") != settings["key"]:
         differ = settings_that_differ(old.get("settings") or {}, settings["settings"])
         keys = f"manifest key {str(old.get('key'))[:12]} != {settings['key'][:12]}"
-        raise UserError(f"output.dir {out} holds answers made with other settings: "
-                        f"{', '.join(differ) or keys}; choose a new output.dir, or rerun with the "
-                        f"settings of its {MANIFEST}.")
+        raise UserError(
+            f"output.dir {out} holds answers made with other settings: "
+            f"{', '.join(differ) or keys}; choose a new output.dir, or rerun with the "
+            f"settings of its {MANIFEST}."
+        )
     return settings
 
 
 # The manifest's settings by the names a user sets them; the target's hashes stand for its files.
-_SETTING_NAMES = {"target.config_sha256": "the target's config_sha256",
-                  "target.weights_sha256": "the target's weights_sha256",
-                  "samples_per_unit": "run.samples_per_unit",
-                  "format": "the dflash-generate format"}
+_SETTING_NAMES = {
+    "target.config_sha256": "the target's config_sha256",
+    "target.weights_sha256": "the target's weights_sha256",
+    "samples_per_unit": "run.samples_per_unit",
+    "format": "the dflash-generate format",
+}
 
 
 def settings_that_differ(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """`name (old -> new)` for each setting two manifests disagree on (hashes cut to 12 digits)."""
+
     def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         items: dict[str, Any] = {}
         for key, value in tree.items():
-            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value
-                         else {prefix + key: value})
+            items.update(
+                flat(value, f"{prefix}{key}.")
+                if isinstance(value, dict) and value
+                else {prefix + key: value}
+            )
         return items
 
     def said(key: str, value: Any) -> str:
@@ -186,8 +227,11 @@ def settings_that_differ(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
     a, b = flat(old), flat(new)
     keys = sorted(set(a) | set(b), key=lambda k: (not k.startswith("target."), k))
-    return [f"{_SETTING_NAMES.get(k, k)} ({said(k, a.get(k))} -> {said(k, b.get(k))})"
-            for k in keys if a.get(k) != b.get(k)]
+    return [
+        f"{_SETTING_NAMES.get(k, k)} ({said(k, a.get(k))} -> {said(k, b.get(k))})"
+        for k in keys
+        if a.get(k) != b.get(k)
+    ]
 
 
 def claim_output(out: Path, settings: dict[str, Any]) -> None:
@@ -253,8 +297,11 @@ def plan_work(cfg: GenerateConfig, ranks: Ranks, sources, tokenizer: Any, key: s
             count[0] = r.index + 1
             yield r
 
-    grouped = list(iter_unit_records(counted(), cfg.run.samples_per_unit, ranks.rank, ranks.world,
-                                     per_sort_window))
+    grouped = list(
+        iter_unit_records(
+            counted(), cfg.run.samples_per_unit, ranks.rank, ranks.world, per_sort_window
+        )
+    )
     named = [(u, recs, unit_name(u, recs, key)) for u, recs in grouped]
     todo_sort_windows = {u // per_sort_window for u, _, name in named if not (out / name).is_file()}
     units = []
@@ -283,11 +330,21 @@ def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog)
     messages = chat.next_messages()
     extra = {"tools": chat.tools} if chat.tools else {}
     try:
-        text = run_template(lambda: tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **extra, **cfg.data.chat_template_kwargs))
+        text = run_template(
+            lambda: tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=True,
+                **extra,
+                **cfg.data.chat_template_kwargs,
+            )
+        )
     except ChatMaskError as e:
         skips.add(chat.source_id, e.reason, e.detail)
-        chat.prompt, chat.failed = None, True  # the record is skipped, even after turns were answered
+        chat.prompt, chat.failed = (
+            None,
+            True,
+        )  # the record is skipped, even after turns were answered
         chat.segments.clear()
         return
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -295,18 +352,32 @@ def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog)
         chat.stop()
         chat.prompt = None
         if not chat.finish_reasons:
-            skips.add(chat.source_id, "prompt_too_long",
-                      f"{len(ids)} tokens > data.max_prompt_length {cfg.data.max_prompt_length}")
+            skips.add(
+                chat.source_id,
+                "prompt_too_long",
+                f"{len(ids)} tokens > data.max_prompt_length {cfg.data.max_prompt_length}",
+            )
         return
     chat.prompt = ids
 
 
-def gather_plan(ranks: Ranks, work: RankWork, sampling: Sampling, samples_per_unit: int) -> dict[str, Any]:
+def gather_plan(
+    ranks: Ranks, work: RankWork, sampling: Sampling, samples_per_unit: int
+) -> dict[str, Any]:
     """The plan of the whole job from every rank's units."""
-    mine = [{"index": u.index, "name": u.name, "published": u.published, "records": u.records,
-             "prompts": len(u.chats), "turns": sum(len(c.segments) + 1 for c in u.chats),
-             "tokens_in": sum(len(c.prompt or []) for c in u.chats), "skips": u.skips.to_dict()}
-            for u in work.units]
+    mine = [
+        {
+            "index": u.index,
+            "name": u.name,
+            "published": u.published,
+            "records": u.records,
+            "prompts": len(u.chats),
+            "turns": sum(len(c.segments) + 1 for c in u.chats),
+            "tokens_in": sum(len(c.prompt or []) for c in u.chats),
+            "skips": u.skips.to_dict(),
+        }
+        for u in work.units
+    ]
     units = sorted((x for part in ranks.gather(mine) for x in part), key=lambda x: x["index"])
     skips = SkipLog(work.reader_skips.report_first)
     for x in units:
@@ -315,17 +386,29 @@ def gather_plan(ranks: Ranks, work: RankWork, sampling: Sampling, samples_per_un
     skips.merge(work.reader_skips)
     todo = [x for x in units if not x["published"]]
     turns = sum(x["turns"] for x in units if x["prompts"])  # of every sort window computed
-    return {"records": work.records, "units": num_units(work.records, samples_per_unit),
-            "published": len(units) - len(todo), "prompts": sum(x["prompts"] for x in todo),
-            "prompts_run": sum(x["prompts"] for x in units), "turns": turns,
-            "tokens_in": sum(x["tokens_in"] for x in units), "max_tokens_out": turns * sampling.max_new_tokens,
-            "skips": skips, "names": [x["name"] for x in units], "sampling": sampling}
+    return {
+        "records": work.records,
+        "units": num_units(work.records, samples_per_unit),
+        "published": len(units) - len(todo),
+        "prompts": sum(x["prompts"] for x in todo),
+        "prompts_run": sum(x["prompts"] for x in units),
+        "turns": turns,
+        "tokens_in": sum(x["tokens_in"] for x in units),
+        "max_tokens_out": turns * sampling.max_new_tokens,
+        "skips": skips,
+        "names": [x["name"] for x in units],
+        "sampling": sampling,
+    }
 
 
 def format_plan(plan: dict[str, Any], cfg: GenerateConfig) -> str:
     s: Sampling = plan["sampling"]
     skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(plan["skips"].counts.items())) or "none"
-    how = "greedy" if s.greedy else f"temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}"
+    how = (
+        "greedy"
+        if s.greedy
+        else f"temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}"
+    )
     lines = [
         f"plan: {plan['records']:,} input records -> {plan['units']:,} work units ({plan['published']:,} already "
         f"in {cfg.output.dir})",
@@ -335,7 +418,10 @@ def format_plan(plan: dict[str, Any], cfg: GenerateConfig) -> str:
         f"  max tokens out: {plan['max_tokens_out']:,} ({s.max_new_tokens:,} per turn, {how}; backend "
         f"{cfg.generate.backend})",
     ]
-    lines += [f"  e.g. skipped {sid}: {reason} ({detail})" for sid, reason, detail in plan["skips"].examples]
+    lines += [
+        f"  e.g. skipped {sid}: {reason} ({detail})"
+        for sid, reason, detail in plan["skips"].examples
+    ]
     return "\n".join(lines)
 
 
@@ -352,25 +438,47 @@ class GenStats:
     seconds: float = 0.0
 
 
-def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling,
-                  stop_ids: frozenset[int]):
+def build_decoder(
+    cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling, stop_ids: frozenset[int]
+):
     if cfg.generate.backend == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise UserError("generate.backend = 'vllm' but vllm is not installed here; install it or use "
-                            "--generate.backend=transformers.") from None
-        return VllmDecoder(cfg.target.path, cfg.target.dtype, sampling, stop_ids, cfg.generate.vllm_tensor_parallel)
-    model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype,
-                           attn_implementation=cfg.target.attn_implementation, device=ranks.device)
+            raise UserError(
+                "generate.backend = 'vllm' but vllm is not installed here; install it or use "
+                "--generate.backend=transformers."
+            ) from None
+        return VllmDecoder(
+            cfg.target.path, cfg.target.dtype, sampling, stop_ids, cfg.generate.vllm_tensor_parallel
+        )
+    model = load_causal_lm(
+        cfg.target.path,
+        dtype=cfg.target.dtype,
+        attn_implementation=cfg.target.attn_implementation,
+        device=ranks.device,
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
-    return TransformersDecoder(model, stop_ids, pad, sampling, cfg.generate.token_budget,
-                               cfg.generate.max_batch_size, compile=cfg.generate.compile,
-                               cuda_graphs=cfg.generate.cuda_graphs)
+    return TransformersDecoder(
+        model,
+        stop_ids,
+        pad,
+        sampling,
+        cfg.generate.token_budget,
+        cfg.generate.max_batch_size,
+        compile=cfg.generate.compile,
+        cuda_graphs=cfg.generate.cuda_graphs,
+    )
 
 
-def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any,
-                          sampling: Sampling, stop_ids: frozenset[int]) -> GenStats:
+def generate_sort_windows(
+    cfg: GenerateConfig,
+    ranks: Ranks,
+    work: RankWork,
+    tokenizer: Any,
+    sampling: Sampling,
+    stop_ids: frozenset[int],
+) -> GenStats:
     """Load the target and answer this rank's sort windows that hold a unit still to write."""
     per_sort_window = cfg.generate.sort_window_units
     sort_windows: dict[int, list[Unit]] = {}
@@ -380,14 +488,23 @@ def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tok
             sort_windows.setdefault(w, []).append(u)
     stats = GenStats()
     todo = sum(len(c.segments) + 1 for us in sort_windows.values() for u in us for c in u.chats)
-    log.info("%d sort windows to generate (%d turns at most); %d units of this rank already "
-             "written", len(sort_windows), todo, sum(u.published for u in work.units))
+    log.info(
+        "%d sort windows to generate (%d turns at most); %d units of this rank already written",
+        len(sort_windows),
+        todo,
+        sum(u.published for u in work.units),
+    )
     if not sort_windows:
         return stats
     decoder = build_decoder(cfg, ranks, tokenizer, sampling, stop_ids)
     started = time.perf_counter()
-    bar = RateBar(todo, unit="prompt", desc=ranks.label("generate"), rate="generated tok/s",
-                  enabled=cfg.run.progress and ranks.main)
+    bar = RateBar(
+        todo,
+        unit="prompt",
+        desc=ranks.label("generate"),
+        rate="generated tok/s",
+        enabled=cfg.run.progress and ranks.main,
+    )
     with bar as progress:
         for _, units in sorted(sort_windows.items()):
             chats = [c for u in units for c in u.chats]
@@ -401,8 +518,15 @@ def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tok
     return stats
 
 
-def answer_sort_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: GenerateConfig,
-                       sampling: Sampling, progress: RateBar, units: list[Unit]) -> None:
+def answer_sort_window(
+    chats: list[Chat],
+    decoder: Any,
+    tokenizer: Any,
+    cfg: GenerateConfig,
+    sampling: Sampling,
+    progress: RateBar,
+    units: list[Unit],
+) -> None:
     """Every turn of the sort window's conversations: one round per turn, each round batched
     together."""
     skips_of = {id(c): u.skips for u in units for c in u.chats}
@@ -411,7 +535,11 @@ def answer_sort_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: Gen
         requests = [Request(c.prompt, c.request_seed(sampling.seed)) for c in pending]  # type: ignore[arg-type]
         answers = decoder.generate(requests, progress.add_tokens)
         for chat, ans in zip(pending, answers):
-            chat.answer(tokenizer.decode(ans.tokens, skip_special_tokens=False), ans.finish_reason, len(ans.tokens))
+            chat.answer(
+                tokenizer.decode(ans.tokens, skip_special_tokens=False),
+                ans.finish_reason,
+                len(ans.tokens),
+            )
             progress.update(1)
             if chat.pending:
                 render_next(chat, tokenizer, cfg, skips_of[id(chat)])
@@ -427,14 +555,24 @@ def write_unit(out: Path, unit: Unit, on_length: str) -> None:
         if chat.failed or not chat.finish_reasons:
             continue
         if on_length == "drop" and "length" in chat.finish_reasons:
-            unit.skips.add(chat.source_id, "cut_by_length", "a turn reached max_new_tokens (generate.on_length = drop)")
+            unit.skips.add(
+                chat.source_id,
+                "cut_by_length",
+                "a turn reached max_new_tokens (generate.on_length = drop)",
+            )
             continue
         lines.append(json.dumps(chat.record(), ensure_ascii=False) + "\n")
         reasons.update(chat.finish_reasons)
         tokens += chat.generated_tokens
-    stats = {"index": unit.index, "records": unit.records, "conversations": len(lines),
-             "turns": sum(reasons.values()), "finish_reasons": dict(reasons), "generated_tokens": tokens,
-             "skips": unit.skips.to_dict()}
+    stats = {
+        "index": unit.index,
+        "records": unit.records,
+        "conversations": len(lines),
+        "turns": sum(reasons.values()),
+        "finish_reasons": dict(reasons),
+        "generated_tokens": tokens,
+        "skips": unit.skips.to_dict(),
+    }
     atomic_write_text(out / UNIT_STATS / f"{unit.name}.json", json.dumps(stats))
     atomic_write_text(out / unit.name, "".join(lines))
 
@@ -442,8 +580,16 @@ def write_unit(out: Path, unit: Unit, on_length: str) -> None:
 # ---------------------------------------------------------------------------------------- manifest
 
 
-def write_manifest(out: Path, settings: dict[str, Any], names: list[str], plan: dict[str, Any],
-                   stats: list[GenStats], gen_s: float, total_s: float, world: int) -> dict[str, Any]:
+def write_manifest(
+    out: Path,
+    settings: dict[str, Any],
+    names: list[str],
+    plan: dict[str, Any],
+    stats: list[GenStats],
+    gen_s: float,
+    total_s: float,
+    world: int,
+) -> dict[str, Any]:
     """manifest.json: the key and settings, totals over every unit's counts, one entry per run."""
     totals: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
@@ -455,19 +601,34 @@ def write_manifest(out: Path, settings: dict[str, Any], names: list[str], plan: 
             missing += 1
             continue
         unit = json.loads(file.read_text())
-        totals.update({k: unit[k] for k in ("records", "conversations", "turns", "generated_tokens")})
+        totals.update(
+            {k: unit[k] for k in ("records", "conversations", "turns", "generated_tokens")}
+        )
         reasons.update(unit["finish_reasons"])
         skips.merge(SkipLog.from_dict(unit["skips"]))
     old = json.loads((out / MANIFEST).read_text())
     tokens = sum(s.tokens_generated for s in stats)
-    this_run = {"finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "world_size": world, "units_written": sum(s.units_written for s in stats),
-                "units_already_written": plan["published"], "turns": sum(s.turns for s in stats),
-                "tokens_generated": tokens, "seconds": round(total_s, 3),
-                "generated_tokens_per_s": round(tokens / max(1e-9, max(s.seconds for s in stats) or gen_s), 1)}
-    manifest = {**settings, "units": len(names), "units_missing": missing, "counts": dict(totals),
-                "finish_reasons": dict(sorted(reasons.items())), "skips": skips.to_dict(),
-                "runs": old.get("runs", []) + [this_run]}
+    this_run = {
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": world,
+        "units_written": sum(s.units_written for s in stats),
+        "units_already_written": plan["published"],
+        "turns": sum(s.turns for s in stats),
+        "tokens_generated": tokens,
+        "seconds": round(total_s, 3),
+        "generated_tokens_per_s": round(
+            tokens / max(1e-9, max(s.seconds for s in stats) or gen_s), 1
+        ),
+    }
+    manifest = {
+        **settings,
+        "units": len(names),
+        "units_missing": missing,
+        "counts": dict(totals),
+        "finish_reasons": dict(sorted(reasons.items())),
+        "skips": skips.to_dict(),
+        "runs": old.get("runs", []) + [this_run],
+    }
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=2))
     return manifest
 
@@ -477,12 +638,14 @@ def format_manifest(m: dict[str, Any]) -> str:
     c = m["counts"]
     skips = ", ".join(f"{k} {v:,}" for k, v in m["skips"]["counts"].items()) or "none"
     reasons = ", ".join(f"{k} {v:,}" for k, v in m["finish_reasons"].items()) or "none"
-    return "\n".join([
-        f"done: {c.get('conversations', 0):,} conversations ({c.get('turns', 0):,} turns, "
-        f"{c.get('generated_tokens', 0):,} generated tokens) in {m['units']:,} shards; finish reasons: {reasons}",
-        f"  skipped records: {skips}",
-        f"  this run: {run['units_written']:,} shards written, {run['units_already_written']:,} already there; "
-        f"{run['tokens_generated']:,} tokens generated at "
-        f"{run['generated_tokens_per_s']:,.0f} tok/s on "
-        f"{run['world_size']} rank(s) in {run['seconds']:.1f} s",
-    ])
+    return "\n".join(
+        [
+            f"done: {c.get('conversations', 0):,} conversations ({c.get('turns', 0):,} turns, "
+            f"{c.get('generated_tokens', 0):,} generated tokens) in {m['units']:,} shards; finish reasons: {reasons}",
+            f"  skipped records: {skips}",
+            f"  this run: {run['units_written']:,} shards written, {run['units_already_written']:,} already there; "
+            f"{run['tokens_generated']:,} tokens generated at "
+            f"{run['generated_tokens_per_s']:,.0f} tok/s on "
+            f"{run['world_size']} rank(s) in {run['seconds']:.1f} s",
+        ]
+    )

@@ -16,9 +16,14 @@ MS = 1_000_000  # ns
 
 
 def test_covered_counts_overlaps_once_and_finds_the_holes():
-    spans = [(0, 2 * MS), (1 * MS, 3 * MS), (3 * MS, 4 * MS),  # overlapping and touching: 4 ms
-             (4 * MS + MS // 2, 5 * MS),  # a 0.5 ms hole: a kernel boundary, not counted
-             (8 * MS, 9 * MS), (8 * MS, 8 * MS + 1)]  # a 3 ms hole, then one span inside another
+    spans = [
+        (0, 2 * MS),
+        (1 * MS, 3 * MS),
+        (3 * MS, 4 * MS),  # overlapping and touching: 4 ms
+        (4 * MS + MS // 2, 5 * MS),  # a 0.5 ms hole: a kernel boundary, not counted
+        (8 * MS, 9 * MS),
+        (8 * MS, 8 * MS + 1),
+    ]  # a 3 ms hole, then one span inside another
     busy, holes = covered(list(reversed(spans)))
     assert busy == 5.5 and holes == [(5 * MS, 8 * MS)]
     assert covered([]) == (0.0, [])
@@ -29,7 +34,9 @@ def test_gil_probe_sees_a_thread_that_holds_the_gil():
         time.sleep(0.2)
     stop = threading.Event()
 
-    def spin() -> None:  # pure Python: holds the GIL until the interpreter's switch interval takes it
+    def spin() -> (
+        None
+    ):  # pure Python: holds the GIL until the interpreter's switch interval takes it
         while not stop.is_set():
             sum(range(1000))
 
@@ -50,8 +57,18 @@ def test_a_hole_belongs_to_the_innermost_call_that_spans_half_of_it():
     from benchmarks.profiling import _hole_owner
 
     def event(name, start_ms, end_ms):
-        return FunctionEvent(id=0, name=name, thread=1, start_us=start_ms * 1e3, end_us=end_ms * 1e3)
+        return FunctionEvent(
+            id=0, name=name, thread=1, start_us=start_ms * 1e3, end_us=end_ms * 1e3
+        )
 
-    calls = [event("aten::to", 0, 10), event("cudaStreamSynchronize", 1, 9), event("aten::add", 9, 9.5)]
-    assert _hole_owner((2 * MS, 8 * MS), calls) == "cudaStreamSynchronize"  # inside aten::to, shorter
-    assert _hole_owner((9 * MS, 20 * MS), calls).startswith("(no profiled call")  # aten::add spans too little
+    calls = [
+        event("aten::to", 0, 10),
+        event("cudaStreamSynchronize", 1, 9),
+        event("aten::add", 9, 9.5),
+    ]
+    assert (
+        _hole_owner((2 * MS, 8 * MS), calls) == "cudaStreamSynchronize"
+    )  # inside aten::to, shorter
+    assert _hole_owner((9 * MS, 20 * MS), calls).startswith(
+        "(no profiled call"
+    )  # aten::add spans too little

@@ -14,15 +14,52 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks/quality/target.py"
 # The tiny mode of the script's docstring, smaller still: only the plumbing is judged here.
-TINY = ["--device", "cpu", "--corpus-mb", "1", "--bpe-train-mb", "1", "--vocab-size", "1024", "--hidden", "64",
-        "--heads", "1", "--kv-heads", "1", "--intermediate", "128", "--seq-len", "64", "--batch", "4",
-        "--steps", "6", "--warmup-steps", "2", "--eval-rows", "8", "--heldout-frac", "0.1",
-        "--train-prompts", "30", "--heldout-prompts", "10", "--report-prompts", "4",
-        "--max-new-tokens", "24", "--loop-window", "16"]
+TINY = [
+    "--device",
+    "cpu",
+    "--corpus-mb",
+    "1",
+    "--bpe-train-mb",
+    "1",
+    "--vocab-size",
+    "1024",
+    "--hidden",
+    "64",
+    "--heads",
+    "1",
+    "--kv-heads",
+    "1",
+    "--intermediate",
+    "128",
+    "--seq-len",
+    "64",
+    "--batch",
+    "4",
+    "--steps",
+    "6",
+    "--warmup-steps",
+    "2",
+    "--eval-rows",
+    "8",
+    "--heldout-frac",
+    "0.1",
+    "--train-prompts",
+    "30",
+    "--heldout-prompts",
+    "10",
+    "--report-prompts",
+    "4",
+    "--max-new-tokens",
+    "24",
+    "--loop-window",
+    "16",
+]
 
 
 def _load_script():
-    if "quality_target" not in sys.modules:  # dataclasses look their module up while the class is built
+    if (
+        "quality_target" not in sys.modules
+    ):  # dataclasses look their module up while the class is built
         spec = importlib.util.spec_from_file_location("quality_target", SCRIPT)
         sys.modules["quality_target"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules["quality_target"])
@@ -32,8 +69,14 @@ def _load_script():
 def _run(out: Path) -> subprocess.CompletedProcess:
     # one thread: two processes' OpenMP pools fighting over 2 shared cores make steps 10x slower
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *TINY], check=False,
-                          capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *TINY],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -51,15 +94,22 @@ def test_saved_target_loads_and_answers(built):
     out, _ = built
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")}
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+    }
     assert ids == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<|mask|>": 3}
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
     assert model.config.head_dim == 64 and model.config.tie_word_embeddings
     config = json.loads((out / "config.json").read_text())
     assert config["rope_theta"] == 10000.0 and config["max_position_embeddings"] == 4096
     assert model.generation_config.eos_token_id == 2 and model.generation_config.do_sample is False
-    prompt = tok.apply_chat_template([{"role": "user", "content": "def f(x):"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "def f(x):"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     answer = model.generate(**prompt, max_new_tokens=4, do_sample=False)
     assert answer.shape[1] > prompt["input_ids"].shape[1]
 
@@ -70,12 +120,16 @@ def test_chat_template_matches_the_training_render(built):
 
     out, _ = built
     tok = AutoTokenizer.from_pretrained(out)
-    messages = [{"role": "user", "content": "Complete the function:\ndef f(x):"},
-                {"role": "assistant", "content": "    return x + 1"}]
+    messages = [
+        {"role": "user", "content": "Complete the function:\ndef f(x):"},
+        {"role": "assistant", "content": "    return x + 1"},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False)
     assert text == _load_script().render_chat(messages[0]["content"], messages[1]["content"])
-    assert text == ("<|im_start|>user\nComplete the function:\ndef f(x):<|im_end|>\n"
-                    "<|im_start|>assistant\n    return x + 1<|im_end|>\n")
+    assert text == (
+        "<|im_start|>user\nComplete the function:\ndef f(x):<|im_end|>\n"
+        "<|im_start|>assistant\n    return x + 1<|im_end|>\n"
+    )
     enc = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
     marked = [t for t, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]
     assert tok.decode(marked) == "    return x + 1<|im_end|>"
@@ -111,8 +165,13 @@ def test_second_run_is_cached(built):
 @pytest.mark.slow  # the module's tiny build: ~30-40 s on 2 cores
 def test_other_settings_are_refused_without_force(built):
     out, _ = built
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *TINY, "--seed", "1"],
-                          check=False, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *TINY, "--seed", "1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "--force" in done.stderr
 
 

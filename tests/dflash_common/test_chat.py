@@ -89,7 +89,9 @@ def test_fixture_templates_differ_only_in_markers(marked, plain):
     assert ChatTemplate(marked).use_markers and not ChatTemplate(plain).use_markers
 
 
-@pytest.mark.parametrize("messages", [SYSTEM_USER_ASSISTANT, MULTI_TURN, UNICODE], ids=["system", "multi", "unicode"])
+@pytest.mark.parametrize(
+    "messages", [SYSTEM_USER_ASSISTANT, MULTI_TURN, UNICODE], ids=["system", "multi", "unicode"]
+)
 @pytest.mark.parametrize("which", ["marked", "plain", "marked_forced_fallback"])
 def test_mask_is_exactly_the_assistant_turns(which, messages, marked, plain):
     tok = {"marked": marked, "plain": plain, "marked_forced_fallback": marked}[which]
@@ -121,7 +123,9 @@ def conversations(draw):
     return messages
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(messages=conversations())
 def test_both_paths_give_the_same_mask(messages, marked, plain):
     ids_m, mask_m = ChatTemplate(marked).tokenize(messages)
@@ -134,7 +138,9 @@ def test_qwen3_like_template_single_turn_thinking_on_and_off(plain):
     plain = _with_template(plain, QWEN3_LIKE)
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
     head = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
-    ids, mask = ChatTemplate(plain).tokenize(msgs)  # thinking on: the empty think block is generated
+    ids, mask = ChatTemplate(plain).tokenize(
+        msgs
+    )  # thinking on: the empty think block is generated
     want = expected(plain, [(head, 0), ("<think>\n\n</think>\n\nA<|im_end|>", 1), ("\n", 0)])
     np.testing.assert_array_equal(ids, want[0])
     np.testing.assert_array_equal(mask, want[1])
@@ -155,11 +161,16 @@ def test_qwen3_like_template_multi_turn_strips_earlier_thinking(plain):
     ids, mask = ChatTemplate(plain).tokenize(msgs)
     # The first answer renders without its thinking (and differently from when it was the last turn):
     # the mask covers what the sequence holds, found through its end-of-turn token.
-    want = expected(plain, [
-        ("<|im_start|>user\nu1<|im_end|>\n<|im_start|>assistant\n", 0), ("a1<|im_end|>", 1),
-        ("\n<|im_start|>user\nu2<|im_end|>\n<|im_start|>assistant\n", 0),
-        ("<think>\nr2\n</think>\n\na2<|im_end|>", 1), ("\n", 0),
-    ])
+    want = expected(
+        plain,
+        [
+            ("<|im_start|>user\nu1<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("a1<|im_end|>", 1),
+            ("\n<|im_start|>user\nu2<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("<think>\nr2\n</think>\n\na2<|im_end|>", 1),
+            ("\n", 0),
+        ],
+    )
     np.testing.assert_array_equal(ids, want[0])
     np.testing.assert_array_equal(mask, want[1])
 

@@ -5,7 +5,15 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from dflash_common.config import ConfigError, check, iter_fields, load_config, option, section, to_dict
+from dflash_common.config import (
+    ConfigError,
+    check,
+    iter_fields,
+    load_config,
+    option,
+    section,
+    to_dict,
+)
 
 
 @dataclass(frozen=True)
@@ -29,8 +37,12 @@ class Outer:
 def test_defaults_toml_and_overrides_layer_in_order(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('name = "x"\n[inner]\nlr = 1e-3\nlayer_ids = [1, 9]\n')
-    cfg = load_config(Outer, path, ["--inner.lr=3e-4", "--steps=7", "--flag=true", "--inner.dtype=fp8_e4m3"])
-    assert cfg == Outer(name="x", steps=7, flag=True, inner=Inner(lr=3e-4, layer_ids=[1, 9], dtype="fp8_e4m3"))
+    cfg = load_config(
+        Outer, path, ["--inner.lr=3e-4", "--steps=7", "--flag=true", "--inner.dtype=fp8_e4m3"]
+    )
+    assert cfg == Outer(
+        name="x", steps=7, flag=True, inner=Inner(lr=3e-4, layer_ids=[1, 9], dtype="fp8_e4m3")
+    )
     assert load_config(Outer, None, ["--inner.layer_ids=1,2,3"]).inner.layer_ids == [1, 2, 3]
     assert load_config(Outer, None, ["--name=123"]).name == "123"
 
@@ -69,7 +81,9 @@ def test_frozen_and_round_trip():
     cfg = load_config(Outer, None, ["--inner.layer_ids=[1,2]"])
     with pytest.raises(AttributeError):
         cfg.steps = 3  # type: ignore[misc]
-    again = load_config(Outer, None, [f"--{k}={v!r}".replace("'", '"') for k, v in _flat(to_dict(cfg))])
+    again = load_config(
+        Outer, None, [f"--{k}={v!r}".replace("'", '"') for k, v in _flat(to_dict(cfg))]
+    )
     assert again == cfg
 
 
@@ -102,23 +116,42 @@ def test_an_override_prefixed_with_the_stage_table_gets_the_hint_to_drop_it():
 
 def test_an_unknown_key_in_a_toml_file_names_the_file_and_the_line(tmp_path):
     staged = tmp_path / "stages.toml"
-    staged.write_text('# a file of stage tables\n[train]\nname = "x"\n\n[train.inner]\nlr = 1e-3\nlrr = 2\n'
-                      '[eval.inner]\nlrr = 3\n')
+    staged.write_text(
+        '# a file of stage tables\n[train]\nname = "x"\n\n[train.inner]\nlr = 1e-3\nlrr = 2\n'
+        "[eval.inner]\nlrr = 3\n"
+    )
     plain = tmp_path / "plain.toml"
     plain.write_text('steps = 3\n# a dotted key\n  inner.dtyp = "bf16"\n')
     inline = tmp_path / "inline.toml"
-    inline.write_text('steps = 3\ninner = { lr = 1e-3, lrr = 2 }\n')
+    inline.write_text("steps = 3\ninner = { lr = 1e-3, lrr = 2 }\n")
     section_typo = tmp_path / "typo.toml"
-    section_typo.write_text('steps = 3\n\n[innr]\nlr = 1e-3\n')
+    section_typo.write_text("steps = 3\n\n[innr]\nlr = 1e-3\n")
     hint = "(did you mean '{}'?);"
-    cases = [(Staged, staged, f"Unknown config key 'lrr' in table [train.inner] of {staged}, "
-              "line 7 " + hint.format("lr")),
-             (Outer, plain, f"Unknown config key 'dtyp' in table [inner] of {plain}, line 3 "
-              + hint.format("dtype")),
-             (Outer, inline, f"Unknown config key 'lrr' in table [inner] of {inline}, line 2 "
-              + hint.format("lr")),
-             (Outer, section_typo, f"Unknown config key 'innr' at the top level of {section_typo}, "
-              "line 3 " + hint.format("inner"))]
+    cases = [
+        (
+            Staged,
+            staged,
+            f"Unknown config key 'lrr' in table [train.inner] of {staged}, "
+            "line 7 " + hint.format("lr"),
+        ),
+        (
+            Outer,
+            plain,
+            f"Unknown config key 'dtyp' in table [inner] of {plain}, line 3 "
+            + hint.format("dtype"),
+        ),
+        (
+            Outer,
+            inline,
+            f"Unknown config key 'lrr' in table [inner] of {inline}, line 2 " + hint.format("lr"),
+        ),
+        (
+            Outer,
+            section_typo,
+            f"Unknown config key 'innr' at the top level of {section_typo}, "
+            "line 3 " + hint.format("inner"),
+        ),
+    ]
     for cls, path, start in cases:
         with pytest.raises(ConfigError) as caught:
             load_config(cls, path)
@@ -145,7 +178,11 @@ def test_every_stage_takes_the_device_names_the_ranks_resolve():
             check_device(device, "run.device")
     with pytest.raises(ConfigError, match="must be 'auto', 'cpu' or 'cuda'.$"):
         check_device("cuda:1", "run.device", index=False)  # train: each rank takes its own GPU
-    for cls, key in ((PrecomputeConfig, "run.device"), (GenerateConfig, "run.device"),
-                     (TrainConfig, "run.device"), (EvalConfig, "target.device")):
+    for cls, key in (
+        (PrecomputeConfig, "run.device"),
+        (GenerateConfig, "run.device"),
+        (TrainConfig, "run.device"),
+        (EvalConfig, "target.device"),
+    ):
         with pytest.raises(ConfigError, match=f"^{key} = 'gpu'"):
             load_config(cls, None, [f"--{key}=gpu"])

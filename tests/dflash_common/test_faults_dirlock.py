@@ -17,14 +17,21 @@ from dflash_common.config import load_config
 from dflash_common.dirlock import LOCK_FILE, hold_directory
 
 ROOT = Path(__file__).resolve().parents[2]
-_HOLD = ("import sys, time; from dflash_common.dirlock import hold_directory\n"
-         "with hold_directory(sys.argv[1], 'x', 'y'):\n    print('held', flush=True); time.sleep(600)\n")
+_HOLD = (
+    "import sys, time; from dflash_common.dirlock import hold_directory\n"
+    "with hold_directory(sys.argv[1], 'x', 'y'):\n    print('held', flush=True); time.sleep(600)\n"
+)
 
 
 def _holder(directory: Path) -> subprocess.Popen:
     """Another process holding `directory`'s lock (as another dflash-train or precompute job would)."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(directory)], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(directory)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -42,7 +49,9 @@ def test_a_second_training_into_a_held_run_directory_is_refused_naming_the_pid(t
     holder = _holder(out)
     try:
         cfg = load_config(TrainConfig, None, [f"--run.out_dir={out}"])
-        with pytest.raises(UserError, match=rf"run directory {out} is in use by another job \(pid {holder.pid} "):
+        with pytest.raises(
+            UserError, match=rf"run directory {out} is in use by another job \(pid {holder.pid} "
+        ):
             run(cfg)
         assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # it read and wrote nothing
     finally:
@@ -57,7 +66,9 @@ def test_a_second_precompute_into_a_held_store_is_refused_naming_the_pid(tmp_pat
     holder = _holder(store)
     try:
         cfg = load_config(PrecomputeConfig, None, [f"--store.path={store}", "--run.device=cpu"])
-        with pytest.raises(UserError, match=rf"store {store} is in use by another job \(pid {holder.pid} "):
+        with pytest.raises(
+            UserError, match=rf"store {store} is in use by another job \(pid {holder.pid} "
+        ):
             run(cfg)
         assert sorted(p.name for p in store.iterdir()) == [LOCK_FILE]
     finally:
@@ -70,7 +81,9 @@ def test_the_lock_dies_with_its_killed_holder_and_is_exclusive_within_a_process(
     started = time.monotonic()
     with hold_directory(tmp_path, "run directory", "fix"):
         assert f"pid {os.getpid()} " in (tmp_path / LOCK_FILE).read_text()
-        with pytest.raises(UserError, match=f"pid {os.getpid()} "):  # a second open file: flock conflicts
+        with pytest.raises(
+            UserError, match=f"pid {os.getpid()} "
+        ):  # a second open file: flock conflicts
             with hold_directory(tmp_path, "run directory", "fix"):
                 pass
     with hold_directory(tmp_path, "run directory", "fix"):  # released on exit

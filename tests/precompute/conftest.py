@@ -30,12 +30,24 @@ def tiny_vlm(tmp_path_factory):
     """A Qwen3.5-architecture vision-language checkpoint (hybrid linear/full attention text tower)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
-                linear_num_key_heads=2, linear_num_value_heads=4)
+    text = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    model = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision)
+    ).eval()
     path = tmp_path_factory.mktemp("tiny-vlm")
     model.save_pretrained(path)
     return path, model

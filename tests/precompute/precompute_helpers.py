@@ -23,7 +23,12 @@ TINY_DATA = ROOT / "data" / "tiny-train.jsonl"
 def chat(i: int, answer_len: int = 40) -> dict:
     """A conversation whose answer has `answer_len` + 1 response tokens (byte tokenizer + <|im_end|>)."""
     answer = (f"answer {i} " * 40)[:answer_len]
-    return {"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": answer}]}
+    return {
+        "messages": [
+            {"role": "user", "content": f"question {i}?"},
+            {"role": "assistant", "content": answer},
+        ]
+    }
 
 
 def write_jsonl(path, records) -> str:
@@ -35,10 +40,17 @@ def write_jsonl(path, records) -> str:
 
 def make_config(target, inputs, store, *overrides: str) -> PrecomputeConfig:
     """A config on `target` with small units and lengths; `overrides` are 'section.field=value'."""
-    args = [f"--target.path={json.dumps(str(target))}", f"--data.inputs={json.dumps(list(inputs))}",
-            f"--store.path={json.dumps(str(store))}", "--data.block_size=4", "--data.max_length=256",
-            "--batching.token_budget=1024", "--run.samples_per_unit=4", "--target.dtype=fp32",
-            "--run.device=cpu"]
+    args = [
+        f"--target.path={json.dumps(str(target))}",
+        f"--data.inputs={json.dumps(list(inputs))}",
+        f"--store.path={json.dumps(str(store))}",
+        "--data.block_size=4",
+        "--data.max_length=256",
+        "--batching.token_budget=1024",
+        "--run.samples_per_unit=4",
+        "--target.dtype=fp32",
+        "--run.device=cpu",
+    ]
     return load_config(PrecomputeConfig, None, args + [f"--{o}" for o in overrides])
 
 
@@ -60,16 +72,28 @@ def demo_inputs(directory: Path) -> list[str]:
 def job_overrides(store_dtype: str, samples_per_unit: int = 4) -> list[str]:
     """Overrides of a short job over `demo_inputs`: with 4 samples per unit, 12 units in windows of 2,
     so 6 windows, 3 per rank with 2 ranks, several batches each."""
-    return ["data.max_length=512", "batching.token_budget=512", "batching.sort_window_units=2",
-            f"run.samples_per_unit={samples_per_unit}", "target.dtype=bf16", f'store.dtype="{store_dtype}"',
-            "run.progress=false"]
+    return [
+        "data.max_length=512",
+        "batching.token_budget=512",
+        "batching.sort_window_units=2",
+        f"run.samples_per_unit={samples_per_unit}",
+        "target.dtype=bf16",
+        f'store.dtype="{store_dtype}"',
+        "run.progress=false",
+    ]
 
 
-def cli_args(target, inputs, store, store_dtype: str, *extra: str, samples_per_unit: int = 4) -> list[str]:
+def cli_args(
+    target, inputs, store, store_dtype: str, *extra: str, samples_per_unit: int = 4
+) -> list[str]:
     """dflash-precompute's arguments for the job `make_config(..., *job_overrides(store_dtype, samples_per_unit))`
     runs in process (the shipped tiny config plus overrides); `extra` are further `--section.field=value`."""
-    cfg_args = [f"--target.path={target}", f"--data.inputs={json.dumps(inputs)}", "--data.block_size=4",
-                "--run.device=cpu"] + [f"--{o}" for o in job_overrides(store_dtype, samples_per_unit)]
+    cfg_args = [
+        f"--target.path={target}",
+        f"--data.inputs={json.dumps(inputs)}",
+        "--data.block_size=4",
+        "--run.device=cpu",
+    ] + [f"--{o}" for o in job_overrides(store_dtype, samples_per_unit)]
     return ["--config", str(ROOT / "configs" / "tiny.toml"), "--out", str(store), *cfg_args, *extra]
 
 
@@ -80,8 +104,11 @@ def subprocess_env() -> dict[str, str]:
 
 def store_files(path: Path) -> dict[str, str]:
     """sha256 of every file of every shard, and the manifest (root attributes without the summary)."""
-    out = {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-           for f in sorted((path / "shards").rglob("*")) if f.is_file()}
+    out = {
+        str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted((path / "shards").rglob("*"))
+        if f.is_file()
+    }
     attrs = json.loads((path / "zarr.json").read_text())["attributes"]
     attrs.pop("summary")
     out["manifest"] = json.dumps(attrs, sort_keys=True)
@@ -90,15 +117,22 @@ def store_files(path: Path) -> dict[str, str]:
 
 def shard_sums(store: Path, names: list[str]) -> dict[str, str]:
     """sha256 of every file of the shards `names`."""
-    return {str(f.relative_to(store)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for name in names for f in sorted((store / "shards" / name).rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(store)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for name in names
+        for f in sorted((store / "shards" / name).rglob("*"))
+        if f.is_file()
+    }
 
 
 def published(store: Path) -> list[str]:
     """The shard names a reader sees (hidden names are never published)."""
     shards = store / "shards"
-    return sorted(p.name for p in shards.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-        if shards.is_dir() else []
+    return (
+        sorted(p.name for p in shards.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if shards.is_dir()
+        else []
+    )
 
 
 def interrupt_says_what_is_kept(proc: subprocess.Popen, out: Path) -> None:
@@ -109,8 +143,10 @@ def interrupt_says_what_is_kept(proc: subprocess.Popen, out: Path) -> None:
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
-    assert last == (f"interrupted: the shards already published in {out} are kept (a shard being written is not "
-                    f"visible); rerun the same command to resume."), err
+    assert last == (
+        f"interrupted: the shards already published in {out} are kept (a shard being written is not "
+        f"visible); rerun the same command to resume."
+    ), err
 
 
 def kill_process_tree(proc: subprocess.Popen) -> None:
@@ -146,14 +182,16 @@ def _stat(proc_dir: Path) -> list[bytes] | None:
         stat = (proc_dir / "stat").read_bytes()
     except OSError:
         return None
-    return stat[stat.rindex(b")") + 2:].split()
+    return stat[stat.rindex(b")") + 2 :].split()
 
 
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (fields := _stat(entry)) is not None:
-            children.setdefault(int(fields[1]), []).append(int(entry.name))  # fields: state, ppid, ...
+            children.setdefault(int(fields[1]), []).append(
+                int(entry.name)
+            )  # fields: state, ppid, ...
     out, todo = [], [pid]
     while todo:
         kids = children.get(todo.pop(), [])

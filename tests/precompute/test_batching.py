@@ -49,7 +49,11 @@ def test_states_do_not_depend_on_batch_companions(which, tiny_target, tiny_vlm):
     gen = torch.Generator().manual_seed(3)
     seq, shorter, longer = (torch.randint(0, 256, (n,), generator=gen).numpy() for n in (40, 7, 70))
     alone = target.forward(pad_right([seq], pad_id=0))
-    cases = [([longer], 0), ([shorter], 257), ([longer, shorter], 0)] if which == "tiny" else [([longer, shorter], 257)]
+    cases = (
+        [([longer], 0), ([shorter], 257), ([longer, shorter], 0)]
+        if which == "tiny"
+        else [([longer, shorter], 257)]
+    )
     for companions, pad_id in cases:
         batch = [*companions, seq]
         states = target.forward(pad_right(batch, pad_id))

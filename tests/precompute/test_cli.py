@@ -20,8 +20,16 @@ TINY = str(ROOT / "configs" / "tiny.toml")
 
 
 def _tiny_args(tiny_target, out, *extra):
-    return ["--config", TINY, "--out", str(out), f"--target.path={tiny_target}",
-            f"--data.inputs={json.dumps([str(ROOT / 'data' / 'tiny-train.jsonl')])}", "--run.progress=false", *extra]
+    return [
+        "--config",
+        TINY,
+        "--out",
+        str(out),
+        f"--target.path={tiny_target}",
+        f"--data.inputs={json.dumps([str(ROOT / 'data' / 'tiny-train.jsonl')])}",
+        "--run.progress=false",
+        *extra,
+    ]
 
 
 def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_path, capsys):
@@ -30,16 +38,33 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
     from train.loop import run as train
 
     store = tmp_path / "store"
-    assert main(_tiny_args(tiny_target, store)) is None  # a console script's exit code is main()'s result
+    assert (
+        main(_tiny_args(tiny_target, store)) is None
+    )  # a console script's exit code is main()'s result
     out = capsys.readouterr().out
     assert "plan: 384 input records -> 24 work units" in out and "done: 383 samples" in out
     s = Store.open(store)
-    assert len(s.shards) == 24 and s.manifest.layer_ids == (1, 2, 3, 4, 5) and verify_store(s).bad == {}
+    assert (
+        len(s.shards) == 24
+        and s.manifest.layer_ids == (1, 2, 3, 4, 5)
+        and verify_store(s).bad == {}
+    )
     assert s.summary["skips"]["counts"] == {"too_few_response_tokens": 1}
     _one_figure_one_value(out, store)
-    cfg: TrainConfig = parse_train(["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store),
-                                    "--out", str(tmp_path / "train"), f"--run.target={tiny_target}",
-                                    "--optim.max_steps=2", "--log.progress=false", "--log.tensorboard=false"])
+    cfg: TrainConfig = parse_train(
+        [
+            "--config",
+            str(ROOT / "configs" / "tiny.toml"),
+            "--store",
+            str(store),
+            "--out",
+            str(tmp_path / "train"),
+            f"--run.target={tiny_target}",
+            "--optim.max_steps=2",
+            "--log.progress=false",
+            "--log.tensorboard=false",
+        ]
+    )
     run_dir = train(cfg)
     assert (Path(run_dir) / "drafter" / "model.safetensors").is_file()
 
@@ -56,11 +81,16 @@ def _one_figure_one_value(out: str, store: Path) -> None:
 
     info_text = format_info(store_info(Store.open(store)))
     planned = re.search(r"arrays before compression: ([\d.,]+ [KMG]iB)", out).group(1)
-    assert re.search(rf"arrays \(decoded\)\s+{re.escape(planned)}: 645 array bytes/token \+ 8 per sequence",
-                     info_text), (planned, info_text)
+    assert re.search(
+        rf"arrays \(decoded\)\s+{re.escape(planned)}: 645 array bytes/token \+ 8 per sequence",
+        info_text,
+    ), (planned, info_text)
     assert "645 array bytes/token (5 x 2 x 64 + 5 for id and mask) + 8 per sequence" in out
-    disk = re.search(r"on disk\s+([\d.,]+ [KMG]iB) \(([\d,]+ B), [\d.,]+ bytes/token\), "
-                     r"incl\. shard indexes", info_text)
+    disk = re.search(
+        r"on disk\s+([\d.,]+ [KMG]iB) \(([\d,]+ B), [\d.,]+ bytes/token\), "
+        r"incl\. shard indexes",
+        info_text,
+    )
     assert disk, info_text
     assert f"{disk.group(1)} on disk ({disk.group(2)}, as dflash-store info counts it)" in out, out
     assert "compression" not in info_text  # codec none
@@ -70,11 +100,25 @@ def _one_figure_one_value(out: str, store: Path) -> None:
 def test_dry_run_prints_the_plan_and_writes_nothing(tiny_target, tmp_path, capsys):
     main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run"))
     out = capsys.readouterr().out
-    assert "tokens after templating: 57,471" in out and "645 array bytes/token" in out and "free space" in out
-    assert "done:" not in out and sorted(tmp_path.iterdir()) == []  # no store, no token cache, no run record
-    main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run", "--run.tokenize_workers=1"))  # the pool too
-    assert "tokens after templating: 57,471" in capsys.readouterr().out and sorted(tmp_path.iterdir()) == []
-    assert parse(["--config", TINY, "--dry-run"]).run.dry_run and parse(["--config", TINY, "--force"]).run.force
+    assert (
+        "tokens after templating: 57,471" in out
+        and "645 array bytes/token" in out
+        and "free space" in out
+    )
+    assert (
+        "done:" not in out and sorted(tmp_path.iterdir()) == []
+    )  # no store, no token cache, no run record
+    main(
+        _tiny_args(tiny_target, tmp_path / "store", "--dry-run", "--run.tokenize_workers=1")
+    )  # the pool too
+    assert (
+        "tokens after templating: 57,471" in capsys.readouterr().out
+        and sorted(tmp_path.iterdir()) == []
+    )
+    assert (
+        parse(["--config", TINY, "--dry-run"]).run.dry_run
+        and parse(["--config", TINY, "--force"]).run.force
+    )
 
 
 def test_the_plan_of_a_q4_store_counts_its_bytes(tiny_target, tmp_path, capsys):
@@ -92,7 +136,10 @@ def test_q4_on_a_hidden_size_of_no_whole_groups_is_one_sentence(tmp_path, capsys
         main(_tiny_args(target, tmp_path / "store", "--dry-run", "--store.dtype=q4_hadamard"))
     err = capsys.readouterr().err
     assert caught.value.code == 2 and err.count("\n") == 1, err
-    assert "q4_hadamard needs a hidden size that is a multiple of 16, not 40; choose bf16 or fp8_e4m3" in err
+    assert (
+        "q4_hadamard needs a hidden size that is a multiple of 16, not 40; choose bf16 or fp8_e4m3"
+        in err
+    )
 
 
 def test_a_disk_too_small_is_refused_in_one_sentence(tiny_target, tmp_path, capsys, monkeypatch):
@@ -100,7 +147,12 @@ def test_a_disk_too_small_is_refused_in_one_sentence(tiny_target, tmp_path, caps
     with pytest.raises(SystemExit) as caught:
         main(_tiny_args(tiny_target, tmp_path / "store"))
     err = capsys.readouterr().err
-    assert caught.value.code == 2 and err.count("\n") == 1 and "--run.force=true" in err and "Traceback" not in err
+    assert (
+        caught.value.code == 2
+        and err.count("\n") == 1
+        and "--run.force=true" in err
+        and "Traceback" not in err
+    )
     assert not (tmp_path / "store").exists()
     main(_tiny_args(tiny_target, tmp_path / "store", "--force", "--dry-run"))  # forced: goes on
 
@@ -113,8 +165,11 @@ def test_a_refused_run_leaves_nothing_it_created(tiny_target, tmp_path, capsys, 
     mine.mkdir()
     theirs.mkdir()
     (theirs / "notes.txt").write_text("keep")
-    for out, says in [(mine, "--run.force=true"), (tmp_path / "new", "--run.force=true"),
-                      (theirs, "is a non-empty directory that is not a dflash store")]:
+    for out, says in [
+        (mine, "--run.force=true"),
+        (tmp_path / "new", "--run.force=true"),
+        (theirs, "is a non-empty directory that is not a dflash store"),
+    ]:
         with pytest.raises(SystemExit) as caught:
             main(_tiny_args(tiny_target, out))
         err = capsys.readouterr().err
@@ -131,8 +186,10 @@ def test_a_refused_run_leaves_nothing_it_created(tiny_target, tmp_path, capsys, 
 def test_out_naming_a_file_is_one_sentence(tiny_target, tmp_path, capsys):
     file = tmp_path / "notes.txt"
     file.write_text("keep")
-    cases = [(file, f"store.path {file} is a file, not a directory; pass --out a new directory"),
-             (file / "s", f"store.path {file / 's'} cannot be created: {file} is a file;")]
+    cases = [
+        (file, f"store.path {file} is a file, not a directory; pass --out a new directory"),
+        (file / "s", f"store.path {file / 's'} cannot be created: {file} is a file;"),
+    ]
     for out, says in cases:
         for extra in ([], ["--dry-run"]):
             with pytest.raises(SystemExit) as caught:
@@ -153,8 +210,15 @@ def test_a_store_made_with_other_settings_is_refused_before_any_work(tiny_target
     records = (ROOT / "data" / "tiny-train.jsonl").read_text().splitlines(keepends=True)[:8]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(records))
-    args = ["--config", TINY, "--out", str(tmp_path / "store"), f"--target.path={tiny_target}",
-            f"--data.inputs={json.dumps([str(data)])}", "--run.progress=false"]
+    args = [
+        "--config",
+        TINY,
+        "--out",
+        str(tmp_path / "store"),
+        f"--target.path={tiny_target}",
+        f"--data.inputs={json.dumps([str(data)])}",
+        "--run.progress=false",
+    ]
     main(args)
     capsys.readouterr()
     with pytest.raises(SystemExit) as caught:
@@ -174,13 +238,30 @@ def test_the_tiny_target_builder_makes_the_fixtures_target(tiny_target, tmp_path
 
 def test_help_lists_the_flags_and_every_field():
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    shown = subprocess.run([sys.executable, "-m", "precompute.cli", "--help"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [sys.executable, "-m", "precompute.cli", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shown.returncode == 0
-    for key in ("--out", "--dry-run", "--force", "--run.samples_per_unit", "--store.dtype", "--run.queue_depth"):
+    for key in (
+        "--out",
+        "--dry-run",
+        "--force",
+        "--run.samples_per_unit",
+        "--store.dtype",
+        "--run.queue_depth",
+    ):
         assert key in shown.stdout
     usage = shown.stdout.split("\n\n")[0]  # argparse's `usage: dflash-precompute [...]` lines
-    assert usage.startswith("usage: dflash-precompute") and "[--dry-run]" in usage and "[--force]" in usage
+    assert (
+        usage.startswith("usage: dflash-precompute")
+        and "[--dry-run]" in usage
+        and "[--force]" in usage
+    )
 
 
 def test_no_progress_frames_when_stderr_is_not_a_terminal(tiny_target, tmp_path, capsys):
@@ -192,16 +273,47 @@ def test_no_progress_frames_when_stderr_is_not_a_terminal(tiny_target, tmp_path,
     data = tmp_path / "d.jsonl"
     data.write_text("".join(records))
     store = tmp_path / "store"
-    main(["--config", TINY, "--out", str(store), f"--target.path={tiny_target}",
-          f"--data.inputs={json.dumps([str(data)])}", "--run.progress=true"])
+    main(
+        [
+            "--config",
+            TINY,
+            "--out",
+            str(store),
+            f"--target.path={tiny_target}",
+            f"--data.inputs={json.dumps([str(data)])}",
+            "--run.progress=true",
+        ]
+    )
     assert store_main(["verify", str(store)]) == 0
-    train_main(["--config", TINY, "--store", str(store), "--out", str(tmp_path / "train"),
-                f"--run.target={tiny_target}", "--optim.max_steps=3", "--log.progress=true", "--log.every_steps=1",
-                "--log.tensorboard=false", "--data.holdout_sequences=2"])
+    train_main(
+        [
+            "--config",
+            TINY,
+            "--store",
+            str(store),
+            "--out",
+            str(tmp_path / "train"),
+            f"--run.target={tiny_target}",
+            "--optim.max_steps=3",
+            "--log.progress=true",
+            "--log.every_steps=1",
+            "--log.tensorboard=false",
+            "--data.holdout_sequences=2",
+        ]
+    )
     captured = capsys.readouterr()
     for text in (captured.err, captured.out):
-        assert "\r" not in text and "sample/s" not in text and "step/s" not in text and "shard/s" not in text
-    assert "done: 16 samples" in captured.out and "OK" in captured.err and "done: 3 steps" in captured.err
+        assert (
+            "\r" not in text
+            and "sample/s" not in text
+            and "step/s" not in text
+            and "shard/s" not in text
+        )
+    assert (
+        "done: 16 samples" in captured.out
+        and "OK" in captured.err
+        and "done: 3 steps" in captured.err
+    )
 
 
 def test_a_q4_store_that_lost_shards_is_refilled_to_the_same_bytes(tiny_target, tmp_path, capsys):

@@ -13,8 +13,16 @@ import pytest
 from dflash_common.store import Store
 from precompute import job
 
-from precompute_helpers import (ROOT, cli_args, demo_inputs, interrupt_says_what_is_kept, job_overrides, make_config,
-                                store_files, subprocess_env)
+from precompute_helpers import (
+    ROOT,
+    cli_args,
+    demo_inputs,
+    interrupt_says_what_is_kept,
+    job_overrides,
+    make_config,
+    store_files,
+    subprocess_env,
+)
 
 
 def _wait_for_a_shard(store, proc) -> None:
@@ -30,17 +38,32 @@ def _wait_for_a_shard(store, proc) -> None:
     pytest.fail("no shard appeared within 120 s")
 
 
-def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same_store(tiny_target, tmp_path):
+def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same_store(
+    tiny_target, tmp_path
+):
     inputs = demo_inputs(tmp_path)
     straight = tmp_path / "straight"
     job.run(make_config(tiny_target, inputs, straight, *job_overrides("bf16")))
     store = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "precompute.cli", *cli_args(tiny_target, inputs, store, "bf16"),
-           "--run.writer_threads=1", "--run.queue_depth=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "precompute.cli",
+        *cli_args(tiny_target, inputs, store, "bf16"),
+        "--run.writer_threads=1",
+        "--run.queue_depth=1",
+    ]
     # SIGINT at its default in the child: a test run started in the background of a non-interactive shell
     # (`make test &`) ignores SIGINT, the child would inherit that, and Python then installs no handler
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     _wait_for_a_shard(store, proc)
     interrupt_says_what_is_kept(proc, store)
     published = len([p for p in (store / "shards").iterdir() if p.is_dir()])
@@ -58,11 +81,15 @@ def test_ctrl_c_in_training_start_up_is_one_sentence_and_exit_130(monkeypatch, t
     def interrupted(cfg, ranks):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train.loop, "setup", interrupted)  # Ctrl-C while the stores open, the target loads...
+    monkeypatch.setattr(
+        train.loop, "setup", interrupted
+    )  # Ctrl-C while the stores open, the target loads...
     with pytest.raises(SystemExit) as exit_info:
         main([f"--run.out_dir={tmp_path / 'run'}", "--store", str(tmp_path / "store")])
     assert exit_info.value.code == 130
     err = capsys.readouterr().err.strip()
-    assert err.splitlines()[-1] == (f"interrupted: the checkpoints already saved in {tmp_path / 'run'} are kept (a "
-                                    f"save being written is not visible); rerun the same command to resume from "
-                                    f"the newest.")
+    assert err.splitlines()[-1] == (
+        f"interrupted: the checkpoints already saved in {tmp_path / 'run'} are kept (a "
+        f"save being written is not visible); rerun the same command to resume from "
+        f"the newest."
+    )

@@ -18,7 +18,15 @@ from precompute import job
 from precompute.cli import main
 
 from precompute_helpers import (
-    ROOT, cli_args, demo_inputs, job_overrides, make_config, published, shard_sums, store_files, subprocess_env,
+    ROOT,
+    cli_args,
+    demo_inputs,
+    job_overrides,
+    make_config,
+    published,
+    shard_sums,
+    store_files,
+    subprocess_env,
 )
 
 UNITS = 12  # of demo_inputs with job_overrides' 4 samples per unit
@@ -79,28 +87,46 @@ def test_a_real_full_disk(small_disk, tiny_target, inputs, reference, capsys):
 def test_a_real_full_disk_under_two_ranks(small_disk, tiny_target, inputs, reference):
     disk = small_disk("2m")
     store = disk.path / "store"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "precompute.cli", *cli_args(tiny_target, inputs, store, "bf16", "--run.force=true")]
-    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "precompute.cli",
+        *cli_args(tiny_target, inputs, store, "bf16", "--run.force=true"),
+    ]
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode != 0, done.stderr
     # each rank that hit the full disk says so in one sentence (torchrun then adds its own report)
     ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert 1 <= len(ours) <= 2 and all("filesystem is full" in e and "rerunning the same command resumes" in e
-                                       for e in ours), done.stderr
+    assert 1 <= len(ours) <= 2 and all(
+        "filesystem is full" in e and "rerunning the same command resumes" in e for e in ours
+    ), done.stderr
     tracebacks = done.stderr.split("Traceback (most recent call last)")[1:]
-    assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0], done.stderr  # torchrun's, none of ours
+    assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0], (
+        done.stderr
+    )  # torchrun's, none of ours
     # torchrun terminates the other rank when one fails, perhaps mid-write: its staging dir may stay
     seen = _nothing_partial_visible(store, reference, staging_left=True)
     disk.resize("16m")
-    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert store_files(store) == store_files(reference)
-    assert not any((store / ".staging").iterdir())  # a dead process's staging is cleaned by the rerun
+    assert not any(
+        (store / ".staging").iterdir()
+    )  # a dead process's staging is cleaned by the rerun
     assert Store.open(store).summary["runs"][-1]["units_written"] == UNITS - len(seen)
 
 
-def test_an_injected_full_disk_in_the_writer_then_in_the_summary(tiny_target, inputs, reference, tmp_path, capsys,
-                                                                monkeypatch):
+def test_an_injected_full_disk_in_the_writer_then_in_the_summary(
+    tiny_target, inputs, reference, tmp_path, capsys, monkeypatch
+):
     real_write, budget = store_chunks._write_all, [1_500_000]  # bytes: about 4 of the 12 shards
 
     def filling_disk(fd, data):  # once the budget is spent every write fails, as on a full disk
@@ -125,7 +151,9 @@ def test_an_injected_full_disk_in_the_writer_then_in_the_summary(tiny_target, in
 
     monkeypatch.setattr(StoreWriter, "write_summary", no_space)  # every shard fits, the summary not
     err = _fails_with_one_sentence(args, capsys)
-    assert err.startswith(f"error: the filesystem of {store} is full (No space left on device)"), err
+    assert err.startswith(f"error: the filesystem of {store} is full (No space left on device)"), (
+        err
+    )
     assert published(store) == published(reference)
     monkeypatch.undo()
     _finishes_as_the_reference(args, store, reference, UNITS)

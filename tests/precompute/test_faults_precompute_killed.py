@@ -21,7 +21,15 @@ from dflash_common.store.verify import verify_store
 from precompute import job
 
 from precompute_helpers import (
-    ROOT, cli_args, demo_inputs, job_overrides, kill_process_tree, make_config, published, shard_sums, store_files,
+    ROOT,
+    cli_args,
+    demo_inputs,
+    job_overrides,
+    kill_process_tree,
+    make_config,
+    published,
+    shard_sums,
+    store_files,
     subprocess_env,
 )
 
@@ -34,14 +42,33 @@ class Job:
     """A dflash-precompute process (under torchrun when `ranks` > 1), its stderr in a file."""
 
     def __init__(self, target, inputs, store: Path, ranks: int, log: Path):
-        launcher = [sys.executable] if ranks == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        cmd = [*launcher, "-m", "precompute.cli",
-               *cli_args(target, inputs, store, "bf16", samples_per_unit=SAMPLES_PER_UNIT)]
+        launcher = (
+            [sys.executable]
+            if ranks == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={ranks}",
+            ]
+        )
+        cmd = [
+            *launcher,
+            "-m",
+            "precompute.cli",
+            *cli_args(target, inputs, store, "bf16", samples_per_unit=SAMPLES_PER_UNIT),
+        ]
         self.log = log
         with open(log, "wb") as err:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                                         stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=subprocess_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
         self.started = time.monotonic()
 
     def kill_when(self, ready, timeout: float = 120.0) -> None:
@@ -65,8 +92,11 @@ def _token_files(store: Path) -> int:
 
 def _kill_points(rng: random.Random, store: Path):
     """(ranks, description, ready) of each kill; `ready` is made when its run starts."""
+
     def in_start_up(job: Job):
-        delay = rng.uniform(0.2, 2.0)  # torchrun and the imports take longer: before anything is written
+        delay = rng.uniform(
+            0.2, 2.0
+        )  # torchrun and the imports take longer: before anything is written
         return lambda: time.monotonic() - job.started > delay or _token_files(store) > 0
 
     def in_plan(job: Job):
@@ -77,11 +107,18 @@ def _kill_points(rng: random.Random, store: Path):
         target = min(len(published(store)) + rng.randint(1, 5), UNITS - 3)
         return lambda: len(published(store)) >= target
 
-    return [(2, "start-up", in_start_up), (2, "plan", in_plan), (2, "writing", while_writing),
-            (1, "writing", while_writing), (2, "writing", while_writing)]
+    return [
+        (2, "start-up", in_start_up),
+        (2, "plan", in_plan),
+        (2, "writing", while_writing),
+        (1, "writing", while_writing),
+        (2, "writing", while_writing),
+    ]
 
 
-def test_five_random_sigkills_of_two_ranks_and_one_then_one_rank_finishes_the_same_store(tiny_target, tmp_path):
+def test_five_random_sigkills_of_two_ranks_and_one_then_one_rank_finishes_the_same_store(
+    tiny_target, tmp_path
+):
     inputs = demo_inputs(tmp_path)
     reference = tmp_path / "reference"
     job.run(make_config(tiny_target, inputs, reference, *job_overrides("bf16", SAMPLES_PER_UNIT)))
@@ -100,16 +137,23 @@ def test_five_random_sigkills_of_two_ranks_and_one_then_one_rank_finishes_the_sa
         # what a reader sees after a kill is whole: every visible shard holds the reference's bytes
         assert shard_sums(store, seen) == shard_sums(reference, seen), schedule
 
-    assert any(after > before for _, where, before, after, _ in schedule if where == "writing"), schedule
+    assert any(after > before for _, where, before, after, _ in schedule if where == "writing"), (
+        schedule
+    )
     left = UNITS - len(published(store))
     cache = next(Path(f"{store}.tokens").iterdir())
-    (cache / ".unit-00000000.npz.tmp-1-0123abcd").write_bytes(b"cut")  # as a kill inside a save leaves it
-    job.run(make_config(tiny_target, inputs, store, *job_overrides("bf16", SAMPLES_PER_UNIT)))  # one rank
+    (cache / ".unit-00000000.npz.tmp-1-0123abcd").write_bytes(
+        b"cut"
+    )  # as a kill inside a save leaves it
+    job.run(
+        make_config(tiny_target, inputs, store, *job_overrides("bf16", SAMPLES_PER_UNIT))
+    )  # one rank
 
     assert store_files(store) == expected, schedule
     finished = Store.open(store)
     assert verify_store(finished).bad == {}  # every chunk's crc32c, every file's size
-    assert finished.summary["runs"][-1]["units_written"] == left and finished.summary["samples"] == 48
+    assert (
+        finished.summary["runs"][-1]["units_written"] == left and finished.summary["samples"] == 48
+    )
     assert not any((store / ".staging").iterdir())  # the killed writers' leftovers are gone
     assert not list(Path(f"{store}.tokens").rglob(".*")), "a cut token cache save was left behind"
-

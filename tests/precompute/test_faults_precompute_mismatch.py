@@ -30,8 +30,11 @@ def made(tiny_target, tmp_path_factory):
 
 
 def _tree(path) -> dict[str, str]:
-    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(path.rglob("*")) if f.is_file() and f.name != LOCK_FILE}  # the holder's pid
+    return {
+        str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != LOCK_FILE
+    }  # the holder's pid
 
 
 def _refused(capsys, args, store) -> str:
@@ -46,12 +49,16 @@ def _refused(capsys, args, store) -> str:
 
 
 @pytest.mark.parametrize("change", ["target_weights", "target_weights_and_name", "store_dtype"])
-def test_a_store_of_another_target_is_refused_and_left_alone(made, tiny_target, tmp_path, capsys, change):
+def test_a_store_of_another_target_is_refused_and_left_alone(
+    made, tiny_target, tmp_path, capsys, change
+):
     inputs, made_store = made
     store = shutil.copytree(made_store, tmp_path / "store")
     target, dtype = tiny_target, "bf16"
     if change == "target_weights":  # the same architecture and tokenizer, other weights
-        target = build_tiny_target(tmp_path / "other" / tiny_target.name, TinySpec(seed=5))  # even its name
+        target = build_tiny_target(
+            tmp_path / "other" / tiny_target.name, TinySpec(seed=5)
+        )  # even its name
     elif change == "target_weights_and_name":  # refused by what differs (weights), not by the name
         target = build_tiny_target(tmp_path / "other" / "a-finetune", TinySpec(seed=5))
     else:
@@ -62,7 +69,9 @@ def test_a_store_of_another_target_is_refused_and_left_alone(made, tiny_target, 
     assert line.endswith("; use a new store path, or the settings the store was made with."), line
 
 
-def test_a_store_of_an_older_tokenization_is_refused_naming_the_version(made, tiny_target, tmp_path, capsys):
+def test_a_store_of_an_older_tokenization_is_refused_naming_the_version(
+    made, tiny_target, tmp_path, capsys
+):
     # e.g. a store of TOKENIZE_VERSION 2, whose sample ids carried paths: resuming it would write every
     # unit a second time under its new name
     inputs, made_store = made
@@ -72,12 +81,16 @@ def test_a_store_of_an_older_tokenization_is_refused_naming_the_version(made, ti
     meta["attributes"]["precompute"]["tokenize_version"] = 2
     root.write_text(json.dumps(meta))
     line = _refused(capsys, cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6), store)
-    assert line == (f"error: Store {store} was made with precompute.tokenize_version = 2, but this run has "
-                    f"precompute.tokenize_version = 3; use a new store path, or the dflash version that made it."), line
+    assert line == (
+        f"error: Store {store} was made with precompute.tokenize_version = 2, but this run has "
+        f"precompute.tokenize_version = 3; use a new store path, or the dflash version that made it."
+    ), line
 
 
 @pytest.mark.parametrize("damage", ["format_version", "cut_root_metadata"])
-def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(made, tiny_target, tmp_path, capsys, damage):
+def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(
+    made, tiny_target, tmp_path, capsys, damage
+):
     inputs, made_store = made
     store = shutil.copytree(made_store, tmp_path / "store")
     root = store / "zarr.json"
@@ -92,7 +105,9 @@ def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(made, tiny_ta
     args = cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6)
     line = _refused(capsys, args, store)
     assert want in line, line
-    if damage == "cut_root_metadata":  # the fix the sentence gives: delete it and rerun, the shards are kept
+    if (
+        damage == "cut_root_metadata"
+    ):  # the fix the sentence gives: delete it and rerun, the shards are kept
         assert "delete that file and rerun dflash-precompute" in line
         root.unlink()
         main(args)
@@ -100,7 +115,9 @@ def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(made, tiny_ta
         assert Store.open(store).summary["runs"][-1]["units_written"] == 0
 
 
-def test_precompute_resumes_with_the_same_target_copied_under_another_name(tiny_target, tmp_path, capsys):
+def test_precompute_resumes_with_the_same_target_copied_under_another_name(
+    tiny_target, tmp_path, capsys
+):
     inputs = demo_inputs(tmp_path)[1:]
     store = tmp_path / "store"
     main(cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6))
@@ -108,6 +125,8 @@ def test_precompute_resumes_with_the_same_target_copied_under_another_name(tiny_
     assert "target_head" in json.loads((store / "zarr.json").read_text())["attributes"]
     renamed = shutil.copytree(tiny_target, tmp_path / "copies" / "my-target-copy")
     capsys.readouterr()
-    main(cli_args(renamed, inputs, store, "bf16", samples_per_unit=6))  # refused before: target.name differed
+    main(
+        cli_args(renamed, inputs, store, "bf16", samples_per_unit=6)
+    )  # refused before: target.name differed
     assert "0 shards written" in capsys.readouterr().out
     assert store_files(store) == before

@@ -20,7 +20,9 @@ def _record(i, finish_reason):
     return RawRecord(i, f"gen.jsonl:{i + 1}", json.dumps(obj).encode())
 
 
-@pytest.mark.parametrize("target", ["tiny_target", "tiny_target_2layer"])  # marked template, and not
+@pytest.mark.parametrize(
+    "target", ["tiny_target", "tiny_target_2layer"]
+)  # marked template, and not
 def test_the_end_of_turn_of_a_cut_answer_weighs_nothing(target, request):
     path = request.getfixturevalue(target)
     tokenizer = UnitTokenizer.from_target(str(path), DataSection(block_size=4, max_length=512))

@@ -43,14 +43,29 @@ def read_all(entries, fmt="auto", report_first=5):
 
 
 def test_three_jsonl_formats_and_source_ids(tmp_path):
-    path = write_lines(tmp_path / "a.jsonl", [
-        CHAT,
-        {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
-                           {"from": "gpt", "value": "a"}]},
-        {"input_ids": [1, 2, 3], "loss_mask": [0, 1, True]},
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                      {"role": "assistant", "content": "c", "reasoning_content": "think"}]},
-    ])
+    path = write_lines(
+        tmp_path / "a.jsonl",
+        [
+            CHAT,
+            {
+                "conversations": [
+                    {"from": "system", "value": "s"},
+                    {"from": "human", "value": "q"},
+                    {"from": "gpt", "value": "a"},
+                ]
+            },
+            {"input_ids": [1, 2, 3], "loss_mask": [0, 1, True]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    },
+                    {"role": "assistant", "content": "c", "reasoning_content": "think"},
+                ]
+            },
+        ],
+    )
     out, skips = read_all([path])
     assert skips.total == 0
     # a sample id names its file by its own name, not its path (shard names must not depend on where inputs lie)
@@ -58,32 +73,53 @@ def test_three_jsonl_formats_and_source_ids(tmp_path):
     assert out[0][2] == Conversation("a.jsonl:1", CHAT["messages"])
     assert [m["role"] for m in out[1][2].messages] == ["system", "user", "assistant"]
     assert out[2][2] == PreTokenized("a.jsonl:3", [1, 2, 3], [0, 1, 1])
-    assert out[3][2].messages == [{"role": "user", "content": "ab"},
-                                  {"role": "assistant", "content": "c", "reasoning_content": "think"}]
+    assert out[3][2].messages == [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "c", "reasoning_content": "think"},
+    ]
 
 
 def test_bad_records_are_skipped_counted_and_the_first_kept(tmp_path):
     lines = [
-        b"{not json", b"\xff\xfe{}", b"", b"[1, 2]", {"text": "no known key"},
-        {"messages": "hi"}, {"messages": []}, {"messages": [{"role": "user", "content": "only a question"}]},
+        b"{not json",
+        b"\xff\xfe{}",
+        b"",
+        b"[1, 2]",
+        {"text": "no known key"},
+        {"messages": "hi"},
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "only a question"}]},
         {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
         {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]},
         {"messages": [{"role": "user"}, {"role": "assistant", "content": "y"}]},
         {"conversations": [{"from": "robot", "value": "x"}]},
-        {"input_ids": [1, 2], "loss_mask": [1]}, {"input_ids": [1, -2], "loss_mask": [1, 1]},
-        {"input_ids": [1, 2]}, b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}',
-        b"[" * 100000, CHAT,
+        {"input_ids": [1, 2], "loss_mask": [1]},
+        {"input_ids": [1, -2], "loss_mask": [1, 1]},
+        {"input_ids": [1, 2]},
+        b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}',
+        b"[" * 100000,
+        CHAT,
     ]
     path = write_lines(tmp_path / "bad.jsonl", lines)
     out, skips = read_all([path], report_first=3)
     assert [sid for _, sid, p in out if p is not None] == [f"bad.jsonl:{len(lines)}"]
     assert dict(skips.counts) == {
-        "malformed_json": 2, "invalid_utf8": 2, "blank_line": 1, "not_an_object": 1, "missing_field": 3,
-        "wrong_field_type": 4, "empty_conversation": 1, "no_assistant_turn": 1, "unknown_role": 2,
+        "malformed_json": 2,
+        "invalid_utf8": 2,
+        "blank_line": 1,
+        "not_an_object": 1,
+        "missing_field": 3,
+        "wrong_field_type": 4,
+        "empty_conversation": 1,
+        "no_assistant_turn": 1,
+        "unknown_role": 2,
     }
     assert skips.total == len(lines) - 1
-    assert [e[:2] for e in skips.examples] == [("bad.jsonl:1", "malformed_json"), ("bad.jsonl:2", "invalid_utf8"),
-                                              ("bad.jsonl:3", "blank_line")]
+    assert [e[:2] for e in skips.examples] == [
+        ("bad.jsonl:1", "malformed_json"),
+        ("bad.jsonl:2", "invalid_utf8"),
+        ("bad.jsonl:3", "blank_line"),
+    ]
 
 
 def test_forced_format_requires_its_field():
@@ -144,7 +180,11 @@ def test_saved_datasets_and_dataset_dicts(tmp_path):
     datasets.DatasetDict({"train": ds, "extra": ds.select([0])}).save_to_disk(tmp_path / "dd")
     out, skips = read_all([str(tmp_path / "ds"), str(tmp_path / "dd")])
     assert [sid for _, sid, _ in out] == [
-        "ds:0", "ds:1", "dd[extra]:0", "dd[train]:0", "dd[train]:1",
+        "ds:0",
+        "ds:1",
+        "dd[extra]:0",
+        "dd[train]:0",
+        "dd[train]:1",
     ]
     assert out[0][2].messages == CHAT["messages"]
     assert dict(skips.counts) == {"empty_conversation": 2}
@@ -175,9 +215,30 @@ def test_reading_streams_without_loading_the_file(tmp_path):
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-        st.sampled_from(["messages", "conversations", "input_ids", "loss_mask", "role", "content", "from",
-                         "value", "type", "text", "reasoning_content", "tool_calls", "x"]), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "messages",
+                    "conversations",
+                    "input_ids",
+                    "loss_mask",
+                    "role",
+                    "content",
+                    "from",
+                    "value",
+                    "type",
+                    "text",
+                    "reasoning_content",
+                    "tool_calls",
+                    "x",
+                ]
+            ),
+            inner,
+            max_size=4,
+        )
+    ),
     max_leaves=12,
 )
 _line = st.one_of(
@@ -187,7 +248,9 @@ _line = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(lines=st.lists(_line, max_size=12))
 def test_fuzz_never_crashes_and_counts_every_skip(tmp_path_factory, lines):
     path = write_lines(tmp_path_factory.mktemp("fuzz") / "f.jsonl", lines)

@@ -29,7 +29,10 @@ from precompute_helpers import chat, make_config, write_jsonl
 
 
 def tokens_record(ids, response_from: int) -> dict:
-    return {"input_ids": list(ids), "loss_mask": [0] * response_from + [1] * (len(ids) - response_from)}
+    return {
+        "input_ids": list(ids),
+        "loss_mask": [0] * response_from + [1] * (len(ids) - response_from),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,9 @@ def full_model(tiny_target):
 def reference(full_model, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
     """The full model's hidden_states of one sequence run alone: layer id i is [i + 1][0], [T, H]."""
     with torch.no_grad():
-        return full_model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
+        return full_model(
+            torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True
+        ).hidden_states
 
 
 def _inputs(tmp_path):
@@ -52,14 +57,28 @@ def _inputs(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "q4_hadamard"])
-def test_shards_hold_each_unit_in_input_order_with_the_full_models_states(tiny_target, full_model, tmp_path, dtype):
-    cfg = make_config(tiny_target, _inputs(tmp_path), tmp_path / "store", f'store.dtype="{dtype}"',
-                      "batching.token_budget=400", "batching.sort_window_units=2", "run.writer_threads=2",
-                      "run.progress=false")
+def test_shards_hold_each_unit_in_input_order_with_the_full_models_states(
+    tiny_target, full_model, tmp_path, dtype
+):
+    cfg = make_config(
+        tiny_target,
+        _inputs(tmp_path),
+        tmp_path / "store",
+        f'store.dtype="{dtype}"',
+        "batching.token_budget=400",
+        "batching.sort_window_units=2",
+        "run.writer_threads=2",
+        "run.progress=false",
+    )
     job.run(cfg)
     store = Store.open(tmp_path / "store")
     cache = TokenCache.for_config(cfg, resolve_inputs(cfg.data.inputs))
-    assert [s.name[:9] for s in store.shards] == ["u00000000", "u00000001", "u00000002", "u00000003"]
+    assert [s.name[:9] for s in store.shards] == [
+        "u00000000",
+        "u00000001",
+        "u00000002",
+        "u00000003",
+    ]
     assert store.manifest.layer_ids == (1, 2, 3, 4, 5) and store.manifest.dtype == dtype
     units = [cache.load(u) for u in range(4)]
     batches = sort_window_batches(units[:2], 400)
@@ -73,24 +92,39 @@ def test_shards_hold_each_unit_in_input_order_with_the_full_models_states(tiny_t
     if dtype == "q4_hadamard":  # a version-2 store that verify and info read
         assert store.manifest.format_version == 2 and verify_store(store, progress=False).ok
         info = store_info(store)
-        assert info["array_bytes_per_token"] == 5 * (9 * 64 // 16 + 4) + 5 and info["format_version"] == 2
-        assert info["decoded_bytes"] == sum(s.nbytes for sh in store.shards for s in store.buffer_specs(sh).values())
+        assert (
+            info["array_bytes_per_token"] == 5 * (9 * 64 // 16 + 4) + 5
+            and info["format_version"] == 2
+        )
+        assert info["decoded_bytes"] == sum(
+            s.nbytes for sh in store.shards for s in store.buffer_specs(sh).values()
+        )
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_shards_hold_the_full_models_states_and_the_gpu_time_is_counted(tiny_target, full_model,
-                                                                                      tmp_path):
+def test_on_a_gpu_the_shards_hold_the_full_models_states_and_the_gpu_time_is_counted(
+    tiny_target, full_model, tmp_path
+):
     """Inputs copied from pinned memory without a sync, states copied out on the copy stream: the
     store still holds every unit's states, and the summary says how long the GPU computed and waited."""
-    cfg = make_config(tiny_target, _inputs(tmp_path), tmp_path / "store", "run.device=cuda",
-                      "batching.token_budget=400", "batching.sort_window_units=2", "run.writer_threads=2",
-                      "run.progress=false")
+    cfg = make_config(
+        tiny_target,
+        _inputs(tmp_path),
+        tmp_path / "store",
+        "run.device=cuda",
+        "batching.token_budget=400",
+        "batching.sort_window_units=2",
+        "run.writer_threads=2",
+        "run.progress=false",
+    )
     job.run(cfg)
     store = Store.open(tmp_path / "store")
     cache = TokenCache.for_config(cfg, resolve_inputs(cfg.data.inputs))
     _check_store(store, [cache.load(u) for u in range(4)], full_model, "bf16")
     run = store.summary["runs"][0]
-    assert 0 < run["gpu_busy_s"] <= run["seconds"]["forward_write"] and run["gpu_idle_s_max_rank"] >= 0
+    assert (
+        0 < run["gpu_busy_s"] <= run["seconds"]["forward_write"] and run["gpu_idle_s_max_rank"] >= 0
+    )
     assert "the GPU computed" in job.format_summary(store.summary)
 
 
@@ -139,8 +173,14 @@ def test_nonfinite_states_stop_the_run_naming_the_sample_and_the_shard(tiny_targ
     ids = [list(range(40 + i, 80 + i)) for i in range(8)]
     ids[5][10] = 300
     inputs = [write_jsonl(tmp_path / "t.jsonl", [tokens_record(x, 10) for x in ids])]
-    cfg = make_config(broken, inputs, tmp_path / "store", "run.samples_per_unit=2", "batching.sort_window_units=1",
-                      "run.progress=false")
+    cfg = make_config(
+        broken,
+        inputs,
+        tmp_path / "store",
+        "run.samples_per_unit=2",
+        "batching.sort_window_units=1",
+        "run.progress=false",
+    )
     with pytest.raises(NonFiniteStatesError) as caught:
         job.run(cfg)
     message = str(caught.value)
@@ -152,9 +192,18 @@ def test_nonfinite_states_stop_the_run_naming_the_sample_and_the_shard(tiny_targ
 
 
 def test_a_unit_whose_records_were_all_skipped_is_done_without_a_shard(tiny_target, tmp_path):
-    records = [chat(i) for i in range(4)] + ["{bad", chat(5, answer_len=2), "", "[]"] + [chat(i) for i in range(8, 12)]
-    cfg = make_config(tiny_target, [write_jsonl(tmp_path / "a.jsonl", records)], tmp_path / "store",
-                      "batching.sort_window_units=1", "run.progress=false")
+    records = (
+        [chat(i) for i in range(4)]
+        + ["{bad", chat(5, answer_len=2), "", "[]"]
+        + [chat(i) for i in range(8, 12)]
+    )
+    cfg = make_config(
+        tiny_target,
+        [write_jsonl(tmp_path / "a.jsonl", records)],
+        tmp_path / "store",
+        "batching.sort_window_units=1",
+        "run.progress=false",
+    )
     job.run(cfg)
     store = Store.open(tmp_path / "store")
     assert [s.name[:9] for s in store.shards] == ["u00000000", "u00000002"]
@@ -164,7 +213,9 @@ def test_a_unit_whose_records_were_all_skipped_is_done_without_a_shard(tiny_targ
     assert len(again) == 2 and again[1]["batches"] == 0 and again[1]["units_written"] == 0
 
 
-def test_a_unit_another_job_published_first_is_not_counted_as_written(tiny_target, tmp_path, monkeypatch, capsys):
+def test_a_unit_another_job_published_first_is_not_counted_as_written(
+    tiny_target, tmp_path, monkeypatch, capsys
+):
     real_write = StoreWriter.write_shard
     raced, lock = {}, threading.Lock()
 
@@ -179,20 +230,30 @@ def test_a_unit_another_job_published_first_is_not_counted_as_written(tiny_targe
 
     monkeypatch.setattr(StoreWriter, "write_shard", racing_write)
     inputs = [write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(8)])]
-    cfg = make_config(tiny_target, inputs, tmp_path / "store", "run.samples_per_unit=2", "run.progress=false")
+    cfg = make_config(
+        tiny_target, inputs, tmp_path / "store", "run.samples_per_unit=2", "run.progress=false"
+    )
     job.run(cfg)
     store = Store.open(tmp_path / "store")
     run = store.summary["runs"][0]
     assert list(raced.values()) == [True] and len(store.shards) == 4
     assert run["units_written"] == 3 and run["units_published_elsewhere"] == 1
     ours = [s.name for s in store.shards if s.name not in raced]
-    assert run["bytes_written"] == sum(f.stat().st_size for name in ours
-                                       for f in (tmp_path / "store/shards" / name).rglob("*") if f.is_file())
-    assert "3 shards written" in capsys.readouterr().out and "1 published meanwhile by another job" in \
-        job.format_summary(store.summary)
+    assert run["bytes_written"] == sum(
+        f.stat().st_size
+        for name in ours
+        for f in (tmp_path / "store/shards" / name).rglob("*")
+        if f.is_file()
+    )
+    assert (
+        "3 shards written" in capsys.readouterr().out
+        and "1 published meanwhile by another job" in job.format_summary(store.summary)
+    )
 
 
-def test_a_slow_disk_holds_the_forward_back_instead_of_filling_memory(tiny_target, tmp_path, monkeypatch):
+def test_a_slow_disk_holds_the_forward_back_instead_of_filling_memory(
+    tiny_target, tmp_path, monkeypatch
+):
     real_write = StoreWriter.write_shard
 
     def slow_write(self, name, payload):
@@ -201,8 +262,17 @@ def test_a_slow_disk_holds_the_forward_back_instead_of_filling_memory(tiny_targe
 
     monkeypatch.setattr(StoreWriter, "write_shard", slow_write)
     inputs = [write_jsonl(tmp_path / "a.jsonl", [chat(i) for i in range(24)])]
-    cfg = make_config(tiny_target, inputs, tmp_path / "store", "run.samples_per_unit=2", "batching.sort_window_units=1",
-                      "run.queue_depth=1", "run.writer_threads=1", "batching.token_budget=256", "run.progress=false")
+    cfg = make_config(
+        tiny_target,
+        inputs,
+        tmp_path / "store",
+        "run.samples_per_unit=2",
+        "batching.sort_window_units=1",
+        "run.queue_depth=1",
+        "run.writer_threads=1",
+        "batching.token_budget=256",
+        "run.progress=false",
+    )
     job.run(cfg)
     run = Store.open(tmp_path / "store").summary["runs"][0]
     assert run["units_written"] == 12
@@ -212,8 +282,9 @@ def test_a_slow_disk_holds_the_forward_back_instead_of_filling_memory(tiny_targe
 
 
 @pytest.mark.parametrize("after_next_forward", [True, False])
-def test_a_batchs_copy_is_queued_after_the_next_forward_is_launched(tiny_target, tmp_path, monkeypatch,
-                                                                    after_next_forward):
+def test_a_batchs_copy_is_queued_after_the_next_forward_is_launched(
+    tiny_target, tmp_path, monkeypatch, after_next_forward
+):
     """The model syncs at the start of every forward; a copy queued before it made it wait (module
     docstring). Each copy goes out after the next batch's forward, the last one at close; the
     other order is kept for the benchmark. Either way the store holds every unit."""
@@ -232,8 +303,15 @@ def test_a_batchs_copy_is_queued_after_the_next_forward_is_launched(tiny_target,
     monkeypatch.setattr(Pipeline, "_copy_all", staticmethod(copy_all))
     monkeypatch.setattr(Pipeline, "copy_after_next_forward", after_next_forward)
     inputs = [write_jsonl(tmp_path / "a.jsonl", [chat(i, answer_len=40) for i in range(8)])]
-    cfg = make_config(tiny_target, inputs, tmp_path / "store", "run.samples_per_unit=2",
-                      "batching.sort_window_units=2", "batching.token_budget=256", "run.progress=false")
+    cfg = make_config(
+        tiny_target,
+        inputs,
+        tmp_path / "store",
+        "run.samples_per_unit=2",
+        "batching.sort_window_units=2",
+        "batching.token_budget=256",
+        "run.progress=false",
+    )
     job.run(cfg)
     batches = events.count("forward")
     assert batches >= 4 and events.count("copy") == batches

@@ -18,8 +18,12 @@ def test_shard_names_follow_content_and_state_settings(tiny_target_2layer, mixed
     (summaries, _), _ = tokenize(cfg)
     key = P.state_key("fp", [0, 1], cfg)
     names = [P.unit_shard_name(s.index, s.digest, key) for s in summaries]
-    assert len(set(names)) == len(names) and names[0].startswith("u00000000-") and len(names[0]) == 26
-    (again, _), _ = tokenize(make_config(tiny_target_2layer, mixed_inputs, tmp_path / "s", "run.tokenize_workers=0"))
+    assert (
+        len(set(names)) == len(names) and names[0].startswith("u00000000-") and len(names[0]) == 26
+    )
+    (again, _), _ = tokenize(
+        make_config(tiny_target_2layer, mixed_inputs, tmp_path / "s", "run.tokenize_workers=0")
+    )
     assert [P.unit_shard_name(s.index, s.digest, key) for s in again] == names
     assert P.unit_shard_name(0, summaries[0].digest, P.state_key("fp", [0, 1], cfg)) == names[0]
     assert P.unit_shard_name(0, summaries[1].digest, key) != names[0]  # content, not only the index
@@ -39,13 +43,20 @@ def test_bytes_per_token_formula():
 
 
 def _summary(index, tokens, samples):
-    return UnitSummary(index, samples, samples, tokens, tokens // 2, 0, {"counts": {}, "examples": []}, "d")
+    return UnitSummary(
+        index, samples, samples, tokens, tokens // 2, 0, {"counts": {}, "examples": []}, "d"
+    )
 
 
 def test_plan_counts_bytes_and_refuses_a_small_disk(tmp_path, monkeypatch):
     summaries = [_summary(0, 1000, 2), _summary(1, 3000, 4)]
-    kw = dict(samples_per_unit=4, hidden_size=64, layer_ids=[1, 2], store_dtype="bf16",
-              store_path=str(tmp_path / "new" / "store"))
+    kw = dict(
+        samples_per_unit=4,
+        hidden_size=64,
+        layer_ids=[1, 2],
+        store_dtype="bf16",
+        store_path=str(tmp_path / "new" / "store"),
+    )
     plan = P.make_plan(summaries, 8, **kw)
     per = 2 * 128 + 5
     assert plan.bytes_total == 4000 * per + (3 + 5) * 8 and plan.units == 2

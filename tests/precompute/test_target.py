@@ -33,7 +33,9 @@ def test_captured_states_equal_full_model_hidden_states(tiny_target, full_tiny, 
     assert t.layer_ids == expected_ids and len(got) == len(expected_ids)
     for layer_id, states in zip(expected_ids, got):
         assert states.shape == (2, 33, 64)
-        torch.testing.assert_close(states, want[layer_id + 1], rtol=1e-5, atol=1e-5)  # id i = hidden_states[i+1]
+        torch.testing.assert_close(
+            states, want[layer_id + 1], rtol=1e-5, atol=1e-5
+        )  # id i = hidden_states[i+1]
         if layer_id > 0:
             assert not torch.allclose(states, want[layer_id], atol=1e-3)  # and not the layer before
 
@@ -44,7 +46,9 @@ def test_last_layer_is_captured_before_the_final_norm(tiny_target, full_tiny):
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
     (got,) = t.forward(ids)
     seen = {}
-    handle = full_tiny.model.layers[7].register_forward_hook(lambda m, a, o: seen.setdefault("out", o))
+    handle = full_tiny.model.layers[7].register_forward_hook(
+        lambda m, a, o: seen.setdefault("out", o)
+    )
     try:
         want = reference_states(full_tiny, ids)
     finally:
@@ -116,7 +120,11 @@ def test_truncated_config_cuts_every_per_layer_list(tiny_target):
     cfg = AutoConfig.from_pretrained(tiny_target)
     cfg.layer_types = ["sliding_attention", "full_attention"] * 4
     cut = T.truncated_config(cfg, 3)
-    assert cut.num_hidden_layers == 3 and cut.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert cut.num_hidden_layers == 3 and cut.layer_types == [
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    ]
     assert cfg.num_hidden_layers == 8 and len(cfg.layer_types) == 8  # the original is untouched
 
 
@@ -131,13 +139,17 @@ def test_user_errors(tiny_target, tmp_path):
 
 def test_composite_checkpoint_loads_its_text_tower_truncated(tiny_vlm):
     path, full = tiny_vlm
-    assert json.loads((path / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert json.loads((path / "config.json").read_text())["architectures"] == [
+        "Qwen3_5ForConditionalGeneration"
+    ]
     t = T.load_target(path, [1, 4], dtype="fp32")
     assert len(t.model.layers) == 5 and t.model.config.layer_types[3] == "full_attention"
     assert not [n for n, _ in t.model.named_parameters() if "visual" in n or "lm_head" in n]
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        want = full.model.language_model(ids, output_hidden_states=True, use_cache=False).hidden_states
+        want = full.model.language_model(
+            ids, output_hidden_states=True, use_cache=False
+        ).hidden_states
     for layer_id, states in zip([1, 4], t.forward(ids)):
         torch.testing.assert_close(states, want[layer_id + 1], rtol=1e-5, atol=1e-5)
 
@@ -149,10 +161,15 @@ def test_compiled_decoder_layers_give_the_eager_states(tiny_target):
 
     eager = T.load_target(tiny_target, [1, 2], dtype="fp32")
     compiled = T.load_target(tiny_target, [1, 2], dtype="fp32", compile=True)  # ignored on a CPU...
-    assert not any(hasattr(c, "_compiled_call_impl") and c._compiled_call_impl is not None
-                   for layer in T.decoder_layers(compiled.model) for c in layer.children())
+    assert not any(
+        hasattr(c, "_compiled_call_impl") and c._compiled_call_impl is not None
+        for layer in T.decoder_layers(compiled.model)
+        for c in layer.children()
+    )
     torch._dynamo.reset()
-    assert T.compile_decoder_layers(compiled.model) == 3 * 4  # ...and done by hand here: 3 layers x 4 parts
+    assert (
+        T.compile_decoder_layers(compiled.model) == 3 * 4
+    )  # ...and done by hand here: 3 layers x 4 parts
     g = torch.Generator().manual_seed(0)
     for shape in ((2, 33), (3, 20)):
         ids = torch.randint(0, 256, shape, generator=g)
@@ -178,8 +195,16 @@ def test_generation_compiles_the_attention_by_its_parts(tiny_target):
     count = T.compile_decoder_layers(causal, kv_cache=True)
     compiled = lambda m: m._compiled_call_impl is not None  # noqa: E731
     for layer in layers:
-        assert not compiled(layer.self_attn) and compiled(layer.self_attn.q_norm) and compiled(layer.self_attn.k_norm)
-        assert not compiled(layer.self_attn.q_proj) and compiled(layer.mlp) and compiled(layer.input_layernorm)
+        assert (
+            not compiled(layer.self_attn)
+            and compiled(layer.self_attn.q_norm)
+            and compiled(layer.self_attn.k_norm)
+        )
+        assert (
+            not compiled(layer.self_attn.q_proj)
+            and compiled(layer.mlp)
+            and compiled(layer.input_layernorm)
+        )
     assert count == len(layers) * (len(list(layers[0].children())) - 1 + 2)
 
 
@@ -190,7 +215,11 @@ def test_compiled_target_on_the_gpu_gives_the_eager_states(tiny_target):
     ids = torch.randint(0, 256, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
     ref = T.load_target(tiny_target, None, dtype="fp32", device="cuda").forward(ids)
     eager = T.load_target(tiny_target, None, dtype="bf16", device="cuda").forward(ids)
-    compiled = T.load_target(tiny_target, None, dtype="bf16", device="cuda", compile=True).forward(ids)
+    compiled = T.load_target(tiny_target, None, dtype="bf16", device="cuda", compile=True).forward(
+        ids
+    )
     for layer, (r, e, c) in enumerate(zip(ref, eager, compiled)):
         err_e, err_c = ((x.float() - r).norm() / r.norm() for x in (e, c))
-        assert err_c <= 1.5 * err_e + 1e-3, f"layer {layer}: compiled error {err_c:.3g}, eager {err_e:.3g}"
+        assert err_c <= 1.5 * err_e + 1e-3, (
+            f"layer {layer}: compiled error {err_c:.3g}, eager {err_e:.3g}"
+        )

@@ -7,7 +7,9 @@ from precompute import units as U
 from precompute_helpers import make_config, tokenize
 
 
-def test_units_are_cut_by_input_order_and_never_depend_on_world_size(tiny_target_2layer, mixed_inputs, tmp_path):
+def test_units_are_cut_by_input_order_and_never_depend_on_world_size(
+    tiny_target_2layer, mixed_inputs, tmp_path
+):
     cfg = make_config(tiny_target_2layer, mixed_inputs, tmp_path / "store")
     (one, records), _ = tokenize(cfg)
     assert records == 24 and [s.index for s in one] == list(range(6))
@@ -16,7 +18,9 @@ def test_units_are_cut_by_input_order_and_never_depend_on_world_size(tiny_target
         parts = []
         for rank in range(world):
             (mine, n), _ = tokenize(cfg, rank, world)
-            assert n == 24 and all(U.owner(s.index, world, cfg.batching.sort_window_units) == rank for s in mine)
+            assert n == 24 and all(
+                U.owner(s.index, world, cfg.batching.sort_window_units) == rank for s in mine
+            )
             parts += mine
         assert sorted(parts, key=lambda s: s.index) == one
 

@@ -11,14 +11,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # Each kind of damage, as it happens: a bit flips on disk, a copy is cut short, a file goes missing.
-CORRUPTIONS = ("flipped_byte", "truncated_file", "missing_shard_metadata", "missing_array_metadata",
-               "missing_array_file")
+CORRUPTIONS = (
+    "flipped_byte",
+    "truncated_file",
+    "missing_shard_metadata",
+    "missing_array_metadata",
+    "missing_array_file",
+)
 
 
 def corrupt(store: Path, name: str, kind: str) -> None:
     """Damage shard `name` of `store` in one way of CORRUPTIONS."""
     shard = store / "shards" / name
-    if kind == "flipped_byte":  # one bit inside a state chunk's data (not its checksum or the index)
+    if (
+        kind == "flipped_byte"
+    ):  # one bit inside a state chunk's data (not its checksum or the index)
         path = shard / "layer_3" / "c" / "0" / "0"
         data = bytearray(path.read_bytes())
         data[len(data) // 3] ^= 0x10
@@ -47,10 +54,23 @@ def shard_names(store: Path) -> list[str]:
 
 def train_args(store, target, out, *extra: str) -> list[str]:
     """A short, quiet dflash-train run on the tiny target (block 4, one draft layer, fp32)."""
-    return ["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store), "--out", str(out),
-            f"--run.target={target}", "--data.batch_tokens=1024", "--data.holdout_sequences=4",
-            "--drafter.block_size=4", "--objective.max_anchors=8", "--log.every_steps=1", "--log.progress=false",
-            "--log.tensorboard=false", *extra]
+    return [
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        f"--run.target={target}",
+        "--data.batch_tokens=1024",
+        "--data.holdout_sequences=4",
+        "--drafter.block_size=4",
+        "--objective.max_anchors=8",
+        "--log.every_steps=1",
+        "--log.progress=false",
+        "--log.tensorboard=false",
+        *extra,
+    ]
 
 
 def train_cmd(*args: str) -> list[str]:

@@ -15,7 +15,9 @@ from grad_helpers import ROOT, accumulate, setup
 from train.objective import batch_objective
 
 
-def _objective_grads(drafter, cfg, batches, per_batch_mean: bool = False) -> dict[str, torch.Tensor]:
+def _objective_grads(
+    drafter, cfg, batches, per_batch_mean: bool = False
+) -> dict[str, torch.Tensor]:
     drafter.zero_grad(set_to_none=True)
     parts = [_objective(drafter, cfg, b)[:2] for b in batches]
     if per_batch_mean:
@@ -29,9 +31,17 @@ def _objective_grads(drafter, cfg, batches, per_batch_mean: bool = False) -> dic
 def _objective(drafter, cfg, batch):
     """The batch's (weighted CE sum, weight sum, counts) under the config's objective (D-PACE by default)."""
     o = cfg.objective
-    return batch_objective(drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
-                           autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha,
-                           normalise=o.normalise)
+    return batch_objective(
+        drafter,
+        drafter,
+        batch,
+        block_size=drafter.cfg.block_size,
+        gamma=o.gamma,
+        autocast=cfg.precision.autocast,
+        weights=o.weights,
+        dpace_alpha=o.dpace_alpha,
+        normalise=o.normalise,
+    )
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -46,17 +56,30 @@ def two_batches(tiny_store, tiny_target, one_thread):
 def test_two_micro_batches_give_the_gradient_of_their_whole_objective(two_batches):
     cfg, drafter, batches = two_batches
     weights = [float(_objective(drafter, cfg, b)[1]) for b in batches]
-    assert weights[0] != pytest.approx(weights[1], rel=0.05)  # else the two normalisations would agree
+    assert weights[0] != pytest.approx(
+        weights[1], rel=0.05
+    )  # else the two normalisations would agree
     accumulated = accumulate(drafter, drafter, cfg, batches)
     assert _close(accumulated, _objective_grads(drafter, cfg, batches))
     assert not _close(accumulated, _objective_grads(drafter, cfg, batches, per_batch_mean=True))
 
 
-def test_two_ranks_give_the_gradient_of_one_rank_accumulating_both(two_batches, tiny_store, tiny_target, tmp_path):
+def test_two_ranks_give_the_gradient_of_one_rank_accumulating_both(
+    two_batches, tiny_store, tiny_target, tmp_path
+):
     cfg, drafter, batches = two_batches
     out = tmp_path / "grads.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "train" / "grad_helpers.py"), str(tiny_store), str(tiny_target), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "tests" / "train" / "grad_helpers.py"),
+        str(tiny_store),
+        str(tiny_target),
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

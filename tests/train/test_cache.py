@@ -22,6 +22,7 @@ def _filler(log, delay=0.0, fail=()):
             v.fill_(key % 256)
         log.append(key)
         return views, sum(v.numel() for v in views)
+
     return read
 
 
@@ -36,7 +37,7 @@ def test_slots_are_page_aligned_views_of_one_allocation():
     assert slab.slot_bytes == 8192 and slab.n_slots == 4
     slab.buffer.zero_()
     slab.view(2).fill_(7)
-    assert slab.buffer[2 * 8192:3 * 8192].eq(7).all() and slab.buffer[:2 * 8192].eq(0).all()
+    assert slab.buffer[2 * 8192 : 3 * 8192].eq(7).all() and slab.buffer[: 2 * 8192].eq(0).all()
     assert all(slab.view(i).data_ptr() % 4096 == 0 for i in range(4))
     assert slab.view(3).untyped_storage().data_ptr() == slab.view(0).untyped_storage().data_ptr()
 
@@ -68,7 +69,11 @@ def test_hits_misses_bytes_and_contents():
         assert [int(v[0]) for v in views] == [1, 1]
     with cache.request(1) as h:
         h.wait()
-    assert (cache.stats.hits, cache.stats.misses, cache.stats.bytes_read) == (1, 1, 2 * cache.slab.slot_bytes)
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.bytes_read) == (
+        1,
+        1,
+        2 * cache.slab.slot_bytes,
+    )
     assert reads == [1]
     cache.close()
 

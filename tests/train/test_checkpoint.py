@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from train.checkpoint import (
-    COMPLETE, StopRequest, complete_checkpoints, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state,
-    save_checkpoint, set_rng_state,
+    COMPLETE,
+    StopRequest,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_stale_saves,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
 )
 from train.config import TrainConfig
 
@@ -24,14 +31,28 @@ def _save(run_dir, step, keep_last=3, fail=False):
         (d / "model.safetensors").write_bytes(b"w%d" % step)
         if fail:
             raise OSError("disk full")
-    return save_checkpoint(run_dir, step, save_drafter=save_drafter, trainer_state={"step": step},
-                           rank_states=[{"data": {"i": step}}], cfg=TrainConfig(), keep_last=keep_last)
+
+    return save_checkpoint(
+        run_dir,
+        step,
+        save_drafter=save_drafter,
+        trainer_state={"step": step},
+        rank_states=[{"data": {"i": step}}],
+        cfg=TrainConfig(),
+        keep_last=keep_last,
+    )
 
 
 def test_a_checkpoint_is_published_whole_with_its_marker(tmp_path):
     path = _save(tmp_path, 7)
     assert path.name == "step-7" and (path / COMPLETE).is_file()
-    assert {p.name for p in path.iterdir()} >= {"drafter", "trainer.pt", "ranks.pt", "run.toml", COMPLETE}
+    assert {p.name for p in path.iterdir()} >= {
+        "drafter",
+        "trainer.pt",
+        "ranks.pt",
+        "run.toml",
+        COMPLETE,
+    }
     trainer, ranks = load_checkpoint(path)
     assert trainer == {"step": 7} and ranks == [{"data": {"i": 7}}]
     assert [p.name for p in tmp_path.iterdir()] == ["step-7"]  # nothing left aside
@@ -41,7 +62,9 @@ def test_a_failed_save_leaves_nothing_visible(tmp_path):
     _save(tmp_path, 1)
     with pytest.raises(OSError, match="disk full"):
         _save(tmp_path, 2, fail=True)
-    assert [p.name for p in tmp_path.iterdir()] == ["step-1"] and latest_checkpoint(tmp_path).name == "step-1"
+    assert [p.name for p in tmp_path.iterdir()] == ["step-1"] and latest_checkpoint(
+        tmp_path
+    ).name == "step-1"
 
 
 def test_newest_complete_wins_and_incomplete_or_stale_ones_are_ignored(tmp_path):

@@ -18,7 +18,12 @@ from train.cli import main as train_main
 from train.cli import parse
 from train.metrics import read_metrics
 
-EXTRA = ["--optim.max_steps=6", "--checkpoint.every_steps=2", "--checkpoint.keep_last=1", "--validation.every_steps=3"]
+EXTRA = [
+    "--optim.max_steps=6",
+    "--checkpoint.every_steps=2",
+    "--checkpoint.keep_last=1",
+    "--validation.every_steps=3",
+]
 
 
 def _curve(run_dir):
@@ -37,7 +42,9 @@ def _full_then_resumed(run, args, capsys, free_space, straight) -> None:
     with pytest.raises(SystemExit) as e:
         train_main(args)
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 2 and err.startswith(f"error: no space left on the filesystem of {run}"), err
+    assert e.value.code == 2 and err.startswith(
+        f"error: no space left on the filesystem of {run}"
+    ), err
     assert f"rerun the same command: it resumes from {run / 'step-2'}." in err
     assert [s for s, _ in complete_checkpoints(run)] == [2]
     assert all((p / COMPLETE).is_file() for p in run.glob("step-*"))  # nothing half is visible
@@ -47,16 +54,27 @@ def _full_then_resumed(run, args, capsys, free_space, straight) -> None:
 
 
 def test_a_real_full_disk(small_disk, tiny_store, tiny_target, capsys, straight):
-    disk = small_disk("1200k")  # one checkpoint of the tiny drafter (~0.75 MB) fits, a second beside it does not
+    disk = small_disk(
+        "1200k"
+    )  # one checkpoint of the tiny drafter (~0.75 MB) fits, a second beside it does not
     run = disk.path / "run"
-    _full_then_resumed(run, train_args(tiny_store, tiny_target, run, *EXTRA), capsys, lambda: disk.resize("16m"),
-                       straight)
+    _full_then_resumed(
+        run,
+        train_args(tiny_store, tiny_target, run, *EXTRA),
+        capsys,
+        lambda: disk.resize("16m"),
+        straight,
+    )
 
 
-def test_an_injected_full_disk_in_the_second_save(tiny_store, tiny_target, tmp_path, capsys, straight, monkeypatch):
+def test_an_injected_full_disk_in_the_second_save(
+    tiny_store, tiny_target, tmp_path, capsys, straight, monkeypatch
+):
     real, calls = checkpoint._torch_save, []
 
-    def no_space_on_the_fourth(obj, path):  # trainer.pt and ranks.pt per save: the 4th is in step 4's
+    def no_space_on_the_fourth(
+        obj, path
+    ):  # trainer.pt and ranks.pt per save: the 4th is in step 4's
         calls.append(path)
         if len(calls) == 4:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
@@ -64,6 +82,11 @@ def test_an_injected_full_disk_in_the_second_save(tiny_store, tiny_target, tmp_p
 
     monkeypatch.setattr(checkpoint, "_torch_save", no_space_on_the_fourth)
     run = tmp_path / "run"
-    _full_then_resumed(run, train_args(tiny_store, tiny_target, run, *EXTRA), capsys,
-                       lambda: monkeypatch.setattr(checkpoint, "_torch_save", real), straight)
+    _full_then_resumed(
+        run,
+        train_args(tiny_store, tiny_target, run, *EXTRA),
+        capsys,
+        lambda: monkeypatch.setattr(checkpoint, "_torch_save", real),
+        straight,
+    )
     assert "step-4" in str(calls[3]) and not (run / "step-4").exists()

@@ -19,13 +19,24 @@ from safetensors.torch import load_file
 
 import train.loop as loop
 from dflash_common.dirlock import LOCK_FILE
-from train.checkpoint import COMPLETE, PAUSE_IN_SAVE_ENV, complete_checkpoints, latest_checkpoint, load_checkpoint
+from train.checkpoint import (
+    COMPLETE,
+    PAUSE_IN_SAVE_ENV,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from train.cli import parse
 from train.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 STEPS = 12
-EXTRA = [f"--optim.max_steps={STEPS}", "--checkpoint.every_steps=4", "--checkpoint.keep_last=2",
-         "--validation.every_steps=6", "--optim.grad_accum=2"]
+EXTRA = [
+    f"--optim.max_steps={STEPS}",
+    "--checkpoint.every_steps=4",
+    "--checkpoint.keep_last=2",
+    "--validation.every_steps=6",
+    "--optim.grad_accum=2",
+]
 SEED = 20240607  # the kill points are random, but the same in every run of the test
 
 
@@ -33,10 +44,18 @@ class Trainer:
     """A dflash-train process whose stderr lines are collected on a thread while the test watches."""
 
     def __init__(self, args: list[str], **env: str):
-        self.proc = subprocess.Popen(train_cmd(*args), cwd=ROOT, env=subprocess_env(**env),
-                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            train_cmd(*args),
+            cwd=ROOT,
+            env=subprocess_env(**env),
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self._reader = threading.Thread(
+            target=lambda: self.lines.extend(self.proc.stderr), daemon=True
+        )
         self._reader.start()
 
     def wait_until(self, ready, timeout: float = 60.0) -> bool:
@@ -75,7 +94,9 @@ def _printed_step(trainer: Trainer, step: int) -> bool:
 def _check_after_kill(out: Path) -> int:
     """Every visible step-N is whole; -> the step the next run must resume from (0: none)."""
     for path in out.glob("step-*"):
-        assert (path / COMPLETE).is_file() or not (path / "ranks.pt").exists(), f"{path} looks taken but is half"
+        assert (path / COMPLETE).is_file() or not (path / "ranks.pt").exists(), (
+            f"{path} looks taken but is half"
+        )
     latest = latest_checkpoint(out)
     if latest is None:
         return 0
@@ -84,17 +105,24 @@ def _check_after_kill(out: Path) -> int:
     return trainer_state["step"]
 
 
-def test_sigkill_anywhere_then_resume_repeats_the_uninterrupted_losses(tiny_store, tiny_target, tmp_path):
+def test_sigkill_anywhere_then_resume_repeats_the_uninterrupted_losses(
+    tiny_store, tiny_target, tmp_path
+):
     rng = random.Random(SEED)
     straight = tmp_path / "straight"
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the subprocesses run (OMP_NUM_THREADS=1): the same float reductions
+    torch.set_num_threads(
+        1
+    )  # as the subprocesses run (OMP_NUM_THREADS=1): the same float reductions
     try:
         loop.run(parse(train_args(tiny_store, tiny_target, straight, *EXTRA)))
     finally:
         torch.set_num_threads(threads)
 
-    out, args = tmp_path / "killed", train_args(tiny_store, tiny_target, tmp_path / "killed", *EXTRA)
+    out, args = (
+        tmp_path / "killed",
+        train_args(tiny_store, tiny_target, tmp_path / "killed", *EXTRA),
+    )
     resume_from, schedule = 0, []
 
     # 1. inside a checkpoint save: the drafter and optimiser state are written, the marker is not
@@ -118,7 +146,9 @@ def test_sigkill_anywhere_then_resume_repeats_the_uninterrupted_losses(tiny_stor
         t.kill()
         text = t.text()
         if resume_from:
-            assert f"resuming from {out / f'step-{resume_from}'} (step {resume_from})" in text, text[-3000:]
+            assert f"resuming from {out / f'step-{resume_from}'} (step {resume_from})" in text, (
+                text[-3000:]
+            )
         else:
             assert "resuming" not in text
         if schedule[-1][0] == "in the save of step":
@@ -149,13 +179,15 @@ def test_a_metrics_line_cut_by_a_kill_does_not_stop_the_resume(tmp_path):
     assert read_metrics(tmp_path) == records[:2]
 
 
-def test_leftovers_of_a_killed_run_are_removed_and_never_resumed_from(tiny_store, tiny_target, tmp_path,
-                                                                     monkeypatch):
+def test_leftovers_of_a_killed_run_are_removed_and_never_resumed_from(
+    tiny_store, tiny_target, tmp_path, monkeypatch
+):
     """A half save, a half final drafter, and a step dir whose marker a pruning removed before the kill."""
     monkeypatch.setattr(loop, "save_report", lambda *a, **k: None)  # drawing: not under test, slow
     out = tmp_path / "run"
-    args = train_args(tiny_store, tiny_target, out, "--optim.max_steps=4",
-                      "--checkpoint.every_steps=1")
+    args = train_args(
+        tiny_store, tiny_target, out, "--optim.max_steps=4", "--checkpoint.every_steps=1"
+    )
     real_step, calls = loop.train_step, []
 
     def step_then_sigterm(*a, **k):  # stopped after step 2 (a resume may not change the schedule)

@@ -111,7 +111,7 @@ def test_a_changed_root_dtype_is_blamed_not_the_shards(made, tiny_target, tmp_pa
     assert line == (
         f"error: the root zarr.json of store {store} was changed: it says dtype = "
         '"fp8_e4m3", but all 6 readable shards were written with dtype = "bf16"; set "dtype" back '
-        f"to \"bf16\" in {store / 'zarr.json'} (the shards are intact: do not delete them)."
+        f'to "bf16" in {store / "zarr.json"} (the shards are intact: do not delete them).'
     ), line
 
 

@@ -232,7 +232,10 @@ def test_a_setting_added_since_the_checkpoint_resumes_at_its_default_only(tmp_pa
     del old["optim"]["name"], old["optim"]["muon_momentum"]  # settings a later version added
     (step / "run.toml").write_text(tomli_w.dumps(old))
     assert changed_settings(step, cfg, tmp_path / "run") == {}
-    muon = parse(train_args(tmp_path / "store", tmp_path / "target", tmp_path / "run", *STEPS,
-                            "--optim.name=muon"))
+    muon = parse(
+        train_args(
+            tmp_path / "store", tmp_path / "target", tmp_path / "run", *STEPS, "--optim.name=muon"
+        )
+    )
     with pytest.raises(Exception, match=r"optim\.name = unset there vs 'muon' here"):
         changed_settings(step, muon, tmp_path / "run")

@@ -44,15 +44,18 @@ def _with_head_record(store, tiny_target):
 
 
 def _check(store, target) -> str:
-    cfg = load_config(TrainConfig, None, [f"--data.stores={json.dumps([str(store)])}", f"--run.target={target}"])
+    cfg = load_config(
+        TrainConfig, None, [f"--data.stores={json.dumps([str(store)])}", f"--run.target={target}"]
+    )
     stores = open_train_stores(cfg)
     return check_stores(stores, resolve_drafter(cfg, stores), str(target))
 
 
 @pytest.mark.parametrize("record", ["target_head", "old_store"])
 @pytest.mark.parametrize("change", ["rope_theta", "rms_norm_eps", "lm_head"])
-def test_a_target_other_than_the_stores_is_refused_naming_what_differs(tiny_store, tiny_target, tmp_path,
-                                                                       change, record):
+def test_a_target_other_than_the_stores_is_refused_naming_what_differs(
+    tiny_store, tiny_target, tmp_path, change, record
+):
     store = copy_store(tiny_store, tmp_path / "store")
     if record == "target_head":
         store = _with_head_record(store, tiny_target)
@@ -60,24 +63,36 @@ def test_a_target_other_than_the_stores_is_refused_naming_what_differs(tiny_stor
     with pytest.raises(UserError) as info:
         _check(store, target)
     message = str(info.value)
-    assert message.startswith(f"run.target = {target} is not the target store {store} was precomputed from")
-    assert message.endswith("pass that target as --run.target, or precompute a store from this one.")
+    assert message.startswith(
+        f"run.target = {target} is not the target store {store} was precomputed from"
+    )
+    assert message.endswith(
+        "pass that target as --run.target, or precompute a store from this one."
+    )
     if record == "target_head":
         assert ("embedding/lm_head" if change == "lm_head" else change) in message
     else:  # a store of an older dflash: its whole-checkpoint fingerprints
         assert ("weights_sha256" if change == "lm_head" else "config_sha256") in message
 
 
-def test_a_copy_of_the_target_under_another_name_is_the_same_target(tiny_store, tiny_target, tmp_path):
+def test_a_copy_of_the_target_under_another_name_is_the_same_target(
+    tiny_store, tiny_target, tmp_path
+):
     store = _with_head_record(copy_store(tiny_store, tmp_path / "store"), tiny_target)
     copy = shutil.copytree(tiny_target, tmp_path / "renamed-target")
     assert "the embedding, lm_head, config and tokenizer of" in _check(store, copy)
-    resharded = shutil.copytree(tiny_target, tmp_path / "resharded")  # the same tensors, split in two files
+    resharded = shutil.copytree(
+        tiny_target, tmp_path / "resharded"
+    )  # the same tensors, split in two files
     weights = load_file(resharded / "model.safetensors")
     (resharded / "model.safetensors").unlink()
     names = sorted(weights)
     save_file({n: weights[n] for n in names[::2]}, str(resharded / "a.safetensors"))
     save_file({n: weights[n] for n in names[1::2]}, str(resharded / "b.safetensors"))
-    index = {"weight_map": {n: "a.safetensors" if i % 2 == 0 else "b.safetensors" for i, n in enumerate(names)}}
+    index = {
+        "weight_map": {
+            n: "a.safetensors" if i % 2 == 0 else "b.safetensors" for i, n in enumerate(names)
+        }
+    }
     (resharded / "model.safetensors.index.json").write_text(json.dumps(index))
     assert head_fingerprint(resharded) == head_fingerprint(tiny_target)

@@ -17,7 +17,13 @@ from grad_helpers import accumulate, setup
 import train.loop as loop
 from dflash_common.dist import start_ranks
 from dflash_common.drafter.loss import fused_lm_head_loss
-from dflash_common.drafter.objective import IGNORE_INDEX, block_labels, dpace_weights, sample_anchors, serving_path
+from dflash_common.drafter.objective import (
+    IGNORE_INDEX,
+    block_labels,
+    dpace_weights,
+    sample_anchors,
+    serving_path,
+)
 from train.objective import batch_objective
 from train.optim import build_optimizer
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
@@ -34,12 +40,14 @@ def _with(cfg, **objective):
 
 def _explicit_parts(drafter, batch, weights: str, alpha: float = 0.5):
     """(sum of w * CE, weight sum, valid blocks) with the logits materialised and F.cross_entropy."""
-    labels, gamma_w = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors,
-                                   drafter.cfg.block_size)
+    labels, gamma_w = block_labels(
+        batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size
+    )
     hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
     logits = hidden.float() @ drafter.lm_head_weight.float().T  # [A, B, V]
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none",
-                         ignore_index=IGNORE_INDEX).view_as(labels)
+    ce = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    ).view_as(labels)
     valid = labels != IGNORE_INDEX
     w = dpace_weights(ce.detach(), valid, alpha) if weights == "dpace" else gamma_w
     return (w * ce).sum(), w.sum(), valid[:, 1:].any(1).sum().float()
@@ -55,23 +63,35 @@ def _close(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-7) for k in a)
 
 
-@pytest.mark.parametrize("normalise, loss_method", [("weight", "exact"), ("anchors", "exact"), ("weight", "odds"),
-                                                     ("weight", "odds_epilogue")])
+@pytest.mark.parametrize(
+    "normalise, loss_method",
+    [("weight", "exact"), ("anchors", "exact"), ("weight", "odds"), ("weight", "odds_epilogue")],
+)
 def test_dpace_loss_and_gradient_equal_the_explicit_objective(two_batches, normalise, loss_method):
     # precision.loss_method changes how the softmax is formed, not the objective ('odds_epilogue' is
     # 'odds' on a CPU)
     _, drafter, (batch, _) = two_batches
-    loss, norm, _ = batch_objective(drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=None,
-                                    autocast="none", weights="dpace", dpace_alpha=0.3, normalise=normalise,
-                                    loss_method=loss_method)
+    loss, norm, _ = batch_objective(
+        drafter,
+        drafter,
+        batch,
+        block_size=drafter.cfg.block_size,
+        gamma=None,
+        autocast="none",
+        weights="dpace",
+        dpace_alpha=0.3,
+        normalise=normalise,
+        loss_method=loss_method,
+    )
     got = _grads(drafter, loss / norm)
     ce_sum, w_sum, blocks = _explicit_parts(drafter, batch, "dpace", alpha=0.3)
     want_norm = blocks if normalise == "anchors" else w_sum
     torch.testing.assert_close(loss, ce_sum, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(norm, want_norm)
     assert _close(got, _grads(drafter, ce_sum / want_norm))
-    gamma_loss = batch_objective(drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=None,
-                                 autocast="none")[0]
+    gamma_loss = batch_objective(
+        drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=None, autocast="none"
+    )[0]
     assert not torch.allclose(gamma_loss, loss, rtol=0.05)  # the lever changes the objective
 
 
@@ -90,7 +110,12 @@ def test_normalise_anchors_over_two_micro_batches_divides_by_all_their_blocks(tw
 def _path_by_loop(anchors, accepted, loss_mask, cu_seqlens) -> list[bool]:
     """Greedy serving's blocks, walked position by position: per response (a run of loss-mask positions
     inside one sequence) from its first anchor, a -> the first anchor at or after a + accepted(a) + 1."""
-    anchors, accepted, mask, cu = anchors.tolist(), accepted.tolist(), loss_mask.bool().tolist(), cu_seqlens.tolist()
+    anchors, accepted, mask, cu = (
+        anchors.tolist(),
+        accepted.tolist(),
+        loss_mask.bool().tolist(),
+        cu_seqlens.tolist(),
+    )
     index = {a: i for i, a in enumerate(anchors)}
     on = [False] * len(anchors)
     for start, end in zip(cu[:-1], cu[1:]):
@@ -110,31 +135,53 @@ def _path_by_loop(anchors, accepted, loss_mask, cu_seqlens) -> list[bool]:
     return on
 
 
-@pytest.mark.parametrize("max_anchors", [2, 5, 1000])  # sparse to dense: every response position an anchor
+@pytest.mark.parametrize(
+    "max_anchors", [2, 5, 1000]
+)  # sparse to dense: every response position an anchor
 def test_serving_path_equals_a_loop_over_the_positions(max_anchors):
     g = torch.Generator().manual_seed(max_anchors)
     on_off = [0, 0]
     for trial in range(30):
         block = int(torch.randint(2, 9, (1,), generator=g))
-        lengths = torch.randint(2 * block, 80, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        lengths = torch.randint(
+            2 * block, 80, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g
+        )
         cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         # each sequence: a prompt, then alternating response and user runs (several turns)
-        mask = torch.cat([(torch.rand(n, generator=g) < 0.85).int().cummax(0).values.bool()
-                          & ~((torch.arange(n) % 23) < int(torch.randint(0, 4, (1,), generator=g)))
-                          for n in lengths.tolist()])
+        mask = torch.cat(
+            [
+                (torch.rand(n, generator=g) < 0.85).int().cummax(0).values.bool()
+                & ~((torch.arange(n) % 23) < int(torch.randint(0, 4, (1,), generator=g)))
+                for n in lengths.tolist()
+            ]
+        )
         anchors = sample_anchors(mask, cu, block, max_anchors, g, "label" if trial % 2 else "block")
         accepted = torch.randint(0, block, (anchors.numel(),), generator=g)
-        accepted = torch.where(torch.rand(anchors.numel(), generator=g) < 0.3, 0, accepted)  # many rejections at 1
+        accepted = torch.where(
+            torch.rand(anchors.numel(), generator=g) < 0.3, 0, accepted
+        )  # many rejections at 1
         got = serving_path(anchors, accepted, mask, cu)
         want = _path_by_loop(anchors, accepted, mask, cu)
         assert got.tolist() == want, trial
         on_off[0] += sum(want)
         on_off[1] += len(want) - sum(want)
     assert on_off[0] > 0 and on_off[1] > 0  # the path skips blocks and takes others
-    for n in (1, 2, 3, 5, 9, 64, 65):  # the longest path: every position an anchor, every first draft rejected
+    for n in (
+        1,
+        2,
+        3,
+        5,
+        9,
+        64,
+        65,
+    ):  # the longest path: every position an anchor, every first draft rejected
         every = torch.arange(n)
-        assert serving_path(every, torch.zeros(n, dtype=torch.long), torch.ones(n + 1, dtype=torch.bool),
-                            torch.tensor([0, n + 1])).all(), n
+        assert serving_path(
+            every,
+            torch.zeros(n, dtype=torch.long),
+            torch.ones(n + 1, dtype=torch.bool),
+            torch.tensor([0, n + 1]),
+        ).all(), n
 
 
 def _forced_acceptance(drafter, batch):
@@ -142,7 +189,9 @@ def _forced_acceptance(drafter, batch):
     those blocks accept a draft, so the serving path skips blocks (an untrained drafter accepts none, and
     then every anchor lies on the path)."""
     with torch.no_grad():
-        hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
+        hidden = drafter(
+            batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors
+        )  # [A, B, H]
         first = (hidden[:, 1].float() @ drafter.lm_head_weight.float().T).argmax(-1)  # [A]
     ids = batch.input_ids.clone()
     ids[batch.anchors[::2] + 1] = first[::2]
@@ -151,11 +200,15 @@ def _forced_acceptance(drafter, batch):
 
 def _todays_objective(drafter, batch, weights: str, normalise: str, alpha: float = 0.5):
     """batch_objective as it was before objective.path_weight: (loss sum, normaliser)."""
-    labels, w = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size)
+    labels, w = block_labels(
+        batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size
+    )
     valid = labels != IGNORE_INDEX
     hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)
     row_w = valid.float() if weights == "dpace" else w
-    out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten())
+    out = fused_lm_head_loss(
+        hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten()
+    )
     if weights == "dpace":
         w = dpace_weights(out.rows.detach().view_as(labels), valid, alpha)
         loss = (w.flatten() * out.rows).sum()
@@ -169,7 +222,13 @@ def _todays_objective(drafter, batch, weights: str, normalise: str, alpha: float
 def test_path_weight_zero_is_todays_objective_bit_for_bit(two_batches, weights, normalise):
     _, drafter, (batch, _) = two_batches
     batch = _forced_acceptance(drafter, batch)
-    kw = dict(block_size=drafter.cfg.block_size, gamma=None, autocast="none", weights=weights, normalise=normalise)
+    kw = dict(
+        block_size=drafter.cfg.block_size,
+        gamma=None,
+        autocast="none",
+        weights=weights,
+        normalise=normalise,
+    )
     loss, norm, _ = batch_objective(drafter, drafter, batch, path_weight=0.0, **kw)
     want_loss, want_norm = _todays_objective(drafter, batch, weights, normalise)
     assert torch.equal(loss, want_loss) and torch.equal(norm, want_norm)
@@ -182,15 +241,19 @@ def test_path_weight_zero_is_todays_objective_bit_for_bit(two_batches, weights, 
 def _explicit_path_parts(drafter, batch, weights: str, path_weight: float):
     """(sum of w * CE, weight sum, weighted blocks, on-path mask) with materialised logits, accepted
     drafts counted one block at a time and the path walked by `_path_by_loop`."""
-    labels, gamma_w = block_labels(batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors,
-                                   drafter.cfg.block_size)
+    labels, gamma_w = block_labels(
+        batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size
+    )
     hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)
     logits = hidden.float() @ drafter.lm_head_weight.float().T  # [A, B, V]
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none",
-                         ignore_index=IGNORE_INDEX).view_as(labels)
+    ce = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    ).view_as(labels)
     valid = labels != IGNORE_INDEX
     hit = ((logits.argmax(-1) == labels) & valid).tolist()
-    accepted = torch.tensor([next((k - 1 for k in range(1, len(row)) if not row[k]), len(row) - 1) for row in hit])
+    accepted = torch.tensor(
+        [next((k - 1 for k in range(1, len(row)) if not row[k]), len(row) - 1) for row in hit]
+    )
     on = torch.tensor(_path_by_loop(batch.anchors, accepted, batch.loss_mask, batch.cu_seqlens))
     base = dpace_weights(ce.detach(), valid, 0.5) if weights == "dpace" else gamma_w
     block_w = torch.where(on, 1.0 + path_weight, 1.0)  # on the path (1 + w) times the weight off it
@@ -200,11 +263,22 @@ def _explicit_path_parts(drafter, batch, weights: str, path_weight: float):
 
 @pytest.mark.parametrize("weights", ["gamma", "dpace"])
 @pytest.mark.parametrize("normalise", ["weight", "anchors"])
-def test_blocks_on_the_serving_path_weigh_one_plus_path_weight_times(two_batches, weights, normalise):
+def test_blocks_on_the_serving_path_weigh_one_plus_path_weight_times(
+    two_batches, weights, normalise
+):
     cfg, drafter, (batch, _) = two_batches
     batch = _forced_acceptance(drafter, batch)
-    loss, norm, _ = batch_objective(drafter, drafter, batch, block_size=drafter.cfg.block_size, gamma=None,
-                                    autocast="none", weights=weights, normalise=normalise, path_weight=2.0)
+    loss, norm, _ = batch_objective(
+        drafter,
+        drafter,
+        batch,
+        block_size=drafter.cfg.block_size,
+        gamma=None,
+        autocast="none",
+        weights=weights,
+        normalise=normalise,
+        path_weight=2.0,
+    )
     ce_sum, w_sum, blocks, on = _explicit_path_parts(drafter, batch, weights, 2.0)
     assert 0 < int(on.sum()) < on.numel()  # some blocks on the path, some skipped
     want_norm = blocks if normalise == "anchors" else w_sum
@@ -213,14 +287,20 @@ def test_blocks_on_the_serving_path_weigh_one_plus_path_weight_times(two_batches
     want = _grads(drafter, ce_sum / want_norm)
     cfg = _with(cfg, weights=weights, normalise=normalise, path_weight=2.0)
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_accum=1))
-    assert _close(accumulate(drafter, drafter, cfg, [batch]), want)  # the trainer's step passes the option on
+    assert _close(
+        accumulate(drafter, drafter, cfg, [batch]), want
+    )  # the trainer's step passes the option on
     off = _explicit_path_parts(drafter, batch, weights, 0.0)
-    assert not _close(want, _grads(drafter, off[0] / (off[2] if normalise == "anchors" else off[1])))
+    assert not _close(
+        want, _grads(drafter, off[0] / (off[2] if normalise == "anchors" else off[1]))
+    )
 
 
 def test_feature_noise_is_seeded_per_batch_and_relative_to_each_layers_rms():
     torch.manual_seed(0)
-    features = torch.cat([torch.randn(4000, 32) * 0.01, torch.randn(4000, 32) * 100.0], dim=1)  # K=2, H=32
+    features = torch.cat(
+        [torch.randn(4000, 32) * 0.01, torch.randn(4000, 32) * 100.0], dim=1
+    )  # K=2, H=32
     a, b, c = features.clone(), features.clone(), features.clone()
     add_feature_noise(a, 32, 0.1, noise_generator(a.device, 7, 1, 0, 5))
     add_feature_noise(b, 32, 0.1, noise_generator(b.device, 7, 1, 0, 5))
@@ -233,13 +313,26 @@ def test_feature_noise_is_seeded_per_batch_and_relative_to_each_layers_rms():
         assert ratio == pytest.approx(0.1, rel=0.03)
 
 
-def test_noise_changes_training_steps_but_never_validation(tiny_store, tiny_target, tmp_path, one_thread):
+def test_noise_changes_training_steps_but_never_validation(
+    tiny_store, tiny_target, tmp_path, one_thread
+):
     from test_loop import _args, _cfg
 
     figures = {}
     for noise in (0.0, 0.5):
-        r = loop.setup(_cfg(*_args(tiny_store, tiny_target, tmp_path / f"n{noise}", "--optim.max_steps=1",
-                                   "--run.device=cpu", f"--regularise.noise={noise}")), start_ranks("cpu"))
+        r = loop.setup(
+            _cfg(
+                *_args(
+                    tiny_store,
+                    tiny_target,
+                    tmp_path / f"n{noise}",
+                    "--optim.max_steps=1",
+                    "--run.device=cpu",
+                    f"--regularise.noise={noise}",
+                )
+            ),
+            start_ranks("cpu"),
+        )
         try:
             val = loop.validate(r, 0, None)
             sums = torch.zeros(loop._N + 1, dtype=torch.float64)
@@ -262,15 +355,26 @@ def test_ema_equals_the_running_average_written_out(two_batches):
     sums = torch.zeros(loop._N + 1, dtype=torch.float64)
     counts = torch.zeros(2 * drafter.cfg.block_size + 2, dtype=torch.float64)
     for step in range(3):
-        loop.train_step(drafter, drafter, iter(batches[step % 2:step % 2 + 1]), optimizer, scheduler, cfg,
-                        sums, counts, ema)
+        loop.train_step(
+            drafter,
+            drafter,
+            iter(batches[step % 2 : step % 2 + 1]),
+            optimizer,
+            scheduler,
+            cfg,
+            sums,
+            counts,
+            ema,
+        )
         want = {n: 0.8 * want[n] + 0.2 * p.detach() for n, p in drafter.named_parameters()}
     trained = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     state = ema.state_dict()
     assert all(torch.allclose(state[n], want[n], rtol=1e-6, atol=1e-7) for n in want)
     with ema.swapped_in():
         assert all(torch.equal(p, state[n]) for n, p in drafter.named_parameters())
-    assert all(torch.equal(p, trained[n]) for n, p in drafter.named_parameters())  # trained weights back
+    assert all(
+        torch.equal(p, trained[n]) for n, p in drafter.named_parameters()
+    )  # trained weights back
     assert not all(torch.allclose(trained[n], want[n]) for n in want)
     with torch.no_grad():  # leave the module fixture as it was
         for n, p in drafter.named_parameters():
@@ -285,7 +389,11 @@ def test_resuming_with_or_without_an_average_the_checkpoint_lacks_or_holds(two_b
     loop._resume_average(tmp_path, trained, drafter, ema)  # drafter/ (the average) was just loaded
     assert all(torch.equal(s, start[n]) for n, s in ema.state_dict().items())
     assert all(torch.equal(p, trained[n]) for n, p in drafter.named_parameters())
-    loop._resume_average(tmp_path, None, drafter, ema)  # written without an EMA: it starts from the weights
+    loop._resume_average(
+        tmp_path, None, drafter, ema
+    )  # written without an EMA: it starts from the weights
     assert all(torch.equal(s, trained[n]) for n, s in ema.state_dict().items())
-    loop._resume_average(tmp_path, start, drafter, None)  # the EMA turned off: train on the trained weights
+    loop._resume_average(
+        tmp_path, start, drafter, None
+    )  # the EMA turned off: train on the trained weights
     assert all(torch.equal(p, start[n]) for n, p in drafter.named_parameters())

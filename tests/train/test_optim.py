@@ -48,7 +48,12 @@ def test_muon_takes_the_linear_matrices_and_adamw_the_rest():
     net = _Net()
     matrices, others = muon_matrices(net)
     assert {id(p) for p in matrices} == {id(net.a.weight), id(net.b.weight)}
-    assert {id(p) for p in others} == {id(net.table.weight), id(net.scale), id(net.row.weight), id(net.row.bias)}
+    assert {id(p) for p in others} == {
+        id(net.table.weight),
+        id(net.scale),
+        id(net.row.weight),
+        id(net.row.bias),
+    }
 
 
 def test_muon_steps_every_parameter_and_follows_the_schedule():
@@ -58,7 +63,9 @@ def test_muon_steps_every_parameter_and_follows_the_schedule():
     optimizer, scheduler = build_optimizer(o, net, total=4, device=torch.device("cpu"))
     assert isinstance(optimizer, MuonAdamW)
     _step(net, optimizer, scheduler, 0)
-    assert all(not torch.equal(p, before[n]) for n, p in net.named_parameters()), "every weight moves"
+    assert all(not torch.equal(p, before[n]) for n, p in net.named_parameters()), (
+        "every weight moves"
+    )
     lrs = [g["lr"] for g in optimizer.muon.param_groups + optimizer.adamw.param_groups]
     assert lrs == pytest.approx([1e-2 * lr_factor(1, 4, 0.5, "cosine", 0.0)] * len(lrs))
 

@@ -18,8 +18,10 @@ HYPER = dict(lr=0.1, betas=(0.9, 0.99), eps=1.0, weight_decay=0.01)
 
 def _params(device: str) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(37, 11, generator=g).to(device).requires_grad_(),
-            torch.randn(5, generator=g).to(device).requires_grad_()]
+    return [
+        torch.randn(37, 11, generator=g).to(device).requires_grad_(),
+        torch.randn(5, generator=g).to(device).requires_grad_(),
+    ]
 
 
 def _grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -34,7 +36,9 @@ def test_clip_and_step_equals_scale_then_clip_grad_norm_then_step(device, fused,
     ours, ref = _params(device), _params(device)
     opt = torch.optim.AdamW(ours, fused=fused, foreach=None if fused else True, **HYPER)
     ref_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
-    scale = torch.tensor(0.25, dtype=torch.float64, device=device)  # the trainer's normaliser is float64
+    scale = torch.tensor(
+        0.25, dtype=torch.float64, device=device
+    )  # the trainer's normaliser is float64
     for step in range(3):
         for p, r, grad in zip(ours, ref, _grads(step, ours)):
             p.grad, r.grad = grad.clone(), grad.clone() * 0.25
@@ -46,5 +50,9 @@ def test_clip_and_step_equals_scale_then_clip_grad_norm_then_step(device, fused,
             assert float(ref_norm) > max_norm  # the case clips
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], rtol=1e-5, atol=1e-7)
-    assert not hasattr(opt, "grad_scale")  # nothing left on the optimiser for its next step or a checkpoint
+        torch.testing.assert_close(
+            opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], rtol=1e-5, atol=1e-7
+        )
+    assert not hasattr(
+        opt, "grad_scale"
+    )  # nothing left on the optimiser for its next step or a checkpoint

@@ -30,7 +30,11 @@ class Bf16Context:
     """dflash-eval's proposer, handed the context features rounded to bf16 (what the store keeps)."""
 
     def __init__(self, proposer):
-        self.proposer, self.block_size, self.layer_ids = proposer, proposer.block_size, proposer.layer_ids
+        self.proposer, self.block_size, self.layer_ids = (
+            proposer,
+            proposer.block_size,
+            proposer.layer_ids,
+        )
 
     def begin(self, prompt_ids):
         self.proposer.begin(prompt_ids)
@@ -45,11 +49,17 @@ def greedy_records(model, tokenizer) -> list[dict]:
     from dflash_common.hf import stop_token_ids
     from train.eval.spec_decode import TargetRunner, target_generate
 
-    runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model.generation_config, tokenizer)
+    runner, out, stops = (
+        TargetRunner(model, []),
+        [],
+        stop_token_ids(model.generation_config, tokenizer),
+    )
     for r in tiny_records(PROMPTS):
         prompt = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m]
         answer = target_generate(runner, prompt, max_new_tokens=MAX_NEW, stop_ids=stops).tokens
-        out.append({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
+        out.append(
+            {"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+        )
     return out
 
 
@@ -72,15 +82,43 @@ def greedy_setup(tiny_target, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("path-tau")
     data = tmp / "greedy.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
-    store = precompute(load_config(PrecomputeConfig, None, [
-        f"--target.path={tiny_target}", f"--data.inputs={json.dumps([str(data)])}", f"--store.path={tmp / 'store'}",
-        "--target.dtype=fp32", "--store.dtype=bf16", "--data.block_size=2", "--data.max_length=512",
-        "--run.samples_per_unit=4", "--run.device=cpu", "--run.progress=false"]))
-    run = train(load_config(TrainConfig, ROOT / "configs" / "tiny.toml", [
-        f"--data.stores={json.dumps([str(store)])}", f"--run.target={tiny_target}", f"--run.out_dir={tmp / 'run'}",
-        f"--drafter.block_size={BLOCK}", "--data.holdout_sequences=4", "--optim.max_steps=60",
-        "--validation.every_steps=30", "--checkpoint.every_steps=60", "--log.tensorboard=false",
-        "--log.progress=false", "--objective.max_anchors=64"]))
+    store = precompute(
+        load_config(
+            PrecomputeConfig,
+            None,
+            [
+                f"--target.path={tiny_target}",
+                f"--data.inputs={json.dumps([str(data)])}",
+                f"--store.path={tmp / 'store'}",
+                "--target.dtype=fp32",
+                "--store.dtype=bf16",
+                "--data.block_size=2",
+                "--data.max_length=512",
+                "--run.samples_per_unit=4",
+                "--run.device=cpu",
+                "--run.progress=false",
+            ],
+        )
+    )
+    run = train(
+        load_config(
+            TrainConfig,
+            ROOT / "configs" / "tiny.toml",
+            [
+                f"--data.stores={json.dumps([str(store)])}",
+                f"--run.target={tiny_target}",
+                f"--run.out_dir={tmp / 'run'}",
+                f"--drafter.block_size={BLOCK}",
+                "--data.holdout_sequences=4",
+                "--optim.max_steps=60",
+                "--validation.every_steps=30",
+                "--checkpoint.every_steps=60",
+                "--log.tensorboard=false",
+                "--log.progress=false",
+                "--objective.max_anchors=64",
+            ],
+        )
+    )
     return model, records, store, run, stop
 
 
@@ -109,21 +147,41 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
 
     model, records, store, run, stop = greedy_setup
     ends = [r["input_ids"][-1] == stop for r in records]
-    assert any(ends) and not all(ends), "the data must hold answers ended by the stop token and by the limit"
+    assert any(ends) and not all(ends), (
+        "the data must hold answers ended by the stop token and by the limit"
+    )
     drafter, _ = load_drafter(run / "drafter", dtype=torch.float32)
     proposer = attach_target(drafter, model)
-    cfg = load_config(EvalConfig, None, [f"--target.path={tiny_target}", f"--generation.max_new_tokens={MAX_NEW}",
-                                         "--generation.warmup=false", "--target.device=cpu"])
-    prompts = [Prompt(f"p{i}", ids=[t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m])
-               for i, r in enumerate(records)]
-    real = evaluate_drafter(model, AutoTokenizer.from_pretrained(tiny_target), Bf16Context(proposer), cfg, prompts)
+    cfg = load_config(
+        EvalConfig,
+        None,
+        [
+            f"--target.path={tiny_target}",
+            f"--generation.max_new_tokens={MAX_NEW}",
+            "--generation.warmup=false",
+            "--target.device=cpu",
+        ],
+    )
+    prompts = [
+        Prompt(f"p{i}", ids=[t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m])
+        for i, r in enumerate(records)
+    ]
+    real = evaluate_drafter(
+        model, AutoTokenizer.from_pretrained(tiny_target), Bf16Context(proposer), cfg, prompts
+    )
     assert real["lossless"]["ok"]
 
-    path = path_tau_offline(drafter, store, max_new_tokens=MAX_NEW, holdout_sequences=10**6, batch_tokens=4096)
-    by_tail = {tuple(t): lengths for t, lengths in zip(path["path_prompt_tails"], path["path_lengths"])}
+    path = path_tau_offline(
+        drafter, store, max_new_tokens=MAX_NEW, holdout_sequences=10**6, batch_tokens=4096
+    )
+    by_tail = {
+        tuple(t): lengths for t, lengths in zip(path["path_prompt_tails"], path["path_lengths"])
+    }
     replayed = [by_tail[tuple(p.ids[-16:])] for p in prompts]
     assert replayed == [e["emitted"] for e in real["prompts"]]
-    assert max(max(x) for x in replayed) > 2, "the drafter must accept drafts for the test to mean anything"
+    assert max(max(x) for x in replayed) > 2, (
+        "the drafter must accept drafts for the test to mean anything"
+    )
     assert path["path_tau"] == pytest.approx(real["tau_emitted"], rel=1e-12, abs=0)
     cycles = [n for x in replayed for n in x]
     assert path["path_tau_pooled"] == pytest.approx(statistics.fmean(cycles), rel=1e-12)
@@ -134,9 +192,11 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
     for e in real["prompts"]:
         uncut, emitted = e["acceptance_lengths"], e["emitted"]
         assert emitted and len(uncut) - len(emitted) in (0, 1)
-        assert uncut[:len(emitted) - 1] == emitted[:-1] and uncut[len(emitted) - 1] >= emitted[-1]
+        assert uncut[: len(emitted) - 1] == emitted[:-1] and uncut[len(emitted) - 1] >= emitted[-1]
         assert 1 + sum(emitted) == e["new_tokens"] <= 1 + sum(uncut)  # emitted: exactly the output
-        if len(uncut) == len(emitted):  # the last cycle cut, not dropped: the uncut tau is the larger
+        if len(uncut) == len(
+            emitted
+        ):  # the last cycle cut, not dropped: the uncut tau is the larger
             assert e["tau"] >= statistics.fmean(emitted)
             cut += uncut[-1] > emitted[-1]
         dropped += len(uncut) > len(emitted)
@@ -153,7 +213,11 @@ def test_response_segments_split_turns_and_sequences():
     mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1]).bool()
     cu = torch.tensor([0, 5, 11])
     first, end, start = response_segments(mask, cu, None)
-    assert first.tolist() == [1, 4, 5, 10] and end.tolist() == [3, 5, 9, 11] and start.tolist() == [0, 0, 5, 5]
+    assert (
+        first.tolist() == [1, 4, 5, 10]
+        and end.tolist() == [3, 5, 9, 11]
+        and start.tolist() == [0, 0, 5, 5]
+    )
     first, end, _ = response_segments(mask, cu, 2)  # two new tokens at most, the prefill's included
     assert end.tolist() == [3, 5, 7, 11]
 
@@ -171,10 +235,18 @@ def test_the_cut_rule_is_spec_decodes_emitted_rule():
     from train.path_tau import cycle_length
     from train.eval.spec_decode import emitted_lengths
 
-    starts, uncut, end = [10, 14, 16, 20], [4, 2, 4, 3], 22  # the last anchor at 20: one token before 22
+    starts, uncut, end = (
+        [10, 14, 16, 20],
+        [4, 2, 4, 3],
+        22,
+    )  # the last anchor at 20: one token before 22
     cut = cycle_length(torch.tensor(uncut) - 1, torch.tensor(starts), torch.tensor(end)).tolist()
     assert emitted_lengths(starts, uncut, end) == cut == [4, 2, 4, 1]
-    assert emitted_lengths(starts, uncut, 21) == [4, 2, 4]  # the anchor at 20 is the last token: dropped
+    assert emitted_lengths(starts, uncut, 21) == [
+        4,
+        2,
+        4,
+    ]  # the anchor at 20 is the last token: dropped
 
 
 @pytest.fixture(scope="module")

@@ -36,9 +36,12 @@ def test_defaults_are_the_dflash_recipe():
         ("--data.weights=[1.0]", "data.weights"),
         ("--optim.warmup_fraction=1.5", "optim.warmup_fraction"),
         ("--optim.betas=[0.9]", "optim.betas"),
-        ("--drafter.layer_types=[\"full_attention\"]", "drafter.layer_types"),
-        ("--drafter.layer_types=[\"sliding_attention\",\"full_attention\",\"full_attention\","
-         "\"full_attention\",\"full_attention\"]", "drafter.sliding_window"),
+        ('--drafter.layer_types=["full_attention"]', "drafter.layer_types"),
+        (
+            '--drafter.layer_types=["sliding_attention","full_attention","full_attention",'
+            '"full_attention","full_attention"]',
+            "drafter.sliding_window",
+        ),
         ("--run.device=tpu", "run.device"),
         ("--precision.autocast=fp16", "precision.autocast"),
         ("--objective.path_weight=-1", "objective.path_weight"),
@@ -56,13 +59,22 @@ def test_dpace_the_default_weights_combines_with_soft_targets_and_prompt_anchors
     for argv in (["--targets.soft=kl"], ["--targets.soft=tv", "--targets.prompt_anchors=true"]):
         cfg = load_config(TrainConfig, None, argv)
         assert cfg.objective.weights == "dpace" and cfg.targets.needs_final_state
-    assert load_config(TrainConfig, None, ["--objective.weights=gamma", "--targets.soft=kl"]).objective.weights == "gamma"
+    assert (
+        load_config(
+            TrainConfig, None, ["--objective.weights=gamma", "--targets.soft=kl"]
+        ).objective.weights
+        == "gamma"
+    )
 
 
 def test_path_weight_is_off_by_default_and_refused_with_soft_targets_in_one_sentence():
     assert TrainConfig().objective.path_weight == 0.0
     for argv in (["--targets.soft=kl"], ["--targets.prompt_anchors=true"]):
         with pytest.raises(ConfigError) as e:
-            load_config(TrainConfig, None, ["--objective.weights=gamma", "--objective.path_weight=1", *argv])
+            load_config(
+                TrainConfig, None, ["--objective.weights=gamma", "--objective.path_weight=1", *argv]
+            )
         assert "objective.path_weight" in str(e.value) and "\n" not in str(e.value)
-    assert load_config(TrainConfig, None, ["--objective.path_weight=1"]).objective.path_weight == 1.0
+    assert (
+        load_config(TrainConfig, None, ["--objective.path_weight=1"]).objective.path_weight == 1.0
+    )

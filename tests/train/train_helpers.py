@@ -21,36 +21,74 @@ def tiny_records(n: int) -> list[dict]:
 
 
 @torch.no_grad()
-def write_tiny_store(path: Path, target_dir: Path, *, n_shards: int = 6, per_shard: int = 8,
-                     dtype: str = "bf16", layer_ids=LAYER_IDS, first_record: int = 0, final_state: bool = False) -> Path:
+def write_tiny_store(
+    path: Path,
+    target_dir: Path,
+    *,
+    n_shards: int = 6,
+    per_shard: int = 8,
+    dtype: str = "bf16",
+    layer_ids=LAYER_IDS,
+    first_record: int = 0,
+    final_state: bool = False,
+) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_common.fingerprint import chat_template_sha256, target_fingerprint, tokenizer_fingerprint
-    from dflash_common.store import ShardPayload, StoreManifest, StoreWriter, encode_states, shard_name
+    from dflash_common.fingerprint import (
+        chat_template_sha256,
+        target_fingerprint,
+        tokenizer_fingerprint,
+    )
+    from dflash_common.store import (
+        ShardPayload,
+        StoreManifest,
+        StoreWriter,
+        encode_states,
+        shard_name,
+    )
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
-    manifest = StoreManifest(target=target_fingerprint(target_dir), tokenizer=tokenizer_fingerprint(tok),
-                             chat_template_sha256=chat_template_sha256(tok), layer_ids=tuple(layer_ids),
-                             hidden_size=model.config.hidden_size, dtype=dtype, chunk_tokens=64,
-                             final_state=final_state)
+    manifest = StoreManifest(
+        target=target_fingerprint(target_dir),
+        tokenizer=tokenizer_fingerprint(tok),
+        chat_template_sha256=chat_template_sha256(tok),
+        layer_ids=tuple(layer_ids),
+        hidden_size=model.config.hidden_size,
+        dtype=dtype,
+        chunk_tokens=64,
+        final_state=final_state,
+    )
     writer = StoreWriter.create_or_open(path, manifest)
     records = tiny_records(first_record + n_shards * per_shard)[first_record:]
     for unit in range(n_shards):
-        recs = records[unit * per_shard:(unit + 1) * per_shard]
+        recs = records[unit * per_shard : (unit + 1) * per_shard]
         ids = [torch.tensor(r["input_ids"]) for r in recs]
         # one right-padded forward per shard: causal attention keeps pads out of the real positions
         padded = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)  # [N, S_max]
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(x) for x in ids], batch_first=True)
         hidden = model(padded, attention_mask=mask, output_hidden_states=True).hidden_states
-        layers = {i: encode_states(torch.cat([hidden[i + 1][k, :len(x)] for k, x in enumerate(ids)]), dtype)
-                  for i in layer_ids}
-        final = encode_states(torch.cat([hidden[-1][k, :len(x)] for k, x in enumerate(ids)]), dtype)  # normed
+        layers = {
+            i: encode_states(
+                torch.cat([hidden[i + 1][k, : len(x)] for k, x in enumerate(ids)]), dtype
+            )
+            for i in layer_ids
+        }
+        final = encode_states(
+            torch.cat([hidden[-1][k, : len(x)] for k, x in enumerate(ids)]), dtype
+        )  # normed
         lengths = torch.tensor([0] + [len(x) for x in ids])
-        sample_ids = [f"tiny-train.jsonl:{first_record + unit * per_shard + k}" for k in range(len(recs))]
-        payload = ShardPayload(input_ids=torch.cat(ids).int(), loss_mask=torch.tensor(sum((r["loss_mask"] for r in recs), [])),
-                               offsets=lengths.cumsum(0).numpy(), sample_ids=sample_ids, layers=layers,
-                               final=final if final_state else None)
+        sample_ids = [
+            f"tiny-train.jsonl:{first_record + unit * per_shard + k}" for k in range(len(recs))
+        ]
+        payload = ShardPayload(
+            input_ids=torch.cat(ids).int(),
+            loss_mask=torch.tensor(sum((r["loss_mask"] for r in recs), [])),
+            offsets=lengths.cumsum(0).numpy(),
+            sample_ids=sample_ids,
+            layers=layers,
+            final=final if final_state else None,
+        )
         digest = hashlib.sha256("\n".join(sample_ids).encode()).hexdigest()
         writer.write_shard(shard_name(unit, digest), payload)
     return path

@@ -39,21 +39,38 @@ class BaselineCache:
     target: str  # hash of the target's fingerprint, dtype and device
 
     @classmethod
-    def open(cls, directory: str | Path, target_path: str, dtype: str, device: str) -> "BaselineCache":
+    def open(
+        cls, directory: str | Path, target_path: str, dtype: str, device: str
+    ) -> "BaselineCache":
         from dflash_common.fingerprint import target_fingerprint
 
         fingerprint = target_fingerprint(target_path)
         fingerprint.pop("name", None)  # where it lies does not change what it decodes
-        identity = json.dumps({"fingerprint": fingerprint, "dtype": dtype, "device": device}, sort_keys=True)
+        identity = json.dumps(
+            {"fingerprint": fingerprint, "dtype": dtype, "device": device}, sort_keys=True
+        )
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         return cls(path, hashlib.sha256(identity.encode()).hexdigest())
 
-    def key(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: Sampling, seed: int,
-            stop_ids: frozenset[int], batch_size: int = 1) -> str:
-        what = {"format": FORMAT, "target": self.target, "prompt": list(prompt_ids), "max_new_tokens": max_new_tokens,
-                "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "seed": seed,
-                "stop_ids": sorted(stop_ids)}
+    def key(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int,
+        stop_ids: frozenset[int],
+        batch_size: int = 1,
+    ) -> str:
+        what = {
+            "format": FORMAT,
+            "target": self.target,
+            "prompt": list(prompt_ids),
+            "max_new_tokens": max_new_tokens,
+            "sampling": [sampling.temperature, sampling.top_p, sampling.top_k],
+            "seed": seed,
+            "stop_ids": sorted(stop_ids),
+        }
         if batch_size > 1:  # batched decodes are timed per prompt at that size, and round as such
             what["batch_size"] = batch_size
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()
@@ -62,13 +79,22 @@ class BaselineCache:
         path = self.directory / f"{key}.json"
         try:
             entry = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):  # a file cut by a crash is a miss, rewritten
+        except (
+            FileNotFoundError,
+            json.JSONDecodeError,
+        ):  # a file cut by a crash is a miss, rewritten
             return None
         if entry.get("format") != FORMAT:
             return None
         return Decoded(entry["tokens"], [], entry["prefill_s"], entry["decode_s"])
 
     def put(self, key: str, decoded: Decoded) -> None:
-        entry = {"format": FORMAT, "tokens": decoded.tokens, "prefill_s": decoded.prefill_s,
-                 "decode_s": decoded.decode_s}
-        atomic_write_text(self.directory / f"{key}.json", json.dumps(entry), durable=False)  # a cut entry is a miss
+        entry = {
+            "format": FORMAT,
+            "tokens": decoded.tokens,
+            "prefill_s": decoded.prefill_s,
+            "decode_s": decoded.decode_s,
+        }
+        atomic_write_text(
+            self.directory / f"{key}.json", json.dumps(entry), durable=False
+        )  # a cut entry is a miss

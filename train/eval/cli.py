@@ -25,23 +25,45 @@ the lossless check, tokens/s with and without the drafter and the speedup.
 def check_eval_outputs(cfg: EvalConfig) -> None:
     """What the evaluation writes must be writable before it starts, not found out at its end."""
     if cfg.report.path:
-        check_writable(cfg.report.path, "report.path",
-                       "pass --report a file path on a writable filesystem", directory=False)
+        check_writable(
+            cfg.report.path,
+            "report.path",
+            "pass --report a file path on a writable filesystem",
+            directory=False,
+        )
     if cfg.check.baseline and cfg.check.baseline_cache:
-        check_writable(cfg.check.baseline_cache, "check.baseline_cache",
-                       "pass a directory on a writable filesystem, or leave it empty")
+        check_writable(
+            cfg.check.baseline_cache,
+            "check.baseline_cache",
+            "pass a directory on a writable filesystem, or leave it empty",
+        )
 
 
 @user_errors_exit
 def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
-    cfg, args = parse_args(EvalConfig, sys.argv[1:] if argv is None else argv, prog="dflash-eval",
-                           description=DESCRIPTION,
-                           shortcuts={"drafter": "drafter.path", "report": "report.path", "store": "offline.store",
-                                      "engine": "target.engine"},
-                           switches={"offline": (None, ("estimate tau from a store's held-out sequences (--store); "
-                                                        "the target does not run"))})
+    cfg, args = parse_args(
+        EvalConfig,
+        sys.argv[1:] if argv is None else argv,
+        prog="dflash-eval",
+        description=DESCRIPTION,
+        shortcuts={
+            "drafter": "drafter.path",
+            "report": "report.path",
+            "store": "offline.store",
+            "engine": "target.engine",
+        },
+        switches={
+            "offline": (
+                None,
+                (
+                    "estimate tau from a store's held-out sequences (--store); "
+                    "the target does not run"
+                ),
+            )
+        },
+    )
     setup_logging()
     check_eval_outputs(cfg)
     if args.offline:

@@ -23,7 +23,9 @@ class TargetSection:
         "bfloat16 is for speed on GPUs, where batched verification and one-token decoding round "
         "differently and can flip near-tied argmaxes (numerics, not a bug).",
     )
-    device: str = option("auto", "Device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = option(
+        "auto", "Device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda', 'cuda:1', ..."
+    )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = option(
         "sdpa", "Attention implementation of the target (transformers `attn_implementation`)."
     )
@@ -40,7 +42,9 @@ class TargetSection:
 
 @dataclass(frozen=True)
 class DrafterSection:
-    path: str = option("", "Directory of an exported drafter (config.json + model.safetensors); --drafter sets it.")
+    path: str = option(
+        "", "Directory of an exported drafter (config.json + model.safetensors); --drafter sets it."
+    )
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,9 @@ class PromptsSection:
         "(user turns, each answered by the speculative output) or {'prompt': '...'} (raw text, no template).",
     )
     num_prompts: int = option(0, "Evaluate the first N prompts (in file order); 0 means all.")
-    chat_template_kwargs: dict = option({}, "Extra arguments to the chat template, e.g. {enable_thinking = false}.")
+    chat_template_kwargs: dict = option(
+        {}, "Extra arguments to the chat template, e.g. {enable_thinking = false}."
+    )
 
     def __post_init__(self):
         check(self.num_prompts >= 0, f"prompts.num_prompts must be >= 0, got {self.num_prompts}")
@@ -59,21 +65,35 @@ class PromptsSection:
 
 @dataclass(frozen=True)
 class GenerationSection:
-    max_new_tokens: int = option(256, "New tokens per prompt, the prefill's token included (as the reference).")
-    temperature: float = option(0.0, "0 decodes greedily; > 0 samples with the speculative accept/resample rule.")
-    top_p: float = option(1.0, "Nucleus sampling threshold (temperature > 0 only); 1 keeps all tokens.")
+    max_new_tokens: int = option(
+        256, "New tokens per prompt, the prefill's token included (as the reference)."
+    )
+    temperature: float = option(
+        0.0, "0 decodes greedily; > 0 samples with the speculative accept/resample rule."
+    )
+    top_p: float = option(
+        1.0, "Nucleus sampling threshold (temperature > 0 only); 1 keeps all tokens."
+    )
     top_k: int = option(0, "Keep the k most likely tokens (temperature > 0 only); 0 keeps all.")
     block_size: int | None = option(
-        None, "Draft block size B (B-1 drafts per cycle; a DSpark drafter drafts B); none uses the "
-        "drafter's.")
+        None,
+        "Draft block size B (B-1 drafts per cycle; a DSpark drafter drafts B); none uses the "
+        "drafter's.",
+    )
     confidence_threshold: float = option(
-        0.0, "DSpark drafters with a confidence head: verify only the drafts before the first "
+        0.0,
+        "DSpark drafters with a confidence head: verify only the drafts before the first "
         "whose confidence is below this (DeepSpec's eval rule); 0 verifies every draft, as vLLM "
         "0.32 does unless its adaptive verification is on (whose cost-model schedule is not "
-        "reproduced here). A threshold decodes one prompt at a time (generation.batch_size 1).")
+        "reproduced here). A threshold decodes one prompt at a time (generation.batch_size 1).",
+    )
     seed: int = option(0, "Seed of the sampling generator (temperature > 0).")
-    ignore_eos: bool = option(False, "Do not stop at the end-of-sequence token(s); always decode max_new_tokens.")
-    warmup: bool = option(True, "Decode a few tokens once before timing, so one-time setup is not timed.")
+    ignore_eos: bool = option(
+        False, "Do not stop at the end-of-sequence token(s); always decode max_new_tokens."
+    )
+    warmup: bool = option(
+        True, "Decode a few tokens once before timing, so one-time setup is not timed."
+    )
     batch_size: int = option(
         0,
         "Prompts decoded at once (train/eval/batched.py; greedy, an 'sdpa' or 'eager' target): "
@@ -83,16 +103,23 @@ class GenerationSection:
     )
 
     def __post_init__(self):
-        check(self.max_new_tokens >= 1, f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check(
+            self.max_new_tokens >= 1,
+            f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}",
+        )
         check(self.temperature >= 0, f"generation.temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"generation.top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, f"generation.top_k must be >= 0, got {self.top_k}")
-        check(0 <= self.confidence_threshold < 1,
-              f"generation.confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        check(
+            0 <= self.confidence_threshold < 1,
+            f"generation.confidence_threshold must be in [0, 1), got {self.confidence_threshold}",
+        )
         check(self.batch_size >= 0, f"generation.batch_size must be >= 0, got {self.batch_size}")
-        check(self.batch_size <= 1 or self.temperature == 0,
-              f"generation.batch_size = {self.batch_size} decodes greedily only; set "
-              "generation.temperature = 0 or generation.batch_size = 1")
+        check(
+            self.batch_size <= 1 or self.temperature == 0,
+            f"generation.batch_size = {self.batch_size} decodes greedily only; set "
+            "generation.temperature = 0 or generation.batch_size = 1",
+        )
         check(
             self.block_size is None or self.block_size >= 2,
             f"generation.block_size must be >= 2 (one anchor and at least one draft), got {self.block_size}",
@@ -108,12 +135,14 @@ class CheckSection:
         "near-tied argmaxes flip between batched and one-token forwards); 'off' skips it.",
     )
     baseline: bool = option(
-        True, "Also decode with the target alone: tokens/s without the drafter, speedup, lossless reference."
+        True,
+        "Also decode with the target alone: tokens/s without the drafter, speedup, lossless reference.",
     )
     baseline_cache: str = option(
-        "", "A directory keeping the target-alone decodes (tokens and times), keyed by the target's fingerprint, "
+        "",
+        "A directory keeping the target-alone decodes (tokens and times), keyed by the target's fingerprint, "
         "dtype, device, prompt and generation settings: evaluating more drafters on the same target and prompts "
-        "reads them back instead of decoding the target alone again; empty keeps none."
+        "reads them back instead of decoding the target alone again; empty keeps none.",
     )
 
     def __post_init__(self):
@@ -126,26 +155,35 @@ class CheckSection:
 
 @dataclass(frozen=True)
 class ReportSection:
-    path: str = option("", "Write the JSON report here (the run record lands beside it); empty writes none.")
+    path: str = option(
+        "", "Write the JSON report here (the run record lands beside it); empty writes none."
+    )
 
 
 @dataclass(frozen=True)
 class OfflineSection:
-    store: str = option("", "Store whose held-out sequences --offline reads (per-position accuracy, implied tau).")
+    store: str = option(
+        "", "Store whose held-out sequences --offline reads (per-position accuracy, implied tau)."
+    )
     holdout_sequences: int | None = option(
         None,
         "Held-out sequences per store; none takes the training run's value (run.toml beside the drafter), "
         "else the trainer's default. It must match training, or the estimate reads training data.",
     )
     holdout_fraction: float | None = option(
-        None, "Held-out share of each store's sequences; none takes the training run's value, as above."
+        None,
+        "Held-out share of each store's sequences; none takes the training run's value, as above.",
     )
 
     def __post_init__(self):
-        check(self.holdout_sequences is None or self.holdout_sequences >= 0,
-              f"offline.holdout_sequences must be >= 0, got {self.holdout_sequences}")
-        check(self.holdout_fraction is None or 0 <= self.holdout_fraction < 1,
-              f"offline.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+        check(
+            self.holdout_sequences is None or self.holdout_sequences >= 0,
+            f"offline.holdout_sequences must be >= 0, got {self.holdout_sequences}",
+        )
+        check(
+            self.holdout_fraction is None or 0 <= self.holdout_fraction < 1,
+            f"offline.holdout_fraction must be in [0, 1), got {self.holdout_fraction}",
+        )
 
 
 @dataclass(frozen=True)
@@ -157,4 +195,6 @@ class EvalConfig:
     generation: GenerationSection = section(GenerationSection, "Decoding.")
     check: CheckSection = section(CheckSection, "Checks and baseline.")
     report: ReportSection = section(ReportSection, "Where results go.")
-    offline: OfflineSection = section(OfflineSection, "Offline estimate from a store (no target needed).")
+    offline: OfflineSection = section(
+        OfflineSection, "Offline estimate from a store (no target needed)."
+    )

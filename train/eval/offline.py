@@ -29,7 +29,12 @@ from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
 from train.config import TrainConfig
 from train.data import (
-    check_contents, make_feeder, scan_stores, shard_reader, slot_size, val_batches,
+    check_contents,
+    make_feeder,
+    scan_stores,
+    shard_reader,
+    slot_size,
+    val_batches,
 )
 from train.eval.config import EvalConfig
 from train.eval.load import load_dflash
@@ -43,9 +48,13 @@ log = logging.getLogger("dflash")
 
 # What the offline estimate takes from the training run's run.toml: its held-out split, and how its
 # validation packed and weighted the blocks, so the estimate repeats the trainer's own validation.
-_RUN_SETTINGS = {"holdout_sequences": ("data", "holdout_sequences"), "holdout_fraction": ("data", "holdout_fraction"),
-                 "batch_tokens": ("data", "batch_tokens"), "max_anchors": ("objective", "max_anchors"),
-                 "gamma": ("objective", "gamma")}
+_RUN_SETTINGS = {
+    "holdout_sequences": ("data", "holdout_sequences"),
+    "holdout_fraction": ("data", "holdout_fraction"),
+    "batch_tokens": ("data", "batch_tokens"),
+    "max_anchors": ("objective", "max_anchors"),
+    "gamma": ("objective", "gamma"),
+}
 
 
 def _training_run_settings(drafter_path: str) -> dict:
@@ -58,12 +67,17 @@ def _training_run_settings(drafter_path: str) -> dict:
             try:
                 run = load_config(TrainConfig, candidate)
             except ConfigError as e:
-                log.warning("%s does not load (%s): the trainer's defaults stand for its "
-                            "held-out split and validation; set offline.holdout_sequences if the "
-                            "run held out others", candidate, e)
+                log.warning(
+                    "%s does not load (%s): the trainer's defaults stand for its "
+                    "held-out split and validation; set offline.holdout_sequences if the "
+                    "run held out others",
+                    candidate,
+                    e,
+                )
                 return {}
-            values = {key: getattr(getattr(run, sec), name)
-                      for key, (sec, name) in _RUN_SETTINGS.items()}
+            values = {
+                key: getattr(getattr(run, sec), name) for key, (sec, name) in _RUN_SETTINGS.items()
+            }
             return {key: value for key, value in values.items() if value is not None}
     return {}
 
@@ -77,28 +91,51 @@ def run_offline(cfg: EvalConfig) -> dict:
     from dflash_common.drafter.target_head import load_target_head
 
     if not cfg.offline.store:
-        raise UserError("--offline needs a store: pass --store PATH (a store written by dflash-precompute).")
+        raise UserError(
+            "--offline needs a store: pass --store PATH (a store written by dflash-precompute)."
+        )
     check_model_dir(cfg.target.path)
     device = resolve_device(cfg.target.device, "target.device")
     bf16 = cfg.target.dtype == "bfloat16"  # the trainer's precision: fp32 weights, bf16 autocast
     text_config = load_text_config(cfg.target.path)
     drafter = load_dflash(cfg.drafter.path, text_config, device, torch.float32)
-    head = load_target_head(cfg.target.path, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    head = load_target_head(
+        cfg.target.path, device=device, dtype=torch.bfloat16 if bf16 else torch.float32
+    )
     drafter.attach_frozen(head.embed, head.lm_head)
     settings = _training_run_settings(cfg.drafter.path)
     for key in ("holdout_sequences", "holdout_fraction"):
         if getattr(cfg.offline, key) is not None:
             settings[key] = getattr(cfg.offline, key)
     autocast = "bf16" if bf16 else "none"
-    metrics = evaluate_offline(drafter, cfg.offline.store, autocast=autocast, path=False, **settings)
-    split = {k: settings[k] for k in ("holdout_sequences", "holdout_fraction", "batch_tokens") if k in settings}
-    path = path_tau_offline(drafter, cfg.offline.store, block_size=cfg.generation.block_size,
-                            max_new_tokens=cfg.generation.max_new_tokens, autocast=autocast, **split)
+    metrics = evaluate_offline(
+        drafter, cfg.offline.store, autocast=autocast, path=False, **settings
+    )
+    split = {
+        k: settings[k]
+        for k in ("holdout_sequences", "holdout_fraction", "batch_tokens")
+        if k in settings
+    }
+    path = path_tau_offline(
+        drafter,
+        cfg.offline.store,
+        block_size=cfg.generation.block_size,
+        max_new_tokens=cfg.generation.max_new_tokens,
+        autocast=autocast,
+        **split,
+    )
     path.pop("path_prompt_tails")
-    report = {"mode": "offline", "store": cfg.offline.store, "drafter": cfg.drafter.path,
-              "block_size": drafter.cfg.block_size, **settings, **metrics, **path,
-              "path_max_new_tokens": cfg.generation.max_new_tokens,
-              "path_block_size": cfg.generation.block_size or drafter.cfg.block_size}
+    report = {
+        "mode": "offline",
+        "store": cfg.offline.store,
+        "drafter": cfg.drafter.path,
+        "block_size": drafter.cfg.block_size,
+        **settings,
+        **metrics,
+        **path,
+        "path_max_new_tokens": cfg.generation.max_new_tokens,
+        "path_block_size": cfg.generation.block_size or drafter.cfg.block_size,
+    }
     if cfg.report.path:
         write_report(report, cfg.report.path, cfg)
     print(format_offline(report))
@@ -109,15 +146,22 @@ def run_offline(cfg: EvalConfig) -> dict:
 
 
 @torch.no_grad()
-def path_tau_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *,
-                     block_size: int | None = None, max_new_tokens: int | None = None,
-                     autocast: str = "none") -> dict[str, Any]:
+def path_tau_batches(
+    drafter: DFlashDrafter,
+    batches: Iterable[DeviceBatch],
+    *,
+    block_size: int | None = None,
+    max_new_tokens: int | None = None,
+    autocast: str = "none",
+) -> dict[str, Any]:
     """Path tau alone (train/path_tau.py) over device batches, as dflash-eval would decode their
     responses with `block_size` and `max_new_tokens`; also each response's cycle lengths ("path_lengths",
     in batch order) and its prompt's last token ids ("path_prompt_tails"), to match responses to prompts."""
     paths, lengths, tails = torch.zeros(5, dtype=torch.float64), [], []
     for batch in batches:
-        got = replay_batch(drafter, batch, block_size=block_size, max_new_tokens=max_new_tokens, autocast=autocast)
+        got = replay_batch(
+            drafter, batch, block_size=block_size, max_new_tokens=max_new_tokens, autocast=autocast
+        )
         paths += path_counts(got)
         lengths += got
         tails += _prompt_tails(batch)
@@ -128,7 +172,7 @@ def _prompt_tails(batch: DeviceBatch, n: int = 16) -> list[list[int]]:
     """The last `n` token ids before each response of a batch (in the order of response_segments)."""
     first, _, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, None)
     ids = batch.input_ids.tolist()
-    return [ids[max(s, f - n):f] for f, s in zip(first.tolist(), seq_start.tolist())]
+    return [ids[max(s, f - n) : f] for f, s in zip(first.tolist(), seq_start.tolist())]
 
 
 def evaluate_offline(
@@ -154,32 +198,75 @@ def evaluate_offline(
     """
     block_size = drafter.cfg.verify_block_size  # [anchor, drafts]: DSpark's labels reach further
     if not isinstance(source, (str, Path)):
-        return evaluate_batches(drafter, source, block_size=block_size, gamma=gamma, autocast=autocast, path=path)
-    with heldout_batches(source, drafter.cfg, device=next(drafter.parameters()).device,
-                         max_anchors=max_anchors, holdout_sequences=holdout_sequences,
-                         holdout_fraction=holdout_fraction, batch_tokens=batch_tokens,
-                         reader_threads=reader_threads, autocast=autocast) as batches:
-        return evaluate_batches(drafter, batches, block_size=block_size, gamma=gamma, autocast=autocast, path=path)
+        return evaluate_batches(
+            drafter, source, block_size=block_size, gamma=gamma, autocast=autocast, path=path
+        )
+    with heldout_batches(
+        source,
+        drafter.cfg,
+        device=next(drafter.parameters()).device,
+        max_anchors=max_anchors,
+        holdout_sequences=holdout_sequences,
+        holdout_fraction=holdout_fraction,
+        batch_tokens=batch_tokens,
+        reader_threads=reader_threads,
+        autocast=autocast,
+    ) as batches:
+        return evaluate_batches(
+            drafter, batches, block_size=block_size, gamma=gamma, autocast=autocast, path=path
+        )
 
 
-def path_tau_offline(drafter: torch.nn.Module, store: str | Path, *, block_size: int | None = None,
-                     max_new_tokens: int | None = None, holdout_sequences: int = 256, holdout_fraction: float = 0.0,
-                     batch_tokens: int = 65536, reader_threads: int = 4, autocast: str = "none") -> dict[str, Any]:
+def path_tau_offline(
+    drafter: torch.nn.Module,
+    store: str | Path,
+    *,
+    block_size: int | None = None,
+    max_new_tokens: int | None = None,
+    holdout_sequences: int = 256,
+    holdout_fraction: float = 0.0,
+    batch_tokens: int = 65536,
+    reader_threads: int = 4,
+    autocast: str = "none",
+) -> dict[str, Any]:
     """Path tau of a store's held-out responses as dflash-eval would decode them (`block_size`,
     `max_new_tokens`): every held-out sequence with at least 2 response tokens (one cycle), not only
     those with 2B that training keeps, so it covers the prompts dflash-eval decodes."""
-    with heldout_batches(store, drafter.cfg, device=next(drafter.parameters()).device, max_anchors=1,
-                         holdout_sequences=holdout_sequences, holdout_fraction=holdout_fraction,
-                         batch_tokens=batch_tokens, reader_threads=reader_threads, autocast=autocast,
-                         min_response=2) as batches:
-        return path_tau_batches(drafter, batches, block_size=block_size, max_new_tokens=max_new_tokens,
-                                autocast=autocast)
+    with heldout_batches(
+        store,
+        drafter.cfg,
+        device=next(drafter.parameters()).device,
+        max_anchors=1,
+        holdout_sequences=holdout_sequences,
+        holdout_fraction=holdout_fraction,
+        batch_tokens=batch_tokens,
+        reader_threads=reader_threads,
+        autocast=autocast,
+        min_response=2,
+    ) as batches:
+        return path_tau_batches(
+            drafter,
+            batches,
+            block_size=block_size,
+            max_new_tokens=max_new_tokens,
+            autocast=autocast,
+        )
 
 
 @contextlib.contextmanager
-def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchors: int, holdout_sequences: int,
-                    holdout_fraction: float, batch_tokens: int, reader_threads: int, autocast: str,
-                    min_response: int | None = None):
+def heldout_batches(
+    store_path,
+    drafter_cfg,
+    *,
+    device: torch.device,
+    max_anchors: int,
+    holdout_sequences: int,
+    holdout_fraction: float,
+    batch_tokens: int,
+    reader_threads: int,
+    autocast: str,
+    min_response: int | None = None,
+):
     """Device batches of a store's held-out sequences, split as the trainer splits them (it drops
     sequences with fewer than `min_response` response tokens, 2B by default, as training does)."""
     store = Store.open(store_path, read_threads=reader_threads)
@@ -188,14 +275,34 @@ def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchor
     shards = scan_stores([store], reader_threads, batch_tokens)
     min_response = 2 * drafter_cfg.verify_block_size if min_response is None else min_response
     split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
-    plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
-                    shuffle_window_shards=1, world=1, grad_accum=1)
+    plan = DataPlan(
+        shards,
+        split,
+        n_stores=1,
+        weights=None,
+        seed=0,
+        batch_tokens=batch_tokens,
+        shuffle_window_shards=1,
+        world=1,
+        grad_accum=1,
+    )
     nbytes, _ = slot_size([store], shards, layer_ids)
-    cache = ShardCache(SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1)
-    host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.verify_block_size,
-                       max_anchors=max_anchors)
-    feeder = make_feeder(host, dict, [store], layer_ids, device=device, batch_tokens=batch_tokens,
-                         autocast=autocast, prefetch=0)
+    cache = ShardCache(
+        SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1
+    )
+    host = val_batches(
+        plan, cache, rank=0, block_size=drafter_cfg.verify_block_size, max_anchors=max_anchors
+    )
+    feeder = make_feeder(
+        host,
+        dict,
+        [store],
+        layer_ids,
+        device=device,
+        batch_tokens=batch_tokens,
+        autocast=autocast,
+        prefetch=0,
+    )
     try:
         yield feeder
     finally:

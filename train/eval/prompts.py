@@ -38,39 +38,54 @@ def _conversation(record: dict, where: str) -> list[dict] | None:
 
 def _record_to_prompt(record: Any, where: str, tokenizer, template_kwargs: dict) -> Prompt:
     if not isinstance(record, dict):
-        raise UserError(f"{where}: each line must be a JSON object with 'messages', 'conversations', "
-                        f"'turns' or 'prompt'.")
+        raise UserError(
+            f"{where}: each line must be a JSON object with 'messages', 'conversations', "
+            f"'turns' or 'prompt'."
+        )
     if isinstance(record.get("prompt"), str):
         return Prompt(where, ids=tokenizer.encode(record["prompt"]))
     if isinstance(record.get("turns"), list):
         if not record["turns"] or not all(isinstance(t, str) for t in record["turns"]):
-            raise UserError(f"{where}: 'turns' must be a non-empty list of strings (the user's messages).")
+            raise UserError(
+                f"{where}: 'turns' must be a non-empty list of strings (the user's messages)."
+            )
         return Prompt(where, turns=list(record["turns"]))
     messages = _conversation(record, where)
     if messages is None:
-        raise UserError(f"{where}: found none of 'messages', 'conversations', 'turns' or 'prompt'; "
-                        f"give each line one of them.")
+        raise UserError(
+            f"{where}: found none of 'messages', 'conversations', 'turns' or 'prompt'; "
+            f"give each line one of them."
+        )
     while messages and messages[-1]["role"] == "assistant":  # the reply is what we generate
         messages.pop()
     if not messages:
-        raise UserError(f"{where}: the conversation has no message before its reply; drop the line.")
+        raise UserError(
+            f"{where}: the conversation has no message before its reply; drop the line."
+        )
     return Prompt(where, ids=render_chat(tokenizer, messages, template_kwargs, where))
 
 
-def render_chat(tokenizer, messages: list[dict], template_kwargs: dict, where: str = "") -> list[int]:
+def render_chat(
+    tokenizer, messages: list[dict], template_kwargs: dict, where: str = ""
+) -> list[int]:
     """Token ids of `messages` with the target's chat template and the generation prompt."""
     from dflash_common.chat import ChatMaskError, ChatTemplate
 
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError("the target's tokenizer has no chat template; use {'prompt': ...} lines for raw text.")
+        raise UserError(
+            "the target's tokenizer has no chat template; use {'prompt': ...} lines for raw text."
+        )
     try:
         return ChatTemplate(tokenizer, template_kwargs).prompt_ids(messages)
     except ChatMaskError as e:
         raise UserError(
-            f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the line.") from e
+            f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the line."
+        ) from e
 
 
-def load_prompts(files: Sequence[str], tokenizer, template_kwargs: dict, limit: int = 0) -> list[Prompt]:
+def load_prompts(
+    files: Sequence[str], tokenizer, template_kwargs: dict, limit: int = 0
+) -> list[Prompt]:
     """Prompts from JSONL files, in file order; `limit` > 0 keeps the first `limit`."""
     if not files:
         raise UserError("no prompts: set prompts.files to one or more JSONL files.")
@@ -85,8 +100,12 @@ def load_prompts(files: Sequence[str], tokenizer, template_kwargs: dict, limit: 
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{line_no} is not valid JSON ({e.msg}); fix the line.") from e
-            prompts.append(_record_to_prompt(record, f"{path}:{line_no}", tokenizer, template_kwargs))
+                raise UserError(
+                    f"{path}:{line_no} is not valid JSON ({e.msg}); fix the line."
+                ) from e
+            prompts.append(
+                _record_to_prompt(record, f"{path}:{line_no}", tokenizer, template_kwargs)
+            )
             if 0 < limit <= len(prompts):
                 return prompts
     if not prompts:

@@ -21,13 +21,19 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def mismatch_entry(prompt: str, prompt_tokens: int, index: int, speculative: Sequence[int],
-                   target: Sequence[int]) -> dict:
+def mismatch_entry(
+    prompt: str, prompt_tokens: int, index: int, speculative: Sequence[int], target: Sequence[int]
+) -> dict:
     """The report's record of a prompt whose speculative output first differs from the target's
     at new token `index` (`first_mismatch`); a side that ended before it has None there."""
     at = lambda tokens: tokens[index] if index < len(tokens) else None  # noqa: E731
-    return {"prompt": prompt, "new_token_index": index, "position": prompt_tokens + index,
-            "speculative": at(speculative), "target": at(target)}
+    return {
+        "prompt": prompt,
+        "new_token_index": index,
+        "position": prompt_tokens + index,
+        "speculative": at(speculative),
+        "target": at(target),
+    }
 
 
 def lossless_message(report: dict) -> str | None:
@@ -37,8 +43,10 @@ def lossless_message(report: dict) -> str | None:
         return None
     m = bad[0]
     more = f" ({len(bad)} prompts differ; all are in the report)" if len(bad) > 1 else ""
-    return (f"lossless check failed: prompt {m['prompt']} differs at new token {m['new_token_index']} "
-            f"(sequence position {m['position']}): speculative {m['speculative']} vs target {m['target']}{more}.")
+    return (
+        f"lossless check failed: prompt {m['prompt']} differs at new token {m['new_token_index']} "
+        f"(sequence position {m['position']}): speculative {m['speculative']} vs target {m['target']}{more}."
+    )
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -56,9 +64,13 @@ def format_report(report: dict) -> str:
     s = report["sampling"]
     mode = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"
     lossless = report["lossless"]
-    verdict = ("not checked" if not lossless["checked"] else
-               "ok (identical to the target's greedy output)" if lossless["ok"] else
-               f"FAILED on {len(lossless['mismatches'])} prompt(s)")
+    verdict = (
+        "not checked"
+        if not lossless["checked"]
+        else "ok (identical to the target's greedy output)"
+        if lossless["ok"]
+        else f"FAILED on {len(lossless['mismatches'])} prompt(s)"
+    )
     engine = f", through {report['engine']}" if report.get("engine") else ""
     lines = [
         f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}{engine}",
@@ -70,12 +82,18 @@ def format_report(report: dict) -> str:
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",
         f"  {'tokens/s, target alone':<28}{_fmt(report['target_tokens_per_s'], '.1f')}",
         f"  {'speedup':<28}{_fmt(report['speedup'], '.2f')}"
-        + ("" if report["speedup"] is None else "x (tokens/s speculative / target alone: same "
-           "engine, " + _batch_words(report.get("batch_size", 1)) + ", decode after the prefill)"),
+        + (
+            ""
+            if report["speedup"] is None
+            else "x (tokens/s speculative / target alone: same "
+            "engine, " + _batch_words(report.get("batch_size", 1)) + ", decode after the prefill)"
+        ),
         f"  {'lossless':<28}{verdict}",
     ]
     if report["num_prompts_without_cycles"]:
-        lines.append(f"  ({report['num_prompts_without_cycles']} prompt(s) stopped at their first token: no tau)")
+        lines.append(
+            f"  ({report['num_prompts_without_cycles']} prompt(s) stopped at their first token: no tau)"
+        )
     lines.append("  acceptance length histogram (tokens per cycle: share of cycles)")
     for n, share in report["histogram"].items():
         lines.append(f"    {n:>3}  {share * 100:5.1f}%  {'#' * round(share * 40)}")
@@ -102,5 +120,7 @@ def format_offline(report: dict) -> str:
         f"  {'loss':<28}{_fmt(report['loss'], '.4f')}",
         "  accuracy by block position (k = 1 predicts the token after the anchor)",
     ]
-    lines += [f"    {k:>3}  {acc * 100:5.1f}%" for k, acc in enumerate(report["acc_by_pos"], start=1)]
+    lines += [
+        f"    {k:>3}  {acc * 100:5.1f}%" for k, acc in enumerate(report["acc_by_pos"], start=1)
+    ]
     return "\n".join(lines)

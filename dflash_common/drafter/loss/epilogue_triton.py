@@ -40,11 +40,17 @@ CONFIGS = [
     triton.Config({"BM": 128, "BN": 256, "BK": 32}, num_warps=8, num_stages=5),
 ]
 MIN_BN = 32
-CPU_CONFIG = {"BM": 16, "BN": 32, "BK": 16}  # the interpreter's shape: small, so tests tile a small vocabulary
+CPU_CONFIG = {
+    "BM": 16,
+    "BN": 32,
+    "BK": 16,
+}  # the interpreter's shape: small, so tests tile a small vocabulary
 
 
 @triton.jit
-def _label_logit_kernel(h_ptr, h_stride, w_ptr, w_stride, labels_ptr, out_ptr, K, BLOCK: tl.constexpr):
+def _label_logit_kernel(
+    h_ptr, h_stride, w_ptr, w_stride, labels_ptr, out_ptr, K, BLOCK: tl.constexpr
+):
     """out[i] = hidden_i . W[label_i] in float32."""
     row = tl.program_id(0).to(tl.int64)
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -57,10 +63,29 @@ def _label_logit_kernel(h_ptr, h_stride, w_ptr, w_stride, labels_ptr, out_ptr, K
 
 
 @triton.jit
-def _odds_matmul_kernel(h_ptr, h_stride, w_ptr, w_stride, odds_ptr, odds_stride, ref_ptr, labels_ptr,
-                        t_part_ptr, beat_part_ptr, part_stride, M, N, K, tune_m,
-                        COMPUTE_GRAD: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr):
+def _odds_matmul_kernel(
+    h_ptr,
+    h_stride,
+    w_ptr,
+    w_stride,
+    odds_ptr,
+    odds_stride,
+    ref_ptr,
+    labels_ptr,
+    t_part_ptr,
+    beat_part_ptr,
+    part_stride,
+    M,
+    N,
+    K,
+    tune_m,
+    COMPUTE_GRAD: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     # row tiles vary fastest: the programs that run together share one tile of W, read from memory
     # once and then from L2 (a chunk is a few row tiles high and hundreds of column tiles wide)
     pid = tl.program_id(0)
@@ -74,10 +99,14 @@ def _odds_matmul_kernel(h_ptr, h_stride, w_ptr, w_stride, odds_ptr, odds_stride,
     b_ptrs = w_ptr + rn[None, :].to(tl.int64) * w_stride + rk[:, None]  # [BK, BN]: a tile of W^T
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
-        k_in = (rk < K - k0) | EVEN_K  # every step whole when BK divides K (hidden sizes do): no K mask
+        k_in = (
+            rk < K - k0
+        ) | EVEN_K  # every step whole when BK divides K (hidden sizes do): no K mask
         a = tl.load(a_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=col_in[None, :] & k_in[:, None], other=0.0)
-        if DOT_F32:  # the interpreter's bf16 dot reads the raw bits as integers; float32 products are exact
+        if (
+            DOT_F32
+        ):  # the interpreter's bf16 dot reads the raw bits as integers; float32 products are exact
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)  # [BM, BN] logits, float32
         a_ptrs += BK
@@ -101,12 +130,27 @@ def _odds_matmul_kernel(h_ptr, h_stride, w_ptr, w_stride, odds_ptr, odds_stride,
 # tune_m (the chunk height's power of two) keys the tuning, not M: a batch's last chunk has a height of
 # its own, and tuning again for each would cost more than the shape saves
 _odds_matmul_tuned = triton.autotune(configs=CONFIGS, key=["tune_m", "N", "K"])(
-    triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BK"] == 0})(_odds_matmul_kernel))
+    triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BK"] == 0})(_odds_matmul_kernel)
+)
 
 
 @triton.jit
-def _odds_fold_kernel(t_part_ptr, beat_part_ptr, part_stride, n_parts, weights_ptr, index_ptr, loss_ptr, correct_ptr,
-                      scale_ptr, label_coef_ptr, ok_ptr, log_limit, HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+def _odds_fold_kernel(
+    t_part_ptr,
+    beat_part_ptr,
+    part_stride,
+    n_parts,
+    weights_ptr,
+    index_ptr,
+    loss_ptr,
+    correct_ptr,
+    scale_ptr,
+    label_coef_ptr,
+    ok_ptr,
+    log_limit,
+    HAS_INDEX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Per row: the column tiles' sums and beats folded, then hard_triton's row outputs."""
     row = tl.program_id(0).to(tl.int64)
     t_lane = tl.zeros([BLOCK], tl.float32)
@@ -114,11 +158,23 @@ def _odds_fold_kernel(t_part_ptr, beat_part_ptr, part_stride, n_parts, weights_p
     for j0 in range(0, n_parts, BLOCK):
         js = j0 + tl.arange(0, BLOCK)
         t_lane += tl.load(t_part_ptr + row * part_stride + js, mask=js < n_parts, other=0.0)
-        beat_lane = beat_lane | tl.load(beat_part_ptr + row * part_stride + js, mask=js < n_parts, other=0).to(tl.int32)
+        beat_lane = beat_lane | tl.load(
+            beat_part_ptr + row * part_stride + js, mask=js < n_parts, other=0
+        ).to(tl.int32)
     weight = tl.load(weights_ptr + row).to(tl.float32)
     out = tl.load(index_ptr + row) if HAS_INDEX else row
-    store_odds_outputs(tl.sum(t_lane, axis=0), tl.max(beat_lane, axis=0), weight, log_limit, out, loss_ptr,
-                       correct_ptr, scale_ptr, label_coef_ptr, ok_ptr)
+    store_odds_outputs(
+        tl.sum(t_lane, axis=0),
+        tl.max(beat_lane, axis=0),
+        weight,
+        log_limit,
+        out,
+        loss_ptr,
+        correct_ptr,
+        scale_ptr,
+        label_coef_ptr,
+        ok_ptr,
+    )
 
 
 def label_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -126,14 +182,30 @@ def label_logits(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) ->
     c, k = h.shape
     out = torch.empty(c, dtype=torch.float32, device=h.device)
     if c:
-        _label_logit_kernel[(c,)](h, h.stride(0), weight, weight.stride(0), labels.contiguous(), out, k,
-                                  BLOCK=min(1024, triton.next_power_of_2(k)), num_warps=4)
+        _label_logit_kernel[(c,)](
+            h,
+            h.stride(0),
+            weight,
+            weight.stride(0),
+            labels.contiguous(),
+            out,
+            k,
+            BLOCK=min(1024, triton.next_power_of_2(k)),
+            num_warps=4,
+        )
     return out
 
 
-def odds_matmul(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                compute_grad: bool, out: tuple[torch.Tensor, ...], log_limit: float,
-                index: torch.Tensor | None = None) -> torch.Tensor | None:
+def odds_matmul(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    compute_grad: bool,
+    out: tuple[torch.Tensor, ...],
+    log_limit: float,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """h [C, H] (rows contiguous), weight [V, H], labels [C] in 0..V-1, weights [C] float32: the same
     results as hard_triton.label_odds_rows on the logits h @ W^T, into out = (loss, correct, scale,
     label_coef, ok) at rows `index` (or 0..C-1). Returns the odds [C, V] in the weight's dtype (0 at
@@ -146,12 +218,29 @@ def odds_matmul(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wei
         raise ValueError("hidden and lm_head rows must be contiguous")
     labels = labels.contiguous()
     ref = label_logits(h, weight, labels)
-    odds = torch.empty(c, v, dtype=weight.dtype, device=h.device) if compute_grad else ref  # ref: an unused pointer
+    odds = (
+        torch.empty(c, v, dtype=weight.dtype, device=h.device) if compute_grad else ref
+    )  # ref: an unused pointer
     part_stride = triton.cdiv(v, MIN_BN)
     t_part = torch.empty(c, part_stride, dtype=torch.float32, device=h.device)
     beat_part = torch.empty(c, part_stride, dtype=torch.int8, device=h.device)
-    args = (h, h.stride(0), weight, weight.stride(0), odds, odds.stride(0), ref, labels, t_part, beat_part,
-            part_stride, c, v, k, triton.next_power_of_2(c))
+    args = (
+        h,
+        h.stride(0),
+        weight,
+        weight.stride(0),
+        odds,
+        odds.stride(0),
+        ref,
+        labels,
+        t_part,
+        beat_part,
+        part_stride,
+        c,
+        v,
+        k,
+        triton.next_power_of_2(c),
+    )
     if h.device.type == "cuda":
         grid = lambda meta: (triton.cdiv(c, meta["BM"]) * triton.cdiv(v, meta["BN"]),)  # noqa: E731
         _odds_matmul_tuned[grid](*args, COMPUTE_GRAD=compute_grad, DOT_F32=False)
@@ -159,14 +248,31 @@ def odds_matmul(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, wei
     else:
         bn = CPU_CONFIG["BN"]
         grid = (triton.cdiv(c, CPU_CONFIG["BM"]) * triton.cdiv(v, bn),)
-        _odds_matmul_kernel[grid](*args, COMPUTE_GRAD=compute_grad, DOT_F32=True, EVEN_K=k % CPU_CONFIG["BK"] == 0,
-                                  **CPU_CONFIG)
+        _odds_matmul_kernel[grid](
+            *args,
+            COMPUTE_GRAD=compute_grad,
+            DOT_F32=True,
+            EVEN_K=k % CPU_CONFIG["BK"] == 0,
+            **CPU_CONFIG,
+        )
     loss, correct, scale, label_coef, ok = out
     n_parts = triton.cdiv(v, bn)
     has_index = index is not None
-    _odds_fold_kernel[(c,)](t_part, beat_part, part_stride, n_parts, weights.float().contiguous(),
-                            index.contiguous() if has_index else loss,  # loss: a pointer never read
-                            loss, correct.view(torch.int8), scale, label_coef, ok.view(torch.int8), float(log_limit),
-                            HAS_INDEX=has_index,
-                            BLOCK=min(1024, triton.next_power_of_2(n_parts)), num_warps=4)
+    _odds_fold_kernel[(c,)](
+        t_part,
+        beat_part,
+        part_stride,
+        n_parts,
+        weights.float().contiguous(),
+        index.contiguous() if has_index else loss,  # loss: a pointer never read
+        loss,
+        correct.view(torch.int8),
+        scale,
+        label_coef,
+        ok.view(torch.int8),
+        float(log_limit),
+        HAS_INDEX=has_index,
+        BLOCK=min(1024, triton.next_power_of_2(n_parts)),
+        num_warps=4,
+    )
     return odds if compute_grad else None

@@ -59,8 +59,12 @@ def _weighted_ce_rows_kernel(
     for tile in range(0, n_tiles):
         cols = (n_tiles - 1 - tile) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        above = x >= m_lane  # not strict: walking backwards, a lane ends on the first column of its max
-        e = tl.exp2(-tl.abs(x - m_lane) * LOG2_E)  # one exp per value: exp(m - x) if above, else exp(x - m)
+        above = (
+            x >= m_lane
+        )  # not strict: walking backwards, a lane ends on the first column of its max
+        e = tl.exp2(
+            -tl.abs(x - m_lane) * LOG2_E
+        )  # one exp per value: exp(m - x) if above, else exp(x - m)
         s_lane = tl.where(above, s_lane * e + 1.0, s_lane + e)
         i_lane = tl.where(above, cols, i_lane)
         m_lane = tl.maximum(m_lane, x)
@@ -99,20 +103,35 @@ def weighted_ce_rows(
     c, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("logits rows must be contiguous")
-    loss = torch.empty(c, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
-    correct = torch.empty(c, dtype=torch.bool, device=logits.device) if correct_out is None else correct_out
+    loss = (
+        torch.empty(c, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
+    )
+    correct = (
+        torch.empty(c, dtype=torch.bool, device=logits.device)
+        if correct_out is None
+        else correct_out
+    )
     if c == 0:
         return loss, correct
     block = block or min(MAX_BLOCK, triton.next_power_of_2(v))
     num_warps = num_warps or min(NUM_WARPS, max(1, block // 256))
     _weighted_ce_rows_kernel[(c,)](
-        logits, logits.stride(0), labels.contiguous(), weights.float().contiguous(), loss, correct.view(torch.int8),
-        v, COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=num_warps,
+        logits,
+        logits.stride(0),
+        labels.contiguous(),
+        weights.float().contiguous(),
+        loss,
+        correct.view(torch.int8),
+        v,
+        COMPUTE_GRAD=compute_grad,
+        BLOCK=block,
+        num_warps=num_warps,
     )
     return loss, correct
 
 
 # ---- the label-odds method (hard.py): one pass over each row, the softmax taken against the label ----
+
 
 @triton.jit
 def odds_outputs(t, beat, weight, log_limit):
@@ -122,12 +141,16 @@ def odds_outputs(t, beat, weight, log_limit):
     CE = log(1 + t) without cancellation for small t (the label almost certain): u - 1 is exact."""
     u = 1.0 + t
     ce = tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0)))
-    ok = tl.log(t) < log_limit  # False for inf and NaN: such rows are recomputed exactly (t = 0: -inf, ok)
+    ok = (
+        tl.log(t) < log_limit
+    )  # False for inf and NaN: such rows are recomputed exactly (t = 0: -inf, ok)
     return ce * weight, beat == 0, weight / u, -weight * (t / u), ok
 
 
 @triton.jit
-def store_odds_outputs(t, beat, weight, log_limit, out, loss_ptr, correct_ptr, scale_ptr, label_coef_ptr, ok_ptr):
+def store_odds_outputs(
+    t, beat, weight, log_limit, out, loss_ptr, correct_ptr, scale_ptr, label_coef_ptr, ok_ptr
+):
     loss, correct, scale, label_coef, ok = odds_outputs(t, beat, weight, log_limit)
     tl.store(loss_ptr + out, loss)
     tl.store(correct_ptr + out, correct.to(tl.int8))
@@ -158,7 +181,9 @@ def _label_odds_rows_kernel(
     row_ptr = logits_ptr + row * logits_row_stride
     label = tl.load(labels_ptr + row)
     weight = tl.load(weights_ptr + row).to(tl.float32)
-    ref = tl.load(row_ptr + label).to(tl.float32)  # the label's logit, read before it is overwritten
+    ref = tl.load(row_ptr + label).to(
+        tl.float32
+    )  # the label's logit, read before it is overwritten
     n_tiles = tl.cdiv(n_cols, BLOCK)
 
     # one pass, from the row's end (where the logits matmul wrote last and L2 still holds it): each
@@ -170,19 +195,40 @@ def _label_odds_rows_kernel(
         cols = (n_tiles - 1 - tile) * BLOCK + tl.arange(0, BLOCK)
         in_row = cols < n_cols
         x = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        odds = tl.where(cols == label, 0.0, tl.exp2((x - ref) * LOG2_E))  # 0 past the row's end (x = -inf)
+        odds = tl.where(
+            cols == label, 0.0, tl.exp2((x - ref) * LOG2_E)
+        )  # 0 past the row's end (x = -inf)
         t_lane += odds
         beat_lane = beat_lane | ((x > ref) | ((x == ref) & (cols < label))).to(tl.int32)
         if COMPUTE_GRAD:
             tl.store(row_ptr + cols, odds.to(logits_ptr.dtype.element_ty), mask=in_row)
-    out = tl.load(index_ptr + row) if HAS_INDEX else row  # results straight into their rows of the batch
-    store_odds_outputs(tl.sum(t_lane, axis=0), tl.max(beat_lane, axis=0), weight, log_limit, out, loss_ptr,
-                       correct_ptr, scale_ptr, label_coef_ptr, ok_ptr)
+    out = (
+        tl.load(index_ptr + row) if HAS_INDEX else row
+    )  # results straight into their rows of the batch
+    store_odds_outputs(
+        tl.sum(t_lane, axis=0),
+        tl.max(beat_lane, axis=0),
+        weight,
+        log_limit,
+        out,
+        loss_ptr,
+        correct_ptr,
+        scale_ptr,
+        label_coef_ptr,
+        ok_ptr,
+    )
 
 
-def label_odds_rows(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, compute_grad: bool,
-                    out: tuple[torch.Tensor, ...], log_limit: float, index: torch.Tensor | None = None,
-                    block: int | None = None) -> None:
+def label_odds_rows(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    compute_grad: bool,
+    out: tuple[torch.Tensor, ...],
+    log_limit: float,
+    index: torch.Tensor | None = None,
+    block: int | None = None,
+) -> None:
     """logits [C, V] (rows contiguous), labels [C] in 0..V-1, weights [C] float32. Per row, into
     out = (loss, correct, scale, label_coef, ok) ([N] float32, bool, float32, float32, bool) at rows
     `index` [C] (or rows 0..C-1 when None): see odds_outputs (log_limit: hard.ODDS_LOG_LIMIT). With
@@ -198,17 +244,38 @@ def label_odds_rows(logits: torch.Tensor, labels: torch.Tensor, weights: torch.T
     block = block or min(MAX_BLOCK, triton.next_power_of_2(v))
     has_index = index is not None
     _label_odds_rows_kernel[(c,)](
-        logits, logits.stride(0), labels.contiguous(), weights.float().contiguous(),
+        logits,
+        logits.stride(0),
+        labels.contiguous(),
+        weights.float().contiguous(),
         index.contiguous() if has_index else loss,  # loss: a pointer never read
-        loss, correct.view(torch.int8), scale, label_coef, ok.view(torch.int8), v, float(log_limit),
-        COMPUTE_GRAD=compute_grad, HAS_INDEX=has_index, BLOCK=block,
+        loss,
+        correct.view(torch.int8),
+        scale,
+        label_coef,
+        ok.view(torch.int8),
+        v,
+        float(log_limit),
+        COMPUTE_GRAD=compute_grad,
+        HAS_INDEX=has_index,
+        BLOCK=block,
         num_warps=min(NUM_WARPS, max(1, block // 256)),
     )
 
 
 @triton.jit
-def _odds_grad_kernel(grad_ptr, grad_stride, w_ptr, w_stride, labels_ptr, scale_ptr, label_coef_ptr, g_ptr, n_cols,
-                      BLOCK: tl.constexpr):
+def _odds_grad_kernel(
+    grad_ptr,
+    grad_stride,
+    w_ptr,
+    w_stride,
+    labels_ptr,
+    scale_ptr,
+    label_coef_ptr,
+    g_ptr,
+    n_cols,
+    BLOCK: tl.constexpr,
+):
     """grad[i] = g_i * (scale_i * grad[i] + label_coef_i * W[label_i]), in place, in float32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -223,8 +290,14 @@ def _odds_grad_kernel(grad_ptr, grad_stride, w_ptr, w_stride, labels_ptr, scale_
     tl.store(grad_ptr + row * grad_stride + cols, x.to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
-def odds_grad(grad: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
-              label_coef: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor:
+def odds_grad(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    scale: torch.Tensor,
+    label_coef: torch.Tensor,
+    grad_rows: torch.Tensor,
+) -> torch.Tensor:
     """grad [N, H] (each row sum_v odds_v W_v) becomes, in place, row i times grad_rows[i] of
     d loss_i / d hidden_i = scale_i * grad[i] + label_coef_i * W[labels_i]."""
     n, h = grad.shape
@@ -232,7 +305,16 @@ def odds_grad(grad: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, sc
         return grad
     block = min(1024, triton.next_power_of_2(h))
     _odds_grad_kernel[(n, triton.cdiv(h, block))](
-        grad, grad.stride(0), weight, weight.stride(0), labels.contiguous(), scale, label_coef,
-        grad_rows.float().contiguous(), h, BLOCK=block, num_warps=4,
+        grad,
+        grad.stride(0),
+        weight,
+        weight.stride(0),
+        labels.contiguous(),
+        scale,
+        label_coef,
+        grad_rows.float().contiguous(),
+        h,
+        BLOCK=block,
+        num_warps=4,
     )
     return grad

@@ -98,7 +98,9 @@ def markov_lm_head_loss(
         )
     if soft is not None and soft.kind not in MIX:
         raise ValueError(f"soft loss kind {soft.kind!r} unknown; use one of {sorted(MIX)}")
-    spec = _MarkovSpec(resolve_backend(backend, hidden.device), chunk_bytes, block_size, weigh, soft)
+    spec = _MarkovSpec(
+        resolve_backend(backend, hidden.device), chunk_bytes, block_size, weigh, soft
+    )
     args = (hidden, markov_embed, markov_w2, lm_head_weight.detach(), labels)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args[:3])
     if not need_grad:

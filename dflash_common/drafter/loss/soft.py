@@ -47,7 +47,10 @@ SoftKind = Literal["ce", "kl", "tv", "dspark"]
 TARGET_ARGMAX = -1  # label of a row taught the target's own greedy token (resolved in the kernel)
 # (CE, KL, L1) coefficients of each kind; TV is half the L1 distance, DSpark 0.1 CE + 0.9 L1
 MIX: dict[str, tuple[float, float, float]] = {
-    "ce": (1.0, 0.0, 0.0), "kl": (0.0, 1.0, 0.0), "tv": (0.0, 0.0, 0.5), "dspark": (0.1, 0.0, 0.9),
+    "ce": (1.0, 0.0, 0.0),
+    "kl": (0.0, 1.0, 0.0),
+    "tv": (0.0, 0.0, 0.5),
+    "dspark": (0.1, 0.0, 0.9),
 }
 
 
@@ -63,7 +66,9 @@ def teacher_rows(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     return (anchors[:, None] + k - 1).clamp(min=0)
 
 
-def greedy_prompt_labels(labels: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+def greedy_prompt_labels(
+    labels: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
     """labels [A, B] (from block_labels with every position valid) -> the same, with every label
     outside the loss mask (prompt tokens) replaced by TARGET_ARGMAX: the target's own greedy token."""
     k = torch.arange(labels.shape[1], device=labels.device)
@@ -91,8 +96,10 @@ def soft_lm_head_loss(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     n, h = hidden.shape
     if lm_head_weight.shape[1] != h or teacher.dim() != 2 or teacher.shape[1] != h:
-        raise ValueError(f"hidden {tuple(hidden.shape)}, teacher {tuple(teacher.shape)} and lm_head "
-                         f"{tuple(lm_head_weight.shape)} do not match")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)}, teacher {tuple(teacher.shape)} and lm_head "
+            f"{tuple(lm_head_weight.shape)} do not match"
+        )
     if labels.shape != (n,) or weights.shape != (n,) or teacher_index.shape != (n,):
         raise ValueError("labels, weights and teacher_index need one entry per row of hidden")
     spec = _SoftSpec(kind, float(temperature), resolve_backend(backend, hidden.device), chunk_bytes)
@@ -108,16 +115,24 @@ class _SoftSpec:
     """What the chunks compute: kind, temperature, backend, chunk budget (one object through autograd)."""
 
     def __init__(self, kind: str, temperature: float, backend: str, chunk_bytes: int | None):
-        self.kind, self.temperature, self.backend, self.chunk_bytes = kind, temperature, backend, chunk_bytes
+        self.kind, self.temperature, self.backend, self.chunk_bytes = (
+            kind,
+            temperature,
+            backend,
+            chunk_bytes,
+        )
         self.mix = MIX[kind]
 
 
 class _SoftLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, teacher, teacher_index, spec):
-        rows, correct, ce, grad = _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index,
-                                                     spec, need_grad=True)
-        ctx.grad_hidden = grad  # [N, H]: row i is d rows[i] / d hidden[i] (no other row depends on it)
+        rows, correct, ce, grad = _chunked_soft_loss(
+            hidden, weight, labels, weights, teacher, teacher_index, spec, need_grad=True
+        )
+        ctx.grad_hidden = (
+            grad  # [N, H]: row i is d rows[i] / d hidden[i] (no other row depends on it)
+        )
         ctx.mark_non_differentiable(correct, ce)
         return rows, correct, ce
 
@@ -129,16 +144,20 @@ class _SoftLoss(torch.autograd.Function):
         return grad.mul_(grad_rows[:, None]), None, None, None, None, None, None
 
 
-def soft_chunk_rows(n_rows: int, hidden: torch.Tensor, weight: torch.Tensor, backend: str,
-                    chunk_bytes: int | None) -> int:
+def soft_chunk_rows(
+    n_rows: int, hidden: torch.Tensor, weight: torch.Tensor, backend: str, chunk_bytes: int | None
+) -> int:
     """Rows per chunk: two logits chunks live at once (drafter and target), plus on the torch
     backend about ten float32 temporaries of a chunk; `chunk_bytes` bounds them all together."""
     per_value = 2 * weight.element_size() + (10 * 4 if backend == "torch" else 0)
-    return chunk_rows(n_rows, hidden.shape[1], weight.shape[0], per_value, hidden.element_size(), chunk_bytes)
+    return chunk_rows(
+        n_rows, hidden.shape[1], weight.shape[0], per_value, hidden.element_size(), chunk_bytes
+    )
 
 
-def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, spec: _SoftSpec,
-                       need_grad: bool):
+def _chunked_soft_loss(
+    hidden, weight, labels, weights, teacher, teacher_index, spec: _SoftSpec, need_grad: bool
+):
     n = hidden.shape[0]
     kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
     correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
@@ -147,11 +166,16 @@ def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, 
     rows_ce = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     step = soft_chunk_rows(n, hidden, weight, spec.backend, spec.chunk_bytes)
     for r0 in range(0, kept.numel(), step):
-        rows = kept[r0:r0 + step]
-        logits = hidden[rows].to(weight.dtype) @ weight.T  # [c, V]; becomes d loss / d logits in place
-        target = teacher[teacher_index[rows]].to(weight.dtype) @ weight.T  # [c, V], the target's logits
-        row_loss, row_correct, row_ce = _soft_rows(spec, logits, target, labels[rows],
-                                                   weights[rows].float(), need_grad)
+        rows = kept[r0 : r0 + step]
+        logits = (
+            hidden[rows].to(weight.dtype) @ weight.T
+        )  # [c, V]; becomes d loss / d logits in place
+        target = (
+            teacher[teacher_index[rows]].to(weight.dtype) @ weight.T
+        )  # [c, V], the target's logits
+        row_loss, row_correct, row_ce = _soft_rows(
+            spec, logits, target, labels[rows], weights[rows].float(), need_grad
+        )
         del target
         rows_loss[rows] = row_loss
         rows_ce[rows] = row_ce
@@ -167,12 +191,20 @@ def _soft_rows(spec: _SoftSpec, logits, target, labels, weights, compute_grad):
         from dflash_common.drafter.loss.soft_triton import soft_rows
 
         return soft_rows(logits, target, labels, weights, spec.mix, spec.temperature, compute_grad)
-    return soft_rows_torch(logits, target, labels, weights, spec.mix, spec.temperature, compute_grad)
+    return soft_rows_torch(
+        logits, target, labels, weights, spec.mix, spec.temperature, compute_grad
+    )
 
 
-def soft_rows_torch(logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                    mix: tuple[float, float, float], temperature: float,
-                    compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def soft_rows_torch(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    mix: tuple[float, float, float],
+    temperature: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernel's contract in PyTorch: per-row weighted loss, correctness and unweighted CE
     against the label for drafter logits [C, V] against target logits [C, V]; with compute_grad,
     `logits` is overwritten by the gradient of the summed weighted loss with respect to it."""

@@ -50,9 +50,24 @@ def _sign(d):
 
 @triton.jit
 def _soft_rows_kernel(
-    logits_ptr, target_ptr, row_stride, target_row_stride, labels_ptr, weights_ptr, loss_ptr, correct_ptr, ce_ptr,
-    n_cols, a_ce, a_kl, a_l1, inv_t,
-    TEMPERED: tl.constexpr, NEED_SUMS: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    target_ptr,
+    row_stride,
+    target_row_stride,
+    labels_ptr,
+    weights_ptr,
+    loss_ptr,
+    correct_ptr,
+    ce_ptr,
+    n_cols,
+    a_ce,
+    a_kl,
+    a_l1,
+    inv_t,
+    TEMPERED: tl.constexpr,
+    NEED_SUMS: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_ptr = logits_ptr + row * row_stride
@@ -86,7 +101,9 @@ def _soft_rows_kernel(
     best = tl.min(tl.where(m1 == tl.max(m1, axis=0), i1, n_cols), axis=0)
     best_q = tl.min(tl.where(mq == tl.max(mq, axis=0), iq, n_cols), axis=0)
     label = tl.load(labels_ptr + row)
-    label = tl.where(label == -1, best_q, label)  # -1 = soft.TARGET_ARGMAX: the target's greedy token
+    label = tl.where(
+        label == -1, best_q, label
+    )  # -1 = soft.TARGET_ARGMAX: the target's greedy token
     ce = lse1 - tl.load(x_ptr + label).to(tl.float32)
     loss = a_ce * ce
     tl.store(correct_ptr + row, (best == label).to(tl.int8))
@@ -124,9 +141,16 @@ def _soft_rows_kernel(
             tl.store(x_ptr + cols, (g * weight).to(logits_ptr.dtype.element_ty), mask=in_row)
 
 
-def soft_rows(logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-              mix: tuple[float, float, float], temperature: float, compute_grad: bool,
-              block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def soft_rows(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    mix: tuple[float, float, float],
+    temperature: float,
+    compute_grad: bool,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits, target [C, V] (rows contiguous), labels [C] (0..V-1 or TARGET_ARGMAX), weights [C] ->
     (weighted loss per row [C] float32, argmax == label [C] bool, unweighted CE to the label [C]
     float32); with compute_grad, logits is overwritten by the gradient of the summed weighted loss
@@ -142,9 +166,24 @@ def soft_rows(logits: torch.Tensor, target: torch.Tensor, labels: torch.Tensor, 
     a_ce, a_kl, a_l1 = mix
     block = block or min(MAX_BLOCK, triton.next_power_of_2(v))
     _soft_rows_kernel[(c,)](
-        logits, target, logits.stride(0), target.stride(0), labels.contiguous(), weights.float().contiguous(),
-        loss, correct, ce, v, float(a_ce), float(a_kl), float(a_l1), 1.0 / temperature,
-        TEMPERED=temperature != 1.0, NEED_SUMS=bool(a_kl or a_l1), COMPUTE_GRAD=compute_grad, BLOCK=block,
+        logits,
+        target,
+        logits.stride(0),
+        target.stride(0),
+        labels.contiguous(),
+        weights.float().contiguous(),
+        loss,
+        correct,
+        ce,
+        v,
+        float(a_ce),
+        float(a_kl),
+        float(a_l1),
+        1.0 / temperature,
+        TEMPERED=temperature != 1.0,
+        NEED_SUMS=bool(a_kl or a_l1),
+        COMPUTE_GRAD=compute_grad,
+        BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
     return loss, correct.bool(), ce

@@ -54,15 +54,22 @@ def _reference_block(drafter, fused_ctx, anchor_tokens_and_pos, layer_windows):
         q = _rms(at.q_proj(h).view(b, nh, d), at.q_norm.weight, cfg.rms_norm_eps)
         k = _rms(at.k_proj(both).view(-1, nkv, d), at.k_norm.weight, cfg.rms_norm_eps)
         v = at.v_proj(both).view(-1, nkv, d)
-        q, _ = apply_rotary_pos_emb(q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[:, anchor:], sin[:, anchor:])
+        q, _ = apply_rotary_pos_emb(
+            q.transpose(0, 1)[None], q.transpose(0, 1)[None], cos[:, anchor:], sin[:, anchor:]
+        )
         k, _ = apply_rotary_pos_emb(k.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-        k, v = k.repeat_interleave(nh // nkv, 1), v.transpose(0, 1)[None].repeat_interleave(nh // nkv, 1)
+        k, v = (
+            k.repeat_interleave(nh // nkv, 1),
+            v.transpose(0, 1)[None].repeat_interleave(nh // nkv, 1),
+        )
         allowed = engine_visible(layer_type, q_pos, k_pos, window)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
         attn = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v  # [1, nh, B, D]
         x = x + at.o_proj(attn[0].transpose(0, 1).reshape(b, nh * d))
         h = _rms(x, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-        x = x + layer.mlp.down_proj(torch.nn.functional.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
+        x = x + layer.mlp.down_proj(
+            torch.nn.functional.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h)
+        )
     return _rms(x, drafter.norm.weight, cfg.rms_norm_eps)
 
 
@@ -78,13 +85,25 @@ def _reference(drafter, context, input_ids, cu, anchors):
     return torch.stack(out)
 
 
-LAYER_TYPES = {"mixed": ["sliding_attention", "full_attention"], "sliding": ["sliding_attention"] * 2,
-               "full": ["full_attention"] * 2}
+LAYER_TYPES = {
+    "mixed": ["sliding_attention", "full_attention"],
+    "sliding": ["sliding_attention"] * 2,
+    "full": ["full_attention"] * 2,
+}
 
 
 @pytest.mark.parametrize("types", sorted(LAYER_TYPES))
-@pytest.mark.parametrize("path", ["chunked", "chunked-with-grad", "flex-eager", "flex-dense-with-grad",
-                                  "chunked-one-row-a-time", "chunked-few-rows"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "chunked",
+        "chunked-with-grad",
+        "flex-eager",
+        "flex-dense-with-grad",
+        "chunked-one-row-a-time",
+        "chunked-few-rows",
+    ],
+)
 def test_training_forward_matches_dense_reference(tiny_target, path, types, monkeypatch):
     """Every attention path of the training forward: the CPU's chunked dense attention (with and without
     a gradient, and with one query row per chunk), and the flex path the GPU runs (eager flex_attention;
@@ -108,7 +127,9 @@ def test_training_forward_matches_dense_reference(tiny_target, path, types, monk
     assert got.shape == (len(ANCHORS), cfg.block_size, cfg.hidden_size)
     torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-4)
     with torch.no_grad():  # the draft logits the engine would compute, not only the hidden states
-        torch.testing.assert_close(drafter.logits(got.detach()), drafter.logits(want), rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(
+            drafter.logits(got.detach()), drafter.logits(want), rtol=1e-4, atol=1e-3
+        )
 
 
 @pytest.mark.parametrize("types", sorted(LAYER_TYPES))
@@ -126,10 +147,14 @@ def test_spec_decode_drafting_matches_the_engine_rule(tiny_target, types):
         windows = [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)]
         cache, seen = drafter.new_cache(), 0
         for anchor in (3, 12):
-            got = drafter.draft(cache, seq_ctx[seen:anchor], torch.tensor([int(seq_ids[anchor])] + mask))
+            got = drafter.draft(
+                cache, seq_ctx[seen:anchor], torch.tensor([int(seq_ids[anchor])] + mask)
+            )
             seen = anchor
             want = _reference_block(drafter, fused, (int(seq_ids[anchor]), anchor), windows)
-            torch.testing.assert_close(drafter.logits(got), drafter.logits(want), rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(
+                drafter.logits(got), drafter.logits(want), rtol=1e-4, atol=1e-3
+            )
 
 
 def test_a_sliding_layer_block_is_causal_and_a_full_layer_block_is_not(tiny_target):
@@ -140,8 +165,12 @@ def test_a_sliding_layer_block_is_causal_and_a_full_layer_block_is_not(tiny_targ
         drafter = tiny_drafter(cfg)
         no_context = torch.zeros(0, cfg.num_context_layers * cfg.hidden_size)
         with torch.no_grad():
-            base = drafter.draft(drafter.new_cache(), no_context, torch.tensor([5] + [TINY_MASK_ID] * 3))
-            other = drafter.draft(drafter.new_cache(), no_context, torch.tensor([5, TINY_MASK_ID, TINY_MASK_ID, 7]))
+            base = drafter.draft(
+                drafter.new_cache(), no_context, torch.tensor([5] + [TINY_MASK_ID] * 3)
+            )
+            other = drafter.draft(
+                drafter.new_cache(), no_context, torch.tensor([5, TINY_MASK_ID, TINY_MASK_ID, 7])
+            )
         assert bool((other[:3] - base[:3]).abs().max() > 1e-4) is moves
 
 
@@ -154,7 +183,9 @@ def test_a_block_sees_only_earlier_context_of_its_sequence(tiny_target):
         base = drafter(context, input_ids, cu, anchors)
 
         def changed(ctx=None, ids=None):
-            out = drafter(context if ctx is None else ctx, input_ids if ids is None else ids, cu, anchors)
+            out = drafter(
+                context if ctx is None else ctx, input_ids if ids is None else ids, cu, anchors
+            )
             return (out - base).abs().amax(dim=(1, 2)) > 1e-5  # [A]: which blocks moved
 
         ctx = context.clone()
@@ -185,23 +216,48 @@ def test_sliding_layer_caps_how_far_back_it_sees(tiny_target):
         assert (drafter(ctx, input_ids, cu, anchors) - base).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("window, causal, tile", [(None, False, 4), (None, False, 8), (5, False, 4), (2, False, 8),
-                                                  (5, True, 4), (2, True, 8), (3, True, 16)])
+@pytest.mark.parametrize(
+    "window, causal, tile",
+    [
+        (None, False, 4),
+        (None, False, 8),
+        (5, False, 4),
+        (2, False, 8),
+        (5, True, 4),
+        (2, True, 8),
+        (3, True, 16),
+    ],
+)
 def test_block_tables_equal_create_block_mask(window, causal, tile):
     cu = torch.tensor([0, 11, 31, 40])
     anchors = torch.tensor([0, 3, 6, 7, 11, 12, 18, 27, 31, 35])
     layout = BlockLayout.build(cu, anchors, 40, 4)
     q_len = len(anchors) * 4
     ours = layout.block_mask(window, causal, tile=tile)
-    ref = create_block_mask(layout.mask_mod(window, causal), None, None, q_len, 40 + q_len, device="cpu", BLOCK_SIZE=tile)
-    for a, b in ((ours.kv_num_blocks, ref.kv_num_blocks), (ours.full_kv_num_blocks, ref.full_kv_num_blocks)):
+    ref = create_block_mask(
+        layout.mask_mod(window, causal),
+        None,
+        None,
+        q_len,
+        40 + q_len,
+        device="cpu",
+        BLOCK_SIZE=tile,
+    )
+    for a, b in (
+        (ours.kv_num_blocks, ref.kv_num_blocks),
+        (ours.full_kv_num_blocks, ref.full_kv_num_blocks),
+    ):
         assert torch.equal(a.flatten(), b.flatten())
-    for n, ia, ib in ((ours.kv_num_blocks, ours.kv_indices, ref.kv_indices),
-                      (ours.full_kv_num_blocks, ours.full_kv_indices, ref.full_kv_indices)):
+    for n, ia, ib in (
+        (ours.kv_num_blocks, ours.kv_indices, ref.kv_indices),
+        (ours.full_kv_num_blocks, ours.full_kv_indices, ref.full_kv_indices),
+    ):
         for row, count in enumerate(n.flatten().tolist()):
             assert torch.equal(ia[0, 0, row, :count], ib[0, 0, row, :count])
     assert ref.kv_num_blocks.sum() > 0
-    if tile == 4 and window in (None, 5) and not causal:  # whole own-block tiles: the full-tile path is exercised
+    if (
+        tile == 4 and window in (None, 5) and not causal
+    ):  # whole own-block tiles: the full-tile path is exercised
         assert ref.full_kv_num_blocks.sum() > 0
 
 
@@ -224,7 +280,9 @@ def test_compiled_flex_on_the_gpu_matches_the_dense_reference(tiny_target):
     torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=2e-3, atol=2e-3)
     for name, p in gpu.named_parameters():
         assert torch.isfinite(p.grad).all(), name
-        rel = float((p.grad.cpu() - want_grads[name]).norm() / want_grads[name].norm().clamp(min=1e-12))
+        rel = float(
+            (p.grad.cpu() - want_grads[name]).norm() / want_grads[name].norm().clamp(min=1e-12)
+        )
         assert rel < 1e-2, f"{name}: relative gradient difference {rel:.3g}"
 
 
@@ -261,8 +319,11 @@ def test_compiled_flex_matches_eager_and_stops_recompiling(tiny_target, monkeypa
     torch._dynamo.reset()
     compiled = torch.compile(attention.flex_attention)
     graphs = []
-    for lengths, anchors in (((11, 20), ANCHORS), ((13, 25, 9), [1, 4, 13, 20, 30, 38, 40]),
-                             ((17, 30), [2, 5, 9, 20, 33, 40])):
+    for lengths, anchors in (
+        ((11, 20), ANCHORS),
+        ((13, 25, 9), [1, 4, 13, 20, 30, 38, 40]),
+        ((17, 30), [2, 5, 9, 20, 33, 40]),
+    ):
         context, input_ids, cu = packed_batch(cfg, lengths)
         with torch.no_grad():
             monkeypatch.setattr(attention, "_flex_fn", lambda device: compiled)

@@ -15,7 +15,12 @@ from safetensors.torch import load_file, save_file
 
 from dflash_common.errors import UserError
 from dflash_common.drafter.export import (
-    export, load_drafter, load_weights_into, main, resolve_drafter_dir, save_drafter,
+    export,
+    load_drafter,
+    load_weights_into,
+    main,
+    resolve_drafter_dir,
+    save_drafter,
 )
 
 from drafter_testlib import TINY_MASK_ID, packed_batch, tiny_config, tiny_drafter
@@ -67,7 +72,9 @@ def test_exported_names_shapes_and_dtypes_are_the_released_layout(drafter, tmp_p
         metadata = f.metadata()
     # format "pt" as transformers expects; the config it was saved with, which loaders of ours check
     assert metadata.keys() == {"format", "dflash_config_json"} and metadata["format"] == "pt"
-    assert json.loads(metadata["dflash_config_json"]) == json.loads((out / "config.json").read_text())
+    assert json.loads(metadata["dflash_config_json"]) == json.loads(
+        (out / "config.json").read_text()
+    )
     assert shapes == _expected_layout()
     assert dtypes == {"BF16"}
 
@@ -78,10 +85,22 @@ def test_config_json_carries_the_pitfall_fields(drafter, tmp_path):
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["block_size"] == 4 and config["num_target_layers"] == 8  # top-level
     # sliding layer 0 causal, full layer 1 bidirectional: no global key, the layer_types rule says it
-    assert config["dflash_config"] == {"mask_token_id": TINY_MASK_ID, "target_layer_ids": [1, 2, 3, 4, 5]}
-    assert config["rope_theta"] == 10000.0 and "rope_scaling" in config  # written by hand, top-level
-    assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 320 and config["hidden_size"] == 64
-    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 5
+    assert config["dflash_config"] == {
+        "mask_token_id": TINY_MASK_ID,
+        "target_layer_ids": [1, 2, 3, 4, 5],
+    }
+    assert (
+        config["rope_theta"] == 10000.0 and "rope_scaling" in config
+    )  # written by hand, top-level
+    assert (
+        config["num_hidden_layers"] == 2
+        and config["vocab_size"] == 320
+        and config["hidden_size"] == 64
+    )
+    assert (
+        config["layer_types"] == ["sliding_attention", "full_attention"]
+        and config["sliding_window"] == 5
+    )
     assert config["dtype"] == "bfloat16"
 
 
@@ -162,8 +181,16 @@ def test_cli_exports_and_refuses_an_existing_directory(drafter, tmp_path):
 
 
 def test_cli_user_error_is_one_line_without_traceback(tmp_path):
-    command = [sys.executable, "-m", "dflash_common.drafter.export", str(tmp_path / "missing"), str(tmp_path / "o")]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_common.drafter.export",
+        str(tmp_path / "missing"),
+        str(tmp_path / "o"),
+    ]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""}
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

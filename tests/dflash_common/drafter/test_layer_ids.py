@@ -1,6 +1,10 @@
 import pytest
 
-from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids, hf_hidden_states_index
+from dflash_common.drafter.layer_ids import (
+    check_layer_ids,
+    default_layer_ids,
+    hf_hidden_states_index,
+)
 
 
 def test_dflash_rule_matches_released_qwen3_8b_drafter():

@@ -18,10 +18,21 @@ def test_rope_is_the_targets_own_including_scaling():
 
     from dflash_common.drafter.model import Rotary
 
-    target = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=320,
-                         rope_parameters={"rope_type": "yarn", "rope_theta": 123456.0, "factor": 4.0,
-                                          "original_max_position_embeddings": 512})
+    target = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 123456.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    )
     cfg = DrafterConfig.from_target(target, mask_token_id=TINY_MASK_ID, depth=1)
     positions = torch.tensor([0, 1, 7, 300, 2047])
     cos, sin = Qwen3RotaryEmbedding(target)(torch.zeros(1, dtype=torch.float32), positions[None])
@@ -65,7 +76,9 @@ def test_drafting_with_the_cache_equals_the_training_forward(tiny_target):
         first = drafter.draft(cache, seq_ctx[:2], torch.tensor([int(seq_ids[2])] + mask))
         assert cache.length == 2  # the block's keys/values were not kept
         torch.testing.assert_close(first, want[0], rtol=1e-4, atol=1e-4)
-        drafter.draft(cache, seq_ctx[2:7], torch.tensor([int(seq_ids[7])] + mask))  # a rejected draft
+        drafter.draft(
+            cache, seq_ctx[2:7], torch.tensor([int(seq_ids[7])] + mask)
+        )  # a rejected draft
         second = drafter.draft(cache, seq_ctx[7:12], torch.tensor([int(seq_ids[12])] + mask))
         assert cache.length == 12
         torch.testing.assert_close(second, want[1], rtol=1e-4, atol=1e-4)
@@ -91,7 +104,9 @@ def test_a_few_steps_on_one_batch_fit_it(tiny_target):
     losses = []
     for _ in range(25):
         hidden = drafter(context, input_ids, cu, anchors)
-        out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten())
+        out = fused_lm_head_loss(
+            hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten()
+        )
         (out.loss / weights.sum()).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -106,7 +121,9 @@ def _forward_and_grads(drafter, batch):
     drafter.zero_grad(set_to_none=True)
     hidden = drafter(context, input_ids, cu, anchors)
     (hidden.float() @ drafter.lm_head_weight.float().T).logsumexp(-1).sum().backward()
-    return hidden.detach().float(), {n: p.grad.detach().float().clone() for n, p in drafter.named_parameters()}
+    return hidden.detach().float(), {
+        n: p.grad.detach().float().clone() for n, p in drafter.named_parameters()
+    }
 
 
 def test_compiled_regions_give_the_eager_forward_and_gradients(tiny_target):
@@ -142,7 +159,11 @@ def test_compiled_regions_on_the_gpu_match_eager_under_autocast(tiny_target):
     context, input_ids, cu = packed_batch(cfg)
     batch = (context.cuda(), input_ids.cuda(), cu.cuda(), torch.tensor(ANCHORS).cuda())
     results = {}
-    for name, compile_, autocast in (("fp32", False, False), ("eager", False, True), ("compiled", True, True)):
+    for name, compile_, autocast in (
+        ("fp32", False, False),
+        ("eager", False, True),
+        ("compiled", True, True),
+    ):
         d = tiny_drafter(cfg).cuda()
         d.load_state_dict(eager.state_dict())
         d.attach_frozen(eager.embed_weight.cuda(), eager.lm_head_weight.cuda())
@@ -152,10 +173,17 @@ def test_compiled_regions_on_the_gpu_match_eager_under_autocast(tiny_target):
             results[name] = _forward_and_grads(d, batch)
 
     def err(name, grad=None):
-        got, ref = (results[name][0], results["fp32"][0]) if grad is None else \
-            (results[name][1][grad], results["fp32"][1][grad])
+        got, ref = (
+            (results[name][0], results["fp32"][0])
+            if grad is None
+            else (results[name][1][grad], results["fp32"][1][grad])
+        )
         return float((got - ref).norm() / ref.norm().clamp(min=1e-12))
 
     assert err("compiled") <= 1.5 * err("eager") + 1e-3, (err("compiled"), err("eager"))
     for grad in results["fp32"][1]:
-        assert err("compiled", grad) <= 1.5 * err("eager", grad) + 1e-3, (grad, err("compiled", grad), err("eager", grad))
+        assert err("compiled", grad) <= 1.5 * err("eager", grad) + 1e-3, (
+            grad,
+            err("compiled", grad),
+            err("eager", grad),
+        )

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from dflash_common.drafter.objective import (
-    IGNORE_INDEX, AcceptanceCounts, block_labels, default_gamma, dpace_weights, sample_anchors,
+    IGNORE_INDEX,
+    AcceptanceCounts,
+    block_labels,
+    default_gamma,
+    dpace_weights,
+    sample_anchors,
 )
 
 # two sequences: [0, 10) with response 2..7, [10, 30) with response 11..29
@@ -19,7 +24,9 @@ LOSS_MASK[11:30] = True
 
 
 def _anchors(seed, block_size=4, max_anchors=3):
-    return sample_anchors(LOSS_MASK, CU, block_size, max_anchors, torch.Generator().manual_seed(seed))
+    return sample_anchors(
+        LOSS_MASK, CU, block_size, max_anchors, torch.Generator().manual_seed(seed)
+    )
 
 
 def test_anchors_are_response_positions_leaving_room_for_the_block():
@@ -78,17 +85,23 @@ def test_gamma_for_b16_is_7_and_weights_decay_from_k1():
 
 def test_default_gamma_published_points_and_interpolation():
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
-    assert default_gamma(12) == pytest.approx(5 + 2 / 3) and default_gamma(4) == 2.0 and default_gamma(2) == 1.0
+    assert (
+        default_gamma(12) == pytest.approx(5 + 2 / 3)
+        and default_gamma(4) == 2.0
+        and default_gamma(2) == 1.0
+    )
 
 
 def test_tau_counts_leading_correct_predictions_from_k1():
-    correct = torch.tensor([
-        [False, True, True, False, True],  # 2 accepted (k=1, 2), the later hit does not count
-        [True, False, True, True, True],  # 0 accepted; the anchor's correctness is irrelevant
-        [False, True, True, True, True],  # 4 accepted, all valid
-        [False, True, True, True, True],  # valid only up to k=2: 2 accepted
-        [False, True, True, True, True],  # no valid prediction: not a block that counts
-    ])
+    correct = torch.tensor(
+        [
+            [False, True, True, False, True],  # 2 accepted (k=1, 2), the later hit does not count
+            [True, False, True, True, True],  # 0 accepted; the anchor's correctness is irrelevant
+            [False, True, True, True, True],  # 4 accepted, all valid
+            [False, True, True, True, True],  # valid only up to k=2: 2 accepted
+            [False, True, True, True, True],  # no valid prediction: not a block that counts
+        ]
+    )
     valid = torch.ones_like(correct)
     valid[:, 0] = False
     valid[3, 3:] = False
@@ -108,10 +121,21 @@ def test_rule_label_makes_the_last_response_tokens_anchors_and_rule_block_never(
     for seed in range(10):
         block = sample_anchors(LOSS_MASK, CU, 4, 50, torch.Generator().manual_seed(seed), "block")
         label = sample_anchors(LOSS_MASK, CU, 4, 50, torch.Generator().manual_seed(seed), "label")
-        assert label.tolist() == [2, 3, 4, 5, 6] + list(range(11, 29))  # 29 is last: no label to predict
-        assert block.tolist() == [2, 3, 4, 5, 6] + list(range(11, 27))  # 27, 28 never: no whole block
-    labels, weights = block_labels(torch.arange(30), LOSS_MASK, CU, torch.tensor([28]), block_size=4)
-    assert labels[0].tolist() == [IGNORE_INDEX, 29, IGNORE_INDEX, IGNORE_INDEX]  # past the end: weight 0
+        assert label.tolist() == [2, 3, 4, 5, 6] + list(
+            range(11, 29)
+        )  # 29 is last: no label to predict
+        assert block.tolist() == [2, 3, 4, 5, 6] + list(
+            range(11, 27)
+        )  # 27, 28 never: no whole block
+    labels, weights = block_labels(
+        torch.arange(30), LOSS_MASK, CU, torch.tensor([28]), block_size=4
+    )
+    assert labels[0].tolist() == [
+        IGNORE_INDEX,
+        29,
+        IGNORE_INDEX,
+        IGNORE_INDEX,
+    ]  # past the end: weight 0
     assert weights[0].tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
@@ -140,7 +164,7 @@ def _dpace_loop(ce: list[list[float]], valid: list[list[bool]], alpha: float) ->
     for ce_row, m in zip(ce, valid):
         b = len(ce_row)
         q_soft = [alpha + (1 - alpha) * math.exp(-ce_row[k]) if m[k] else 1.0 for k in range(b)]
-        c = [math.prod(q_soft[:k + 1]) for k in range(b)]
+        c = [math.prod(q_soft[: k + 1]) for k in range(b)]
         out.append([float(m[k]) * sum(float(m[j]) * c[j] for j in range(k, b)) for k in range(b)])
     return out
 
@@ -156,7 +180,9 @@ def test_dpace_weights_equal_the_formula_written_out(alpha):
     want = torch.tensor(_dpace_loop(ce.tolist(), valid.tolist(), alpha))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got[~valid].eq(0).all() and got.dtype == torch.float32
-    if alpha == 1.0:  # every factor 1: w_k = valid positions from k on (a linear, not exponential, decay)
+    if (
+        alpha == 1.0
+    ):  # every factor 1: w_k = valid positions from k on (a linear, not exponential, decay)
         torch.testing.assert_close(got[valid], valid.flip(1).cumsum(1).flip(1).float()[valid])
 
 

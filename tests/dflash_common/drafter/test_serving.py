@@ -15,8 +15,11 @@ from dflash_common.drafter.export import export, save_drafter
 
 from drafter_testlib import tiny_config, tiny_drafter
 
-TYPES = {"mixed": ["sliding_attention", "full_attention"], "sliding": ["sliding_attention"] * 2,
-         "full": ["full_attention"] * 2}
+TYPES = {
+    "mixed": ["sliding_attention", "full_attention"],
+    "sliding": ["sliding_attention"] * 2,
+    "full": ["full_attention"] * 2,
+}
 
 
 def _cfg(tiny_target, types="mixed", **over):
@@ -33,7 +36,11 @@ def test_our_exports_read_back_as_trained_by_both_loaders(tiny_target, types):
     assert bool(v2) is (types == "mixed")
     config = cfg.to_config_json()
     for i in range(2):  # each loader's reading, layer by layer, is the trained rule
-        assert serving.vllm_layer_causal(config, i) == serving.sglang_layer_causal(config, i) == cfg.causal(i)
+        assert (
+            serving.vllm_layer_causal(config, i)
+            == serving.sglang_layer_causal(config, i)
+            == cfg.causal(i)
+        )
 
 
 def _errors(cfg, config):
@@ -47,10 +54,17 @@ def test_each_misreading_is_named(tiny_target):
     assert any("sglang: top-level rope_theta is None" in e for e in _errors(cfg, no_theta))
     wrong_theta = {**good, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     assert any(e.startswith("vllm: rope_parameters.rope_theta") for e in _errors(cfg, wrong_theta))
-    aux = {**good, "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4, 5]}  # vLLM reads these first, in +1 units
-    assert _errors(cfg, aux) == ["vllm: would feed target layers [0, 1, 2, 3, 4], trained on [1, 2, 3, 4, 5]."]
+    aux = {
+        **good,
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4, 5],
+    }  # vLLM reads these first, in +1 units
+    assert _errors(cfg, aux) == [
+        "vllm: would feed target layers [0, 1, 2, 3, 4], trained on [1, 2, 3, 4, 5]."
+    ]
     no_ids = {**good, "dflash_config": {"mask_token_id": cfg.mask_token_id}}
-    assert any(e.startswith("sglang: would feed target layers [1, 5]") for e in _errors(cfg, no_ids))
+    assert any(
+        e.startswith("sglang: would feed target layers [1, 5]") for e in _errors(cfg, no_ids)
+    )
     causal = {**good, "is_causal": True}
     assert sorted(e.split(":")[0] for e in _errors(cfg, causal)) == ["vllm"]
     no_block = {k: v for k, v in good.items() if k != "block_size"}
@@ -68,10 +82,15 @@ def test_sliding_window_and_its_sglang_reading(tiny_target):
 
 
 def test_an_old_bidirectional_sliding_drafter_is_refused_and_nothing_written(tiny_target, tmp_path):
-    cfg = _cfg(tiny_target, "mixed", )
+    cfg = _cfg(
+        tiny_target,
+        "mixed",
+    )
     import dataclasses
 
-    old = dataclasses.replace(cfg, sliding_causal=False)  # trained bidirectionally: SGLang reads it causal
+    old = dataclasses.replace(
+        cfg, sliding_causal=False
+    )  # trained bidirectionally: SGLang reads it causal
     src = save_drafter(tiny_drafter(old), tmp_path / "old", torch.float32)
     with pytest.raises(UserError, match="sglang: would run the block's attention with causal"):
         export(src, tmp_path / "out")
@@ -82,15 +101,24 @@ def test_weights_a_loader_would_skip_or_leave_uninitialised():
     expected = {"fc.weight": (4, 8), "norm.weight": (4,)}
     found = {"fc.weight": (4, 8), "model.norm.weights": (4,)}
     msgs = [str(f) for f in serving.lint_weights(expected, found)]
-    assert msgs == ["sglang: would skip unknown weights silently: model.norm.weights",
-                    "both: would leave missing weights uninitialised: norm.weight"]
+    assert msgs == [
+        "sglang: would skip unknown weights silently: model.norm.weights",
+        "both: would leave missing weights uninitialised: norm.weight",
+    ]
 
 
 def test_commands_say_b_minus_1_for_vllm_and_b_for_sglang(tiny_target):
     cmds = serving.serve_commands(_cfg(tiny_target, "mixed"), "/d", "/t")
     assert cmds["vllm"].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve /t --speculative-config ")
-    assert json.loads(cmds["vllm"].split("--speculative-config ")[1].strip("'"))["num_speculative_tokens"] == 3
-    assert cmds["sglang"].endswith("--speculative-draft-model-path /d --speculative-num-draft-tokens 4")
+    assert (
+        json.loads(cmds["vllm"].split("--speculative-config ")[1].strip("'"))[
+            "num_speculative_tokens"
+        ]
+        == 3
+    )
+    assert cmds["sglang"].endswith(
+        "--speculative-draft-model-path /d --speculative-num-draft-tokens 4"
+    )
     assert "VLLM_USE" not in serving.serve_commands(_cfg(tiny_target, "full"), "/d")["vllm"]
 
 

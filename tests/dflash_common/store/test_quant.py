@@ -9,8 +9,18 @@ import torch
 
 from dflash_common.store import quant
 from dflash_common.store.quant import (
-    FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR, Q4_GROUP, Q4_LARGEST_GAP, Q4_LEVELS, decode_states, encode_states,
-    hadamard, hadamard_by_matmul, nonfinite_rows, row_size,
+    FP8_ABS_ERROR,
+    FP8_E4M3_MAX,
+    FP8_REL_ERROR,
+    Q4_GROUP,
+    Q4_LARGEST_GAP,
+    Q4_LEVELS,
+    decode_states,
+    encode_states,
+    hadamard,
+    hadamard_by_matmul,
+    nonfinite_rows,
+    row_size,
 )
 
 
@@ -19,7 +29,9 @@ def _states(t=300, h=96, seed=0):
     x = torch.randn(t, h, generator=g)
     x[:, 7] *= 300  # massive activation: the rest of the row sits far below amax
     x[5] = 0  # an all-zero token
-    x[9, :10] = torch.tensor([1e-8, -1e-7, 3e-5, 0.0, 1e-3, -2e-4, 5e-6, 1.0, -1.0, 2.0])  # subnormal range
+    x[9, :10] = torch.tensor(
+        [1e-8, -1e-7, 3e-5, 0.0, 1e-3, -2e-4, 5e-6, 1.0, -1.0, 2.0]
+    )  # subnormal range
     return x.to(torch.bfloat16)
 
 
@@ -93,10 +105,12 @@ def test_nonfinite_scan_matches_torch_on_random_bit_patterns(dtype):
     """Every bit pattern, many blocks: the blocked scan agrees with torch's own isfinite."""
     g = np.random.default_rng(0)
     bits = np.dtype(np.uint16 if dtype == "bf16" else np.uint8)
-    data = g.integers(0, 2**(8 * bits.itemsize) - 1, (20000, 64), endpoint=True).astype(bits)
+    data = g.integers(0, 2 ** (8 * bits.itemsize) - 1, (20000, 64), endpoint=True).astype(bits)
     data[g.random(data.shape) < 0.995] &= 0x3F  # mostly finite: only some rows carry NaN/Inf
     logical = torch.bfloat16 if dtype == "bf16" else torch.float8_e4m3fn
-    want = np.flatnonzero((~torch.from_numpy(data).view(logical).float().isfinite()).any(dim=1).numpy())
+    want = np.flatnonzero(
+        (~torch.from_numpy(data).view(logical).float().isfinite()).any(dim=1).numpy()
+    )
     assert 0 < len(want) < len(data) / 10
     assert nonfinite_rows(data, None, dtype).tolist() == want.tolist()
 
@@ -142,7 +156,10 @@ def test_q4_round_trip_within_the_stated_bound(h):
     no-clip step ((1 + 2^-3) a_g / L + 2^-9 S) (quant.py's docstring)."""
     x = _states(300, h).float()
     enc = encode_states(x, "q4_hadamard")
-    assert enc.data.dtype == torch.uint8 and enc.data.shape == (300, row_size("q4_hadamard", h)) == (300, 9 * h // 16)
+    assert enc.data.dtype == torch.uint8 and enc.data.shape == (
+        300,
+        row_size("q4_hadamard", h),
+    ) == (300, 9 * h // 16)
     assert enc.scale.dtype == torch.float32 and enc.scale.shape == (300,)
     back = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
     y, y_back = _rotate64(x), _rotate64(back)  # errors keep their size through the rotation
@@ -156,7 +173,9 @@ def test_q4_round_trip_within_the_stated_bound(h):
     bound = Q4_GROUP**0.5 * Q4_LARGEST_GAP / 2 * d_up
     assert (err <= bound * (1 + 1e-5) + 1e-9).all(), (err / bound.clamp_min(1e-30)).max()
     assert (err / bound.clamp_min(1e-30)).max() > 0.3  # not vacuous
-    assert torch.equal(back[5], torch.zeros_like(back[5])) and enc.scale[5] == 0  # the all-zero token
+    assert (
+        torch.equal(back[5], torch.zeros_like(back[5])) and enc.scale[5] == 0
+    )  # the all-zero token
     gauss = torch.randn(300, h, generator=torch.Generator().manual_seed(1))
     enc = encode_states(gauss, "q4_hadamard")
     back = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
@@ -171,13 +190,17 @@ def test_q4_decoding_follows_the_spec_for_every_code():
     t, h = 20, 96
     codes = torch.randint(0, 16, (t, h), generator=g)
     codes[0, :16] = torch.arange(16)
-    gscale = torch.randint(0, 0x7F, (t, h // Q4_GROUP), generator=g).to(torch.uint8)  # every non-NaN code
+    gscale = torch.randint(0, 0x7F, (t, h // Q4_GROUP), generator=g).to(
+        torch.uint8
+    )  # every non-NaN code
     scale = torch.rand(t, generator=g) * 3
     data = torch.cat([(codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8), gscale], dim=1)
     got = decode_states(data, scale, "q4_hadamard", out_dtype=torch.float32)
     values = [_e4m3_value(int(c)) for c in gscale.flatten()]
     step = torch.tensor(values, dtype=torch.float64).view(t, -1) * scale.double()[:, None]
-    y = torch.tensor(Q4_LEVELS, dtype=torch.float64)[codes] * step.repeat_interleave(Q4_GROUP, dim=1)
+    y = torch.tensor(Q4_LEVELS, dtype=torch.float64)[codes] * step.repeat_interleave(
+        Q4_GROUP, dim=1
+    )
     want = _rotate64(y)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * want.abs().max())
 
@@ -220,8 +243,16 @@ def test_numpy_and_torch_inputs_decode_alike():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,h", [("bf16", 256), ("fp8_e4m3", 256), ("q4_hadamard", 256),
-                                     ("q4_hadamard", 4096), ("q4_hadamard", 5120)])
+@pytest.mark.parametrize(
+    "dtype,h",
+    [
+        ("bf16", 256),
+        ("fp8_e4m3", 256),
+        ("q4_hadamard", 256),
+        ("q4_hadamard", 4096),
+        ("q4_hadamard", 5120),
+    ],
+)
 def test_encoding_on_the_gpu_matches_the_cpu(dtype, h):
     x = _states(1024, h).float()
     cpu = encode_states(x, dtype)

@@ -13,8 +13,17 @@ import zarr
 from test_store_support import LAYER_IDS, manifest, payload, unit_name, write_units
 
 from dflash_common.store import (
-    NonFiniteStatesError, ShardPayload, Store, StoreCorruptError, StoreError, StoreMismatchError, StoreWriter,
-    carve_buffers, check_compatible, open_stores, shard_name,
+    NonFiniteStatesError,
+    ShardPayload,
+    Store,
+    StoreCorruptError,
+    StoreError,
+    StoreMismatchError,
+    StoreWriter,
+    carve_buffers,
+    check_compatible,
+    open_stores,
+    shard_name,
 )
 from dflash_common.store.chunks import CODECS
 from dflash_common.store.quant import FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR, decode_states
@@ -36,7 +45,9 @@ def test_bf16_round_trip_is_bit_exact(tmp_path, codec):
         assert np.array_equal(d.loss_mask, p.loss_mask.astype(np.uint8))
         assert np.array_equal(d.offsets, p.offsets) and d.sample_ids == list(p.sample_ids)
         for layer_id, x in states.items():
-            assert torch.equal(d.states(layer_id).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+            assert torch.equal(
+                d.states(layer_id).view(torch.int16), x.to(torch.bfloat16).view(torch.int16)
+            )
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
@@ -65,7 +76,9 @@ def test_q4_round_trip_decodes_what_was_encoded(tmp_path, codec):
         d = store.read_shard("u4")
         for layer_id, x in states.items():
             enc = p.layers[layer_id]
-            assert d.layers[layer_id].shape == (T, 36) and d.layers[layer_id].dtype == np.uint8  # 9H/16
+            assert (
+                d.layers[layer_id].shape == (T, 36) and d.layers[layer_id].dtype == np.uint8
+            )  # 9H/16
             want = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
             got = d.states(layer_id, out_dtype=torch.float32)
             assert torch.equal(got, want)
@@ -73,8 +86,9 @@ def test_q4_round_trip_decodes_what_was_encoded(tmp_path, codec):
         assert verify_store(store, progress=False).ok
 
 
-@pytest.mark.parametrize("dtype,codec", [("bf16", "blosc-lz4-bitshuffle"), ("fp8_e4m3", "zstd"),
-                                         ("q4_hadamard", "zstd")])
+@pytest.mark.parametrize(
+    "dtype,codec", [("bf16", "blosc-lz4-bitshuffle"), ("fp8_e4m3", "zstd"), ("q4_hadamard", "zstd")]
+)
 def test_zarr_reads_what_the_store_wrote(tmp_path, dtype, codec):
     """The data files follow zarr's sharding format: zarr itself decodes the same arrays."""
     m = manifest(dtype, codec)
@@ -120,10 +134,14 @@ def test_reads_land_in_caller_buffers(tmp_path):
         slab = torch.zeros(store.shard_nbytes(info, [3]) + 4096, dtype=torch.uint8)  # a cache slot
         views = carve_buffers(store.buffer_specs(info, [3]), slab[4096:])
         d = store.read_shard("u4", [3], out=views)
-        assert np.shares_memory(d.layers[3], slab.numpy()) and np.shares_memory(d.input_ids, slab.numpy())
+        assert np.shares_memory(d.layers[3], slab.numpy()) and np.shares_memory(
+            d.input_ids, slab.numpy()
+        )
         assert np.array_equal(d.layers[3], p.layers[3].data.numpy())
         base = slab[4096:].data_ptr()
-        assert all((v.ctypes.data - base) % 4096 == 0 for v in views.values())  # page-aligned offsets
+        assert all(
+            (v.ctypes.data - base) % 4096 == 0 for v in views.values()
+        )  # page-aligned offsets
         with pytest.raises(ValueError, match="layer_3"):
             store.read_shard("u4", [3], out={**views, "layer_3": np.empty((T, 7), np.uint16)})
 
@@ -131,7 +149,9 @@ def test_reads_land_in_caller_buffers(tmp_path):
 def test_listing_counts_and_skips_hidden_names(tmp_path):
     m = manifest()
     w = write_units(tmp_path / "s", m, [0, 1, 2], 100)
-    os.makedirs(tmp_path / "s/shards/.u9-partial/layer_1")  # what a foreign or killed writer could leave
+    os.makedirs(
+        tmp_path / "s/shards/.u9-partial/layer_1"
+    )  # what a foreign or killed writer could leave
     os.makedirs(tmp_path / "s/.staging/u5~host~1~abcd/layer_1")
     with Store.open(tmp_path / "s") as store:
         assert [s.name for s in store.shards] == [unit_name(u) for u in range(3)]
@@ -181,18 +201,32 @@ def test_a_reader_of_version_1_only_refuses_a_q4_store(tmp_path, monkeypatch):
 
     write_units(tmp_path / "s", manifest("q4_hadamard"), [0], 50)
     monkeypatch.setattr(store_format, "READ_VERSIONS", (1,))
-    with pytest.raises(StoreError, match=r"has store format version 2, but this dflash reads versions 1; use"):
+    with pytest.raises(
+        StoreError, match=r"has store format version 2, but this dflash reads versions 1; use"
+    ):
         Store.open(tmp_path / "s")
     monkeypatch.undo()
     meta = json.loads((tmp_path / "s/zarr.json").read_text())
-    meta["attributes"]["format_version"] = 1  # a manifest claiming version 1 with q4 states is malformed
+    meta["attributes"]["format_version"] = (
+        1  # a manifest claiming version 1 with q4 states is malformed
+    )
     (tmp_path / "s/zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(StoreError, match="malformed manifest.*format version 1 has no q4_hadamard states"):
+    with pytest.raises(
+        StoreError, match="malformed manifest.*format version 1 has no q4_hadamard states"
+    ):
         Store.open(tmp_path / "s")
 
 
-@pytest.mark.parametrize("dtype,bad", [("bf16", float("nan")), ("fp8_e4m3", float("inf")), ("fp8_e4m3", float("nan")),
-                                       ("q4_hadamard", float("nan")), ("q4_hadamard", -float("inf"))])
+@pytest.mark.parametrize(
+    "dtype,bad",
+    [
+        ("bf16", float("nan")),
+        ("fp8_e4m3", float("inf")),
+        ("fp8_e4m3", float("nan")),
+        ("q4_hadamard", float("nan")),
+        ("q4_hadamard", -float("inf")),
+    ],
+)
 def test_nonfinite_states_are_refused_naming_the_sample(tmp_path, dtype, bad):
     m = manifest(dtype)
     w = StoreWriter.create_or_open(tmp_path / "s", m)
@@ -202,8 +236,12 @@ def test_nonfinite_states_are_refused_naming_the_sample(tmp_path, dtype, bad):
     x[row, 10] = bad
     from dflash_common.store.quant import encode_states
 
-    broken = ShardPayload(p.input_ids, p.loss_mask, p.offsets, p.sample_ids, {**p.layers, 3: encode_states(x, dtype)})
-    with pytest.raises(NonFiniteStatesError, match=r"sample data\.jsonl:19 \(layer 3, token 4\)") as e:
+    broken = ShardPayload(
+        p.input_ids, p.loss_mask, p.offsets, p.sample_ids, {**p.layers, 3: encode_states(x, dtype)}
+    )
+    with pytest.raises(
+        NonFiniteStatesError, match=r"sample data\.jsonl:19 \(layer 3, token 4\)"
+    ) as e:
         w.write_shard("u6", broken)
     assert e.value.sample_id == "data.jsonl:19"
     assert not w.has_shard("u6") and os.listdir(tmp_path / "s/.staging") == []
@@ -217,7 +255,9 @@ def _flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("codec,where", [("none", 1000), ("zstd", 5), ("none", -10)])  # -10: in the index
+@pytest.mark.parametrize(
+    "codec,where", [("none", 1000), ("zstd", 5), ("none", -10)]
+)  # -10: in the index
 def test_a_flipped_byte_is_found_by_verify_and_by_reads(tmp_path, codec, where):
     m = manifest("bf16", codec)
     write_units(tmp_path / "s", m, [0, 1, 2], T)
@@ -286,8 +326,14 @@ def test_bad_payloads_are_refused_before_writing(tmp_path):
     p, _ = payload(0, 100, m)
     cases = [
         (ShardPayload(p.input_ids, p.loss_mask, p.offsets[:-1], p.sample_ids, p.layers), "offsets"),
-        (ShardPayload(p.input_ids, p.loss_mask[:-1], p.offsets, p.sample_ids, p.layers), "loss_mask"),
-        (ShardPayload(p.input_ids, p.loss_mask, p.offsets, p.sample_ids, {1: p.layers[1]}), "layers"),
+        (
+            ShardPayload(p.input_ids, p.loss_mask[:-1], p.offsets, p.sample_ids, p.layers),
+            "loss_mask",
+        ),
+        (
+            ShardPayload(p.input_ids, p.loss_mask, p.offsets, p.sample_ids, {1: p.layers[1]}),
+            "layers",
+        ),
     ]
     for bad, what in cases:
         with pytest.raises(ValueError, match=what):
@@ -305,8 +351,11 @@ def test_the_finished_store_does_not_depend_on_how_units_were_spread(tmp_path):
         write_units(tmp_path / "b", m, units, 90)
 
     def tree(root):
-        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-                if p.is_file() and ".staging" not in p.parts}
+        return {
+            str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and ".staging" not in p.parts
+        }
 
     assert tree(tmp_path / "a") == tree(tmp_path / "b")
 
@@ -316,7 +365,9 @@ def test_compatibility_sentences():
     check_compatible(m, layer_ids=[5, 1], hidden_size=64, tokenizer_sha256="7f" * 32)
     with pytest.raises(StoreMismatchError, match="hidden size 64, but the drafter needs 128"):
         check_compatible(m, layer_ids=[1], hidden_size=128)
-    with pytest.raises(StoreMismatchError, match=r"layers \[1, 3, 5\], but the drafter also reads \[2\]"):
+    with pytest.raises(
+        StoreMismatchError, match=r"layers \[1, 3, 5\], but the drafter also reads \[2\]"
+    ):
         check_compatible(m, layer_ids=[1, 2], hidden_size=64)
     with pytest.raises(StoreMismatchError, match="tokenizer"):
         check_compatible(m, layer_ids=[1], hidden_size=64, tokenizer_sha256="00" * 32)

@@ -43,7 +43,9 @@ def test_final_state_round_trip_and_verify(tmp_path, dtype):
         everything = store.read_shard(unit_name(4))  # all layers: the final state comes with them
         assert np.array_equal(everything.final, alone.final)
         assert FINAL_ARRAY not in store.buffer_specs(unit_name(4), layer_ids=[1])  # not asked for
-        assert store.shard_nbytes(unit_name(4), [1], final=True) > store.shard_nbytes(unit_name(4), [1])
+        assert store.shard_nbytes(unit_name(4), [1], final=True) > store.shard_nbytes(
+            unit_name(4), [1]
+        )
         assert verify_store(store).ok and store_info(store)["final_state"] is True
 
 
@@ -57,7 +59,10 @@ def test_payload_and_manifest_must_agree_about_the_final_state(tmp_path):
     with pytest.raises(ValueError, match="has the final state"):
         StoreWriter.create_or_open(tmp_path / "b", plain).write_shard(unit_name(1), p_final)
     StoreWriter.create_or_open(tmp_path / "b", plain).write_shard(unit_name(1), p)
-    with Store.open(tmp_path / "b") as store, pytest.raises(StoreMismatchError, match="--store.final_state=true"):
+    with (
+        Store.open(tmp_path / "b") as store,
+        pytest.raises(StoreMismatchError, match="--store.final_state=true"),
+    ):
         store.read_shard(unit_name(1), final=True)
 
 
@@ -65,7 +70,10 @@ def test_a_store_without_final_states_keeps_its_manifest_bytes(tmp_path):
     """A version-1 store written before the field existed has no `final_state` key; the field stays
     out of the manifest unless true, so such a store opens, compares equal and resumes."""
     m = manifest()
-    assert "final_state" not in m.to_json() and manifest(final_state=True).to_json()["final_state"] is True
+    assert (
+        "final_state" not in m.to_json()
+        and manifest(final_state=True).to_json()["final_state"] is True
+    )
     StoreWriter.create_or_open(tmp_path / "s", m)
     root = json.loads((tmp_path / "s" / "zarr.json").read_text())["attributes"]
     assert "final_state" not in root

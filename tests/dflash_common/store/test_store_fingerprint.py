@@ -7,14 +7,22 @@ import shutil
 from transformers import AutoTokenizer
 
 from dflash_common.fingerprint import (
-    chat_template_sha256, dataset_fingerprint, target_fingerprint, tokenizer_fingerprint,
+    chat_template_sha256,
+    dataset_fingerprint,
+    target_fingerprint,
+    tokenizer_fingerprint,
 )
 from dflash_common.tiny import TinySpec, build_tiny_target
 
 
 def test_target_fingerprint_of_the_tiny_target(tiny_target, tmp_path):
     fp = target_fingerprint(tiny_target, name="tiny")
-    assert (fp["name"], fp["num_layers"], fp["hidden_size"], fp["vocab_size"]) == ("tiny", 8, 64, 320)
+    assert (fp["name"], fp["num_layers"], fp["hidden_size"], fp["vocab_size"]) == (
+        "tiny",
+        8,
+        64,
+        320,
+    )
     copy = tmp_path / "elsewhere"
     shutil.copytree(tiny_target, copy)
     assert target_fingerprint(copy, name="tiny") == fp  # content, not location
@@ -22,8 +30,9 @@ def test_target_fingerprint_of_the_tiny_target(tiny_target, tmp_path):
     other = build_tiny_target(tmp_path / "other", TinySpec(seed=5))
     fp2 = target_fingerprint(other, name="tiny")
     assert fp2["weights_sha256"] != fp["weights_sha256"]
-    assert {k: v for k, v in fp2.items() if k != "weights_sha256" and k != "config_sha256"} == \
-        {k: v for k, v in fp.items() if k != "weights_sha256" and k != "config_sha256"}
+    assert {k: v for k, v in fp2.items() if k != "weights_sha256" and k != "config_sha256"} == {
+        k: v for k, v in fp.items() if k != "weights_sha256" and k != "config_sha256"
+    }
 
 
 def test_tokenizer_and_template_fingerprints(tiny_target, tiny_target_2layer):

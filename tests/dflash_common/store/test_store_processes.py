@@ -18,10 +18,28 @@ from dflash_common.store.verify import verify_store
 SUPPORT = Path(__file__).with_name("test_store_support.py")
 
 
-def _writer(store: Path, first: int, count: int, tokens: int, hidden: int, *extra: str,
-            dtype: str = "bf16", codec: str = "none") -> subprocess.Popen:
-    args = [sys.executable, str(SUPPORT), str(store), dtype, codec, str(first), str(count), str(tokens),
-            str(hidden), *extra]
+def _writer(
+    store: Path,
+    first: int,
+    count: int,
+    tokens: int,
+    hidden: int,
+    *extra: str,
+    dtype: str = "bf16",
+    codec: str = "none",
+) -> subprocess.Popen:
+    args = [
+        sys.executable,
+        str(SUPPORT),
+        str(store),
+        dtype,
+        codec,
+        str(first),
+        str(count),
+        str(tokens),
+        str(hidden),
+        *extra,
+    ]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -37,7 +55,9 @@ def test_a_writer_killed_mid_shard_leaves_no_visible_shard(tmp_path):
     published = 0
     try:
         while time.monotonic() < deadline:  # kill it inside a shard, after at least one publish
-            published = len(list((store / "shards").glob("u*"))) if (store / "shards").is_dir() else 0
+            published = (
+                len(list((store / "shards").glob("u*"))) if (store / "shards").is_dir() else 0
+            )
             if published >= 1 and _staging_has_data(store):
                 break
             time.sleep(0.002)
@@ -61,8 +81,10 @@ def test_two_processes_write_one_store(tmp_path):
     store = tmp_path / "s"
     go = tmp_path / "go"
     # overlapping ranges: units 10-19 are written by both, as after a rerun or a shared unit list
-    procs = [_writer(store, first, 20, 300, 64, "--go", str(go), dtype="fp8_e4m3", codec="zstd")
-             for first in (0, 10)]
+    procs = [
+        _writer(store, first, 20, 300, 64, "--go", str(go), dtype="fp8_e4m3", codec="zstd")
+        for first in (0, 10)
+    ]
     for proc in procs:  # both have created-or-opened the store (racing on its creation)
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     go.touch()

@@ -26,21 +26,40 @@ LAYER_IDS = (1, 3, 5)
 HIDDEN = 64
 
 
-def manifest(dtype: str = "bf16", codec: str = "none", chunk_tokens: int = 64, hidden: int = HIDDEN,
-             layer_ids=LAYER_IDS, **changes) -> StoreManifest:
+def manifest(
+    dtype: str = "bf16",
+    codec: str = "none",
+    chunk_tokens: int = 64,
+    hidden: int = HIDDEN,
+    layer_ids=LAYER_IDS,
+    **changes,
+) -> StoreManifest:
     fields = dict(
-        target={"name": "tiny", "config_sha256": "c0ffee", "weights_sha256": "beef", "num_layers": 8,
-                "hidden_size": hidden, "vocab_size": 320},
+        target={
+            "name": "tiny",
+            "config_sha256": "c0ffee",
+            "weights_sha256": "beef",
+            "num_layers": 8,
+            "hidden_size": hidden,
+            "vocab_size": 320,
+        },
         tokenizer={"sha256": "7f" * 32, "vocab_size": 260},
-        chat_template_sha256="ab" * 32, layer_ids=layer_ids, hidden_size=hidden, dtype=dtype, codec=codec,
-        chunk_tokens=chunk_tokens, dataset={"files": [{"name": "data.jsonl", "sha256": "00"}]},
+        chat_template_sha256="ab" * 32,
+        layer_ids=layer_ids,
+        hidden_size=hidden,
+        dtype=dtype,
+        codec=codec,
+        chunk_tokens=chunk_tokens,
+        dataset={"files": [{"name": "data.jsonl", "sha256": "00"}]},
         precompute={"samples_per_unit": 3, "max_length": 512},
     )
     fields.update(changes)
     return StoreManifest(**fields)
 
 
-def unit_states(unit: int, tokens: int, m: StoreManifest) -> tuple[dict[int, torch.Tensor], list[int]]:
+def unit_states(
+    unit: int, tokens: int, m: StoreManifest
+) -> tuple[dict[int, torch.Tensor], list[int]]:
     """Deterministic float32 states [T, H] per layer for a unit, and its sequence lengths."""
     g = torch.Generator().manual_seed(unit)
     cuts = sorted(torch.randperm(tokens - 1, generator=g)[:2].add(1).tolist())
@@ -53,7 +72,9 @@ def unit_states(unit: int, tokens: int, m: StoreManifest) -> tuple[dict[int, tor
     return states, lens
 
 
-def payload(unit: int, tokens: int, m: StoreManifest) -> tuple[ShardPayload, dict[int, torch.Tensor]]:
+def payload(
+    unit: int, tokens: int, m: StoreManifest
+) -> tuple[ShardPayload, dict[int, torch.Tensor]]:
     states, lens = unit_states(unit, tokens, m)
     g = np.random.default_rng(unit)
     p = ShardPayload(

@@ -24,25 +24,50 @@ from precompute.generate import job
 from precompute.generate.cli import main, parse
 from precompute.inputs import resolve_inputs
 
-from precompute_helpers import ROOT, interrupt_says_what_is_kept, kill_process_tree, subprocess_env, write_jsonl
+from precompute_helpers import (
+    ROOT,
+    interrupt_says_what_is_kept,
+    kill_process_tree,
+    subprocess_env,
+    write_jsonl,
+)
 
-UNITS = 24  # one record each (run.samples_per_unit = 1): many small units, each published on its own
+UNITS = (
+    24  # one record each (run.samples_per_unit = 1): many small units, each published on its own
+)
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("gen-fault-inputs")
     records = [{"prompt": f"question {i} about owls?"} for i in range(UNITS - 4)]
-    records += [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": "old"},
-                              {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "old"}]}
-                for i in range(4)]
+    records += [
+        {
+            "messages": [
+                {"role": "user", "content": f"hello {i}"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "and then?"},
+                {"role": "assistant", "content": "old"},
+            ]
+        }
+        for i in range(4)
+    ]
     return [write_jsonl(d / "prompts.jsonl", records)]
 
 
 def _args(target, inputs, out) -> list[str]:
-    return ["--out", str(out), f"--target.path={target}", f"--data.inputs={json.dumps(inputs)}",
-            "--target.dtype=fp32", "--run.device=cpu", "--run.samples_per_unit=1",
-            "--generate.sort_window_units=2", "--sampling.max_new_tokens=64", "--run.progress=false"]
+    return [
+        "--out",
+        str(out),
+        f"--target.path={target}",
+        f"--data.inputs={json.dumps(inputs)}",
+        "--target.dtype=fp32",
+        "--run.device=cpu",
+        "--run.samples_per_unit=1",
+        "--generate.sort_window_units=2",
+        "--sampling.max_new_tokens=64",
+        "--run.progress=false",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +103,9 @@ def _identities(out: Path, names: list[str]) -> dict[str, tuple[int, int]]:
 
 
 def _leftovers(out: Path) -> list[str]:
-    return sorted(str(p.relative_to(out)) for d in (out, out / job.UNIT_STATS) for p in d.glob(".*.tmp-*"))
+    return sorted(
+        str(p.relative_to(out)) for d in (out, out / job.UNIT_STATS) for p in d.glob(".*.tmp-*")
+    )
 
 
 def _nothing_partial_visible(out: Path, reference: Path) -> list[str]:
@@ -102,24 +129,33 @@ def _finishes_as_the_reference(args, out: Path, reference: Path, capsys) -> dict
 
 
 def _start(args, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "precompute.generate.cli", *args], cwd=ROOT,
-                            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "precompute.generate.cli", *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def _wait_for_shards(out: Path, proc: subprocess.Popen, count: int) -> None:
     deadline = time.monotonic() + 120
     while len(_published(out)) < count:
         if proc.poll() is not None:
-            pytest.fail(f"the job ended before publishing {count} shards: {proc.stderr.read()[-3000:]}")
+            pytest.fail(
+                f"the job ended before publishing {count} shards: {proc.stderr.read()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             kill_process_tree(proc)
             pytest.fail(f"fewer than {count} shards appeared within 120 s")
         time.sleep(0.002)
 
 
-def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same_files(tiny_target, inputs,
-                                                                                       reference, tmp_path, capsys):
+def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same_files(
+    tiny_target, inputs, reference, tmp_path, capsys
+):
     out = tmp_path / "interrupted"
     args = _args(tiny_target, inputs, out)
     # SIGINT at its default in the child: a test run started in the background of a non-interactive shell
@@ -135,8 +171,9 @@ def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same
     assert _identities(out, seen) == kept  # the rerun skipped the published shards
 
 
-def test_sigkill_mid_job_twice_leaves_only_whole_shards_and_the_rerun_skips_them(tiny_target, inputs, reference,
-                                                                                 tmp_path, capsys):
+def test_sigkill_mid_job_twice_leaves_only_whole_shards_and_the_rerun_skips_them(
+    tiny_target, inputs, reference, tmp_path, capsys
+):
     out = tmp_path / "killed"
     args = _args(tiny_target, inputs, out)
     kept: dict[str, tuple[int, int]] = {}
@@ -146,7 +183,9 @@ def test_sigkill_mid_job_twice_leaves_only_whole_shards_and_the_rerun_skips_them
         kill_process_tree(proc)
         seen = _nothing_partial_visible(out, reference)
         assert len(seen) < UNITS, "the job had finished before the kill"
-        assert {n: i for n, i in _identities(out, seen).items() if n in kept} == kept  # none written again
+        assert {
+            n: i for n, i in _identities(out, seen).items() if n in kept
+        } == kept  # none written again
         kept = _identities(out, seen)
     name = _published(reference)[-1]
     cut = out / f".{name}.tmp-1-0123abcd"  # as a kill inside a shard's write leaves it
@@ -163,8 +202,10 @@ def _full_disk_sentence(args, out: Path, capsys) -> str:
     err = capsys.readouterr().err  # log lines, then the error
     assert caught.value.code == 2 and "Traceback" not in err and err.count("error: ") == 1, err
     last = err.strip().splitlines()[-1]
-    assert last == (f"error: the filesystem of {out} is full (No space left on device); free space and rerun the "
-                    "same command: published shards are kept and the job resumes."), err
+    assert last == (
+        f"error: the filesystem of {out} is full (No space left on device); free space and rerun the "
+        "same command: published shards are kept and the job resumes."
+    ), err
     return last
 
 
@@ -178,7 +219,9 @@ def test_a_real_full_disk(small_disk, tiny_target, inputs, reference, capsys):
     seen = _nothing_partial_visible(out, reference)
     assert 0 < len(seen) < UNITS
     cut = _published(reference)[len(seen)]
-    assert [p.split(".tmp-")[0] for p in _leftovers(out)] == [f".{cut}"]  # it was cut aside, under a hidden name
+    assert [p.split(".tmp-")[0] for p in _leftovers(out)] == [
+        f".{cut}"
+    ]  # it was cut aside, under a hidden name
     kept = _identities(out, seen)
     disk.resize("1m")  # space is freed
     run = _finishes_as_the_reference(args, out, reference, capsys)
@@ -220,16 +263,23 @@ class _FillingFile:
         self.f.close()
 
 
-def test_an_injected_full_disk_in_a_shard_then_in_the_manifest(tiny_target, inputs, reference, tmp_path, capsys,
-                                                              monkeypatch):
+def test_an_injected_full_disk_in_a_shard_then_in_the_manifest(
+    tiny_target, inputs, reference, tmp_path, capsys, monkeypatch
+):
     import dflash_common.fsutil as fsutil
 
     out = tmp_path / "gen"
     args = _args(tiny_target, inputs, out)
-    record = sum((reference / n).stat().st_size for n in (job.MANIFEST, "generate.run.toml", "generate.run.json"))
-    units = sum(f.stat().st_size for f in (reference / job.UNIT_STATS).iterdir()) + \
-        sum((reference / n).stat().st_size for n in _published(reference))
-    monkeypatch.setattr(fsutil, "open", FillingDisk(record + units // 2), raising=False)  # about half the units fit
+    record = sum(
+        (reference / n).stat().st_size
+        for n in (job.MANIFEST, "generate.run.toml", "generate.run.json")
+    )
+    units = sum(f.stat().st_size for f in (reference / job.UNIT_STATS).iterdir()) + sum(
+        (reference / n).stat().st_size for n in _published(reference)
+    )
+    monkeypatch.setattr(
+        fsutil, "open", FillingDisk(record + units // 2), raising=False
+    )  # about half the units fit
     _full_disk_sentence(args, out, capsys)
     seen = _nothing_partial_visible(out, reference)
     assert 0 < len(seen) < UNITS
@@ -242,7 +292,9 @@ def test_an_injected_full_disk_in_a_shard_then_in_the_manifest(tiny_target, inpu
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data, **k)
 
-    monkeypatch.setattr(fsutil, "atomic_write_bytes", no_space_for_the_manifest)  # every shard fits, the manifest not
+    monkeypatch.setattr(
+        fsutil, "atomic_write_bytes", no_space_for_the_manifest
+    )  # every shard fits, the manifest not
     _full_disk_sentence(args, out, capsys)
     assert _published(out) == _published(reference)
     monkeypatch.undo()

@@ -33,8 +33,12 @@ def _model(target):
 
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-           for p in PROMPTS]
+    ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in PROMPTS
+    ]
     return model, tok, [tok(t, add_special_tokens=False)["input_ids"] for t in ids]
 
 
@@ -47,16 +51,25 @@ def test_batched_greedy_is_one_at_a_time_greedy_and_model_generate(tiny_target):
     s = Sampling(0.0, 1.0, 0, 24, 0)
     alone = [_decoder(model, {258}, s).decode_batch([Request(p, 0)])[0] for p in prompts]
     for p, a in zip(prompts, alone):  # the reference computed another way: transformers' own loop
-        ref = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=258,
-                             pad_token_id=256)[0, len(p):].tolist()
-        assert a.tokens == [t for t in ref if t != 258][: len(a.tokens)] and len(ref) >= len(a.tokens)
+        ref = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=258,
+            pad_token_id=256,
+        )[0, len(p) :].tolist()
+        assert a.tokens == [t for t in ref if t != 258][: len(a.tokens)] and len(ref) >= len(
+            a.tokens
+        )
     stop = {alone[1].tokens[5]}  # a token the second answer emits: rows stop at different steps
     alone = [_decoder(model, stop, s).decode_batch([Request(p, 0)])[0] for p in prompts]
     batched = _decoder(model, stop, s).decode_batch([Request(p, 0) for p in prompts])
     assert batched == alone
     assert alone[1].finish_reason == "stop" and len(alone[1].tokens) <= 5
     assert {a.finish_reason for a in alone} == {"stop", "length"}
-    split = _decoder(model, stop, s, budget=2 * (len(prompts[1]) + 24)).generate([Request(p, 0) for p in prompts])
+    split = _decoder(model, stop, s, budget=2 * (len(prompts[1]) + 24)).generate(
+        [Request(p, 0) for p in prompts]
+    )
     assert split == alone  # several batches, sorted by length, answers back in request order
 
 
@@ -67,7 +80,9 @@ def _sliding_model(tiny_target):
     config = AutoConfig.from_pretrained(tiny_target)
     config.layer_types = ["sliding_attention"] + ["full_attention"] * (config.num_hidden_layers - 1)
     config.sliding_window, config.use_sliding_window = 4, True
-    return AutoModelForCausalLM.from_pretrained(tiny_target, config=config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_target, config=config, dtype=torch.float32
+    ).eval()
 
 
 def test_static_decode_steps_match_grown_mask_steps_and_sliding_targets_fall_back(tiny_target):
@@ -75,17 +90,35 @@ def test_static_decode_steps_match_grown_mask_steps_and_sliding_targets_fall_bac
     s = Sampling(0.0, 1.0, 0, 20, 0)
     static = _decoder(model, {258}, s)
     grown = _decoder(model, {258}, s)
-    grown.static_steps = False  # the 2D mask grown each step: the other formulation of the same step
+    grown.static_steps = (
+        False  # the 2D mask grown each step: the other formulation of the same step
+    )
     assert static.static_steps and not static.cuda_graphs  # a CPU: the static step runs eagerly
     requests = [Request(p, 0) for p in prompts]  # five lengths: left padding differs by row
     assert static.decode_batch(requests) == grown.decode_batch(requests)
 
     sliding = _sliding_model(tiny_target)
     decoder = _decoder(sliding, {258}, s)
-    assert not decoder.static_steps  # a full 4D mask would let the sliding layer see past its window
-    refs = [[t for t in sliding.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=258,
-                                         pad_token_id=256)[0, len(p):].tolist() if t != 258] for p in prompts]
-    for a, ref in zip(decoder.decode_batch(requests), refs):  # it still decodes as transformers does
+    assert (
+        not decoder.static_steps
+    )  # a full 4D mask would let the sliding layer see past its window
+    refs = [
+        [
+            t
+            for t in sliding.generate(
+                torch.tensor([p]),
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=258,
+                pad_token_id=256,
+            )[0, len(p) :].tolist()
+            if t != 258
+        ]
+        for p in prompts
+    ]
+    for a, ref in zip(
+        decoder.decode_batch(requests), refs
+    ):  # it still decodes as transformers does
         assert a.tokens == ref[: len(a.tokens)]
 
 
@@ -99,11 +132,16 @@ def test_packed_gqa_decode_attention_equals_attention_over_repeated_heads():
         num_key_value_groups = 4
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=g) for shape in ((3, 8, 1, 16), (3, 2, 20, 16), (3, 2, 20, 16)))
+    q, k, v = (
+        torch.randn(shape, generator=g) for shape in ((3, 8, 1, 16), (3, 2, 20, 16), (3, 2, 20, 16))
+    )
     mask = torch.zeros(3, 1, 1, 20)
     mask[0, ..., :5] = mask[2, ..., 17:] = torch.finfo(torch.float32).min
     got, _ = packed_gqa_sdpa(Attn(), q, k, v, mask, scaling=0.25)
-    kr, vr = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)  # head h reads group h // 4
+    kr, vr = (
+        k.repeat_interleave(4, dim=1),
+        v.repeat_interleave(4, dim=1),
+    )  # head h reads group h // 4
     want = ((q @ kr.transpose(-1, -2)) * 0.25 + mask).softmax(-1) @ vr  # [3, 8, 1, 16]
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
     q2 = torch.randn(3, 8, 4, 16, generator=g)
@@ -120,11 +158,17 @@ def test_decoding_switches_the_attention_only_while_it_runs(tiny_target, monkeyp
     model, _, prompts = _model(tiny_target)
     calls = []
     real = D.packed_gqa_sdpa
-    monkeypatch.setattr(D, "packed_gqa_sdpa", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
-    out = _decoder(model, {-1}, Sampling(0.0, 1.0, 0, 6, 0)).decode_batch([Request(p, 0) for p in prompts])
+    monkeypatch.setattr(
+        D, "packed_gqa_sdpa", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k)
+    )
+    out = _decoder(model, {-1}, Sampling(0.0, 1.0, 0, 6, 0)).decode_batch(
+        [Request(p, 0) for p in prompts]
+    )
     assert all(len(o.tokens) == 6 for o in out)
     layers = model.config.num_hidden_layers
-    assert calls.count(1) == 5 * layers and len(calls) == 6 * layers  # 5 steps after the prefill, every layer
+    assert (
+        calls.count(1) == 5 * layers and len(calls) == 6 * layers
+    )  # 5 steps after the prefill, every layer
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -135,11 +179,15 @@ def test_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
     for s in (Sampling(0.0, 1.0, 0, 24, 0), Sampling(1.0, 0.9, 50, 24, 0)):
         requests = [Request(p, 100 + i) for i, p in enumerate(prompts)]
         # the first graph capture (a warm-up forward before it) wrote every later step's keys one slot late
-        graphs = TransformersDecoder(model, {258}, 256, s, token_budget=10_000, max_batch=8, cuda_graphs=True)
+        graphs = TransformersDecoder(
+            model, {258}, 256, s, token_budget=10_000, max_batch=8, cuda_graphs=True
+        )
         eager = _decoder(model, {258}, s)
         assert graphs.cuda_graphs and not eager.cuda_graphs
         assert graphs.decode_batch(requests) == eager.decode_batch(requests)
-        assert graphs.generate(requests) == eager.generate(requests)  # a second batch captures its own graph
+        assert graphs.generate(requests) == eager.generate(
+            requests
+        )  # a second batch captures its own graph
 
 
 @pytest.mark.gpu
@@ -151,8 +199,16 @@ def test_compiled_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
     requests = [Request(p, 100 + i) for i, p in enumerate(prompts)]
     want = eager.generate(requests)
     compiled_model, _, _ = _model(tiny_target)
-    compiled = TransformersDecoder(compiled_model.cuda(), {258}, 256, Sampling(0.0, 1.0, 0, 24, 0),
-                                   token_budget=10_000, max_batch=8, compile=True, cuda_graphs=True)
+    compiled = TransformersDecoder(
+        compiled_model.cuda(),
+        {258},
+        256,
+        Sampling(0.0, 1.0, 0, 24, 0),
+        token_budget=10_000,
+        max_batch=8,
+        compile=True,
+        cuda_graphs=True,
+    )
     assert compiled.generate(requests) == want
 
 
@@ -174,13 +230,22 @@ def test_batches_are_length_sorted_and_within_budget():
 
 
 def test_turns_and_thinking_are_split_as_documented():
-    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "A"},
-            {"role": "user", "content": "b"}, {"role": "assistant", "content": "B"}, {"role": "user", "content": "c"}]
+    conv = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "B"},
+        {"role": "user", "content": "c"},
+    ]
     assert split_turns(conv, "all") == ([], [conv[:2], [conv[3]], [conv[5]]])
     assert split_turns(conv, "last") == (conv, [[]])
     assert split_turns(conv[:5], "last") == (conv[:4], [[]])
-    assert assistant_message("<think>\nhmm\n</think>\n\nyes") == {"role": "assistant", "content": "yes",
-                                                                 "reasoning_content": "hmm"}
+    assert assistant_message("<think>\nhmm\n</think>\n\nyes") == {
+        "role": "assistant",
+        "content": "yes",
+        "reasoning_content": "hmm",
+    }
 
 
 # ------------------------------------------------------------------------------------ the job
@@ -201,34 +266,56 @@ def chatty_target(tiny_target, tmp_path_factory):
 def _conv(i, turns=2):
     msgs = [{"role": "system", "content": "be brief"}]
     for k in range(turns):
-        msgs += [{"role": "user", "content": f"question {i}.{k}?"}, {"role": "assistant", "content": f"old {i}.{k}"}]
+        msgs += [
+            {"role": "user", "content": f"question {i}.{k}?"},
+            {"role": "assistant", "content": f"old {i}.{k}"},
+        ]
     return {"id": f"c{i}", "messages": msgs}
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("gen-inputs")
-    a = [_conv(0), {"prompt": "owls?"}, "{broken", _conv(1, 1), {"input_ids": [1, 2], "loss_mask": [0, 1]},
-         {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "old"}]}]
+    a = [
+        _conv(0),
+        {"prompt": "owls?"},
+        "{broken",
+        _conv(1, 1),
+        {"input_ids": [1, 2], "loss_mask": [0, 1]},
+        {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "old"}]},
+    ]
     write_jsonl(d / "a.jsonl", a)
     (d / "b.txt").write_text("first prompt\nsecond prompt\n\nfourth prompt\n")
     return [str(d / "a.jsonl"), str(d / "b.txt")]
 
 
 def _cfg(target, inputs, out, *overrides):
-    args = [f"--target.path={json.dumps(str(target))}", f"--data.inputs={json.dumps(inputs)}",
-            f"--output.dir={json.dumps(str(out))}", "--target.dtype=fp32", "--run.device=cpu",
-            "--run.samples_per_unit=2", "--generate.sort_window_units=1", "--sampling.max_new_tokens=12",
-            "--run.progress=false"]
+    args = [
+        f"--target.path={json.dumps(str(target))}",
+        f"--data.inputs={json.dumps(inputs)}",
+        f"--output.dir={json.dumps(str(out))}",
+        "--target.dtype=fp32",
+        "--run.device=cpu",
+        "--run.samples_per_unit=2",
+        "--generate.sort_window_units=1",
+        "--sampling.max_new_tokens=12",
+        "--run.progress=false",
+    ]
     return load_config(GenerateConfig, None, args + [f"--{o}" for o in overrides])
 
 
 def _files(out: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("u*.jsonl"))}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("u*.jsonl"))
+    }
 
 
 def _records(out: Path) -> dict[str, dict]:
-    return {r["id"]: r for p in sorted(out.glob("u*.jsonl")) for r in map(json.loads, p.read_text().splitlines())}
+    return {
+        r["id"]: r
+        for p in sorted(out.glob("u*.jsonl"))
+        for r in map(json.loads, p.read_text().splitlines())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -245,21 +332,38 @@ def test_every_input_kind_is_answered_and_bad_records_are_counted(one_rank):
     records = _records(one_rank)
     assert len(records) == 7 and manifest["counts"]["conversations"] == 7
     two = records["c0"]
-    assert [m["role"] for m in two["messages"]] == ["system", "user", "assistant", "user", "assistant"]
-    assert two["generated_turns"] == 2 and all(not m["content"].startswith("old")
-                                              for m in two["messages"] if m["role"] == "assistant")
+    assert [m["role"] for m in two["messages"]] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert two["generated_turns"] == 2 and all(
+        not m["content"].startswith("old") for m in two["messages"] if m["role"] == "assistant"
+    )
     fourth = [r for k, r in records.items() if k.endswith("b.txt:4")][0]
-    assert fourth["messages"] == [{"role": "user", "content": "fourth prompt"}, fourth["messages"][1]]
+    assert fourth["messages"] == [
+        {"role": "user", "content": "fourth prompt"},
+        fourth["messages"][1],
+    ]
     assert sum(manifest["finish_reasons"].values()) == manifest["counts"]["turns"] == 8
-    assert manifest["settings"]["sampling"]["temperature"] == 0.0  # from generation_config.json: greedy
+    assert (
+        manifest["settings"]["sampling"]["temperature"] == 0.0
+    )  # from generation_config.json: greedy
 
 
-def test_turns_last_keeps_the_history_and_answers_the_final_turn(chatty_target, inputs, one_rank, tmp_path):
+def test_turns_last_keeps_the_history_and_answers_the_final_turn(
+    chatty_target, inputs, one_rank, tmp_path
+):
     out = tmp_path / "last"
     job.run(_cfg(chatty_target, inputs, out, "generate.turns=last"))
     assert torch.is_grad_enabled()  # the job ran in this process and left autograd as it found it
     last, every = _records(out)["c0"], _records(one_rank)["c0"]
-    assert last["generated_turns"] == 1 and last["messages"][2] == {"role": "assistant", "content": "old 0.0"}
+    assert last["generated_turns"] == 1 and last["messages"][2] == {
+        "role": "assistant",
+        "content": "old 0.0",
+    }
     assert last["messages"][-1]["content"] != "old 0.1"
     assert _files(out).keys().isdisjoint(_files(one_rank).keys())  # the settings are in the names
     assert every["messages"][2]["content"] != "old 0.0"
@@ -282,12 +386,14 @@ def test_a_refusal_names_the_settings_that_differ(chatty_target, inputs, one_ran
     out = shutil.copytree(one_rank, tmp_path / "gen")
     before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     with pytest.raises(UserError) as caught:
-        job.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13",
-                     "generate.turns=last"))
+        job.run(
+            _cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13", "generate.turns=last")
+        )
     assert str(caught.value) == (
         f"output.dir {out} holds answers made with other settings: generate.turns "
         '("all" -> "last"), sampling.max_new_tokens (12 -> 13); choose a new output.dir, or rerun '
-        "with the settings of its manifest.json.")
+        "with the settings of its manifest.json."
+    )
     manifest = json.loads((out / "manifest.json").read_text())  # as if another target had answered
     ours = manifest["settings"]["target"]["weights_sha256"]
     manifest["settings"]["target"]["weights_sha256"], manifest["key"] = "f" * 64, "0" * 64
@@ -301,7 +407,8 @@ def test_a_refusal_names_the_settings_that_differ(chatty_target, inputs, one_ran
 
 
 def test_a_dry_run_writes_nothing_and_a_directory_without_answers_is_taken_over(
-        chatty_target, inputs, one_rank, tmp_path):
+    chatty_target, inputs, one_rank, tmp_path
+):
     out = tmp_path / "gen"
     job.run(_cfg(chatty_target, inputs, out, "run.dry_run=true"))
     missing = inputs + [str(tmp_path / "missing.jsonl")]
@@ -339,11 +446,27 @@ def test_prompts_moved_elsewhere_resume_their_output(chatty_target, inputs, one_
 
 def test_two_gloo_ranks_write_the_files_of_one(chatty_target, inputs, one_rank, tmp_path):
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "precompute.generate.cli", "--out", str(out), f"--target.path={chatty_target}",
-           f"--data.inputs={json.dumps(inputs)}", "--target.dtype=fp32", "--run.device=cpu",
-           "--run.samples_per_unit=2", "--generate.sort_window_units=1", "--sampling.max_new_tokens=12"]
-    done = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "precompute.generate.cli",
+        "--out",
+        str(out),
+        f"--target.path={chatty_target}",
+        f"--data.inputs={json.dumps(inputs)}",
+        "--target.dtype=fp32",
+        "--run.device=cpu",
+        "--run.samples_per_unit=2",
+        "--generate.sort_window_units=1",
+        "--sampling.max_new_tokens=12",
+    ]
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("plan:") == 1 and done.stdout.count("done:") == 1
     assert _files(out) == _files(one_rank)
@@ -356,7 +479,9 @@ def test_cut_answers_are_kept_with_their_reason_or_dropped(tiny_target, inputs, 
     records = _records(keep)
     cut = {k for k, r in records.items() if r["finish_reason"] == "length"}
     assert len(cut) >= 5 and records["c0"]["finish_reason"] == "length"
-    assert records["c0"]["generated_turns"] == 1 and len(records["c0"]["messages"]) == 3  # ends at the cut
+    assert (
+        records["c0"]["generated_turns"] == 1 and len(records["c0"]["messages"]) == 3
+    )  # ends at the cut
     drop = tmp_path / "drop"
     job.run(_cfg(tiny_target, inputs, drop, "sampling.max_new_tokens=4", "generate.on_length=drop"))
     manifest = json.loads((drop / "manifest.json").read_text())
@@ -364,27 +489,75 @@ def test_cut_answers_are_kept_with_their_reason_or_dropped(tiny_target, inputs, 
     assert _records(drop) == {k: r for k, r in records.items() if k not in cut}
 
 
-def test_the_cli_prints_the_plan_and_the_summary_and_precompute_reads_the_output(chatty_target, inputs, tmp_path):
+def test_the_cli_prints_the_plan_and_the_summary_and_precompute_reads_the_output(
+    chatty_target, inputs, tmp_path
+):
     out = tmp_path / "cli"
-    base = ["--out", str(out), f"--target.path={chatty_target}", f"--data.inputs={json.dumps(inputs)}",
-            "--target.dtype=fp32", "--run.device=cpu", "--run.samples_per_unit=2", "--sampling.max_new_tokens=12"]
-    dry = subprocess.run([sys.executable, "-m", "precompute.generate.cli", *base, "--dry-run"], cwd=ROOT,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    base = [
+        "--out",
+        str(out),
+        f"--target.path={chatty_target}",
+        f"--data.inputs={json.dumps(inputs)}",
+        "--target.dtype=fp32",
+        "--run.device=cpu",
+        "--run.samples_per_unit=2",
+        "--sampling.max_new_tokens=12",
+    ]
+    dry = subprocess.run(
+        [sys.executable, "-m", "precompute.generate.cli", *base, "--dry-run"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert dry.returncode == 0, dry.stderr[-2000:]
-    assert "plan: 10 input records -> 5 work units (0 already in" in dry.stdout and "done:" not in dry.stdout
-    assert "prompts to answer: 7; skipped 3 (blank_line 1, malformed_json 1, pre_tokenized 1)" in dry.stdout
+    assert (
+        "plan: 10 input records -> 5 work units (0 already in" in dry.stdout
+        and "done:" not in dry.stdout
+    )
+    assert (
+        "prompts to answer: 7; skipped 3 (blank_line 1, malformed_json 1, pre_tokenized 1)"
+        in dry.stdout
+    )
     assert "max tokens out: 96 (12 per turn, greedy" in dry.stdout
     assert not out.exists()  # a dry run writes nothing
-    done = subprocess.run([sys.executable, "-m", "precompute.generate.cli", *base], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "precompute.generate.cli", *base],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "done: 7 conversations (8 turns" in done.stdout and "5 shards written, 0 already there" in done.stdout
+    assert (
+        "done: 7 conversations (8 turns" in done.stdout
+        and "5 shards written, 0 already there" in done.stdout
+    )
     import re
 
     in_shards = re.search(r"([\d,]+) generated tokens\) in 5 shards", done.stdout).group(1)
     assert f"; {in_shards} tokens generated at " in done.stdout  # one figure for one count
-    assert [s.path for s in resolve_inputs([str(out)])] == [str(p) for p in sorted(out.glob("u*.jsonl"))]
-    bad = subprocess.run([sys.executable, "-m", "precompute.generate.cli", "--out", str(tmp_path / "x"),
-                          "--target.path=/nonexistent", "--data.inputs=[\"a\"]"], cwd=ROOT, env=subprocess_env(),
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "has no config.json" in bad.stderr
+    assert [s.path for s in resolve_inputs([str(out)])] == [
+        str(p) for p in sorted(out.glob("u*.jsonl"))
+    ]
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "precompute.generate.cli",
+            "--out",
+            str(tmp_path / "x"),
+            "--target.path=/nonexistent",
+            '--data.inputs=["a"]',
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        bad.returncode == 2 and bad.stderr.count("\n") == 1 and "has no config.json" in bad.stderr
+    )

@@ -22,7 +22,11 @@ from train.eval.load import load_proposer
 from train.eval.prompts import Prompt, load_prompts
 from train.eval.run import Settings, decode_prompts
 from train.eval.spec_decode import (
-    GREEDY, DFlashProposer, TargetRunner, speculative_generate, target_generate,
+    GREEDY,
+    DFlashProposer,
+    TargetRunner,
+    speculative_generate,
+    target_generate,
 )
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
@@ -40,8 +44,12 @@ def model(tiny_target):
 def prompt_ids(tiny_target):
     tok = AutoTokenizer.from_pretrained(tiny_target)
     texts = ["Tell me about bees.", "Explain tides to a child.", "abc"]
-    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-            for t in texts], tok
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+        )
+        for t in texts
+    ], tok
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +101,20 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
 
     root = Path(__file__).resolve().parents[3]
     report = tmp_path / "out" / "eval.json"
-    main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
-          "--report", str(report), f"--target.path={tiny_target}",
-          f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=3",
-          "--generation.max_new_tokens=20"])
+    main(
+        [
+            "--config",
+            str(root / "configs" / "tiny.toml"),
+            "--drafter",
+            str(drafter_dir),
+            "--report",
+            str(report),
+            f"--target.path={tiny_target}",
+            f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}",
+            "--prompts.num_prompts=3",
+            "--generation.max_new_tokens=20",
+        ]
+    )
     out = json.loads(report.read_text())
     assert out["num_prompts"] == 3 and out["block_size"] == BLOCK
     assert 1 <= out["tau"] <= BLOCK
@@ -106,8 +124,12 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
     assert (report.parent / "eval.run.toml").is_file()
     captured = capsys.readouterr()
     assert "tau (acceptance length)" in captured.out
-    assert "x (tokens/s speculative / target alone: same engine, batch 1" in captured.out  # says what it compares
-    assert "\r" not in captured.err and "prompt/s" not in captured.err  # stderr is no terminal: no bar frames
+    assert (
+        "x (tokens/s speculative / target alone: same engine, batch 1" in captured.out
+    )  # says what it compares
+    assert (
+        "\r" not in captured.err and "prompt/s" not in captured.err
+    )  # stderr is no terminal: no bar frames
 
 
 def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):
@@ -115,29 +137,53 @@ def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):
 
     root = Path(__file__).resolve().parents[3]
     report = tmp_path / "eval.json"
-    main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
-          "--report", str(report), f"--target.path={tiny_target}", "--generation.block_size=3",
-          f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=1",
-          "--generation.max_new_tokens=9", "--generation.warmup=false"])
+    main(
+        [
+            "--config",
+            str(root / "configs" / "tiny.toml"),
+            "--drafter",
+            str(drafter_dir),
+            "--report",
+            str(report),
+            f"--target.path={tiny_target}",
+            "--generation.block_size=3",
+            f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}",
+            "--prompts.num_prompts=1",
+            "--generation.max_new_tokens=9",
+            "--generation.warmup=false",
+        ]
+    )
     out = json.loads(report.read_text())
     assert out["block_size"] == 3 and all(n <= 3 for n in out["prompts"][0]["acceptance_lengths"])
 
 
-def test_drafter_for_another_target_is_refused_in_one_sentence(tiny_target_2layer, drafter_dir, capsys):
+def test_drafter_for_another_target_is_refused_in_one_sentence(
+    tiny_target_2layer, drafter_dir, capsys
+):
     model2 = AutoModelForCausalLM.from_pretrained(tiny_target_2layer, dtype=torch.float32)
-    with pytest.raises(UserError, match="made for another target.*num_target_layers 8 vs the target's 2"):
+    with pytest.raises(
+        UserError, match="made for another target.*num_target_layers 8 vs the target's 2"
+    ):
         load_proposer(str(drafter_dir), model2)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        main([f"--target.path={tiny_target_2layer}", "--drafter", str(drafter_dir),
-              "--prompts.files=data/tiny-prompts.jsonl"])
+        main(
+            [
+                f"--target.path={tiny_target_2layer}",
+                "--drafter",
+                str(drafter_dir),
+                "--prompts.files=data/tiny-prompts.jsonl",
+            ]
+        )
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "another target" in err and "Traceback" not in err
     assert "Loading weights" not in err, "the target is not loaded for a drafter that does not fit"
 
 
-def test_a_drafter_with_a_hand_edited_config_is_refused_before_decoding(tiny_target, drafter_dir, tmp_path, capsys):
+def test_a_drafter_with_a_hand_edited_config_is_refused_before_decoding(
+    tiny_target, drafter_dir, tmp_path, capsys
+):
     """A config.json whose block_size was removed would decode a block-4 drafter at 16: refused, naming it."""
     import shutil
 
@@ -146,18 +192,34 @@ def test_a_drafter_with_a_hand_edited_config_is_refused_before_decoding(tiny_tar
     del config["block_size"]
     (edited / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit) as e:
-        main([f"--target.path={tiny_target}", "--drafter", str(edited), "--prompts.files=data/tiny-prompts.jsonl",
-              "--report", str(tmp_path / "eval.json")])
+        main(
+            [
+                f"--target.path={tiny_target}",
+                "--drafter",
+                str(edited),
+                "--prompts.files=data/tiny-prompts.jsonl",
+                "--report",
+                str(tmp_path / "eval.json"),
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and "Traceback" not in err
-    assert f"lacks `block_size`, which reads as 16, where its weights were trained with {BLOCK}" in err
+    assert (
+        f"lacks `block_size`, which reads as 16, where its weights were trained with {BLOCK}" in err
+    )
     assert not (tmp_path / "eval.json").exists()
 
 
 def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main([f"--target.path={tiny_target}", "--drafter", str(tmp_path / "nope"),
-              "--prompts.files=data/tiny-prompts.jsonl"])
+        main(
+            [
+                f"--target.path={tiny_target}",
+                "--drafter",
+                str(tmp_path / "nope"),
+                "--prompts.files=data/tiny-prompts.jsonl",
+            ]
+        )
     assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
@@ -166,14 +228,24 @@ def _briefly_trained_drafter(model, tok, root, steps=60):
     with the training forward and the DFlash labels: good enough to get some drafts accepted."""
     from dflash_common.drafter.objective import IGNORE_INDEX, block_labels
 
-    records = [json.loads(line) for line in (root / "data" / "tiny-train.jsonl").read_text().splitlines()[:48]]
-    cfg = DrafterConfig.from_target(model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=1,
-                                    block_size=BLOCK, layer_ids=[1, 3, 5])
+    records = [
+        json.loads(line)
+        for line in (root / "data" / "tiny-train.jsonl").read_text().splitlines()[:48]
+    ]
+    cfg = DrafterConfig.from_target(
+        model.config,
+        mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN),
+        depth=1,
+        block_size=BLOCK,
+        layer_ids=[1, 3, 5],
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
     drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     with torch.inference_mode():
-        feats = [torch.cat(_layers(model, r["input_ids"], cfg.target_layer_ids), -1) for r in records]  # [S, K*H]
+        feats = [
+            torch.cat(_layers(model, r["input_ids"], cfg.target_layer_ids), -1) for r in records
+        ]  # [S, K*H]
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
@@ -187,8 +259,9 @@ def _briefly_trained_drafter(model, tok, root, steps=60):
         anchors = torch.nonzero(mask.bool() & (pos <= end - BLOCK) & (pos % 3 == step % 3))[:, 0]
         labels, weights = block_labels(ids, mask, cu, anchors, BLOCK)
         hidden = drafter(torch.cat([feats[i] for i in pick]).clone(), ids, cu, anchors)  # [A, B, H]
-        ce = torch.nn.functional.cross_entropy(drafter.logits(hidden).flatten(0, 1), labels.flatten().clamp(min=0),
-                                               reduction="none")
+        ce = torch.nn.functional.cross_entropy(
+            drafter.logits(hidden).flatten(0, 1), labels.flatten().clamp(min=0), reduction="none"
+        )
         loss = (ce * weights.flatten() * (labels.flatten() != IGNORE_INDEX)).sum() / weights.sum()
         opt.zero_grad()
         loss.backward()
@@ -212,22 +285,32 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
     target = TargetRunner(model, proposer.layer_ids)
     max_new, seen = 40, []
     for prompt in load_prompts([str(root / "data" / "tiny-prompts.jsonl")], tok, {}):
-        out = speculative_generate(target, proposer, prompt.ids, block_size=BLOCK, max_new_tokens=max_new)
+        out = speculative_generate(
+            target, proposer, prompt.ids, block_size=BLOCK, max_new_tokens=max_new
+        )
         assert out.tokens == target_generate(target, prompt.ids, max_new_tokens=max_new).tokens
         seq, max_len = prompt.ids + out.tokens, len(prompt.ids) + max_new
-        anchors = (len(prompt.ids) + torch.tensor([0] + out.acceptance_lengths[:-1]).cumsum(0)).tolist()
+        anchors = (
+            len(prompt.ids) + torch.tensor([0] + out.acceptance_lengths[:-1]).cumsum(0)
+        ).tolist()
         with torch.inference_mode():
             feats = torch.cat(_layers(model, seq, proposer.layer_ids), -1)
             cu = torch.tensor([0, len(seq)])
             hidden = proposer.drafter(feats, torch.tensor(seq), cu, torch.tensor(anchors))
             predicted = proposer.drafter.logits(hidden[:, 1:]).argmax(-1)  # [cycles, B-1]
         for a, n, row in zip(anchors, out.acceptance_lengths, predicted.tolist()):
-            if a + BLOCK > max_len:  # drafts past the output's end: nothing here to compare them with
+            if (
+                a + BLOCK > max_len
+            ):  # drafts past the output's end: nothing here to compare them with
                 continue
             run = next((k for k in range(BLOCK - 1) if row[k] != seq[a + 1 + k]), BLOCK - 1)
-            assert n == run + 1, f"{prompt.name}: cycle at {a}"  # counted uncut, as the authors' loop
+            assert n == run + 1, (
+                f"{prompt.name}: cycle at {a}"
+            )  # counted uncut, as the authors' loop
             seen.append(n)
-    assert max(seen) >= 3 and len(seen) > 50, "the drafter should get drafts accepted for the check to bite"
+    assert max(seen) >= 3 and len(seen) > 50, (
+        "the drafter should get drafts accepted for the check to bite"
+    )
 
 
 def test_batched_decoding_has_the_one_at_a_time_cycles(model, tiny_target, trained):
@@ -242,8 +325,12 @@ def test_batched_decoding_has_the_one_at_a_time_cycles(model, tiny_target, train
     proposer = DFlashProposer(trained)
     target, max_new = TargetRunner(model, proposer.layer_ids), 40
     together = speculative_generate_batch(
-        BatchedTarget(model, proposer.layer_ids), BatchedDFlash(proposer), prompts,
-        block_size=BLOCK, max_new_tokens=max_new)
+        BatchedTarget(model, proposer.layer_ids),
+        BatchedDFlash(proposer),
+        prompts,
+        block_size=BLOCK,
+        max_new_tokens=max_new,
+    )
     seen = []
     for ids, b in zip(prompts, together):
         a = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=max_new)
@@ -260,8 +347,13 @@ def test_batched_drafter_blocks_equal_one_block_at_a_time(model, prompt_ids):
     texts, tok = prompt_ids
     block = 6
     cfg = DrafterConfig.from_target(
-        model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=2,
-        block_size=block, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+        model.config,
+        mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN),
+        depth=2,
+        block_size=block,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5,
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).eval()
     drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
@@ -275,14 +367,19 @@ def test_batched_drafter_blocks_equal_one_block_at_a_time(model, prompt_ids):
     batch = BatchedDFlash(proposer)
     batch.start(prompts, max(map(len, seqs)) + 2 * block)
     width = max(map(len, prompts))
-    padded = torch.stack([torch.cat([f[:len(p)], f.new_zeros(width - len(p), f.shape[1])])
-                          for f, p in zip(feats, prompts)])
+    padded = torch.stack(
+        [
+            torch.cat([f[: len(p)], f.new_zeros(width - len(p), f.shape[1])])
+            for f, p in zip(feats, prompts)
+        ]
+    )
     batch.extend(padded, torch.zeros(len(prompts), dtype=torch.long))
     starts = torch.tensor([len(p) for p in prompts])
-    first = batch.block_hidden(torch.tensor([q[len(p)] for q, p in zip(seqs, prompts)]), starts,
-                               block)
+    first = batch.block_hidden(
+        torch.tensor([q[len(p)] for q, p in zip(seqs, prompts)]), starts, block
+    )
     # a whole block of context, as after a verify forward: past each second anchor it is stale
-    batch.extend(torch.stack([f[len(p):len(p) + block] for f, p in zip(feats, prompts)]), starts)
+    batch.extend(torch.stack([f[len(p) : len(p) + block] for f, p in zip(feats, prompts)]), starts)
     second_starts = starts + torch.tensor(steps)
     anchors = torch.tensor([q[s] for q, s in zip(seqs, second_starts.tolist())])
     second = batch.block_hidden(anchors, second_starts, block)
@@ -302,16 +399,19 @@ def test_batched_drafter_blocks_equal_one_block_at_a_time(model, prompt_ids):
         assert drafts[i].tolist() == proposer.propose(f[n:m], q[m], m, block - 1).tolist()
 
 
-def test_decode_prompts_batched_equals_one_at_a_time_with_multi_turn_prompts(model, drafter_dir,
-                                                                              prompt_ids):
+def test_decode_prompts_batched_equals_one_at_a_time_with_multi_turn_prompts(
+    model, drafter_dir, prompt_ids
+):
     """run.py's batched path: turns decoded a wave at a time, answered by the speculative output,
     the results in the one-at-a-time order, every prompt's tokens and cycles the same, lossless."""
     texts, tok = prompt_ids
     proposer = load_proposer(str(drafter_dir), model)
     target = TargetRunner(model, proposer.layer_ids)
-    items = [Prompt("a", ids=tok.encode(texts[0])),
-             Prompt("b", turns=["Tell me about bees.", "And wasps?"]),
-             Prompt("c", ids=tok.encode(texts[2]))]
+    items = [
+        Prompt("a", ids=tok.encode(texts[0])),
+        Prompt("b", turns=["Tell me about bees.", "And wasps?"]),
+        Prompt("c", ids=tok.encode(texts[2])),
+    ]
     one = Settings(BLOCK, Sampling(max_new_tokens=17), frozenset(), True, True)
     alone = decode_prompts(target, proposer, items, one, tokenizer=tok, warmup=False)
     two = Settings(BLOCK, Sampling(max_new_tokens=17), frozenset(), True, True, batch_size=2)
@@ -329,10 +429,22 @@ def test_cli_batched(tiny_target, drafter_dir, tmp_path, capsys):
 
     root = Path(__file__).resolve().parents[3]
     report = tmp_path / "eval.json"
-    main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
-          "--report", str(report), f"--target.path={tiny_target}", "--generation.batch_size=4",
-          f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=5",
-          "--generation.max_new_tokens=20", "--generation.warmup=false"])
+    main(
+        [
+            "--config",
+            str(root / "configs" / "tiny.toml"),
+            "--drafter",
+            str(drafter_dir),
+            "--report",
+            str(report),
+            f"--target.path={tiny_target}",
+            "--generation.batch_size=4",
+            f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}",
+            "--prompts.num_prompts=5",
+            "--generation.max_new_tokens=20",
+            "--generation.warmup=false",
+        ]
+    )
     out = json.loads(report.read_text())
     assert out["batch_size"] == 4 and out["num_prompts"] == 5
     assert out["lossless"] == {"checked": True, "ok": True, "mismatches": []}

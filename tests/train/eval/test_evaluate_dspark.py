@@ -212,8 +212,12 @@ def test_batched_decoding_has_the_one_at_a_time_cycles(model, dspark_dir, tiny_t
     prompts = [p.ids for p in _prompts(tiny_target)]
     target, block, max_new = TargetRunner(model, proposer.layer_ids), proposer.block_size, 40
     together = speculative_generate_batch(
-        BatchedTarget(model, proposer.layer_ids), as_batched(proposer), prompts,
-        block_size=block, max_new_tokens=max_new)
+        BatchedTarget(model, proposer.layer_ids),
+        as_batched(proposer),
+        prompts,
+        block_size=block,
+        max_new_tokens=max_new,
+    )
     seen = []
     for ids, b in zip(prompts, together):
         a = speculative_generate(target, proposer, ids, block_size=block, max_new_tokens=max_new)

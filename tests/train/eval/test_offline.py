@@ -17,8 +17,9 @@ BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_offline_estimate_reads_the_held_out_split_of_the_training_run(tiny_target, tiny_store, drafter_dir,
-                                                                       tmp_path, capsys):
+def test_offline_estimate_reads_the_held_out_split_of_the_training_run(
+    tiny_target, tiny_store, drafter_dir, tmp_path, capsys
+):
     """--offline: accuracy per block position and tau from the trainer's validation, with the split the
     training run recorded in its run.toml (here 8 sequences), and the same figures as calling the
     trainer's validation directly with the target's head."""
@@ -30,11 +31,22 @@ def test_offline_estimate_reads_the_held_out_split_of_the_training_run(tiny_targ
 
     run_drafter = tmp_path / "run"
     shutil.copytree(drafter_dir, run_drafter)
-    (run_drafter / "run.toml").write_text("[data]\nholdout_sequences = 8\nbatch_tokens = 4096\n"
-                                          "[objective]\nmax_anchors = 64\n")
+    (run_drafter / "run.toml").write_text(
+        "[data]\nholdout_sequences = 8\nbatch_tokens = 4096\n[objective]\nmax_anchors = 64\n"
+    )
     report = tmp_path / "offline.json"
-    main(["--offline", "--store", str(tiny_store), "--drafter", str(run_drafter), f"--target.path={tiny_target}",
-          "--report", str(report)])
+    main(
+        [
+            "--offline",
+            "--store",
+            str(tiny_store),
+            "--drafter",
+            str(run_drafter),
+            f"--target.path={tiny_target}",
+            "--report",
+            str(report),
+        ]
+    )
     out = json.loads(report.read_text())
     assert out["mode"] == "offline" and out["holdout_sequences"] == 8 and 0 < out["sequences"] <= 8
     assert out["max_anchors"] == 64 and out["batch_tokens"] == 4096
@@ -45,12 +57,26 @@ def test_offline_estimate_reads_the_held_out_split_of_the_training_run(tiny_targ
     drafter, _ = load_drafter(drafter_dir, dtype=torch.float32)
     head = load_target_head(tiny_target, dtype=torch.float32)
     drafter.attach_frozen(head.embed, head.lm_head)
-    direct = evaluate_offline(drafter, tiny_store, holdout_sequences=8, batch_tokens=4096, max_anchors=64,
-                              autocast="none")
-    assert direct["tau"] == pytest.approx(out["tau"]) and direct["acc_by_pos"] == pytest.approx(out["acc_by_pos"])
+    direct = evaluate_offline(
+        drafter, tiny_store, holdout_sequences=8, batch_tokens=4096, max_anchors=64, autocast="none"
+    )
+    assert direct["tau"] == pytest.approx(out["tau"]) and direct["acc_by_pos"] == pytest.approx(
+        out["acc_by_pos"]
+    )
 
-    main(["--offline", "--store", str(tiny_store), "--drafter", str(run_drafter), f"--target.path={tiny_target}",
-          "--report", str(report), "--offline.holdout_sequences=16"])  # the command line wins over run.toml
+    main(
+        [
+            "--offline",
+            "--store",
+            str(tiny_store),
+            "--drafter",
+            str(run_drafter),
+            f"--target.path={tiny_target}",
+            "--report",
+            str(report),
+            "--offline.holdout_sequences=16",
+        ]
+    )  # the command line wins over run.toml
     assert json.loads(report.read_text())["sequences"] > out["sequences"]
 
 
@@ -64,4 +90,6 @@ def test_the_usage_line_shows_offline(capsys):
     with pytest.raises(SystemExit) as caught:
         main(["--help"])
     usage = capsys.readouterr().out.split("\n\n")[0]  # argparse's `usage: dflash-eval [...]` lines
-    assert caught.value.code == 0 and usage.startswith("usage: dflash-eval") and "[--offline]" in usage
+    assert (
+        caught.value.code == 0 and usage.startswith("usage: dflash-eval") and "[--offline]" in usage
+    )

@@ -8,13 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from dflash_common.drafter.loss.hard import (
-    ODDS_LOG_LIMIT, chunk_rows, fused_lm_head_loss, label_odds_rows_torch, weighted_ce_rows_torch,
+    ODDS_LOG_LIMIT,
+    chunk_rows,
+    fused_lm_head_loss,
+    label_odds_rows_torch,
+    weighted_ce_rows_torch,
 )
 from dflash_common.drafter.objective import IGNORE_INDEX
 
 BACKENDS = ["torch", "triton"]
 # (backend, method): the exact softmax on both backends, the label odds on both, and in the logits matmul
-WAYS = [("torch", "exact"), ("triton", "exact"), ("torch", "odds"), ("triton", "odds"), ("triton", "odds_epilogue")]
+WAYS = [
+    ("torch", "exact"),
+    ("triton", "exact"),
+    ("torch", "odds"),
+    ("triton", "odds"),
+    ("triton", "odds_epilogue"),
+]
 WAY_IDS = [f"{b}-{m}" for b, m in WAYS]
 
 
@@ -23,7 +33,9 @@ def _case(n=37, h=16, v=300, seed=0, dtype=torch.float32):
     hidden = (torch.randn(n, h, generator=g) * 2).to(dtype).requires_grad_(True)
     weight = torch.randn(v, h, generator=g).to(dtype)
     labels = torch.randint(0, v, (n,), generator=g)
-    labels[1::3] = (hidden.detach().float() @ weight.float().T).argmax(-1)[1::3]  # some correct rows
+    labels[1::3] = (hidden.detach().float() @ weight.float().T).argmax(-1)[
+        1::3
+    ]  # some correct rows
     weights = torch.rand(n, generator=g)
     weights[::5] = 0.0  # zero weight: skipped rows
     labels[3] = labels[10] = IGNORE_INDEX  # ignored labels, one of them with a non-zero weight
@@ -42,7 +54,9 @@ def _reference(hidden, weight, labels, weights):
 @pytest.mark.parametrize("chunk_bytes", [None, 300 * 8 * 5], ids=["one-chunk", "chunks-of-5-rows"])
 def test_value_gradient_and_correctness_match_cross_entropy(backend, method, chunk_bytes):
     hidden, weight, labels, weights = _case()
-    out = fused_lm_head_loss(hidden, weight, labels, weights, backend=backend, chunk_bytes=chunk_bytes, method=method)
+    out = fused_lm_head_loss(
+        hidden, weight, labels, weights, backend=backend, chunk_bytes=chunk_bytes, method=method
+    )
     (out.loss * 3.0).backward()  # grad_output != 1 scales the stored gradient
     got_grad, hidden.grad = hidden.grad, None
     want, want_correct = _reference(hidden, weight, labels, weights)
@@ -94,7 +108,9 @@ def test_triton_kernel_tiles_the_vocabulary_like_the_torch_rows():
     labels = torch.tensor([0, 199, 7, 64, 63, 195])
     weights = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.0, 0.25])
     a, b = logits.clone(), logits.clone()
-    loss_t, correct_t = weighted_ce_rows(a, labels, weights, compute_grad=True, block=64)  # 4 tiles, last partial
+    loss_t, correct_t = weighted_ce_rows(
+        a, labels, weights, compute_grad=True, block=64
+    )  # 4 tiles, last partial
     loss_r, correct_r = weighted_ce_rows_torch(b, labels, weights, compute_grad=True)
     torch.testing.assert_close(loss_t, loss_r)
     torch.testing.assert_close(a, b)
@@ -104,7 +120,9 @@ def test_triton_kernel_tiles_the_vocabulary_like_the_torch_rows():
 @pytest.mark.parametrize("backend, method", WAYS, ids=WAY_IDS)
 def test_nothing_to_learn_gives_zero_loss_and_zero_gradient(backend, method):
     hidden, weight, labels, _ = _case(n=12)
-    out = fused_lm_head_loss(hidden, weight, labels, torch.zeros(12), backend=backend, method=method)
+    out = fused_lm_head_loss(
+        hidden, weight, labels, torch.zeros(12), backend=backend, method=method
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and hidden.grad.abs().sum() == 0 and not out.correct.any()
 
@@ -119,32 +137,43 @@ def test_odds_kernel_tiles_the_vocabulary_like_the_torch_rows():
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(7, 200, generator=g) * 4
-    logits[2, 190] = logits[2, 7] = logits[2, 71] = 50.0  # the label ties the max at the lowest index: correct
+    logits[2, 190] = logits[2, 7] = logits[2, 71] = (
+        50.0  # the label ties the max at the lowest index: correct
+    )
     logits[3, 190] = logits[3, 7] = 50.0  # ... at a higher index than another column: not correct
     logits[5, 195] = 60.0  # the max only in the last, partial tile
     labels = torch.tensor([0, 199, 7, 190, 63, 195, 64])
     weights = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.0, 0.25, 3.0])
     a, b = logits.clone(), logits.clone()
     got = _odds_out(7)
-    label_odds_rows(a, labels, weights, True, got, ODDS_LOG_LIMIT, block=64)  # 4 tiles, the last partial
+    label_odds_rows(
+        a, labels, weights, True, got, ODDS_LOG_LIMIT, block=64
+    )  # 4 tiles, the last partial
     want = label_odds_rows_torch(b, labels, weights, True)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y)
     torch.testing.assert_close(a, b)  # the odds, written in place
-    assert a[torch.arange(7), labels].eq(0).all() and torch.equal(got[1], logits.argmax(-1) == labels)
+    assert a[torch.arange(7), labels].eq(0).all() and torch.equal(
+        got[1], logits.argmax(-1) == labels
+    )
     assert got[1][[2, 5]].all() and not got[1][3]
     ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     torch.testing.assert_close(got[0], ce * weights)
     # rows written where an index says, the others untouched
     index = torch.tensor([9, 0, 4, 2, 8, 1, 6])
     spread = tuple(torch.zeros(10, dtype=o.dtype) for o in got)
-    label_odds_rows(logits.clone(), labels, weights, False, spread, ODDS_LOG_LIMIT, index=index, block=64)
+    label_odds_rows(
+        logits.clone(), labels, weights, False, spread, ODDS_LOG_LIMIT, index=index, block=64
+    )
     for x, y in zip(spread, got):
         assert torch.equal(x[index], y) and not x[[3, 5, 7]].any()
 
 
-@pytest.mark.parametrize("compute_grad, hidden_size", [(True, 16), (False, 16), (True, 24)],
-                         ids=["grad", "no-grad", "partial-k-step"])
+@pytest.mark.parametrize(
+    "compute_grad, hidden_size",
+    [(True, 16), (False, 16), (True, 24)],
+    ids=["grad", "no-grad", "partial-k-step"],
+)
 def test_odds_matmul_gives_the_odds_of_the_logits(compute_grad, hidden_size):
     from dflash_common.drafter.loss.epilogue_triton import odds_matmul
 
@@ -167,14 +196,20 @@ def test_odds_matmul_gives_the_odds_of_the_logits(compute_grad, hidden_size):
         assert odds is None
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy (the interpreter) on the overflow provoked here
+@pytest.mark.filterwarnings(
+    "ignore::RuntimeWarning"
+)  # numpy (the interpreter) on the overflow provoked here
 @pytest.mark.parametrize("backend, method", WAYS[2:], ids=WAY_IDS[2:])
 def test_rows_past_80_nats_are_recomputed_exactly(backend, method):
     hidden, weight, labels, weights = _case(n=20, seed=5)
     with torch.no_grad():
-        hidden[[2, 7]] = weight[labels[[2, 7]] + 1] * 40  # another token's row, far: CE of hundreds of nats
+        hidden[[2, 7]] = (
+            weight[labels[[2, 7]] + 1] * 40
+        )  # another token's row, far: CE of hundreds of nats
     logits = hidden.detach() @ weight.T
-    assert not label_odds_rows_torch(logits.clone(), labels.clamp(min=0), weights, False)[4][[2, 7]].any()
+    assert not label_odds_rows_torch(logits.clone(), labels.clamp(min=0), weights, False)[4][
+        [2, 7]
+    ].any()
     out = fused_lm_head_loss(hidden, weight, labels, weights, backend=backend, method=method)
     out.loss.backward()
     got_grad, hidden.grad = hidden.grad, None
@@ -182,7 +217,9 @@ def test_rows_past_80_nats_are_recomputed_exactly(backend, method):
     want.backward()
     ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
     assert ce[[2, 7]].min() > 100
-    torch.testing.assert_close(out.rows, ce * weights * (labels != IGNORE_INDEX), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        out.rows, ce * weights * (labels != IGNORE_INDEX), rtol=1e-5, atol=1e-4
+    )
     torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-5, atol=1e-4)
     assert torch.equal(out.correct, want_correct)
 
@@ -193,7 +230,9 @@ def test_odds_methods_keep_the_gradient_of_confident_rows_where_the_exact_one_lo
     g = torch.Generator().manual_seed(6)
     weight = (torch.randn(2000, 64, generator=g) * 0.3).bfloat16()
     labels = torch.randint(0, 2000, (64,), generator=g)
-    hidden = (weight[labels].float() * torch.linspace(2, 12, 64)[:, None]).bfloat16()  # CE from ~0.1 to ~1e-30
+    hidden = (
+        weight[labels].float() * torch.linspace(2, 12, 64)[:, None]
+    ).bfloat16()  # CE from ~0.1 to ~1e-30
     unit = torch.ones(64)
     ref = hidden.double().requires_grad_(True)
     F.cross_entropy(ref @ weight.double().T, labels, reduction="sum").backward()
@@ -201,9 +240,14 @@ def test_odds_methods_keep_the_gradient_of_confident_rows_where_the_exact_one_lo
     for backend, method in WAYS:
         x = hidden.clone().requires_grad_(True)
         fused_lm_head_loss(x, weight, labels, unit, backend=backend, method=method).loss.backward()
-        errors[backend, method] = ((x.grad.double() - ref.grad).norm(dim=1) / ref.grad.norm(dim=1)).median().item()
+        errors[backend, method] = (
+            ((x.grad.double() - ref.grad).norm(dim=1) / ref.grad.norm(dim=1)).median().item()
+        )
     assert errors["torch", "exact"] > 0.3 and errors["triton", "exact"] > 0.3, errors
-    assert max(errors["torch", "odds"], errors["triton", "odds"], errors["triton", "odds_epilogue"]) < 0.1, errors
+    assert (
+        max(errors["torch", "odds"], errors["triton", "odds"], errors["triton", "odds_epilogue"])
+        < 0.1
+    ), errors
 
 
 def test_unknown_method_and_epilogue_without_triton_are_refused_and_auto_runs_odds():
@@ -263,8 +307,15 @@ def _close_to_float32(method, device, n, h, v):
     ref = hidden.detach().float().requires_grad_(True)
     want, want_correct = _reference(ref, weight, labels, weights)
     want.backward()
-    out = fused_lm_head_loss(hidden, weight, labels, weights, backend="triton", method=method,
-                             chunk_bytes=-(-n // 4) * v * 2)  # a quarter of the rows a chunk
+    out = fused_lm_head_loss(
+        hidden,
+        weight,
+        labels,
+        weights,
+        backend="triton",
+        method=method,
+        chunk_bytes=-(-n // 4) * v * 2,
+    )  # a quarter of the rows a chunk
     out.loss.backward()
     torch.testing.assert_close(out.loss, want.detach(), rtol=2e-3, atol=1e-2)
     assert (out.correct == want_correct).float().mean() > 0.97  # bf16 logits may flip a near-tie
@@ -280,19 +331,26 @@ def _close_to_float32(method, device, n, h, v):
 
 @pytest.mark.parametrize("backend, method", WAYS, ids=WAY_IDS)
 @pytest.mark.parametrize("chunk_bytes", [None, 300 * 8 * 5], ids=["one-chunk", "chunks-of-5-rows"])
-def test_rows_reweighted_after_the_forward_give_the_gradient_of_the_reweighted_objective(backend, method,
-                                                                                          chunk_bytes):
+def test_rows_reweighted_after_the_forward_give_the_gradient_of_the_reweighted_objective(
+    backend, method, chunk_bytes
+):
     # D-PACE's path: unit weights in the fused forward, per-row weights from its own CE applied after
     hidden, weight, labels, weights = _case(seed=2)
     unit = ((weights != 0) & (labels != IGNORE_INDEX)).float()
-    out = fused_lm_head_loss(hidden, weight, labels, unit, backend=backend, chunk_bytes=chunk_bytes, method=method)
+    out = fused_lm_head_loss(
+        hidden, weight, labels, unit, backend=backend, chunk_bytes=chunk_bytes, method=method
+    )
     logits = hidden.detach().float() @ weight.float().T
     ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
-    torch.testing.assert_close(out.rows, ce * unit, rtol=1e-5, atol=1e-5)  # per-row CE, 0 where skipped
+    torch.testing.assert_close(
+        out.rows, ce * unit, rtol=1e-5, atol=1e-5
+    )  # per-row CE, 0 where skipped
     w = torch.exp(-out.rows.detach()) + torch.arange(len(unit)) / 10  # depends on this forward's CE
     (w * out.rows).sum().backward()
     got_grad, hidden.grad = hidden.grad, None
-    ref = F.cross_entropy(hidden.float() @ weight.float().T, labels, reduction="none", ignore_index=IGNORE_INDEX)
+    ref = F.cross_entropy(
+        hidden.float() @ weight.float().T, labels, reduction="none", ignore_index=IGNORE_INDEX
+    )
     (w * unit * ref).sum().backward()
     # atol as in the tests above: the kernel's e**x is 2**(x log2 e), a float32 rounding away
     torch.testing.assert_close(got_grad, hidden.grad, rtol=1e-5, atol=1e-4)

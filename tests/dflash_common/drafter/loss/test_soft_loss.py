@@ -51,11 +51,23 @@ def _reference(kind, hidden, weight, labels, weights, teacher, index, temperatur
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_value_gradient_and_correctness_match_materialised_logits(backend, kind, temperature):
     hidden, weight, labels, weights, teacher, index = _case(seed=KINDS.index(kind))
-    out = soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, kind, temperature,
-                            backend=backend, chunk_bytes=300 * 100 * 7)  # chunks of a few rows
+    out = soft_lm_head_loss(
+        hidden,
+        weight,
+        labels,
+        weights,
+        teacher,
+        index,
+        kind,
+        temperature,
+        backend=backend,
+        chunk_bytes=300 * 100 * 7,
+    )  # chunks of a few rows
     (out.loss * 3.0).backward()  # grad_output != 1 scales the stored gradient
     got, hidden.grad = hidden.grad, None
-    want, want_correct = _reference(kind, hidden, weight, labels, weights, teacher, index, temperature)
+    want, want_correct = _reference(
+        kind, hidden, weight, labels, weights, teacher, index, temperature
+    )
     (want * 3.0).backward()
     torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got, hidden.grad, rtol=1e-4, atol=1e-5)
@@ -71,10 +83,21 @@ def test_rows_reweighted_after_the_forward_and_ce_match_materialised_logits(back
     hidden, weight, labels, _, teacher, index = _case(seed=11)
     unit = (labels != IGNORE_INDEX).float()
     unit[::5] = 0.0  # skipped rows stay skipped
-    out = soft_lm_head_loss(hidden, weight, labels, unit, teacher, index, kind, backend=backend,
-                            chunk_bytes=300 * 100 * 7)
+    out = soft_lm_head_loss(
+        hidden,
+        weight,
+        labels,
+        unit,
+        teacher,
+        index,
+        kind,
+        backend=backend,
+        chunk_bytes=300 * 100 * 7,
+    )
     kept = unit != 0
-    target_labels = torch.where(labels == TARGET_ARGMAX, (teacher[index] @ weight.T).argmax(-1), labels)
+    target_labels = torch.where(
+        labels == TARGET_ARGMAX, (teacher[index] @ weight.T).argmax(-1), labels
+    )
     want_ce = F.cross_entropy(hidden @ weight.T, target_labels.clamp(min=0), reduction="none")
     torch.testing.assert_close(out.ce[kept], want_ce[kept].detach(), rtol=1e-5, atol=1e-5)
     assert not out.ce.requires_grad and (out.ce[~kept] == 0).all()
@@ -82,7 +105,9 @@ def test_rows_reweighted_after_the_forward_and_ce_match_materialised_logits(back
     w = torch.exp(-out.ce) + 0.1  # any detached function of the forward
     (w * out.rows).sum().backward()
     got, hidden.grad = hidden.grad, None
-    want, _ = _reference(kind, hidden, weight, labels, torch.where(kept, w, 0.0), teacher, index, 1.0)
+    want, _ = _reference(
+        kind, hidden, weight, labels, torch.where(kept, w, 0.0), teacher, index, 1.0
+    )
     want.backward()
     torch.testing.assert_close(got, hidden.grad, rtol=1e-4, atol=1e-5)
 
@@ -91,15 +116,31 @@ def test_rows_reweighted_after_the_forward_and_ce_match_materialised_logits(back
 def test_result_does_not_depend_on_the_chunk_size(backend):
     hidden, weight, labels, weights, teacher, index = _case(n=50, seed=7)
     results = []
-    for chunk_bytes in (1, 300 * 100 * 3, 300 * 100 * 17, None):  # 1 row, 3 rows, 17 rows, all in one
-        out = soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, "dspark",
-                                backend=backend, chunk_bytes=chunk_bytes)
+    for chunk_bytes in (
+        1,
+        300 * 100 * 3,
+        300 * 100 * 17,
+        None,
+    ):  # 1 row, 3 rows, 17 rows, all in one
+        out = soft_lm_head_loss(
+            hidden,
+            weight,
+            labels,
+            weights,
+            teacher,
+            index,
+            "dspark",
+            backend=backend,
+            chunk_bytes=chunk_bytes,
+        )
         out.loss.backward()
         results.append((out.loss.detach(), out.correct, hidden.grad))
         hidden.grad = None
     for loss, correct, grad in results[1:]:
         torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(grad, results[0][2], rtol=1e-4, atol=1e-5)  # matmul blocking only
+        torch.testing.assert_close(
+            grad, results[0][2], rtol=1e-4, atol=1e-5
+        )  # matmul blocking only
         assert torch.equal(correct, results[0][1])
 
 
@@ -115,7 +156,9 @@ def test_matching_the_target_exactly_costs_nothing_but_ce():
     hidden, weight, labels, weights, _, _ = _case(seed=3)
     teacher, index = hidden.detach().clone(), torch.arange(hidden.shape[0])  # p == q on every row
     for kind in ("kl", "tv"):
-        out = soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, kind, backend="triton")
+        out = soft_lm_head_loss(
+            hidden, weight, labels, weights, teacher, index, kind, backend="triton"
+        )
         out.loss.backward()
         assert abs(out.loss.item()) < 1e-5 and hidden.grad.abs().max() < 1e-5
         hidden.grad = None
@@ -124,7 +167,9 @@ def test_matching_the_target_exactly_costs_nothing_but_ce():
 def test_no_grad_path_and_bad_arguments():
     hidden, weight, labels, weights, teacher, index = _case(seed=5)
     with torch.no_grad():
-        out = soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, "kl", backend="torch")
+        out = soft_lm_head_loss(
+            hidden, weight, labels, weights, teacher, index, "kl", backend="torch"
+        )
     want, _ = _reference("kl", hidden, weight, labels, weights, teacher, index, 1.0)
     torch.testing.assert_close(out.loss, want.detach(), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="unknown"):
@@ -142,7 +187,9 @@ def test_triton_on_the_gpu_matches_the_torch_backend_in_bf16(kind):
     labels, weights, index = labels.cuda(), weights.cuda(), index.cuda()
     grads, losses = [], []
     for backend in BACKENDS:
-        out = soft_lm_head_loss(hidden, weight, labels, weights, teacher, index, kind, 1.5, backend=backend)
+        out = soft_lm_head_loss(
+            hidden, weight, labels, weights, teacher, index, kind, 1.5, backend=backend
+        )
         out.loss.backward()
         grads.append(hidden.grad.float())
         losses.append(out.loss)
@@ -164,8 +211,17 @@ def _fit(kind: str, temperature: float, steps: int = 250) -> float:
     proj = torch.zeros(f, h, requires_grad=True)
     opt = torch.optim.Adam([proj], lr=3e-2)
     for _ in range(steps):
-        out = soft_lm_head_loss(feats @ proj, weight, labels, torch.ones(n), teacher, torch.arange(n), kind,
-                                temperature, backend="torch")
+        out = soft_lm_head_loss(
+            feats @ proj,
+            weight,
+            labels,
+            torch.ones(n),
+            teacher,
+            torch.arange(n),
+            kind,
+            temperature,
+            backend="torch",
+        )
         opt.zero_grad()
         (out.loss / n).backward()
         opt.step()
