@@ -1,6 +1,6 @@
 """A packed batch on the host, between the shard cache and the device feeder: the small arrays are
-assembled, the hidden states still lie in the cache slots (train/data.py builds it, train/transfer.py
-copies it to the device)."""
+assembled, the hidden states still lie in the cache slots (train/data.py builds it,
+train/transfer.py copies it to the device)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ into equal slots that are views of it; a shard takes `slots_per_entry` of them (
 slot per target layer, sized for the largest shard: see train/data.py `slot_layout`). Without CUDA
 the slab is ordinary memory (there is nothing to pin for), and the log says so.
 
-    cache = ShardCache(SlotSlab.allocate(n_slots, slot_bytes), slots_per_entry=K, read_fn=..., threads=4)
+    cache = ShardCache(
+        SlotSlab.allocate(n_slots, slot_bytes), slots_per_entry=K, read_fn=..., threads=4
+    )
     handle = cache.request(key)     # never blocks: a miss is queued for the readers
     data = handle.wait()            # blocks until the shard is in its slots
     ...                             # copies out of the slots (possibly asynchronous)
@@ -43,7 +45,8 @@ PAGE = 4096
 
 
 class SlotSlab:
-    """`n_slots` equal slots of `slot_bytes`, views of one allocation (pinned when CUDA is present)."""
+    """`n_slots` equal slots of `slot_bytes`, views of one allocation (pinned when CUDA is
+    present)."""
 
     def __init__(self, buffer: torch.Tensor, slot_bytes: int, pinned: bool):
         self.buffer = buffer  # uint8 [n_slots * slot_bytes]
@@ -53,8 +56,8 @@ class SlotSlab:
 
     @classmethod
     def allocate(cls, n_slots: int, slot_bytes: int, pin: bool | None = None) -> "SlotSlab":
-        """One allocation of `n_slots` page-aligned slots of at least `slot_bytes`; pinned by default
-        when CUDA is present."""
+        """One allocation of `n_slots` page-aligned slots of at least `slot_bytes`; pinned by
+        default when CUDA is present."""
         if n_slots < 1 or slot_bytes < 1:
             raise ValueError(
                 f"a slab needs at least one slot of at least one byte, got {n_slots} x {slot_bytes}"
@@ -157,7 +160,8 @@ class Handle:
         return self._entry.key
 
     def wait(self) -> Any:
-        """The shard's data as returned by the cache's read_fn (views of its slots); blocks until read."""
+        """The shard's data as returned by the cache's read_fn (views of its slots); blocks until
+        read."""
         if not self._entry.done.is_set():
             started = time.perf_counter()
             self._entry.done.wait()
@@ -252,7 +256,8 @@ class ShardCache:
                 self._lock.notify_all()
 
     def _claim_slots(self) -> _Entry | None:
-        """Under the lock: wait until the oldest pending shard can have slots (evicting LRU), take it."""
+        """Under the lock: wait until the oldest pending shard can have slots (evicting LRU), take
+        it."""
         while not self._closed:
             if self._pending:
                 while len(self._free) < self.slots_per_entry and self._evictable:

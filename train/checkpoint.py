@@ -1,7 +1,8 @@
 """Checkpoints of a training run: `step-N/` directories that resume a run exactly.
 
     step-N/
-      drafter/config.json, drafter/model.safetensors   the drafter in the released layout (fp32 master)
+      drafter/          the drafter in the released layout (config.json, model.safetensors;
+                        fp32 master)
       trainer.pt        optimiser and lr-scheduler state, the step
       ranks.pt          per rank: data-pipeline position and RNG states (torch, cuda, python, numpy)
       run.toml/json     the resolved config (and versions, git revision) of the run that wrote it
@@ -13,8 +14,8 @@ newest directory that has its marker and ignores anything else. The anchor gener
 anchors are drawn from a generator seeded by (seed, epoch, batch) (train/data.py), so the data
 position alone reproduces them.
 
-SIGTERM and SIGINT only set a flag (`StopRequest`); the loop saves at the next step boundary and exits
-with code 0.
+SIGTERM and SIGINT only set a flag (`StopRequest`); the loop saves at the next step boundary and
+exits with code 0.
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ def save_checkpoint(
     cfg: TrainConfig,
     keep_last: int,
 ) -> Path:
-    """Write `step-N/` aside, mark it complete, publish it by rename, drop all but the last `keep_last`.
+    """Write `step-N/` aside, mark it complete, publish it by rename, drop all but the last
+    `keep_last`.
 
-    `save_drafter(dir)` writes the released layout into `dir`; `trainer_state` holds the optimiser and
-    scheduler state dicts and counters; `rank_states[r]` the data position and RNG states of rank r.
+    `save_drafter(dir)` writes the released layout into `dir`; `trainer_state` holds the optimiser
+    and scheduler state dicts and counters; `rank_states[r]` the data position and RNG states of
+    rank r.
     """
     final = step_dir(run_dir, step)
     if (
@@ -153,7 +156,8 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (incomplete ones are left alone)."""
+    """Delete all but the newest `keep_last` complete checkpoints (incomplete ones are left
+    alone)."""
     for _, path in complete_checkpoints(run_dir)[:-keep_last]:
         (
             path / COMPLETE
@@ -193,7 +197,8 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], list[dict[str, An
 
 
 class StopRequest:
-    """SIGTERM/SIGINT set a flag instead of killing the process mid-step; a second SIGINT stops at once.
+    """SIGTERM/SIGINT set a flag instead of killing the process mid-step; a second SIGINT stops at
+    once.
 
     Use as a context manager around the loop; the previous handlers come back on exit.
     """

@@ -17,7 +17,8 @@ from train.config import TrainConfig
 
 
 def parse(argv: Sequence[str] | None = None) -> TrainConfig:
-    """`--config FILE`, `--store PATH` (repeatable), `--out DIR` and `--section.field=value` -> the config."""
+    """`--config FILE`, `--store PATH` (repeatable), `--out DIR` and `--section.field=value` -> the
+    config."""
     cfg, _ = parse_args(
         TrainConfig,
         argv,

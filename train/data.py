@@ -48,10 +48,11 @@ _ANCHORS, _VAL_ANCHORS = 11, 12  # random-stream tags (train/plan.py uses 1-3)
 
 
 class BadShards:
-    """Corrupt shards met while reading (a failed checksum, a cut or missing file, missing metadata).
+    """Corrupt shards met while reading (a failed checksum, a cut or missing file, missing
+    metadata).
 
-    policy 'stop': the first one raises StoreCorruptError naming it, plus `hint`. policy 'skip': it is
-    logged once, counted, and its sequences are left out of every batch from then on. That is
+    policy 'stop': the first one raises StoreCorruptError naming it, plus `hint`. policy 'skip': it
+    is logged once, counted, and its sequences are left out of every batch from then on. That is
     deterministic: the shard is met at the first batch that needs it, so a resumed run drops exactly
     the sequences an uninterrupted run drops, and the losses stay equal. Shared by the loader thread
     and the main thread (validation)."""
@@ -182,7 +183,8 @@ def slot_size(
     layer_ids: Sequence[int],
     final: bool = False,
 ) -> tuple[int, float]:
-    """Bytes of a slot (the largest shard's read, chosen layers only) and the mean fill of a slot."""
+    """Bytes of a slot (the largest shard's read, chosen layers only) and the mean fill of a
+    slot."""
     sizes = [stores[m.store].shard_nbytes(m.name, layer_ids, final) for m in shards]
     biggest = max(sizes)
     return biggest, float(np.mean(sizes)) / biggest
@@ -201,8 +203,8 @@ def assemble(
     anchor_rule: str = "block",
     prompt_anchors: bool = False,
 ) -> HostBatch:
-    """Planned rows [n, 3] (shard, sequence, tokens) -> a HostBatch, anchors drawn from `generator` by
-    `anchor_rule` (objective.sample_anchors) among response positions (any position with
+    """Planned rows [n, 3] (shard, sequence, tokens) -> a HostBatch, anchors drawn from `generator`
+    by `anchor_rule` (objective.sample_anchors) among response positions (any position with
     `prompt_anchors`: targets.prompt_anchors)."""
     ids, mask, segments, lengths, dst = [], [], [], [], 0
     for shard, seq, n in rows.tolist():
@@ -256,8 +258,9 @@ def usable_rows(rows: np.ndarray, shards: Sequence[ShardMeta], bad: BadShards) -
 def wait_for_shards(
     rows: np.ndarray, cache: ShardCache, shards: Sequence[ShardMeta], bad: BadShards
 ):
-    """(keys, handles, slots) of the shards planned rows need, once all are read; None when one turned
-    out corrupt (it went to `bad`, which raised or recorded it: drop its rows and try again)."""
+    """(keys, handles, slots) of the shards planned rows need, once all are read; None when one
+    turned out corrupt (it went to `bad`, which raised or recorded it: drop its rows and try
+    again)."""
     keys = sorted(set(rows[:, 0].tolist()))
     handles = [cache.request(k) for k in keys]
     slots = []
@@ -287,7 +290,8 @@ def wait_for_usable(
 
 
 class BatchNode(BaseNode[HostBatch]):
-    """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next batch."""
+    """The training batches of one rank, epoch after epoch; state = {epoch, index} of the next
+    batch."""
 
     def __init__(
         self,
@@ -472,8 +476,8 @@ def allocate_cache(
             f"{min_shards * nbytes / 2**30:.3f} or lower data.window_shards."
         )
     log.info(
-        "%s shard cache: %d slots of %.1f MiB, one shard each (slots fit the largest shard of layers "
-        "%s; shards fill %.0f%% of a slot on average)",
+        "%s shard cache: %d slots of %.1f MiB, one shard each (slots fit the largest shard of "
+        "layers %s; shards fill %.0f%% of a slot on average)",
         what,
         n,
         nbytes / 2**20,
@@ -520,15 +524,16 @@ def make_feeder(
 
 
 def check_final_states(stores: Sequence[Store]) -> None:
-    """Soft targets and prompt anchors read the target's final states: every store must hold them."""
+    """Soft targets and prompt anchors read the target's final states: every store must hold
+    them."""
     from dflash_common.errors import UserError
 
     for store in stores:
         if not store.manifest.final_state:
             raise UserError(
                 f"store {store.path} holds no final states, which targets.soft and "
-                f"targets.prompt_anchors need; precompute it with --store.final_state=true, or train "
-                f"with --targets.soft=none --targets.prompt_anchors=false."
+                "targets.prompt_anchors need; precompute it with --store.final_state=true, or "
+                "train with --targets.soft=none --targets.prompt_anchors=false."
             )
 
 
@@ -549,7 +554,8 @@ def check_stores_agree(stores: Sequence[Store]) -> None:
 
 class TrainData:
     """Everything between the stores and the training loop, for one rank: the plan, the shard caches
-    (training, and a small one for held-out shards), the checkpointable loader and the GPU feeder."""
+    (training, and a small one for held-out shards), the checkpointable loader and the GPU
+    feeder."""
 
     def __init__(
         self,

@@ -3,8 +3,8 @@
 `optim.name = "adamw"` is the DFlash recipe: AdamW over every trainable weight. `"muon"` is the
 optimiser the field now recommends for drafters: Muon (torch.optim.Muon: momentum, then the update
 orthogonalised by Newton-Schulz iterations) for the weight matrices of linear layers, AdamW for the
-rest (norm scales; embedding-like tables such as a Markov head's, which Muon's authors leave to AdamW
-as they do embeddings and heads). Muon's update is scaled to AdamW's RMS (`adjust_lr_fn =
+rest (norm scales; embedding-like tables such as a Markov head's, which Muon's authors leave to
+AdamW as they do embeddings and heads). Muon's update is scaled to AdamW's RMS (`adjust_lr_fn =
 "match_rms_adamw"`, Moonshot's rule), so both take the same `optim.lr` and the same schedule.
 """
 
@@ -22,7 +22,8 @@ from train.config import OptimSection
 def lr_factor(
     step: int, total: int, warmup_fraction: float, schedule: str, min_ratio: float
 ) -> float:
-    """Multiplier of the peak lr after `step` optimiser steps: linear warmup, then cosine (or flat)."""
+    """Multiplier of the peak lr after `step` optimiser steps: linear warmup, then cosine (or
+    flat)."""
     warmup = math.ceil(warmup_fraction * total)
     if step < warmup:
         return (step + 1) / warmup
@@ -82,7 +83,8 @@ def muon_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramet
 
 
 def build_optimizer(o: OptimSection, model: nn.Module, total: int, device: torch.device):
-    """(optimiser, LambdaLR scheduler) for the trainable parameters of `model` over `total` steps."""
+    """(optimiser, LambdaLR scheduler) for the trainable parameters of `model` over `total`
+    steps."""
     fused = device.type == "cuda"
     if o.name == "adamw":
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(

@@ -1,20 +1,22 @@
-"""Which sequences go into which batch: a pure function of the stores' metadata, the seed and the epoch.
+"""Which sequences go into which batch: a pure function of the stores' metadata, the seed and the
+epoch.
 
 Per epoch, on every rank alike:
-1. each store's shards are shuffled; with mixing weights, a store's shards are repeated or cut so that
-   it supplies weights[i]/sum(weights) of the epoch's tokens; all stores' shards are shuffled together;
+1. each store's shards are shuffled; with mixing weights, a store's shards are repeated or cut so
+   that it supplies weights[i]/sum(weights) of the epoch's tokens; all stores' shards are shuffled
+   together;
 2. shard k of that order goes to rank k % world (the tail that does not divide evenly waits for the
    next epoch's order), so ranks read disjoint shards into their own caches;
 3. a rank's shards are grouped into shuffle windows of `shuffle_window_shards`
    (data.window_shards); the sequences of one shuffle window are shuffled together and packed
    greedily, in that order, into batches of at most `batch_tokens` tokens (a sequence longer than
    the budget is truncated to it: its tail is not trained on);
-4. every rank keeps the same number of batches (the fewest any rank has, rounded down to a multiple of
-   grad_accum) so that DDP ranks step together.
+4. every rank keeps the same number of batches (the fewest any rank has, rounded down to a multiple
+   of grad_accum) so that DDP ranks step together.
 
-Because the plan depends on nothing else, the position in the data is just (epoch, batch index), and a
-resumed run sees exactly the batches it would have seen. Held-out sequences are chosen once, without
-the seed, so runs with different seeds or drafters are validated on the same sequences.
+Because the plan depends on nothing else, the position in the data is just (epoch, batch index), and
+a resumed run sees exactly the batches it would have seen. Held-out sequences are chosen once,
+without the seed, so runs with different seeds or drafters are validated on the same sequences.
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ class Split:
 def holdout_split(
     shards: list[ShardMeta], n_stores: int, count: int, fraction: float, min_response: int
 ) -> Split:
-    """Hold out the first max(count, fraction * sequences) sequences of each store, walking its shards
-    in the order of a hash of their names (no seed: every run of every drafter holds out the same ones).
-    Sequences with fewer than `min_response` response tokens are neither trained nor validated on."""
+    """Hold out the first max(count, fraction * sequences) sequences of each store, walking its
+    shards in the order of a hash of their names (no seed: every run of every drafter holds out the
+    same ones). Sequences with fewer than `min_response` response tokens are neither trained nor
+    validated on."""
     held = [np.zeros(len(s.lengths), dtype=bool) for s in shards]
     for store in range(n_stores):
         mine = [i for i, s in enumerate(shards) if s.store == store]
@@ -97,8 +100,8 @@ def holdout_split(
 
 
 def pack(seqs: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Greedy packing in the given order: int64 [n, 2] (shard, sequence) -> batches [m, 3] of at most
-    `budget` tokens; a sequence longer than the budget is truncated to it."""
+    """Greedy packing in the given order: int64 [n, 2] (shard, sequence) -> batches [m, 3] of at
+    most `budget` tokens; a sequence longer than the budget is truncated to it."""
     used = np.minimum(lengths, budget)
     batches, start, total = [], 0, 0
     for i, n in enumerate(used.tolist()):
@@ -165,7 +168,8 @@ class DataPlan:
         return order[rng(self.seed, _MIX, epoch).permutation(len(order))]
 
     def _mix(self, per_store: list[np.ndarray]) -> list[np.ndarray]:
-        """Repeat or cut each store's shard list so its tokens are its weight's share of the total."""
+        """Repeat or cut each store's shard list so its tokens are its weight's share of the
+        total."""
         tokens = [sum(self.train_tokens(i) for i in s) for s in per_store]
         total, weight_sum = sum(tokens), sum(self.weights)
         mixed = []

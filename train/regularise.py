@@ -4,7 +4,8 @@ features while training, and an exponential moving average (EMA) of the weights.
 - Noise: each token's features of each target layer get noise of standard deviation
   `scale * RMS(that layer's vector)` (layers differ in scale by orders of magnitude, so one absolute
   std would drown the early ones and miss the late ones). The generator is seeded by (seed, epoch,
-  rank, batch index), like the anchors, so a resumed run draws the same noise without carrying state.
+  rank, batch index), like the anchors, so a resumed run draws the same noise without carrying
+  state.
 - EMA: shadow = decay * shadow + (1 - decay) * weights after every optimiser step, starting from the
   initial weights (no bias correction: with decay 0.999 the first ~1000 steps lean on the random
   start, which is what a cosine warmup is spent on anyway). Validation and the final drafter use the

@@ -1,10 +1,9 @@
-"""A one-page PNG of a run, `report.png` in the run directory: loss and accuracy over steps (train and
-validation), accuracy by block position (latest), and the estimated acceptance length tau over steps
-(with validation's path tau, greedy decoding replayed from the held-out responses).
-Written at every checkpoint and at the end of the run, from `metrics.jsonl` (and `run.toml`, whose
-[objective] says what the training loss weighs: D-PACE weights by default, where validation always
-reports the gamma-weighted loss; the legend says which, so the gap between them is not read as
-overfitting).
+"""A one-page PNG of a run, `report.png` in the run directory: loss and accuracy over steps (train
+and validation), accuracy by block position (latest), and the estimated acceptance length tau over
+steps (with validation's path tau, greedy decoding replayed from the held-out responses). Written at
+every checkpoint and at the end of the run, from `metrics.jsonl` (and `run.toml`, whose [objective]
+says what the training loss weighs: D-PACE weights by default, where validation always reports the
+gamma-weighted loss; the legend says which, so the gap between them is not read as overfitting).
 
     python -m train.report RUN_DIR
 """

@@ -74,8 +74,8 @@ class _Buffers:
     scales: dict[
         str, list[torch.Tensor] | None
     ]  # storage dtype -> K x float32 [batch_tokens] (scaled)
-    # int64 [4 * batch_tokens + 1]: ids, mask, anchors, cu_seqlens, then (stores of several dtypes in
-    # one batch) each buffered row's place in the batch (pinned)
+    # int64 [4 * batch_tokens + 1]: ids, mask, anchors, cu_seqlens, then (stores of several dtypes
+    # in one batch) each buffered row's place in the batch (pinned)
     small_host: torch.Tensor
     small_dev: torch.Tensor
     copied: Any = None  # torch.cuda.Event: the copy into this set is done
@@ -160,7 +160,8 @@ class DeviceFeeder:
         """Start copying `host` into `buf` (on the side stream when there is one)."""
         stream = self.copy_stream or (torch.cuda.current_stream(self.device) if self.cuda else None)
         if buf.copied is not None:
-            buf.copied.synchronize()  # its small host twin is about to be overwritten: its last copy must be done
+            # its small host twin is about to be overwritten: its last copy must be done
+            buf.copied.synchronize()
         small = host.small_tensor()  # int64 [2T + A + N + 1] <= [3 * batch_tokens + 1]
         counts, order = _buffer_rows(host, list(buf.states))
         if order is not None:  # rows of several dtypes: where each buffered row belongs
@@ -238,7 +239,8 @@ class DeviceFeeder:
     def _decode(
         self, buf: _Buffers, k: int, counts: dict[str, int], order: torch.Tensor | None
     ) -> torch.Tensor:
-        """State k of the batch [T, H]: each dtype's rows decoded, then (several dtypes) put in place."""
+        """State k of the batch [T, H]: each dtype's rows decoded, then (several dtypes) put in
+        place."""
         parts = [
             decode_states(
                 buf.states[d][k][:c],
@@ -266,7 +268,8 @@ class DeviceFeeder:
         self._held = still
 
     def close(self) -> None:
-        """Wait for copies in flight and release everything held (before the cache slab is unpinned)."""
+        """Wait for copies in flight and release everything held (before the cache slab is
+        unpinned)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
         for host, *_ in self._in_flight:
@@ -280,8 +283,8 @@ class DeviceFeeder:
 
 
 def _buffer_rows(host: HostBatch, dtypes: list[str]) -> tuple[dict[str, int], torch.Tensor | None]:
-    """Rows per storage dtype of a batch, and (several dtypes) the batch row of each buffered row, in
-    the order the buffers are filled: dtype after dtype, each in segment order (int64 [T])."""
+    """Rows per storage dtype of a batch, and (several dtypes) the batch row of each buffered row,
+    in the order the buffers are filled: dtype after dtype, each in segment order (int64 [T])."""
     counts = dict.fromkeys(dtypes, 0)
     for shard, _, _, n in host.segments:
         counts[host.shards[shard].dtype] += n

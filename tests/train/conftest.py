@@ -53,7 +53,8 @@ def tiny_store_final(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny matrices gain nothing from a second thread and lose much when the two cores are shared."""
+    """Tiny matrices gain nothing from a second thread and lose much when the two cores are
+    shared."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -62,8 +63,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_target, tmp_path_factory):
-    """An untrained (random) DFlash drafter for the tiny target (depth 2, block EVAL_BLOCK), exported in
-    the released layout."""
+    """An untrained (random) DFlash drafter for the tiny target (depth 2, block EVAL_BLOCK),
+    exported in the released layout."""
     mask = AutoTokenizer.from_pretrained(tiny_target).convert_tokens_to_ids(MASK_TOKEN)
     cfg = DrafterConfig.from_target(
         AutoConfig.from_pretrained(tiny_target), mask_token_id=mask, depth=2, block_size=EVAL_BLOCK

@@ -1,5 +1,5 @@
-"""Helpers of the fault tests (no tests here): damaging a store the ways disks and people do, and the
-arguments of short dflash-train runs on the tiny target."""
+"""Helpers of the fault tests (no tests here): damaging a store the ways disks and people do, and
+the arguments of short dflash-train runs on the tiny target."""
 
 from __future__ import annotations
 
@@ -78,5 +78,6 @@ def train_cmd(*args: str) -> list[str]:
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """One intra-op thread: the same float reductions in every process, so losses compare bit for bit."""
+    """One intra-op thread: the same float reductions in every process, so losses compare bit for
+    bit."""
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}

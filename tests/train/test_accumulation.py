@@ -29,7 +29,8 @@ def _objective_grads(
 
 
 def _objective(drafter, cfg, batch):
-    """The batch's (weighted CE sum, weight sum, counts) under the config's objective (D-PACE by default)."""
+    """The batch's (weighted CE sum, weight sum, counts) under the config's objective (D-PACE by
+    default)."""
     o = cfg.objective
     return batch_objective(
         drafter,

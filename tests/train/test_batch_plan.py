@@ -1,5 +1,5 @@
-"""The batch plan: every training sequence once per epoch, budgets kept, deterministic, disjoint shards
-per rank, equal step counts, mixing weights, a held-out split that ignores the seed."""
+"""The batch plan: every training sequence once per epoch, budgets kept, deterministic, disjoint
+shards per rank, equal step counts, mixing weights, a held-out split that ignores the seed."""
 
 from __future__ import annotations
 
@@ -98,7 +98,8 @@ def test_holdout_is_fixed_by_names_not_the_seed_and_never_trained():
 
 
 def test_a_window_as_large_as_the_store_shuffles_every_sequence_with_every_other():
-    # the full-shuffle setting (issue 17): data.window_shards >= a rank's shards, the cache holding them all
+    # the full-shuffle setting (issue 17): data.window_shards >= a rank's shards, the cache holding
+    # them all
     shards = _shards(per_store=6, seqs=40)
     full = _plan(shards, shuffle_window_shards=1000, batch_tokens=400).epoch(0, 0)
     assert len(full.shuffle_windows) == 1

@@ -1,5 +1,6 @@
 """The slot cache's policy: hits and misses, LRU eviction, never evicting what is referenced,
-request-order claims, read errors reaching the waiter. (Reading real stores: tests/train/test_data.py.)"""
+request-order claims, read errors reaching the waiter. (Reading real stores:
+tests/train/test_data.py.)"""
 
 from __future__ import annotations
 

@@ -229,8 +229,8 @@ def test_stores_are_mixed_and_held_out_sequences_never_trained(tiny_store, tiny_
 def test_stores_of_different_dtypes_share_batches_and_decode_each_in_place(
     tiny_store_fp8, tiny_store_q4, tiny_store
 ):
-    """bf16, fp8 and q4_hadamard shards in one batch: each row is decoded by its own store's dtype and
-    lands at its place in the batch."""
+    """bf16, fp8 and q4_hadamard shards in one batch: each row is decoded by its own store's dtype
+    and lands at its place in the batch."""
     paths = [tiny_store, tiny_store_fp8, tiny_store_q4]
     stores = [Store.open(p) for p in paths]
     cfg = load_config(

@@ -1,7 +1,7 @@
-"""Corrupt stores end to end: a flipped bit in a chunk, a cut file, missing metadata, a missing array
-file. `dflash-store verify` names each bad shard; `dflash-train` stops with the shard's name in one
-sentence (exit 2, no traceback, no hang) or, with data.on_bad_shard = "skip", trains without it,
-logging and counting it, and still resumes exactly."""
+"""Corrupt stores end to end: a flipped bit in a chunk, a cut file, missing metadata, a missing
+array file. `dflash-store verify` names each bad shard; `dflash-train` stops with the shard's name
+in one sentence (exit 2, no traceback, no hang) or, with data.on_bad_shard = "skip", trains without
+it, logging and counting it, and still resumes exactly."""
 
 from __future__ import annotations
 
@@ -214,7 +214,8 @@ def test_skip_logs_counts_and_still_resumes_exactly(
 def test_offline_evaluation_of_a_damaged_store_is_one_sentence(
     store8, tiny_target, tmp_path, capsys
 ):
-    """dflash-eval --offline reads the held-out shards through the same reader: same sentence, exit 2."""
+    """dflash-eval --offline reads the held-out shards through the same reader: same sentence, exit
+    2."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_common.drafter.config import DrafterConfig

@@ -1,7 +1,7 @@
-"""dflash-train on a full disk: one sentence naming the run directory and the checkpoint it will resume
-from (exit 2), no half checkpoint visible, and after space is freed the same command finishes the
-run with the uninterrupted losses. Once with a real small filesystem (a tmpfs, where mounting one is
-allowed), once with the error injected (everywhere)."""
+"""dflash-train on a full disk: one sentence naming the run directory and the checkpoint it will
+resume from (exit 2), no half checkpoint visible, and after space is freed the same command finishes
+the run with the uninterrupted losses. Once with a real small filesystem (a tmpfs, where mounting
+one is allowed), once with the error injected (everywhere)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""dflash-train killed with SIGKILL (no handler runs, nothing is flushed) at random steps and inside a
-checkpoint save: the next run of the same command resumes from the newest complete checkpoint, never
-a half-written one, and its losses from there on equal an uninterrupted run's bit for bit."""
+"""dflash-train killed with SIGKILL (no handler runs, nothing is flushed) at random steps and inside
+a checkpoint save: the next run of the same command resumes from the newest complete checkpoint,
+never a half-written one, and its losses from there on equal an uninterrupted run's bit for bit."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ SEED = 20240607  # the kill points are random, but the same in every run of the 
 
 
 class Trainer:
-    """A dflash-train process whose stderr lines are collected on a thread while the test watches."""
+    """A dflash-train process whose stderr lines are collected on a thread while the test
+    watches."""
 
     def __init__(self, args: list[str], **env: str):
         self.proc = subprocess.Popen(
@@ -127,7 +128,10 @@ def test_sigkill_anywhere_then_resume_repeats_the_uninterrupted_losses(
 
     # 1. inside a checkpoint save: the drafter and optimiser state are written, the marker is not
     t = Trainer(args, **{PAUSE_IN_SAVE_ENV: "60"})
-    half = lambda: [p for p in out.glob(".step-*.tmp-*") if (p / "trainer.pt").is_file()]  # noqa: E731
+
+    def half():
+        return [p for p in out.glob(".step-*.tmp-*") if (p / "trainer.pt").is_file()]
+
     assert t.wait_until(lambda: bool(half())), t.text()
     t.kill()
     saving = int(half()[0].name.split(".")[1].split("-")[1])
@@ -166,7 +170,8 @@ def test_sigkill_anywhere_then_resume_repeats_the_uninterrupted_losses(
     for rel in ("step-12/drafter/model.safetensors", "drafter/model.safetensors"):
         a, b = load_file(straight / rel), load_file(out / rel)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
-    # no leftovers; the lock's file stays by design (its flock died with its holder: nothing is stale)
+    # no leftovers; the lock's file stays by design (its flock died with its holder: nothing is
+    # stale)
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != LOCK_FILE]
 
 
@@ -182,7 +187,8 @@ def test_a_metrics_line_cut_by_a_kill_does_not_stop_the_resume(tmp_path):
 def test_leftovers_of_a_killed_run_are_removed_and_never_resumed_from(
     tiny_store, tiny_target, tmp_path, monkeypatch
 ):
-    """A half save, a half final drafter, and a step dir whose marker a pruning removed before the kill."""
+    """A half save, a half final drafter, and a step dir whose marker a pruning removed before the
+    kill."""
     monkeypatch.setattr(loop, "save_report", lambda *a, **k: None)  # drawing: not under test, slow
     out = tmp_path / "run"
     args = train_args(

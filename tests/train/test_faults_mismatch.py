@@ -152,12 +152,12 @@ def test_a_checkpoint_of_another_drafter_is_refused_on_resume_and_as_init(
         capsys, train_args(tiny_store, tiny_target, run, "--optim.max_steps=4", "--drafter.depth=2")
     )
     assert (
-        f"cannot resume from {run / 'step-2'}: it holds another drafter (num_hidden_layers = 1 there vs 2 here"
-        in line
+        f"cannot resume from {run / 'step-2'}: it holds another drafter (num_hidden_layers = 1 "
+        "there vs 2 here" in line
     )
     assert (
-        f"resume with the settings of {run / 'step-2' / 'run.toml'}, or start a new run directory (--out)"
-        in line
+        f"resume with the settings of {run / 'step-2' / 'run.toml'}, or start a new run directory "
+        "(--out)" in line
     )
     assert {
         p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != LOCK_FILE
@@ -175,8 +175,8 @@ def test_a_checkpoint_of_another_drafter_is_refused_on_resume_and_as_init(
         ),
     )
     assert (
-        f"cannot initialise from {run / 'step-2'}: its config differs (num_hidden_layers = 1 there vs 2 here"
-        in line
+        f"cannot initialise from {run / 'step-2'}: its config differs (num_hidden_layers = 1 there "
+        "vs 2 here" in line
     )
 
     mask = AutoTokenizer.from_pretrained(tiny_target).convert_tokens_to_ids(MASK_TOKEN)

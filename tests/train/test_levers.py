@@ -39,7 +39,8 @@ def _with(cfg, **objective):
 
 
 def _explicit_parts(drafter, batch, weights: str, alpha: float = 0.5):
-    """(sum of w * CE, weight sum, valid blocks) with the logits materialised and F.cross_entropy."""
+    """(sum of w * CE, weight sum, valid blocks) with the logits materialised and
+    F.cross_entropy."""
     labels, gamma_w = block_labels(
         batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size
     )
@@ -108,8 +109,9 @@ def test_normalise_anchors_over_two_micro_batches_divides_by_all_their_blocks(tw
 
 
 def _path_by_loop(anchors, accepted, loss_mask, cu_seqlens) -> list[bool]:
-    """Greedy serving's blocks, walked position by position: per response (a run of loss-mask positions
-    inside one sequence) from its first anchor, a -> the first anchor at or after a + accepted(a) + 1."""
+    """Greedy serving's blocks, walked position by position: per response (a run of loss-mask
+    positions inside one sequence) from its first anchor, a -> the first anchor at or after
+    a + accepted(a) + 1."""
     anchors, accepted, mask, cu = (
         anchors.tolist(),
         accepted.tolist(),
@@ -186,8 +188,8 @@ def test_serving_path_equals_a_loop_over_the_positions(max_anchors):
 
 def _forced_acceptance(drafter, batch):
     """The batch with the token after every other anchor set to the drafter's own first draft there:
-    those blocks accept a draft, so the serving path skips blocks (an untrained drafter accepts none, and
-    then every anchor lies on the path)."""
+    those blocks accept a draft, so the serving path skips blocks (an untrained drafter accepts
+    none, and then every anchor lies on the path)."""
     with torch.no_grad():
         hidden = drafter(
             batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors

@@ -1,6 +1,6 @@
-"""dflash-train end to end on the tiny target and real stores: exact resume, SIGTERM, two ranks under
-torchrun, two differently shaped drafters from one untouched store, user errors, and the offline
-estimate agreeing with the trainer's own validation."""
+"""dflash-train end to end on the tiny target and real stores: exact resume, SIGTERM, two ranks
+under torchrun, two differently shaped drafters from one untouched store, user errors, and the
+offline estimate agreeing with the trainer's own validation."""
 
 from __future__ import annotations
 

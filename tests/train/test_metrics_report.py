@@ -1,4 +1,5 @@
-"""Metric records: the fixed line format, JSONL and TensorBoard, truncation on resume, the PNG report."""
+"""Metric records: the fixed line format, JSONL and TensorBoard, truncation on resume, the PNG
+report."""
 
 from __future__ import annotations
 
@@ -91,7 +92,6 @@ def test_the_loss_panel_says_what_each_loss_weighs_and_steps_are_whole(tmp_path)
 
     from dflash_common.config import to_dict
     from train.config import TrainConfig
-    from train.report import draw_report
 
     w = MetricsWriter(tmp_path, 3, tensorboard=False, resume_step=0)
     for step in (1, 2, 3):

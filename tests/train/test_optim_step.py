@@ -1,6 +1,6 @@
 """train.loop.clip_and_step: scaling, clipping and the AdamW step with the gradients read twice give
-what scaling the gradients, clip_grad_norm_ and a plain AdamW step give, fused AdamW (its grad_scale)
-and the unfused one alike."""
+what scaling the gradients, clip_grad_norm_ and a plain AdamW step give, fused AdamW (its
+grad_scale) and the unfused one alike."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from train.loop import clip_and_step
 
-# eps = 1: the update depends on the gradients' size (Adam's m / sqrt(v) alone hardly does), so a step
-# that left the scale or the clip out could not pass
+# eps = 1: the update depends on the gradients' size (Adam's m / sqrt(v) alone hardly does), so a
+# step that left the scale or the clip out could not pass
 HYPER = dict(lr=0.1, betas=(0.9, 0.99), eps=1.0, weight_decay=0.01)
 
 

@@ -4,11 +4,12 @@ the target generated greedily, cycle for cycle, so path tau equals the report's 
 report's `tau` (the DFlash authors' uncut count) differs only in each response's last cycle.
 
 The data: prompts of the demo set answered by the tiny target with the very greedy loop dflash-eval
-uses as its baseline (`target_generate`, float32), some ended by a stop token, the others by the length
-limit; hidden states by the real dflash-precompute in float32, stored in bf16; a drafter trained a
-little by the real dflash-train, so it accepts drafts. The real decoding hands the drafter the target's
-float32 features rounded to bf16 as the store holds them (`Bf16Context`): with that, every cycle of
-every prompt matches. (Unrounded, near-tied draft argmaxes may differ: numerics, not the replay.)
+uses as its baseline (`target_generate`, float32), some ended by a stop token, the others by the
+length limit; hidden states by the real dflash-precompute in float32, stored in bf16; a drafter
+trained a little by the real dflash-train, so it accepts drafts. The real decoding hands the drafter
+the target's float32 features rounded to bf16 as the store holds them (`Bf16Context`): with that,
+every cycle of every prompt matches. (Unrounded, near-tied draft argmaxes may differ: numerics, not
+the replay.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Bf16Context:
-    """dflash-eval's proposer, handed the context features rounded to bf16 (what the store keeps)."""
+    """dflash-eval's proposer, handed the context features rounded to bf16 (what the store
+    keeps)."""
 
     def __init__(self, proposer):
         self.proposer, self.block_size, self.layer_ids = (
@@ -75,7 +77,8 @@ def greedy_setup(tiny_target, tmp_path_factory):
     from train.loop import run as train
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    # a token the random target emits now and then stands for the end of turn: some answers stop early
+    # a token the random target emits now and then stands for the end of turn: some answers stop
+    # early
     stop = tiny_records(1)[0]["input_ids"][-20]
     model.generation_config.eos_token_id = stop
     records = greedy_records(model, AutoTokenizer.from_pretrained(tiny_target))
@@ -122,7 +125,8 @@ def greedy_setup(tiny_target, tmp_path_factory):
     return model, records, store, run, stop
 
 
-@pytest.mark.slow  # the module's fixture runs precompute and a short training run (~2.5 min on 2 cores)
+# the module's fixture runs precompute and a short training run (~2.5 min on 2 cores)
+@pytest.mark.slow
 def test_trainer_logs_path_tau_beside_the_estimate(greedy_setup):
     from train.metrics import read_metrics
 
@@ -201,8 +205,9 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
             cut += uncut[-1] > emitted[-1]
         dropped += len(uncut) > len(emitted)
     assert cut and dropped, "the data must hold last cycles cut at the end and last cycles past it"
-    # A dropped cycle (anchored at the output's last token) counts 1 + accepted in tau; when that is below
-    # the prompt's mean it pulls tau below tau_emitted, so over prompts the two may fall either way.
+    # A dropped cycle (anchored at the output's last token) counts 1 + accepted in tau; when that is
+    # below the prompt's mean it pulls tau below tau_emitted, so over prompts the two may fall
+    # either way.
     assert real["num_cycles"] == path["path_cycles"] + dropped
 
 
@@ -231,7 +236,8 @@ def test_the_last_cycle_counts_what_it_emits():
 
 
 def test_the_cut_rule_is_spec_decodes_emitted_rule():
-    """cycle_length (the replay's end rule) and spec_decode's emitted_lengths (the real loop's) agree."""
+    """cycle_length (the replay's end rule) and spec_decode's emitted_lengths (the real loop's)
+    agree."""
     from train.path_tau import cycle_length
     from train.eval.spec_decode import emitted_lengths
 

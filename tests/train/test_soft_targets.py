@@ -1,7 +1,8 @@
 """Soft targets and prompt anchors in the trainer: final states reach the device batch aligned with
 the tokens (the target's greedy prediction from the state at p - 1 is the stored token at p, since
-the tiny data are the tiny target's own greedy responses), labels and teacher rows of a block, prompt
-anchors, the objective against a materialised reference, a short run, and the missing-state error."""
+the tiny data are the tiny target's own greedy responses), labels and teacher rows of a block,
+prompt anchors, the objective against a materialised reference, a short run, and the missing-state
+error."""
 
 from __future__ import annotations
 

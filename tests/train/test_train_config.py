@@ -13,7 +13,8 @@ _DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIGS = sorted([*_DIR.glob("train-*.toml"), _DIR / "tiny.toml"])
 
 
-def test_the_two_shipped_configs_name_stores_and_a_target():  # tests/test_configs.py loads every config
+# tests/test_configs.py loads every config
+def test_the_two_shipped_configs_name_stores_and_a_target():
     assert {p.name for p in CONFIGS} >= {"tiny.toml", "train-qwen3-8b.toml"}
     for path in CONFIGS:
         cfg = load_config(TrainConfig, path)

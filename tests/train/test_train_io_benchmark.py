@@ -1,4 +1,5 @@
-"""benchmarks/train_io.py --quick runs both phases and prints its table (a smoke test; figures are not judged)."""
+"""benchmarks/train_io.py --quick runs both phases and prints its table (a smoke test; figures are
+not judged)."""
 
 from __future__ import annotations
 

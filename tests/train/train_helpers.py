@@ -1,7 +1,7 @@
-"""Real tiny stores for the trainer's tests: the demo conversations (data/tiny-train.jsonl, responses
-of the tiny target itself), their hidden states from the tiny target's own forward (HF
-output_hidden_states: layer id i is hidden_states[i + 1]), written through the store API.
-(A module of its own, not conftest.py: several conftest modules share that name on sys.path.)"""
+"""Real tiny stores for the trainer's tests: the demo conversations (data/tiny-train.jsonl,
+responses of the tiny target itself), their hidden states from the tiny target's own forward (HF
+output_hidden_states: layer id i is hidden_states[i + 1]), written through the store API. (A module
+of its own, not conftest.py: several conftest modules share that name on sys.path.)"""
 
 from __future__ import annotations
 

@@ -5,14 +5,15 @@ baseline and, greedy, the output the speculative one must equal). The second nev
 drafter, so comparing several drafters on one target and one prompt set decodes the same thing again
 and again; with a cache directory it is decoded once and read back afterwards.
 
-An entry is one JSON file, `<key>.json`, written aside and renamed into place (two evaluations sharing
-the directory may both write an entry; the second rename replaces an identical file). The key hashes
-everything the decode depends on: the target (its fingerprint: config and weight bytes, as the store's
-manifest has it), the dtype and device it ran in, the prompt's token ids, the token limit, the
-sampling settings and seed, the stop tokens, and the batch size when prompts are decoded many at
-once (train/eval/batched.py: its times are per prompt at that batch size). A changed target, prompt
-or setting is a miss, never a stale hit. The entry keeps the tokens and the prefill and decode times
-of the run that made it, so the baseline's tokens/s in a report built from the cache is that run's.
+An entry is one JSON file, `<key>.json`, written aside and renamed into place (two evaluations
+sharing the directory may both write an entry; the second rename replaces an identical file). The
+key hashes everything the decode depends on: the target (its fingerprint: config and weight bytes,
+as the store's manifest has it), the dtype and device it ran in, the prompt's token ids, the token
+limit, the sampling settings and seed, the stop tokens, and the batch size when prompts are decoded
+many at once (train/eval/batched.py: its times are per prompt at that batch size). A changed target,
+prompt or setting is a miss, never a stale hit. The entry keeps the tokens and the prefill and
+decode times of the run that made it, so the baseline's tokens/s in a report built from the cache is
+that run's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""`dflash-eval`: a drafter's acceptance length tau by real speculative decoding on the user's target
-(train/eval/run.py), or estimated from a store without the target (`--offline`, train/eval/offline.py).
+"""`dflash-eval`: a drafter's acceptance length tau by real speculative decoding on the user's
+target (train/eval/run.py), or estimated from a store without the target (`--offline`,
+train/eval/offline.py).
 
     dflash-eval --config configs/eval-qwen3-8b.toml --drafter runs/x/export [--report eval.json]
     dflash-eval --offline --store PATH --drafter DIR --target.path=DIR
@@ -15,11 +16,14 @@ from train.eval.config import EvalConfig
 from train.eval.run import LosslessError, run
 
 
-DESCRIPTION = """Acceptance length (tau) of a DFlash drafter by real speculative decoding on its target, with
-the lossless check, tokens/s with and without the drafter and the speedup.
-  dflash-eval --config FILE --drafter DIR [--report FILE.json]
-  dflash-eval --offline --store PATH --drafter DIR --target.path=DIR
-      (estimate from the store's held-out sequences: only the target's embedding and lm_head are read)"""
+DESCRIPTION = (
+    "Acceptance length (tau) of a DFlash drafter by real speculative decoding on its target, with\n"
+    "the lossless check, tokens/s with and without the drafter and the speedup.\n"
+    "  dflash-eval --config FILE --drafter DIR [--report FILE.json]\n"
+    "  dflash-eval --offline --store PATH --drafter DIR --target.path=DIR\n"
+    "      (estimate from the store's held-out sequences: only the target's embedding and lm_head"
+    " are read)"
+)
 
 
 def check_eval_outputs(cfg: EvalConfig) -> None:

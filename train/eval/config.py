@@ -1,4 +1,5 @@
-"""Configuration of `dflash-eval`: which target, which prompts, how to decode, what to check and report.
+"""Configuration of `dflash-eval`: which target, which prompts, how to decode, what to check and
+report.
 
 One frozen tree; defaults live here and nowhere else. `configs/tiny.toml` and
 `configs/eval-qwen3-8b.toml` set some of them; `--section.field=value` sets any of them last.
@@ -51,8 +52,9 @@ class DrafterSection:
 class PromptsSection:
     files: list[str] = option(
         [],
-        "JSONL files of prompts: {'messages': [...]}, ShareGPT {'conversations': [...]}, {'turns': [...]} "
-        "(user turns, each answered by the speculative output) or {'prompt': '...'} (raw text, no template).",
+        "JSONL files of prompts: {'messages': [...]}, ShareGPT {'conversations': [...]}, {'turns': "
+        "[...]} (user turns, each answered by the speculative output) or {'prompt': '...'} (raw "
+        "text, no template).",
     )
     num_prompts: int = option(0, "Evaluate the first N prompts (in file order); 0 means all.")
     chat_template_kwargs: dict = option(
@@ -122,7 +124,8 @@ class GenerationSection:
         )
         check(
             self.block_size is None or self.block_size >= 2,
-            f"generation.block_size must be >= 2 (one anchor and at least one draft), got {self.block_size}",
+            "generation.block_size must be >= 2 (one anchor and at least one draft), got "
+            f"{self.block_size}",
         )
 
 
@@ -130,26 +133,29 @@ class GenerationSection:
 class CheckSection:
     lossless: Literal["error", "warn", "off"] = option(
         "error",
-        "Greedy runs only: compare the speculative output with the target's own greedy output token for "
-        "token. 'error' fails the run naming prompt and position; 'warn' reports it (bf16 targets, whose "
-        "near-tied argmaxes flip between batched and one-token forwards); 'off' skips it.",
+        "Greedy runs only: compare the speculative output with the target's own greedy output "
+        "token for token. 'error' fails the run naming prompt and position; 'warn' reports it "
+        "(bf16 targets, whose near-tied argmaxes flip between batched and one-token forwards); "
+        "'off' skips it.",
     )
     baseline: bool = option(
         True,
-        "Also decode with the target alone: tokens/s without the drafter, speedup, lossless reference.",
+        "Also decode with the target alone: tokens/s without the drafter, speedup, lossless "
+        "reference.",
     )
     baseline_cache: str = option(
         "",
-        "A directory keeping the target-alone decodes (tokens and times), keyed by the target's fingerprint, "
-        "dtype, device, prompt and generation settings: evaluating more drafters on the same target and prompts "
-        "reads them back instead of decoding the target alone again; empty keeps none.",
+        "A directory keeping the target-alone decodes (tokens and times), keyed by the target's "
+        "fingerprint, dtype, device, prompt and generation settings: evaluating more drafters on "
+        "the same target and prompts reads them back instead of decoding the target alone again; "
+        "empty keeps none.",
     )
 
     def __post_init__(self):
         check(
             self.baseline or self.lossless == "off",
-            "check.lossless needs check.baseline = true (the target's own output is the reference); "
-            "set check.lossless = 'off' to skip both",
+            "check.lossless needs check.baseline = true (the target's own output is the "
+            "reference); set check.lossless = 'off' to skip both",
         )
 
 
@@ -167,8 +173,9 @@ class OfflineSection:
     )
     holdout_sequences: int | None = option(
         None,
-        "Held-out sequences per store; none takes the training run's value (run.toml beside the drafter), "
-        "else the trainer's default. It must match training, or the estimate reads training data.",
+        "Held-out sequences per store; none takes the training run's value (run.toml beside the "
+        "drafter), else the trainer's default. It must match training, or the estimate reads "
+        "training data.",
     )
     holdout_fraction: float | None = option(
         None,

@@ -12,12 +12,14 @@ from train.eval.spec_decode import DFlashProposer
 
 
 def load_dflash(path: str, target_config, device: torch.device, dtype: torch.dtype):
-    """The exported drafter at `path`, refused in one sentence unless it was made for this target."""
+    """The exported drafter at `path`, refused in one sentence unless it was made for this
+    target."""
     from dflash_common.drafter.export import load_drafter
 
     if not path:
         raise UserError(
-            "no drafter: pass --drafter DIR (an exported drafter, a step-N checkpoint or a run directory)."
+            "no drafter: pass --drafter DIR (an exported drafter, a step-N checkpoint or a run "
+            "directory)."
         )
     drafter, dcfg = load_drafter(path, device=device, dtype=dtype)
     t = (
@@ -37,7 +39,8 @@ def load_dflash(path: str, target_config, device: torch.device, dtype: torch.dty
     ]
     if bad:
         raise UserError(
-            f"drafter {path} was made for another target ({'; '.join(bad)}); evaluate it on its own target."
+            f"drafter {path} was made for another target ({'; '.join(bad)}); evaluate it on its "
+            "own target."
         )
     return drafter.eval()
 

@@ -1,4 +1,5 @@
-"""`dflash-eval --offline`: tau estimated from a store's held-out sequences, without running the target.
+"""`dflash-eval --offline`: tau estimated from a store's held-out sequences, without running the
+target.
 
     dflash-eval --offline --store PATH --drafter DIR --target.path=DIR
 
@@ -6,8 +7,8 @@ It reads the same held-out sequences the trainer held out (train/plan.py `holdou
 shard names, not by any seed) and scores them with the trainer's own validation (train/validate.py
 `evaluate_batches`), and replays greedy decoding on them for the path tau (train/path_tau.py).
 
-    metrics = evaluate_offline(drafter, "stores/qwen3-8b")            # a store: its held-out split
-    metrics = evaluate_offline(drafter, device_batches)                # batches already on the device
+    metrics = evaluate_offline(drafter, "stores/qwen3-8b")  # a store: its held-out split
+    metrics = evaluate_offline(drafter, device_batches)  # batches already on the device
     metrics["loss"], metrics["acc"], metrics["acc_by_pos"], metrics["tau"]
 """
 
@@ -58,8 +59,8 @@ _RUN_SETTINGS = {
 
 
 def _training_run_settings(drafter_path: str) -> dict:
-    """Settings of the training run behind `drafter_path` (its run.toml, in a run or step-N directory
-    or beside a run's drafter/, read by the config loader), by the keyword names of
+    """Settings of the training run behind `drafter_path` (its run.toml, in a run or step-N
+    directory or beside a run's drafter/, read by the config loader), by the keyword names of
     `evaluate_offline`; {} when there is none."""
     here = Path(drafter_path)
     for candidate in (here / "run.toml", here.parent / "run.toml"):
@@ -84,10 +85,11 @@ def _training_run_settings(drafter_path: str) -> dict:
 
 def run_offline(cfg: EvalConfig) -> dict:
     """The offline estimate: per-position accuracy and the tau it implies on a store's held-out
-    sequences, by the trainer's own validation (train/validate.py), and the path tau: greedy decoding
-    replayed from the stored responses with generation.block_size and generation.max_new_tokens
-    (train/path_tau.py; what dflash-eval measures when the responses are the target's greedy output).
-    The target never runs; only its embedding and lm_head are read from target.path."""
+    sequences, by the trainer's own validation (train/validate.py), and the path tau: greedy
+    decoding replayed from the stored responses with generation.block_size and
+    generation.max_new_tokens (train/path_tau.py; what dflash-eval measures when the responses are
+    the target's greedy output). The target never runs; only its embedding and lm_head are read from
+    target.path."""
     from dflash_common.drafter.target_head import load_target_head
 
     if not cfg.offline.store:
@@ -155,8 +157,9 @@ def path_tau_batches(
     autocast: str = "none",
 ) -> dict[str, Any]:
     """Path tau alone (train/path_tau.py) over device batches, as dflash-eval would decode their
-    responses with `block_size` and `max_new_tokens`; also each response's cycle lengths ("path_lengths",
-    in batch order) and its prompt's last token ids ("path_prompt_tails"), to match responses to prompts."""
+    responses with `block_size` and `max_new_tokens`; also each response's cycle lengths
+    ("path_lengths", in batch order) and its prompt's last token ids ("path_prompt_tails"), to match
+    responses to prompts."""
     paths, lengths, tails = torch.zeros(5, dtype=torch.float64), [], []
     for batch in batches:
         got = replay_batch(
@@ -169,7 +172,8 @@ def path_tau_batches(
 
 
 def _prompt_tails(batch: DeviceBatch, n: int = 16) -> list[list[int]]:
-    """The last `n` token ids before each response of a batch (in the order of response_segments)."""
+    """The last `n` token ids before each response of a batch (in the order of
+    response_segments)."""
     first, _, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, None)
     ids = batch.input_ids.tolist()
     return [ids[max(s, f - n) : f] for f, s in zip(first.tolist(), seq_start.tolist())]
@@ -193,8 +197,8 @@ def evaluate_offline(
     `source` is an iterable of device batches, or a store directory: then its held-out sequences
     (the first `holdout_sequences` / `holdout_fraction` by the trainer's rule, with the trainer's
     defaults) are read, packed into `batch_tokens` batches and given fixed anchors.
-    Returns {"loss", "acc", "acc_by_pos" (k = 1..B-1), "tau", "blocks", "sequences"} and, with `path`,
-    the path tau of those sequences (see `evaluate_batches`).
+    Returns {"loss", "acc", "acc_by_pos" (k = 1..B-1), "tau", "blocks", "sequences"} and, with
+    `path`, the path tau of those sequences (see `evaluate_batches`).
     """
     block_size = drafter.cfg.verify_block_size  # [anchor, drafts]: DSpark's labels reach further
     if not isinstance(source, (str, Path)):

@@ -79,7 +79,8 @@ def render_chat(
         return ChatTemplate(tokenizer, template_kwargs).prompt_ids(messages)
     except ChatMaskError as e:
         raise UserError(
-            f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the line."
+            f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the "
+            "line."
         ) from e
 
 

@@ -1,5 +1,6 @@
 """The report of a `dflash-eval` run as people and files read it: the table printed at its end (and
-at the end of `--offline`), the failed lossless check in one sentence, the JSON file with its run record.
+at the end of `--offline`), the failed lossless check in one sentence, the JSON file with its run
+record.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def mismatch_entry(
 
 
 def lossless_message(report: dict) -> str | None:
-    """One sentence naming the first prompt and position where speculative and target output differ."""
+    """One sentence naming the first prompt and position where speculative and target output
+    differ."""
     bad = report["lossless"]["mismatches"]
     if not bad:
         return None
@@ -45,7 +47,8 @@ def lossless_message(report: dict) -> str | None:
     more = f" ({len(bad)} prompts differ; all are in the report)" if len(bad) > 1 else ""
     return (
         f"lossless check failed: prompt {m['prompt']} differs at new token {m['new_token_index']} "
-        f"(sequence position {m['position']}): speculative {m['speculative']} vs target {m['target']}{more}."
+        f"(sequence position {m['position']}): speculative {m['speculative']} vs target "
+        f"{m['target']}{more}."
     )
 
 
@@ -73,10 +76,14 @@ def format_report(report: dict) -> str:
     )
     engine = f", through {report['engine']}" if report.get("engine") else ""
     lines = [
-        f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, {mode}{engine}",
-        f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}  (per prompt, then over prompts)",
-        f"  {'tau, pooled over cycles':<28}{_fmt(report.get('tau_pooled'), '.3f')}  (1 + accepted / drafts)",
-        f"  {'tau, cycles cut at the end':<28}{_fmt(report.get('tau_emitted'), '.3f')}  (as path tau replays it)",
+        f"dflash-eval: {report['num_prompts']} prompts, block size {report['block_size']}, "
+        f"{mode}{engine}",
+        f"  {'tau (acceptance length)':<28}{_fmt(report['tau'], '.3f')}  "
+        "(per prompt, then over prompts)",
+        f"  {'tau, pooled over cycles':<28}{_fmt(report.get('tau_pooled'), '.3f')}  "
+        "(1 + accepted / drafts)",
+        f"  {'tau, cycles cut at the end':<28}{_fmt(report.get('tau_emitted'), '.3f')}  "
+        "(as path tau replays it)",
         f"  {'draft-verify cycles':<28}{report['num_cycles']}",
         f"  {'new tokens':<28}{report['new_tokens']}",
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",
@@ -92,7 +99,8 @@ def format_report(report: dict) -> str:
     ]
     if report["num_prompts_without_cycles"]:
         lines.append(
-            f"  ({report['num_prompts_without_cycles']} prompt(s) stopped at their first token: no tau)"
+            f"  ({report['num_prompts_without_cycles']} prompt(s) stopped at their first token: no "
+            "tau)"
         )
     lines.append("  acceptance length histogram (tokens per cycle: share of cycles)")
     for n, share in report["histogram"].items():
@@ -110,12 +118,13 @@ def write_report(report: dict, path: str, cfg: EvalConfig) -> None:
 
 def format_offline(report: dict) -> str:
     lines = [
-        f"dflash-eval --offline: {report['sequences']} held-out sequences, {report['blocks']} blocks, "
-        f"block size {report['block_size']}",
+        f"dflash-eval --offline: {report['sequences']} held-out sequences, {report['blocks']} "
+        f"blocks, block size {report['block_size']}",
         f"  {'tau (estimated)':<28}{_fmt(report['tau'], '.3f')}",
         f"  {'path tau (replayed)':<28}{_fmt(report.get('path_tau'), '.3f')}   pooled "
         f"{_fmt(report.get('path_tau_pooled'), '.3f')}, {report.get('path_cycles', 0)} cycles of "
-        f"{report.get('path_sequences', 0)} responses (greedy decoding replayed; exact on target-greedy data)",
+        f"{report.get('path_sequences', 0)} responses (greedy decoding replayed; exact on "
+        "target-greedy data)",
         f"  {'accuracy':<28}{_fmt(report['acc'], '.4f')}",
         f"  {'loss':<28}{_fmt(report['loss'], '.4f')}",
         "  accuracy by block position (k = 1 predicts the token after the anchor)",

@@ -1,16 +1,17 @@
 """A `dflash-eval` run: a drafter's acceptance length tau by real speculative decoding on the user's
-target, with the lossless check, tokens/s with and without the drafter, and the speedup; decoded here
-through transformers (train/eval/spec_decode.py) or through vLLM (train/eval/vllm_engine.py).
+target, with the lossless check, tokens/s with and without the drafter, and the speedup; decoded
+here through transformers (train/eval/spec_decode.py) or through vLLM (train/eval/vllm_engine.py).
 
-tau is measured as the DFlash authors' loop does (z-lab/dflash `dflash/model.py`, `spec_generate`; see
-TAU_DEFINITION, which the report carries): each draft-verify cycle drafts a whole block and counts
-accepted drafts + 1, uncut, even past the length limit or a stop token; the prefill's token is not
-counted; per prompt the mean over its cycles, then the mean over prompts. Beside it the pooled figure
-engines log, 1 + accepted / drafts over all cycles (`tau_pooled`), and `tau_emitted`: the same mean
-over the tokens each cycle adds to the output cut at the limit and the stop token (only the last cycle
-of a response differs; path tau, train/path_tau.py, reproduces it exactly from a store).
-Throughput also follows the reference: time per output token is the decode time (after the prefill)
-over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio of the two.
+tau is measured as the DFlash authors' loop does (z-lab/dflash `dflash/model.py`, `spec_generate`;
+see TAU_DEFINITION, which the report carries): each draft-verify cycle drafts a whole block and
+counts accepted drafts + 1, uncut, even past the length limit or a stop token; the prefill's token
+is not counted; per prompt the mean over its cycles, then the mean over prompts. Beside it the
+pooled figure engines log, 1 + accepted / drafts over all cycles (`tau_pooled`), and `tau_emitted`:
+the same mean over the tokens each cycle adds to the output cut at the limit and the stop token
+(only the last cycle of a response differs; path tau, train/path_tau.py, reproduces it exactly from
+a store). Throughput also follows the reference: time per output token is the decode time (after the
+prefill) over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio
+of the two.
 
 Prompts are decoded one at a time (`generation.batch_size = 1`, the CPU's default) or many at
 once (train/eval/batched.py, a GPU's default): then every prompt of a batch is decoded side by side,
@@ -71,13 +72,14 @@ if TYPE_CHECKING:  # imported where used: it imports transformers, which the CLI
 log = logging.getLogger("dflash")
 
 TAU_DEFINITION = (
-    "tau: per prompt the mean over its draft-verify cycles of (accepted drafts + 1), then the mean over "
-    "prompts, counted as the DFlash authors' loop does (z-lab/dflash spec_generate: whole blocks while the "
-    "anchor is below the length limit, every cycle uncut, stop after the cycle that emits a stop token); "
-    "tau_pooled: 1 + accepted / drafts over all cycles of all prompts, as engines log it (vLLM); "
-    "tau_emitted: as tau, but each cycle counts only the tokens it adds to the output cut at the length "
-    "limit and after the stop token (cycles adding none dropped), so only the last cycle of a prompt "
-    "differs; it is what path tau (dflash-eval --offline) replays exactly."
+    "tau: per prompt the mean over its draft-verify cycles of (accepted drafts + 1), then the mean "
+    "over prompts, counted as the DFlash authors' loop does (z-lab/dflash spec_generate: whole "
+    "blocks while the anchor is below the length limit, every cycle uncut, stop after the cycle "
+    "that emits a stop token); tau_pooled: 1 + accepted / drafts over all cycles of all prompts, "
+    "as engines log it (vLLM); tau_emitted: as tau, but each cycle counts only the tokens it adds "
+    "to the output cut at the length limit and after the stop token (cycles adding none dropped), "
+    "so only the last cycle of a prompt differs; it is what path tau (dflash-eval --offline) "
+    "replays exactly."
 )
 
 
@@ -172,7 +174,8 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def decode_one(
     target: TargetRunner, drafter: Drafter, name: str, ids: list[int], s: Settings, index: int
 ) -> PromptResult:
-    """Speculative decoding of one prompt, then (optionally) the target alone, and the comparison."""
+    """Speculative decoding of one prompt, then (optionally) the target alone, and the
+    comparison."""
     limit, seed = s.sampling.max_new_tokens, s.sampling.seed + index
     spec = speculative_generate(
         target,
@@ -206,7 +209,8 @@ def decode_one(
 
 
 def _warm_up(target: TargetRunner, drafter: Drafter, ids: list[int], s: Settings) -> None:
-    """One short decode of each kind, untimed: kernels and allocators are set up before the clock runs."""
+    """One short decode of each kind, untimed: kernels and allocators are set up before the clock
+    runs."""
     limit = min(s.sampling.max_new_tokens, 2 * s.block_size)
     short = dataclasses.replace(s.sampling, max_new_tokens=limit)
     decode_one(target, drafter, "warm-up", ids, dataclasses.replace(s, sampling=short), index=0)
@@ -470,7 +474,8 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
     ]
     return {
         "tau": _mean(taus),
-        # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs the same
+        # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs
+        # the same
         "tau_pooled": _mean(lengths),
         # cycles cut as the output is (path tau's figure): per prompt, then over prompts
         "tau_emitted": _mean([r.tau_emitted for r in results if r.tau_emitted is not None]),
@@ -481,7 +486,8 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
         "num_prompts_without_cycles": len(results) - len(taus),
         "num_cycles": len(lengths),
         "new_tokens": sum(len(r.spec.tokens) for r in results),
-        # histogram[k]: share of cycles that emitted k tokens (k-1 accepted drafts + the target's own)
+        # histogram[k]: share of cycles that emitted k tokens (k-1 accepted drafts + the target's
+        # own)
         "histogram": {
             str(n): c / len(lengths) if lengths else 0.0
             for n, c in zip(range(1, s.block_size + 1), counts)
@@ -531,7 +537,8 @@ def evaluate_drafter(
         check_layer_ids(list(drafter.layer_ids), num_layers)
     except ValueError as e:
         raise UserError(
-            f"the drafter does not fit this target: {e}; evaluate it on the target it was trained for."
+            f"the drafter does not fit this target: {e}; evaluate it on the target it was trained "
+            "for."
         ) from e
     target = TargetRunner(model, drafter.layer_ids)
     s = settings_from(
@@ -572,7 +579,8 @@ def evaluate_drafter(
 
 def run(cfg: EvalConfig) -> dict:
     """Load the target and the drafter, decode every prompt, write and print the report; a failed
-    lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
+    lossless check raises `LosslessError` after the report is written (`check.lossless =
+    'error'`)."""
     if cfg.target.engine == "vllm":
         return finish_report(run_vllm(cfg), cfg)
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
@@ -605,7 +613,8 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def finish_report(report: dict, cfg: EvalConfig) -> dict:
-    """Write and print the report; raise `LosslessError` on a failed check (`check.lossless = 'error'`)."""
+    """Write and print the report; raise `LosslessError` on a failed check (`check.lossless =
+    'error'`)."""
     report["drafter"] = cfg.drafter.path
     report["target"] = cfg.target.path
     if cfg.report.path:
@@ -624,8 +633,8 @@ def finish_report(report: dict, cfg: EvalConfig) -> dict:
 
 
 def run_vllm(cfg: EvalConfig) -> dict:
-    """The report measured through vLLM (train/eval/vllm_engine.py): the exported drafter served with its
-    target, and the target served alone for the lossless check and the baseline."""
+    """The report measured through vLLM (train/eval/vllm_engine.py): the exported drafter served
+    with its target, and the target served alone for the lossless check and the baseline."""
     import tempfile
 
     from dflash_common.drafter.export import resolve_drafter_dir
@@ -647,7 +656,8 @@ def run_vllm(cfg: EvalConfig) -> dict:
     )
     if any(p.ids is None for p in prompts):
         raise UserError(
-            "--engine vllm takes single-turn prompts; drop the 'turns' lines or use --engine transformers."
+            "--engine vllm takes single-turn prompts; drop the 'turns' lines or use --engine "
+            "transformers."
         )
     drafter = load_dflash(
         cfg.drafter.path, load_text_config(cfg.target.path), torch.device("cpu"), torch.float32

@@ -1,4 +1,5 @@
-"""The speculative-decoding harness, proved with drafters whose acceptance lengths are known exactly.
+"""The speculative-decoding harness, proved with drafters whose acceptance lengths are known
+exactly.
 
 The oracle drafter knows the target's greedy continuation and proposes it (every draft accepted:
 tau = B); the always-wrong drafter proposes a different token everywhere (tau = 1); the noisy oracle
@@ -68,8 +69,9 @@ def prompts(tiny):
 
 
 class OracleDrafter:
-    """Proposes the target's greedy continuation, known beforehand; `corrupt(position)` marks positions
-    whose draft is replaced by another token. Checks what the engine hands it and records the context."""
+    """Proposes the target's greedy continuation, known beforehand; `corrupt(position)` marks
+    positions whose draft is replaced by another token. Checks what the engine hands it and records
+    the context."""
 
     def __init__(
         self,
@@ -113,8 +115,8 @@ class OracleDrafter:
 
 
 def greedy_continuations(runner, prompts, n, stop_ids=frozenset(), beyond: int = 16):
-    """The target's greedy continuations, `beyond` tokens longer than decoded: the authors' loop drafts
-    whole blocks past the length limit, and an oracle knows those tokens too."""
+    """The target's greedy continuations, `beyond` tokens longer than decoded: the authors' loop
+    drafts whole blocks past the length limit, and an oracle knows those tokens too."""
     return {
         tuple(p): target_generate(runner, p, max_new_tokens=n + beyond, stop_ids=stop_ids).tokens
         for p in prompts
@@ -166,7 +168,8 @@ def test_oracle_drafter_gets_tau_equal_block_size(tiny, runner, prompts, block):
 
 
 def test_context_features_are_the_layer_outputs_at_committed_positions(tiny, runner, prompts):
-    """What the drafter is handed equals hidden_states[i + 1] of one full forward, position by position."""
+    """What the drafter is handed equals hidden_states[i + 1] of one full forward, position by
+    position."""
     model = tiny[0]
     p, block, max_new = prompts[0], 4, 30
     oracle = OracleDrafter(
@@ -225,8 +228,8 @@ def test_noisy_drafter_accepts_partially_and_stays_lossless(tiny, runner, prompt
 
 @pytest.mark.parametrize("remainder", [0, 1, 2, 4])
 def test_the_last_cycle_drafts_a_whole_block_and_counts_uncut(tiny, runner, prompts, remainder):
-    """As the authors' loop: a whole block while the anchor is below the limit (`start < max_length`),
-    its acceptance counted in full even where the output is then cut at the limit."""
+    """As the authors' loop: a whole block while the anchor is below the limit (`start <
+    max_length`), its acceptance counted in full even where the output is then cut at the limit."""
     block, m = 5, 3
     max_new = 1 + m * block + remainder
     oracle = OracleDrafter(
@@ -314,7 +317,8 @@ def test_sampled_decoding_is_seeded_and_tau_in_range(tiny, runner, prompts):
 
 
 def test_accept_rule_with_a_greedy_draft_emits_the_target_distribution():
-    """Accept x with probability p(x), else sample p without x: the emitted token is distributed as p."""
+    """Accept x with probability p(x), else sample p without x: the emitted token is distributed as
+    p."""
     p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2]])
     g = torch.Generator().manual_seed(0)
     trials = 10000  # standard error <= 0.005: the 0.02 tolerance is 4 sigma
@@ -480,7 +484,8 @@ def test_evaluate_drafter_end_to_end_with_multi_turn_prompts(tiny, runner, promp
 
 
 def _learning_begin(oracle: OracleDrafter, runner: TargetRunner):
-    """Extend the oracle to prompts it was not given: compute their greedy continuation on first sight."""
+    """Extend the oracle to prompts it was not given: compute their greedy continuation on first
+    sight."""
     original = oracle.begin
 
     def begin(prompt_ids):
@@ -539,9 +544,9 @@ def test_eval_config_refuses_a_lossless_check_without_its_reference():
 def test_baseline_cache_decodes_the_target_alone_once_and_keys_on_the_target(
     tiny, runner, prompts, tiny_target, tmp_path, monkeypatch
 ):
-    """--check.baseline_cache: a second evaluation reads the target-alone decodes back (same report, no
-    target-alone decoding), a cached reference that differs is still caught by the lossless check, and
-    another target (other weight bytes) misses."""
+    """--check.baseline_cache: a second evaluation reads the target-alone decodes back (same report,
+    no target-alone decoding), a cached reference that differs is still caught by the lossless
+    check, and another target (other weight bytes) misses."""
     import shutil
 
     import train.eval.run as evaluate_module

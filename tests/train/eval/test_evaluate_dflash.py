@@ -22,7 +22,6 @@ from train.eval.load import load_proposer
 from train.eval.prompts import Prompt, load_prompts
 from train.eval.run import Settings, decode_prompts
 from train.eval.spec_decode import (
-    GREEDY,
     DFlashProposer,
     TargetRunner,
     speculative_generate,
@@ -184,7 +183,8 @@ def test_drafter_for_another_target_is_refused_in_one_sentence(
 def test_a_drafter_with_a_hand_edited_config_is_refused_before_decoding(
     tiny_target, drafter_dir, tmp_path, capsys
 ):
-    """A config.json whose block_size was removed would decode a block-4 drafter at 16: refused, naming it."""
+    """A config.json whose block_size was removed would decode a block-4 drafter at 16: refused,
+    naming it."""
     import shutil
 
     edited = shutil.copytree(drafter_dir, tmp_path / "edited")
@@ -224,8 +224,9 @@ def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
 
 
 def _briefly_trained_drafter(model, tok, root, steps=60):
-    """A depth-1 drafter trained for a few dozen steps on the target's own responses (data/tiny-train.jsonl)
-    with the training forward and the DFlash labels: good enough to get some drafts accepted."""
+    """A depth-1 drafter trained for a few dozen steps on the target's own responses
+    (data/tiny-train.jsonl) with the training forward and the DFlash labels: good enough to get some
+    drafts accepted."""
     from dflash_common.drafter.objective import IGNORE_INDEX, block_labels
 
     records = [
@@ -275,8 +276,8 @@ def _layers(model, ids, layer_ids):
 
 
 def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_target, trained):
-    """No training/serving mismatch: with a briefly trained drafter, each cycle's acceptance length is
-    the leading run of the training forward's correct predictions at that cycle's anchor."""
+    """No training/serving mismatch: with a briefly trained drafter, each cycle's acceptance length
+    is the leading run of the training forward's correct predictions at that cycle's anchor."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]

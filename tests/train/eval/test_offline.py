@@ -20,9 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_offline_estimate_reads_the_held_out_split_of_the_training_run(
     tiny_target, tiny_store, drafter_dir, tmp_path, capsys
 ):
-    """--offline: accuracy per block position and tau from the trainer's validation, with the split the
-    training run recorded in its run.toml (here 8 sequences), and the same figures as calling the
-    trainer's validation directly with the target's head."""
+    """--offline: accuracy per block position and tau from the trainer's validation, with the split
+    the training run recorded in its run.toml (here 8 sequences), and the same figures as calling
+    the trainer's validation directly with the target's head."""
     import shutil
 
     from dflash_common.drafter.export import load_drafter

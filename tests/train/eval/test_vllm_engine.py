@@ -1,8 +1,9 @@
 """train/eval/vllm_engine.py without vLLM: the counters vLLM must report for cycles our engine made.
 
 vLLM runs a cycle only while fewer than max_new_tokens tokens are out, and none after a stop token
-from the prefill; the authors' loop (train/eval/spec_decode.py) runs one more when exactly that many are
-out, and one after a prefill stop. The serve check compares these counters with vLLM's per prompt.
+from the prefill; the authors' loop (train/eval/spec_decode.py) runs one more when exactly that many
+are out, and one after a prefill stop. The serve check compares these counters with vLLM's per
+prompt.
 """
 
 from __future__ import annotations
