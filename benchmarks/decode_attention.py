@@ -4,11 +4,12 @@
     python benchmarks/decode_attention.py --quick    # CPU smoke run
 
 A one-token step of a grouped-query target: the 4 query heads of each of the 8 key/value heads are
-that head's 4 query rows ([B, 8, 4, 128]) over the whole static cache ([B, 8, L, 128]) with an additive
-[B, 1, 1, L] mask. Rows: torch's default SDPA choice, each backend forced (those that refuse the inputs
-say so), and the same arithmetic as two batched matmuls around a float32 softmax. us/call is the
-median of --repeats timings (CUDA events on a GPU) of --calls calls each; GB/s counts the cache's keys
-and values read once, the least a step must move. A decode step runs this once per layer.
+that head's 4 query rows ([B, 8, 4, 128]) over the whole static cache ([B, 8, L, 128]) with an
+additive [B, 1, 1, L] mask. Rows: torch's default SDPA choice, each backend forced (those that
+refuse the inputs say so), and the same arithmetic as two batched matmuls around a float32 softmax.
+us/call is the median of --repeats timings (CUDA events on a GPU) of --calls calls each; GB/s counts
+the cache's keys and values read once, the least a step must move. A decode step runs this once per
+layer.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def sdpa(q, k, v, mask, scale, backend: SDPBackend | None):
 
 
 def us_per_call(fn, calls: int, cuda: bool) -> float:
-    """Microseconds a call of fn over `calls` calls in a row: CUDA events on a GPU, the wall clock else."""
+    """Microseconds a call of fn over `calls` calls in a row: CUDA events on a GPU, the wall clock
+    else."""
     if not cuda:
         started = time.perf_counter()
         for _ in range(calls):
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         "math": SDPBackend.MATH,
     }
     print(
-        f"device {device}, {dtype}, batch {args.batch}, {kv_heads} kv heads x {groups} query rows x {dim}; "
+        f"device {device}, {dtype}, batch {args.batch}, "
+        f"{kv_heads} kv heads x {groups} query rows x {dim}; "
         f"median of {args.repeats} x {args.calls} calls, [lowest-highest] beside it"
     )
     print(f"| {'L':>5} | {'way':<10} | {'us/call':>20} | {'GB/s':>6} |")
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
             us = statistics.median(times)
             cell = f"{us:,.1f} [{min(times):,.1f}-{max(times):,.1f}]"
             print(
-                f"| {length:>5} | {name:<10} | {cell:>20} | {moved / us / 1e3:>6,.0f} | max err {err:.1e}"
+                f"| {length:>5} | {name:<10} | {cell:>20} | {moved / us / 1e3:>6,.0f} "
+                f"| max err {err:.1e}"
             )
 
 

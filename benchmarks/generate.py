@@ -1,26 +1,28 @@
 """Generation throughput: dflash-generate's transformers decoder against plain `model.generate`.
 
-    python benchmarks/generate.py                  # GPU: Qwen3-8B and Qwen3-0.6B shapes, bf16 (~5 min)
-    python benchmarks/generate.py --quick          # a tiny target on the CPU: a smoke run in seconds
+    python benchmarks/generate.py              # GPU: Qwen3-8B and Qwen3-0.6B shapes, bf16 (~5 min)
+    python benchmarks/generate.py --quick      # a tiny target on the CPU: a smoke run in seconds
 
-For each shape, a Qwen3Config target with random weights is built directly on the device (no download)
-and decodes the same batch of random prompts (--batch x --prompt-len tokens, left-padded to random
-lengths in [prompt-len/2, prompt-len]) for exactly --new-tokens tokens (no stop token):
+For each shape, a Qwen3Config target with random weights is built directly on the device (no
+download) and decodes the same batch of random prompts (--batch x --prompt-len tokens, left-padded
+to random lengths in [prompt-len/2, prompt-len]) for exactly --new-tokens tokens (no stop token):
 
     (a) plain HF: model.generate(do_sample=False), default dynamic KV cache, the whole batch at once
     (b) dflash-generate with eager decode steps: TransformersDecoder(cuda_graphs=False).decode_batch
         (static KV cache, the host launches every kernel of every step)
-    (c) dflash-generate with generate.cuda_graphs: each decode step a CUDA graph, captured once per batch
-        (CUDA only)
-    (d) (c) with generate.compile too: the decoder layers' parts compiled (on a second copy of the target,
-        which compiling changes in place), the compiled step captured as the graph (CUDA only)
+    (c) dflash-generate with generate.cuda_graphs: each decode step a CUDA graph, captured once per
+        batch (CUDA only)
+    (d) (c) with generate.compile too: the decoder layers' parts compiled (on a second copy of the
+        target, which compiling changes in place), the compiled step captured as the graph (CUDA
+        only)
 
-All decode the same batch (the same batch budget). Rows report generated tokens/s (batch x new tokens /
-seconds): the median of --repeats runs, interleaved a, b, c, d, a, b, c, d, ... after one warm-up of each,
-with the lowest and highest beside it; (c)/(a), and the memory-bandwidth roofline of decoding: each step
-reads every weight once and the KV cache of the batch, so a step takes at least
-(weight bytes + KV bytes at the mean context) / --bandwidth (4.8 TB/s for an H200), and the
-roofline is batch / that time. Goal: the best of (b)-(d) >= 3x (a). --modes picks the columns to run.
+All decode the same batch (the same batch budget). Rows report generated tokens/s (batch x new
+tokens / seconds): the median of --repeats runs, interleaved a, b, c, d, a, b, c, d, ... after one
+warm-up of each, with the lowest and highest beside it; (c)/(a), and the memory-bandwidth roofline
+of decoding: each step reads every weight once and the KV cache of the batch, so a step takes at
+least (weight bytes + KV bytes at the mean context) / --bandwidth (4.8 TB/s for an H200), and the
+roofline is batch / that time. Goal: the best of (b)-(d) >= 3x (a). --modes picks the columns to
+run.
 """
 
 from __future__ import annotations
@@ -172,9 +174,8 @@ def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
     if args.profile and device.type == "cuda":
         from benchmarks.profiling import kernel_table
 
-        short = Sampling(
-            0.0, 1.0, 0, 32, 0
-        )  # 32 new tokens: the steps, with the prefill beside them
+        # 32 new tokens: the steps, with the prefill beside them
+        short = Sampling(0.0, 1.0, 0, 32, 0)
         for mode, graphs in (("b", False), ("c", True)):
             if mode in runs:
                 d = TransformersDecoder(
@@ -232,14 +233,15 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     print(
-        f"device {device}, {dtype}, batch {args.batch} x prompts of {args.prompt_len // 2}-{args.prompt_len} "
-        f"tokens, {args.new_tokens} new tokens each; roofline at {args.bandwidth / 1e12:.1f} TB/s; tok/s is the "
+        f"device {device}, {dtype}, batch {args.batch} x prompts of "
+        f"{args.prompt_len // 2}-{args.prompt_len} tokens, {args.new_tokens} new tokens each; "
+        f"roofline at {args.bandwidth / 1e12:.1f} TB/s; tok/s is the "
         f"median of {args.repeats} interleaved runs after one warm-up, [lowest-highest] beside it"
     )
     print(
         f"{'target':<12} | {'(a) model.generate tok/s':>26} | {'(b) eager steps tok/s':>26} | "
-        f"{'(c) CUDA graphs tok/s':>26} | {'(d) compiled + graphs':>26} | {'(b)/(a)':>7} | {'(c)/(a)':>7} | "
-        f"{'(d)/(a)':>7} | {'roofline tok/s':>14} | {'best/roofline':>13}"
+        f"{'(c) CUDA graphs tok/s':>26} | {'(d) compiled + graphs':>26} | {'(b)/(a)':>7} | "
+        f"{'(c)/(a)':>7} | {'(d)/(a)':>7} | {'roofline tok/s':>14} | {'best/roofline':>13}"
     )
     for shape in args.shapes.split(","):
         r = bench(shape, args, device, dtype)
@@ -250,11 +252,13 @@ def main(argv: list[str] | None = None) -> None:
             lo, hi = r[k + "_spread"]
             return f"{f'{r[k]:,.0f} [{lo:,.0f}-{hi:,.0f}]':>26}"
 
-        ratio = lambda k: f"{r[k] / r['a']:>7.2f}" if k in r and "a" in r else f"{'n/a':>7}"  # noqa: E731
+        def ratio(k: str) -> str:
+            return f"{r[k] / r['a']:>7.2f}" if k in r and "a" in r else f"{'n/a':>7}"
+
         best = max((r[k] for k in ("b", "c", "d") if k in r), default=None)
         print(
-            f"{r['shape']:<12} | {cell('a')} | {cell('b')} | {cell('c')} | {cell('d')} | {ratio('b')} | "
-            f"{ratio('c')} | {ratio('d')} | "
+            f"{r['shape']:<12} | {cell('a')} | {cell('b')} | {cell('c')} | {cell('d')} | "
+            f"{ratio('b')} | {ratio('c')} | {ratio('d')} | "
             f"{r['roofline']:>14,.0f} | "
             + (f"{best / r['roofline']:>13.1%}" if best else f"{'n/a':>13}")
         )

@@ -1,19 +1,20 @@
 """What each training lever of issue 17 costs in speed: the trainer's own optimiser step
 (train.loop.train_step: forward, fused loss, backward, clip, AdamW, EMA) on one resident batch, once
-per variant of `--objective.*` / `--regularise.*` overrides, against today's recipe.
+per variant of `--objective.*` / `--regularise.*` overrides, against the paper's recipe.
 
-    PYTHONPATH=. python benchmarks/levers.py            # GPU: Qwen3-8B-shaped drafter, bf16 autocast
-    PYTHONPATH=. python benchmarks/levers.py --quick    # CPU smoke run, tiny drafter
-    PYTHONPATH=. python benchmarks/levers.py --variant "--objective.weights=dpace --objective.dpace_alpha=0.3"
-    PYTHONPATH=. python benchmarks/levers.py --dspark   # DSpark against DFlash, both under D-PACE
+    PYTHONPATH=. python benchmarks/levers.py           # GPU: Qwen3-8B-shaped drafter, bf16 autocast
+    PYTHONPATH=. python benchmarks/levers.py --quick   # CPU smoke run, tiny drafter
+    PYTHONPATH=. python benchmarks/levers.py \\
+        --variant "--objective.weights=dpace --objective.dpace_alpha=0.3"
+    PYTHONPATH=. python benchmarks/levers.py --dspark  # DSpark against DFlash, both under D-PACE
     PYTHONPATH=. python benchmarks/levers.py --dspark --small   # the same on a CPU-sized drafter
 
 Random weights and random context features; each sequence is a 10% prompt and a 90% response, so the
 anchor rules differ only at the end of each response (as in real data). Prints a table: variant,
-median step time with its spread (lowest-highest step), context tok/s, and the ratio of the medians to
-the recipe's (1.00 = free). A variant may set `--drafter.arch=dspark` and its heads (the drafter's
-sizes stay the benchmark's; its block is one shorter, so it drafts as many tokens as DFlash's; its
-Markov rank is hidden / 16, DeepSpec's 256 at hidden 4096, unless a variant sets it).
+median step time with its spread (lowest-highest step), context tok/s, and the ratio of the medians
+to the recipe's (1.00 = free). A variant may set `--drafter.arch=dspark` and its heads (the
+drafter's sizes stay the benchmark's; its block is one shorter, so it drafts as many tokens as
+DFlash's; its Markov rank is hidden / 16, DeepSpec's 256 at hidden 4096, unless a variant sets it).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def make_batch(
 def make_step(variant: str, dcfg, args, device):
     """One optimiser step under `variant`'s overrides: own drafter, optimiser, resident batch."""
     cuda = device.type == "cuda"
-    # the paper's recipe stated (dflash-train's default weights are D-PACE): each variant's overrides come after
+    # the paper's recipe stated (dflash-train's default weights are D-PACE): each variant's
+    # overrides come after
     overrides = [
         f"--precision.autocast={'bf16' if cuda else 'none'}",
         "--optim.grad_accum=1",
@@ -161,9 +163,8 @@ def make_step(variant: str, dcfg, args, device):
     counts = torch.zeros(2 * dcfg.verify_block_size + 2, dtype=torch.float64, device=device)
 
     def step():
-        fresh = DeviceBatch(
-            **{**batch.__dict__, "features": batch.features.clone()}
-        )  # noise works in place
+        # noise works in place
+        fresh = DeviceBatch(**{**batch.__dict__, "features": batch.features.clone()})
         train_step(drafter, drafter, iter([fresh]), optimizer, scheduler, cfg, sums, counts, ema)
 
     return step
@@ -249,8 +250,9 @@ def main() -> None:
     variants = [""] + [v for v in chosen if v]
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(
-        f"# one optimiser step per lever on {name}: {dcfg.num_hidden_layers} layers, hidden {dcfg.hidden_size}, "
-        f"vocab {dcfg.vocab_size}, {args.seqs} x {args.seq_len} tokens, up to {args.anchors} anchors per sequence"
+        f"# one optimiser step per lever on {name}: {dcfg.num_hidden_layers} layers, "
+        f"hidden {dcfg.hidden_size}, vocab {dcfg.vocab_size}, {args.seqs} x {args.seq_len} tokens, "
+        f"up to {args.anchors} anchors per sequence"
     )
     print(
         f"| {'variant':<60} | {'step ms [lowest-highest]':>26} | {'tok/s':>10} | {'vs recipe':>9} |"
@@ -261,7 +263,8 @@ def main() -> None:
         base = base or seconds.median
         print(
             f"| {variant or '(recipe)':<60} | {seconds.scaled(1e3).text():>26} "
-            f"| {args.seqs * args.seq_len / seconds.median:>10,.0f} | {base / seconds.median:>9.2f} |"
+            f"| {args.seqs * args.seq_len / seconds.median:>10,.0f} "
+            f"| {base / seconds.median:>9.2f} |"
         )
 
 

@@ -82,7 +82,8 @@ def liger():
 
 
 def time_call(fn, inputs) -> tuple[float, int | None]:
-    """(ms, peak bytes above what was allocated before, None on the CPU) of one fn(*inputs).backward()."""
+    """(ms, peak bytes above what was allocated before, None on the CPU) of one
+    fn(*inputs).backward()."""
     hidden = inputs[0]
     hidden.grad = None
     if not hidden.is_cuda:
@@ -103,8 +104,9 @@ def time_call(fn, inputs) -> tuple[float, int | None]:
 
 
 def measure(fn, inputs, reps: int) -> tuple[float, float | None, tuple[float, float]]:
-    """(median ms, peak GiB above the inputs, (lowest, highest) ms) of fn(*inputs).backward(), after two
-    warm-up calls (compilation; one-time allocations such as cuBLAS's workspace are no call's peak)."""
+    """(median ms, peak GiB above the inputs, (lowest, highest) ms) of fn(*inputs).backward(), after
+    two warm-up calls (compilation; one-time allocations such as cuBLAS's workspace are no call's
+    peak)."""
     for _ in range(2):
         time_call(fn, inputs)
     calls = [time_call(fn, inputs) for _ in range(reps)]
@@ -123,7 +125,8 @@ WAYS = [
 
 
 def ways_on(device) -> list[tuple[str, str, str]]:
-    """The WAYS this device runs: Triton's on CUDA or under TRITON_INTERPRET=1, torch's everywhere."""
+    """The WAYS this device runs: Triton's on CUDA or under TRITON_INTERPRET=1, torch's
+    everywhere."""
     triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return [w for w in WAYS if triton or w[0] == "torch"]
 
@@ -218,12 +221,12 @@ SWEEP_SHAPES = [(4096, 16), (8192, 16), (8192, 32), (16384, 32), (4096, 32), (16
 def kernel_sweep(
     device, dtype, rows: int = 512, vocab: int = 151936, hidden_size: int = 4096, reps: int = 20
 ) -> None:
-    """The row kernel alone on one logits chunk [rows, vocab] (forward + gradient in place) per launch
-    shape: ms and GB/s counting its three passes over the chunk (read, read, write). Before each call
-    the chunk is made by the logits matmul into the same buffer, as in the loss, so the kernel finds
-    in L2 what it would find there; the matmul is outside the timing. Each shape's result is checked
-    against the first's. Liger-Kernel's row kernel, launched as its fused linear cross-entropy does,
-    is a row when importable."""
+    """The row kernel alone on one logits chunk [rows, vocab] (forward + gradient in place) per
+    launch shape: ms and GB/s counting its three passes over the chunk (read, read, write). Before
+    each call the chunk is made by the logits matmul into the same buffer, as in the loss, so the
+    kernel finds in L2 what it would find there; the matmul is outside the timing. Each shape's
+    result is checked against the first's. Liger-Kernel's row kernel, launched as its fused linear
+    cross-entropy does, is a row when importable."""
     from dflash_common.drafter.loss.hard_triton import MAX_BLOCK, NUM_WARPS, weighted_ce_rows
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -291,9 +294,9 @@ def odds_rows(logits, labels, weights, timed, line) -> None:
 
 
 def epilogue_matmul(h, w, labels, weights, reps: int) -> None:
-    """The logits matmul of one chunk: cuBLAS (h @ W^T into a preallocated buffer, as the loss runs it)
-    beside the Triton matmul that forms the odds in its epilogue (with its label dot and per-row fold;
-    autotuned on the first call), in TFLOP/s of the matmul's 2 C V H."""
+    """The logits matmul of one chunk: cuBLAS (h @ W^T into a preallocated buffer, as the loss runs
+    it) beside the Triton matmul that forms the odds in its epilogue (with its label dot and per-row
+    fold; autotuned on the first call), in TFLOP/s of the matmul's 2 C V H."""
     from dflash_common.drafter.loss.epilogue_triton import _odds_matmul_tuned, odds_matmul
 
     c, v = h.shape[0], w.shape[0]
@@ -326,8 +329,9 @@ def epilogue_matmul(h, w, labels, weights, reps: int) -> None:
 
 
 def _liger_row_kernel(logits, labels):
-    """(description, call) of Liger-Kernel's cross-entropy row kernel as its fused linear cross-entropy
-    launches it on a chunk (gradient in place, sum reduction, no accuracy), or None when not installed."""
+    """(description, call) of Liger-Kernel's cross-entropy row kernel as its fused linear
+    cross-entropy launches it on a chunk (gradient in place, sum reduction, no accuracy), or None
+    when not installed."""
     try:
         import triton
         from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
@@ -393,10 +397,10 @@ def profile(size, device, dtype) -> None:
 
 
 def precision(device, reps: int = 3) -> None:
-    """Gradient and CE error of each method against float64 on the same bf16-rounded inputs, for rows
-    of every confidence ('typical': random hidden, CE ~3-50 nats) and confident rows (hidden along the
-    label's lm_head row, CE from ~0.1 down to ~1e-30): per row |grad - ref| / |ref|, median and
-    largest over rows, each the median over `reps` seeds."""
+    """Gradient and CE error of each method against float64 on the same bf16-rounded inputs, for
+    rows of every confidence ('typical': random hidden, CE ~3-50 nats) and confident rows (hidden
+    along the label's lm_head row, CE from ~0.1 down to ~1e-30): per row |grad - ref| / |ref|,
+    median and largest over rows, each the median over `reps` seeds."""
     n, h, v = (64, 64, 2000)
     ways = ways_on(device)
     print(
@@ -448,7 +452,8 @@ def main() -> None:
     parser.add_argument(
         "--kernel-sweep",
         action="store_true",
-        help="time the row kernel alone per (columns per step, warps) on one chunk, beside Liger's (CUDA)",
+        help="time the row kernel alone per (columns per step, warps) on one chunk, "
+        "beside Liger's (CUDA)",
     )
     parser.add_argument(
         "--sizes", default="all", choices=["all", "first"], help="'first': only N=16384"
@@ -472,13 +477,13 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     if args.precision:
         print(
-            f"# LM-head loss on {name}: gradient and CE error against float64, bf16 inputs, 64 rows, "
-            f"H=64, V=2000, median over 3 seeds"
+            f"# LM-head loss on {name}: gradient and CE error against float64, bf16 inputs, "
+            f"64 rows, H=64, V=2000, median over 3 seeds"
         )
         return precision(device)
     print(
-        f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, median of {reps}"
-        + ", repeats interleaved across the rows"
+        f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, "
+        f"median of {reps}" + ", repeats interleaved across the rows"
     )
     if args.sweep:
         return sweep(sizes, device, dtype, reps)

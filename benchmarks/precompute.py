@@ -1,12 +1,15 @@
 """Precompute throughput on a Qwen3-8B-shaped target: a plain HF forward against dflash-precompute.
 
-    python benchmarks/precompute.py                    # GPU: Qwen3-8B shape, ~3K-token sequences (~2-3 min)
-    python benchmarks/precompute.py --dir /nvme/tmp    # where the target and the stores go (local disk)
-    python benchmarks/precompute.py --quick            # tiny target on the CPU: a smoke run in seconds
-    python benchmarks/precompute.py --profile          # then each row once more under torch.profiler: where
-                                                       # the time goes, (a) and (b) side by side
+    python benchmarks/precompute.py          # GPU: Qwen3-8B shape, ~3K-token sequences (~2-3 min)
+    python benchmarks/precompute.py --quick  # tiny target on the CPU: a smoke run in seconds
+    python benchmarks/precompute.py --dir /nvme/tmp
+        # where the target and the stores go (local disk)
+    python benchmarks/precompute.py --profile
+        # then each row once more under torch.profiler: where the time goes, (a) and (b) side by
+        # side
 
-Printed step by step, with (a) and (b) interleaved --repeats times ((a), (b) bf16, (b) fp8, (a), ...):
+Printed step by step, with (a) and (b) interleaved --repeats times ((a), (b) bf16, (b) fp8, (a),
+...):
 1. the target: a Qwen3Config (hidden 4096, 36 layers, 32 heads, 8 kv heads, head_dim 128,
    intermediate 12288, vocab 151936) with random weights, created directly on the GPU in bf16 and
    saved (safetensors) under --dir with a byte-level tokenizer; no download;
@@ -19,14 +22,14 @@ Printed step by step, with (a) and (b) interleaved --repeats times ((a), (b) bf1
    a store under --dir, once with bf16 states and once with fp8_e4m3 (each store is deleted after
    its row: disk stays under ~35 GB at the default size).
 
-Rows report the median over the repeats and the spread (lowest-highest tokens/s) of real tokens/s over
-the timed phase ((a): the forward loop after one warm-up batch;
-(b): first batch to last shard published, excluding target load and staging-buffer pinning, which
-are printed apart), MFU, and (b)/(a). FLOPs = 2 x parameters run x tokens + attention, where
-parameters run are the decoder layers ((a): all 36 and lm_head; (b): up to the deepest captured
-layer) and attention is 2 x L^2 x heads x head_dim per layer per sequence of L tokens (the causal
-half of QK^T and PV). MFU = FLOPs / (seconds x --peak-tflops), 989 for an H200 (dense bf16); "vs (a)" is
-the median of the per-repeat ratios to the (a) run of the same repeat.
+Rows report the median over the repeats and the spread (lowest-highest tokens/s) of real tokens/s
+over the timed phase ((a): the forward loop after one warm-up batch; (b): first batch to last shard
+published, excluding target load and staging-buffer pinning, which are printed apart), MFU, and
+(b)/(a). FLOPs = 2 x parameters run x tokens + attention, where parameters run are the decoder
+layers ((a): all 36 and lm_head; (b): up to the deepest captured layer) and attention is 2 x L^2 x
+heads x head_dim per layer per sequence of L tokens (the causal half of QK^T and PV). MFU = FLOPs /
+(seconds x --peak-tflops), 989 for an H200 (dense bf16); "vs (a)" is the median of the per-repeat
+ratios to the (a) run of the same repeat.
 Goal: (b)/(a) >= 1.25 in bf16 and >= 1.35 in fp8: the early exit is worth ~1.12x, the rest must come
 from a faster forward (`--compile on`: target.compile) with all I/O hidden.
 """
@@ -107,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--seqs",
         type=int,
         default=128,
-        help="sequences: 377K tokens at ~2944 each, 15.4 GB of bf16 states beside the 16.4 GB target",
+        help="sequences: 377K tokens at ~2944 each, "
+        "15.4 GB of bf16 states beside the 16.4 GB target",
     )
     p.add_argument("--min-len", type=int, default=2816)
     p.add_argument("--max-len", type=int, default=3072)
@@ -127,13 +131,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         default="off,on",
-        help="(b) rows with target.compile off and/or on (its compilation is part of the target load)",
+        help="(b) rows with target.compile off and/or on "
+        "(its compilation is part of the target load)",
     )
     p.add_argument(
         "--copy-order",
         default="next",
         help="(b) rows whose batches are copied to the host after the next forward is launched "
-        "('next', the pipeline's order) and/or as soon as encoded ('now', the order before)",
+        "('next', the pipeline's order) and/or as soon as encoded ('now')",
     )
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     p.add_argument("--keep", action="store_true", help="keep the target directory")
@@ -143,8 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="after the timed repeats, one more (a) and (b) of each row under torch.profiler: where "
-        "the time goes, side by side (GPU busy and idle, copies, syncs, the GIL, kernel times)",
+        help="after the timed repeats, one more (a) and (b) of each row under torch.profiler: "
+        "where the time goes, side by side "
+        "(GPU busy and idle, copies, syncs, the GIL, kernel times)",
     )
     args = p.parse_args(argv)
     for flag, value, allowed in (
@@ -192,9 +198,8 @@ def build_target(path: Path, shape: dict, device: str) -> None:
     params = sum(p.numel() for p in model.parameters())
     say(f"target built on {device}: {params / 1e6:,.1f} M parameters; saving to {path}")
     model.save_pretrained(path)
-    build_tiny_tokenizer().save_pretrained(
-        path
-    )  # the ids are pre-tokenized; a tokenizer must exist
+    # the ids are pre-tokenized; a tokenizer must exist
+    build_tiny_tokenizer().save_pretrained(path)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -219,9 +224,8 @@ def write_inputs(path: Path, seqs: list[np.ndarray]) -> None:
 
 def disk_bandwidth(directory: Path, total_bytes: int, streams: int) -> float:
     """GB/s of fsynced writes of `total_bytes` split over `streams` files written at once."""
-    block = np.random.default_rng(0).integers(
-        0, 255, 64 << 20, dtype=np.uint8
-    )  # 64 MiB, incompressible
+    # 64 MiB, incompressible
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
     per = max(len(block), total_bytes // streams)
 
     def write(i: int) -> None:
@@ -251,7 +255,7 @@ def settle_disk() -> None:
     say(f"disk settled (sync) in {time.perf_counter() - started:.1f} s")
 
 
-# ---------------------------------------------------------------------------------------- (a) and (b)
+# ----------------------------------------------------------------------------------- (a) and (b)
 
 
 def batches_like_precompute(
@@ -299,7 +303,8 @@ def hf_forward(
         def loop() -> None:
             for ids in inputs:
                 out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-                kept = [out.hidden_states[i + 1] for i in layer_ids]  # noqa: F841  (what a tool would keep)
+                # what a tool would keep
+                kept = [out.hidden_states[i + 1] for i in layer_ids]  # noqa: F841
                 del out
             _sync(device)
 
@@ -311,7 +316,8 @@ def hf_forward(
 
             profiles.append(profile_phase(loop))
         seconds = time.perf_counter() - started
-    del model, inputs
+    # the loop's closure shares these names: rebinding them (not `del`) drops the model and batches
+    model = inputs = None
     if device == "cuda":
         torch.cuda.empty_cache()
     return seconds
@@ -335,7 +341,8 @@ def profiled_forward_loop(profiles: list) -> Iterator[None]:
 
 
 class Variant(NamedTuple):
-    """One (b) row: the store's dtype, target.compile, and when a batch's copy to the host is queued."""
+    """One (b) row: the store's dtype, target.compile, and when a batch's copy to the host is
+    queued."""
 
     dtype: str
     compiled: bool
@@ -407,14 +414,15 @@ def flops(shape: dict, layers: int, lm_head: bool, lengths: list[int]) -> float:
 def report(rows: list[tuple], disk: list[tuple[str, float]], args) -> None:
     """rows: (name, tokens, [seconds per repeat], [MFU per repeat], [ratio to (a) per repeat])."""
     print(
-        f"\nprecompute benchmark: {args.seqs} sequences of {args.min_len}-{args.max_len} tokens, token budget "
-        f"{args.token_budget}, {args.samples_per_unit} sequences per shard, device {args.device}"
+        f"\nprecompute benchmark: {args.seqs} sequences of {args.min_len}-{args.max_len} tokens, "
+        f"token budget {args.token_budget}, {args.samples_per_unit} sequences per shard, "
+        f"device {args.device}"
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
         + f"; median of {args.repeats} interleaved repeats"
     )
     print(
-        f"{'row':<52} | {'tokens':>9} | {'seconds':>7} | {'tok/s':>9} | {'spread tok/s':>19} | {'MFU':>6} | "
-        f"{'vs (a)':>6}"
+        f"{'row':<52} | {'tokens':>9} | {'seconds':>7} | {'tok/s':>9} | {'spread tok/s':>19} | "
+        f"{'MFU':>6} | {'vs (a)':>6}"
     )
     for name, tokens, seconds, mfu, ratio in rows:
         rates = sorted(tokens / x for x in seconds)
@@ -480,9 +488,11 @@ def run_all(args, root: Path) -> None:
             )
             s = run["seconds"]
             say(
-                f"(b) {variant.label}: target load {s['load_target']:.1f} s, staging buffers {s['staging_setup']:.1f} s, "
-                f"{run['bytes_written'] / 1e9:.2f} GB written, the forward waited {run['disk_wait_s_max_rank']:.2f} s "
-                f"for the disk, the GPU stood idle {run.get('gpu_idle_s_max_rank', 0.0):.2f} s between batches "
+                f"(b) {variant.label}: target load {s['load_target']:.1f} s, "
+                f"staging buffers {s['staging_setup']:.1f} s, "
+                f"{run['bytes_written'] / 1e9:.2f} GB written, "
+                f"the forward waited {run['disk_wait_s_max_rank']:.2f} s for the disk, "
+                f"the GPU stood idle {run.get('gpu_idle_s_max_rank', 0.0):.2f} s between batches "
                 f"(computed {run.get('gpu_busy_s', 0.0):.2f} s of {s['forward_write']:.2f}), "
                 f"{run['max_units_in_memory']} units in host memory at most"
             )
@@ -524,7 +534,8 @@ def run_all(args, root: Path) -> None:
 
 
 def profile_rows(target: Path, batches, layer_ids: list[int], variants, root: Path, args) -> None:
-    """One more (a) and (b) of each row, each under the profiler, then their Timelines side by side."""
+    """One more (a) and (b) of each row, each under the profiler, then their Timelines side by
+    side."""
     from benchmarks.profiling import compare_timelines
 
     named: list[tuple[str, object]] = []
@@ -540,8 +551,8 @@ def profile_rows(target: Path, batches, layer_ids: list[int], variants, root: Pa
             )
         named.append((f"(b) {variant.label}", profiles[-1]))
     print(
-        "\nprofile: one more run of each row under torch.profiler ((b): its forward loop, without the last "
-        "shard's write after it)"
+        "\nprofile: one more run of each row under torch.profiler "
+        "((b): its forward loop, without the last shard's write after it)"
     )
     compare_timelines(named)
 

@@ -3,11 +3,12 @@ correctness and speed of right padding (with / without an attention mask) agains
 
     python benchmarks/precompute_batching.py --quick        # tiny target, CPU, seconds
     python benchmarks/precompute_batching.py --device cuda  # same table on a GPU
-    python benchmarks/precompute_batching.py --device cuda --qwen3-8b-layers 8  # + the real layer shape
+    python benchmarks/precompute_batching.py --device cuda --qwen3-8b-layers 8
+        # + the real layer shape
 
-Prints three tables: padding fraction by sort window; per-layout forward time (median and spread of the repeats) plus the largest
-difference of a sequence's states from its states computed alone (0 = no leak); and the same leak
-check on a hybrid linear-attention target.
+Prints three tables: padding fraction by sort window; per-layout forward time (median and spread of
+the repeats) plus the largest difference of a sequence's states from its states computed alone
+(0 = no leak); and the same leak check on a hybrid linear-attention target.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def forward_table(
     gen = torch.Generator().manual_seed(0)
     lengths = sorted(lengths_like_chat(n, max_length, seed=1), reverse=True)
     seqs = [torch.randint(0, 256, (m,), generator=gen).numpy() for m in lengths]
-    run = lambda **kw: (
-        model(**{k: v.to(device) for k, v in kw.items()}, use_cache=False).last_hidden_state
-    )
+
+    def run(**kw):
+        return model(**{k: v.to(device) for k, v in kw.items()}, use_cache=False).last_hidden_state
+
     with torch.inference_mode():
         alone = [run(input_ids=torch.from_numpy(s).long()[None])[0] for s in seqs]
         padded = pad_right(seqs, 0)
@@ -111,7 +113,8 @@ def forward_table(
 
 
 def build_tiny_hybrid(path: Path) -> Path:
-    """A tiny Qwen3.5-architecture checkpoint: 3 linear-attention layers per full-attention layer."""
+    """A tiny Qwen3.5-architecture checkpoint: 3 linear-attention layers per full-attention
+    layer."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = dict(
@@ -144,7 +147,10 @@ def hybrid_table(path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 256, (m,), generator=gen).numpy() for m in (60, 37)]
     lengths = [len(s) for s in seqs]
-    run = lambda **kw: model(**kw, use_cache=False).last_hidden_state
+
+    def run(**kw):
+        return model(**kw, use_cache=False).last_hidden_state
+
     with torch.inference_mode():
         alone = [run(input_ids=torch.from_numpy(s).long()[None])[0] for s in seqs]
         padded = run(input_ids=pad_right(seqs, 0))

@@ -1,16 +1,16 @@
-"""Where a benchmark's GPU time goes: `kernel_table(fn, ...)` runs `fn` under torch.profiler and prints
-its kernels grouped by name, the largest first, as a table (benchmarks' `--profile`).
+"""Where a benchmark's GPU time goes: `kernel_table(fn, ...)` runs `fn` under torch.profiler and
+prints its kernels grouped by name, the largest first, as a table (benchmarks' `--profile`).
 
-Each row: total device ms per call of `fn`, share of the summed kernel time, launches per call, and the
-kernel's name cut to fit. The last rows say how much of the wall time the kernels filled: a busy share
-well under 100% means the device waited for the host (launches, syncs, Python).
+Each row: total device ms per call of `fn`, share of the summed kernel time, launches per call, and
+the kernel's name cut to fit. The last rows say how much of the wall time the kernels filled: a busy
+share well under 100% means the device waited for the host (launches, syncs, Python).
 
 `timeline(prof, wall_s)` reads a whole phase's trace (several threads, several streams) into a
 `Timeline`: GPU busy and idle time, the gaps in the GPU's work, kernel time per stream, copies per
 direction and stream, the runtime calls of the thread that launched the kernels (syncs, copies), and
-the mean time of each kernel; `compare_timelines` prints phases side by side (`benchmarks/precompute.py
---profile`: the plain forward against the pipeline). `GilProbe` measures how long a thread waits for
-the GIL while a phase runs.
+the mean time of each kernel; `compare_timelines` prints phases side by side
+(`benchmarks/precompute.py --profile`: the plain forward against the pipeline). `GilProbe` measures
+how long a thread waits for the GIL while a phase runs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 def _kernel_events(prof) -> list:
     events = []
     for e in prof.events():
-        # user annotations (e.g. "Optimizer.step#AdamW.step") span kernels listed on their own: skip them
+        # user annotations (e.g. "Optimizer.step#AdamW.step") span kernels listed on their own:
+        # skip them
         annotation = getattr(e, "is_user_annotation", False) or "#" in e.name
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and not annotation:
             events.append(e)
@@ -55,15 +56,16 @@ def kernel_table(
         entry[1] += 1
     total = sum(ms for ms, _ in by_name.values()) / calls
     lines = [
-        f"## {title}: kernels per call (of {calls} profiled), wall {wall_ms:.2f} ms, kernels {total:.2f} ms "
-        f"({total / wall_ms:.0%} busy)",
+        f"## {title}: kernels per call (of {calls} profiled), wall {wall_ms:.2f} ms, "
+        f"kernels {total:.2f} ms ({total / wall_ms:.0%} busy)",
         f"| {'ms/call':>8} | {'share':>6} | {'launches':>8} | {'kernel':<{width}} |",
         f"|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * (width + 2)}|",
     ]
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     for name, (ms, n) in ranked[:rows]:
         lines.append(
-            f"| {ms / calls:>8.3f} | {ms / calls / total:>6.1%} | {n / calls:>8.0f} | {name[:width]:<{width}} |"
+            f"| {ms / calls:>8.3f} | {ms / calls / total:>6.1%} | {n / calls:>8.0f} "
+            f"| {name[:width]:<{width}} |"
         )
     rest = ranked[rows:]
     if rest:
@@ -84,8 +86,8 @@ _GAP_MS = 1.0  # a gap in the GPU's work this long is the host's doing, not a ke
 
 @dataclasses.dataclass
 class Timeline:
-    """Where one profiled phase's time went, on the GPU and on the host thread that launched its work
-    (`timeline(prof, wall_s)`); printed side by side by `compare_timelines`."""
+    """Where one profiled phase's time went, on the GPU and on the host thread that launched its
+    work (`timeline(prof, wall_s)`); printed side by side by `compare_timelines`."""
 
     wall_ms: float
     busy_ms: float = 0.0  # union of kernel intervals, every stream
@@ -93,15 +95,12 @@ class Timeline:
     gaps_ms: float = 0.0
     streams: dict[int, float] = dataclasses.field(default_factory=dict)  # stream -> kernel ms
     memcpy: dict[str, float] = dataclasses.field(default_factory=dict)  # "DtoH on stream 7" -> ms
-    host: dict[str, tuple[int, float]] = dataclasses.field(
-        default_factory=dict
-    )  # runtime call -> (calls, ms)
-    kernels: dict[str, tuple[int, float]] = dataclasses.field(
-        default_factory=dict
-    )  # name -> (launches, ms)
-    hole_owners: dict[str, int] = dataclasses.field(
-        default_factory=dict
-    )  # launching thread's call -> gaps
+    # runtime call -> (calls, ms)
+    host: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    # name -> (launches, ms)
+    kernels: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    # launching thread's call -> gaps
+    hole_owners: dict[str, int] = dataclasses.field(default_factory=dict)
     gil_wake_ms: tuple[float, float, float] | None = (
         None  # GilProbe: median, 99th percentile, longest
     )
@@ -173,8 +172,8 @@ def timeline(prof, wall_s: float) -> Timeline:
 
 
 def profile_phase(fn: Callable[[], object], calls: int = 1) -> Timeline:
-    """`calls` calls of fn() under torch.profiler (CPU and, on a GPU, CUDA activities) with a GilProbe
-    beside them -> their Timeline (totals over the calls)."""
+    """`calls` calls of fn() under torch.profiler (CPU and, on a GPU, CUDA activities) with a
+    GilProbe beside them -> their Timeline (totals over the calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -199,9 +198,9 @@ def profile_phase(fn: Callable[[], object], calls: int = 1) -> Timeline:
 def compare_timelines(
     named: list[tuple[str, Timeline]], top_kernels: int = 6, width: int = 34
 ) -> str:
-    """One column per phase: GPU busy and idle, gaps, streams, copies, the launching thread's runtime
-    calls, the GIL probe, and the mean time of the largest kernels (a kernel slower in one phase than
-    in another ran beside something that took its memory bandwidth or SMs)."""
+    """One column per phase: GPU busy and idle, gaps, streams, copies, the launching thread's
+    runtime calls, the GIL probe, and the mean time of the largest kernels (a kernel slower in one
+    phase than in another ran beside something that took its memory bandwidth or SMs)."""
     names = [n for n, _ in named]
     col = max(14, *(len(n) for n in names))
     rows: list[tuple[str, list[str]]] = []

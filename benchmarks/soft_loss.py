@@ -3,12 +3,12 @@
     PYTHONPATH=. python benchmarks/soft_loss.py            # on a GPU: the goal sizes, bf16, Triton
     PYTHONPATH=. python benchmarks/soft_loss.py --quick    # CPU, tiny sizes, torch backend
 
-Rows: the hard fused loss (loss/hard.py; 4NVH), then each soft kind (loss/soft.py; the target's logits
-are one more matmul per chunk: 6NVH): 'ce' with greedy labels (what prompt anchors cost with
+Rows: the hard fused loss (loss/hard.py; 4NVH), then each soft kind (loss/soft.py; the target's
+logits are one more matmul per chunk: 6NVH): 'ce' with greedy labels (what prompt anchors cost with
 targets.soft=none), 'kl', 'tv', 'dspark'. Every row carries DFlash block weights (1 in 16 skipped).
-Time is the median over repetitions (CUDA events on a GPU), with their spread; peak memory (GPU only) is the largest
-allocation above the inputs over one forward + backward: it must stay near the hard loss's (no
-[N, V] tensor), since both chunk by the same byte budget.
+Time is the median over repetitions (CUDA events on a GPU), with their spread; peak memory (GPU
+only) is the largest allocation above the inputs over one forward + backward: it must stay near the
+hard loss's (no [N, V] tensor), since both chunk by the same byte budget.
 """
 
 from __future__ import annotations
@@ -54,19 +54,20 @@ def main() -> None:
     sizes, reps = (QUICK_SIZES, 3) if args.quick else (GOAL_SIZES, args.reps)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(
-        f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, {backend}, median of {reps}"
+        f"# LM-head loss forward+backward on {name}, {str(dtype).removeprefix('torch.')}, "
+        f"{backend}, median of {reps}"
     )
     print(
-        f"| {'loss':<28} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'x hard':>7} | {'peak GiB':>9} |"
+        f"| {'loss':<28} | {'N, H, V':<20} | {'ms':>9} | {'spread ms':>15} | {'x hard':>7} "
+        f"| {'peak GiB':>9} |"
     )
     print(f"|{'-' * 30}|{'-' * 22}|{'-' * 11}|{'-' * 17}|{'-' * 9}|{'-' * 11}|")
     rows = [("hard CE (fused_lm_head_loss)", hard(backend))]
     rows += [(f"soft {kind}", soft(kind, backend)) for kind in ("ce", "kl", "tv", "dspark")]
     for n, h, v in sizes:
         hidden, weight, labels, weights = make_inputs(n, h, v, device, dtype, block_weights=True)
-        teacher = torch.randn(
-            n, h, device=device, dtype=dtype
-        )  # the target's final states, one per row
+        # the target's final states, one per row
+        teacher = torch.randn(n, h, device=device, dtype=dtype)
         index = torch.arange(n, device=device)
         base = None
         for label, fn in rows:
@@ -76,7 +77,8 @@ def main() -> None:
                 )
             except torch.OutOfMemoryError:
                 print(
-                    f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {'OOM':>9} | {'':>15} | {'':>7} | {'OOM':>9} |"
+                    f"| {label:<28} | {f'{n}, {h}, {v}':<20} | {'OOM':>9} | {'':>15} | {'':>7} "
+                    f"| {'OOM':>9} |"
                 )
                 continue
             base = base or ms

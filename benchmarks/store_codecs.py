@@ -55,9 +55,8 @@ NF4 = (
     0.7229568362236023,
     1.0,
 )  # QLoRA's normal-float levels
-E2M1 = tuple(
-    v / 6 for v in (-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6)
-)  # FP4: 15 values
+# FP4: 15 values
+E2M1 = tuple(v / 6 for v in (-6, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6))
 INT4 = tuple(v / 7 for v in range(-7, 8))  # uniform, symmetric
 BOOKS = {"q4": quant.Q4_LEVELS, "nf4": NF4, "e2m1": E2M1, "int4": INT4}
 # name -> (codebook, group, scale format, rotate, scale candidates); the first: q4_hadamard's own
@@ -179,9 +178,8 @@ def target_states(target: Path, sequences: list[list[int]], device: str) -> dict
     per_layer: dict[str, list[torch.Tensor]] = {}
     for ids in sequences:
         hidden = model(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
-        names = [f"L{i}" for i in range(len(hidden) - 2)] + [
-            "final"
-        ]  # [i + 1]: layer i; [-1]: normed
+        # [i + 1]: layer i; [-1]: normed
+        names = [f"L{i}" for i in range(len(hidden) - 2)] + ["final"]
         for name, h in zip(names, hidden[1:]):
             per_layer.setdefault(name, []).append(h[0].float())
     return {k: torch.cat(v) for k, v in per_layer.items()}

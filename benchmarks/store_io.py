@@ -9,7 +9,8 @@ exactly the same bytes with one readinto, into the same buffers. "Cold" drops th
 posix_fadvise(DONTNEED) first (no root needed; on a VM the host may still cache them). Throughput is
 MB/s of the bytes a read delivers (token arrays + stored states: fp8 delivers half the bytes of
 bf16); each read figure is the median of `--repeat` runs with their spread (lowest-highest), raw and
-store runs interleaved; the "x raw" ratios are of the medians. Goal: store reads >= 0.8x the raw read.
+store runs interleaved; the "x raw" ratios are of the medians. Goal: store reads >= 0.8x the raw
+read.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def read_raw(paths, slab: np.ndarray, nbytes: int) -> None:
 
 
 def write_store(args, path: Path, dtype: str, codec: str) -> float:
-    """Write `args.shards` shards; returns the seconds spent in write_shard (fsync, publish included)."""
+    """Write `args.shards` shards; returns the seconds spent in write_shard (fsync, publish
+    included)."""
     layer_ids = list(range(1, 1 + 4 * args.layers, 4))
     manifest = StoreManifest(
         target={"name": "synthetic"},
@@ -144,7 +146,8 @@ def write_store(args, path: Path, dtype: str, codec: str) -> float:
 
 
 def measure_reads(args, store: Store, raw_dir: Path, label: str) -> tuple[dict, int]:
-    """MB/s of store and raw reads, cold and warm (every run's, per key); and the bytes one pass reads."""
+    """MB/s of store and raw reads, cold and warm (every run's, per key); and the bytes one pass
+    reads."""
     specs = store.buffer_specs(store.shards[0])
     nbytes = sum(s.nbytes for s in specs.values())
     slab = np.empty(buffers_nbytes(specs), np.uint8)
@@ -208,19 +211,21 @@ def print_table(rows, args) -> None:
         f"{os.cpu_count()} CPUs | torch {torch.__version__}"
     )
     print(
-        f"sizes: H={args.hidden}, {args.layers} layers, {args.shards} shards x {args.tokens} tokens, "
+        f"sizes: H={args.hidden}, {args.layers} layers, "
+        f"{args.shards} shards x {args.tokens} tokens, "
         f"chunk_tokens={args.chunk_tokens}, read_threads={args.read_threads}, "
         f"median [lowest-highest] of {args.repeat} runs\n"
     )
     print(
-        "| dtype | codec | write MB/s | read cold MB/s | raw cold MB/s | cold x raw | read warm MB/s "
-        "| raw warm MB/s | warm x raw | bytes/token | decoded/disk |"
+        "| dtype | codec | write MB/s | read cold MB/s | raw cold MB/s | cold x raw "
+        "| read warm MB/s | raw warm MB/s | warm x raw | bytes/token | decoded/disk |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         sc, rc, sw, rw = (r[k] for k in ("store_cold", "raw_cold", "store_warm", "raw_warm"))
         print(
-            f"| {r['dtype']} | {r['codec']} | {r['write']:.0f} | {sc.text('.0f')} | {rc.text('.0f')} "
+            f"| {r['dtype']} | {r['codec']} | {r['write']:.0f} "
+            f"| {sc.text('.0f')} | {rc.text('.0f')} "
             f"| {sc.median / rc.median:.2f} | {sw.text('.0f')} | {rw.text('.0f')} "
             f"| {sw.median / rw.median:.2f} | {r['bytes_per_token']:,.0f} | {r['ratio']:.3f} |"
         )

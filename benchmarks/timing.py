@@ -1,8 +1,9 @@
-"""What every benchmark reports of its repeats: the median, and the spread (lowest-highest) beside it.
+"""What every benchmark reports of its repeats: the median, and the spread (lowest-highest)
+beside it.
 
-On a shared machine one run is noise, so a figure without its spread cannot be compared with another.
-`Spread.of(xs)` summarises repeats; `.per(numerator)` turns seconds into a rate (the slowest repeat
-gives the lowest rate); `.text()` writes "median [lowest-highest]".
+On a shared machine one run is noise, so a figure without its spread cannot be compared with
+another. `Spread.of(xs)` summarises repeats; `.per(numerator)` turns seconds into a rate (the
+slowest repeat gives the lowest rate); `.text()` writes "median [lowest-highest]".
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class Spread:
         return Spread(self.median * k, self.low * k, self.high * k)
 
     def per(self, numerator: float) -> Spread:
-        """numerator / x of every figure: tokens over seconds -> tok/s. The median of the rates is the
-        rate of the median time (odd counts; the mean of the middle two for even ones)."""
+        """numerator / x of every figure: tokens over seconds -> tok/s. The median of the rates is
+        the rate of the median time (odd counts; the mean of the middle two for even ones)."""
         rates = sorted(numerator / x for x in (self.low, self.median, self.high))
         return Spread(numerator / self.median, rates[0], rates[-1])
 

@@ -7,10 +7,10 @@ In one run, the same drafter trains on the same batches twice:
    store and the store's pages dropped from the page cache (posix_fadvise DONTNEED) first, so shards
    really come from the disk.
 
-The two phases alternate `--repeats` times (resident, disk, resident, disk, ...). It prints the median
-tok/s of each phase with its spread (lowest-highest repeat), the median data-stall fraction (host time
-blocked waiting for a batch), the peak GPU memory, the cache hits of the disk phases, and the ratio of
-the medians from-disk / resident (goal: >= 0.97).
+The two phases alternate `--repeats` times (resident, disk, resident, disk, ...). It prints the
+median tok/s of each phase with its spread (lowest-highest repeat), the median data-stall fraction
+(host time blocked waiting for a batch), the peak GPU memory, the cache hits of the disk phases, and
+the ratio of the medians from-disk / resident (goal: >= 0.97).
 
 The script is self-contained: it writes its own store of random states with a Qwen3-8B-like shape
 (hidden 4096, 5 target layers, vocabulary 151,936, 5 draft layers) through the store API: 18
@@ -81,8 +81,8 @@ FULL = dict(
     steps=30,
     warmup=3,
 )
-# 16,384 tokens x 256 anchors per batch: ~37K block rows, ~60 GB of activations for this drafter on one
-# GPU (measured ~1.6 MB per block row); 65,536 tokens x 512 anchors would not fit in 141 GB.
+# 16,384 tokens x 256 anchors per batch: ~37K block rows, ~60 GB of activations for this drafter on
+# one GPU (measured ~1.6 MB per block row); 65,536 tokens x 512 anchors would not fit in 141 GB.
 QUICK = dict(
     hidden=64,
     heads=4,
@@ -136,7 +136,8 @@ def parse() -> argparse.Namespace:
         "--resident-batches",
         type=int,
         default=None,
-        help="cap on the batches held on the GPU for the resident phase (0.7 GB each at full size); "
+        help="cap on the batches held on the GPU for the resident phase "
+        "(0.7 GB each at full size); "
         "default: every batch of the phase, so that both phases train exactly the same batches. "
         "A cap cycles them, and the phases then compare different batches",
     )
@@ -144,7 +145,8 @@ def parse() -> argparse.Namespace:
 
 
 def write_store(path: Path, s: dict, dtype: str, device: torch.device) -> Store:
-    """Random states [T, H] per layer (generated on `device`), random token ids, loss on every token."""
+    """Random states [T, H] per layer (generated on `device`), random token ids, loss on every
+    token."""
     if (path / "zarr.json").is_file():
         return Store.open(path)
     manifest = StoreManifest(
@@ -287,9 +289,8 @@ def main() -> None:
 def run(args, s, store, store_path, store_bytes, steps, repeats, device) -> None:
     autocast = "bf16" if device.type == "cuda" else "none"
     biggest = max(store.shard_nbytes(i.name, s["layer_ids"]) for i in store.shards)
-    cache_bytes = max(
-        args.cache_fraction * store_bytes, 2 * s["window"] * biggest * 1.001
-    )  # the trainer's minimum
+    # the trainer's minimum
+    cache_bytes = max(args.cache_fraction * store_bytes, 2 * s["window"] * biggest * 1.001)
     print(f"cache: {human_bytes(cache_bytes)} = {cache_bytes / store_bytes:.0%} of the store")
     cfg = load_config(
         TrainConfig,
@@ -328,7 +329,8 @@ def run(args, s, store, store_path, store_bytes, steps, repeats, device) -> None
 
 
 def resident_batches(cfg, store, layer_ids, held: int, device) -> list:
-    """The first `held` batches of the plan (the ones the disk phase trains on), decoded on the device."""
+    """The first `held` batches of the plan (the ones the disk phase trains on), decoded on the
+    device."""
     data = TrainData.build(cfg, [store], layer_ids, rank=0, world=1, device=device)
     feeder = data.start()
     try:
@@ -349,17 +351,20 @@ def report(
     device: torch.device,
 ) -> None:
     disk_tok, gpu_tok = Spread.of([p["tok_s"] for p in disk]), Spread.of([p["tok_s"] for p in gpu])
-    peak = lambda phases: (
-        None if phases[0]["peak_gb"] is None else max(p["peak_gb"] for p in phases)
-    )
+
+    def peak(phases: list[dict]) -> float | None:
+        return None if phases[0]["peak_gb"] is None else max(p["peak_gb"] for p in phases)
+
     print()
     print(
         f"| phase | tok/s, median [lowest-highest] of {len(disk)} | data stall | peak GPU memory |"
     )
     print("| --- | --- | --- | --- |")
     print(
-        f"| from disk (cache {cache_share:.0%} of the store, page cache {'dropped' if dropped else 'kept'}) "
-        f"| {disk_tok.text(',.0f')} | {statistics.median(p['stall'] for p in disk):.1%} | {_gb(peak(disk))} |"
+        f"| from disk (cache {cache_share:.0%} of the store, "
+        f"page cache {'dropped' if dropped else 'kept'}) "
+        f"| {disk_tok.text(',.0f')} | {statistics.median(p['stall'] for p in disk):.1%} "
+        f"| {_gb(peak(disk))} |"
     )
     print(
         f"| resident on the {device.type.upper()} (peak includes {held} resident batches) | "
@@ -368,12 +373,14 @@ def report(
     print()
     ratio = disk_tok.median / gpu_tok.median
     print(
-        f"from disk / resident = {ratio:.3f} (goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
+        f"from disk / resident = {ratio:.3f} "
+        f"(goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
         f"{steps} steps of {batch_tokens} tokens per phase on {device}"
     )
     for k, st in enumerate(stats):
         print(
-            f"cache, disk phase {k + 1}: {st.hits} hits, {st.misses} misses, {human_bytes(st.bytes_read)} read "
+            f"cache, disk phase {k + 1}: {st.hits} hits, {st.misses} misses, "
+            f"{human_bytes(st.bytes_read)} read "
             f"in {st.read_s:.1f} s of reader time; batches waited {st.wait_s:.2f} s for shards"
         )
 

@@ -7,7 +7,7 @@ answered by the target's greedy decoding, written as pre-tokenized records (`inp
 byte-level tokenizer's 260 tokens, which no text round trip could keep, hence token ids rather than
 text. The held-out prompts for `dflash-eval` are written as chat messages.
 
-    python data/make_tiny_data.py            # rewrites data/tiny-train.jsonl and data/tiny-prompts.jsonl
+    python data/make_tiny_data.py   # rewrites data/tiny-train.jsonl and data/tiny-prompts.jsonl
 """
 
 from __future__ import annotations

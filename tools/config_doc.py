@@ -1,4 +1,5 @@
-"""Rewrite docs/config.md from the stages' config classes (`--check`: exit 1 if it is out of date)."""
+"""Rewrite docs/config.md from the stages' config classes (`--check`: exit 1 if it is out of
+date)."""
 
 from __future__ import annotations
 

@@ -1,45 +1,48 @@
 """Quality benchmark, stage 1: build a small but real target LM from a seed, with no download.
 
-    python benchmarks/quality/target.py --out runs/quality/target              # H200: ~5 min, 4 of training
+    python benchmarks/quality/target.py --out runs/quality/target   # H200: ~5 min, 4 of training
     python benchmarks/quality/target.py --out /tmp/t --device cpu --corpus-mb 1 --bpe-train-mb 1 \\
-        --vocab-size 1024 --hidden 64 --heads 1 --kv-heads 1 --intermediate 128 --seq-len 64 --batch 4 \\
-        --steps 6 --warmup-steps 2 --eval-rows 8 --heldout-frac 0.1 --train-prompts 30 \\
-        --heldout-prompts 10 --report-prompts 4 --max-new-tokens 24 --loop-window 16   # tiny: < 1 min, 2 CPUs
+        --vocab-size 1024 --hidden 64 --heads 1 --kv-heads 1 --intermediate 128 --seq-len 64 \\
+        --batch 4 --steps 6 --warmup-steps 2 --eval-rows 8 --heldout-frac 0.1 --train-prompts 30 \\
+        --heldout-prompts 10 --report-prompts 4 --max-new-tokens 24 \\
+        --loop-window 16                                           # tiny: < 1 min, 2 CPUs
 
 Drafter quality (acceptance length) can only be measured on a target whose greedy answers are real
 text: a random-weight target answers with noise no drafter can learn. This stage trains one, about
 8M parameters, on the one corpus every machine has: the Python sources of the running interpreter.
 
 1. Corpus: `*.py` under the interpreter's purelib, platlib and stdlib, ordered by a hash of (seed,
-   relative path), read until --corpus-mb; files that are not UTF-8, duplicate another file's bytes or
-   contain a chat special token are skipped. A hash of the relative path alone puts --heldout-frac of
-   the files into the held-out split, so the split does not move with the seed. corpus_files.jsonl
-   lists every file used (path, sha256, split); the manifest holds their hash.
-2. Tokenizer: byte-level BPE (`tokenizers`, --vocab-size) trained on training files, with the special
-   tokens <|endoftext|> (0, pad), <|im_start|> (1), <|im_end|> (2, eos) and <|mask|> (3: the DFlash MASK
-   token, absent from every training text), wrapped as PreTrainedTokenizerFast with a Qwen-style chat
-   template whose `{% generation %}` markers give transformers' assistant mask.
+   relative path), read until --corpus-mb; files that are not UTF-8, duplicate another file's bytes
+   or contain a chat special token are skipped. A hash of the relative path alone puts
+   --heldout-frac of the files into the held-out split, so the split does not move with the seed.
+   corpus_files.jsonl lists every file used (path, sha256, split); the manifest holds their hash.
+2. Tokenizer: byte-level BPE (`tokenizers`, --vocab-size) trained on training files, with the
+   special tokens <|endoftext|> (0, pad), <|im_start|> (1), <|im_end|> (2, eos) and <|mask|> (3: the
+   DFlash MASK token, absent from every training text), wrapped as PreTrainedTokenizerFast with a
+   Qwen-style chat template whose `{% generation %}` markers give transformers' assistant mask.
 3. Data: chat samples "complete the function": the user turn holds up to --context-chars of the file
-   before a `def` plus its signature, the assistant turn the function's body (<= --answer-chars), ended
-   by <|im_end|>, so the target learns to stop where the function ends. Each training file also goes in
-   whole as plain text. Documents are shuffled, joined with <|endoftext|> and cut into rows of --seq-len.
-4. Model: Qwen3ForCausalLM (8 layers, hidden 256, 4 heads of head_dim 64 (vLLM's CPU attention refuses
-   16), 2 kv heads, SwiGLU 768, tied embeddings, rope_theta 10000, 4096 positions), trained with AdamW,
-   warmup + cosine, bf16 autocast on CUDA (fp32 on the CPU), for --steps (or --minutes).
-   On one H200 (eager): corpus 12 s, BPE 3 s, tokenizing 394 MB of documents 21 s (110M tokens), 3600
-   steps ~4 min at ~1.0M tok/s; held-out loss ~1.87 (ppl ~6.5); of 100 greedy held-out answers ~3% end
-   in a token loop and ~74% end with <|im_end|> (mean ~62 tokens). --compile: ~2.4M tok/s.
-5. Report (float32): held-out loss and perplexity; greedy answers to the first --report-prompts held-out
-   prompts: how many end in a loop (the last --loop-window tokens repeat with a period of at most
-   --loop-max-period tokens), how many end by repeating one line 3 times, how many end with <|im_end|>.
-   A table on stdout, report.json on disk.
+   before a `def` plus its signature, the assistant turn the function's body (<= --answer-chars),
+   ended by <|im_end|>, so the target learns to stop where the function ends. Each training file
+   also goes in whole as plain text. Documents are shuffled, joined with <|endoftext|> and cut into
+   rows of --seq-len.
+4. Model: Qwen3ForCausalLM (8 layers, hidden 256, 4 heads of head_dim 64 (vLLM's CPU attention
+   refuses 16), 2 kv heads, SwiGLU 768, tied embeddings, rope_theta 10000, 4096 positions), trained
+   with AdamW, warmup + cosine, bf16 autocast on CUDA (fp32 on the CPU), for --steps (or --minutes).
+   On one H200 (eager): corpus 12 s, BPE 3 s, tokenizing 394 MB of documents 21 s (110M tokens),
+   3600 steps ~4 min at ~1.0M tok/s; held-out loss ~1.87 (ppl ~6.5); of 100 greedy held-out answers
+   ~3% end in a token loop and ~74% end with <|im_end|> (mean ~62 tokens). --compile: ~2.4M tok/s.
+5. Report (float32): held-out loss and perplexity; greedy answers to the first --report-prompts
+   held-out prompts: how many end in a loop (the last --loop-window tokens repeat with a period of
+   at most --loop-max-period tokens), how many end by repeating one line 3 times, how many end with
+   <|im_end|>. A table on stdout, report.json on disk.
 6. Output (--out, HF layout): config.json (with top-level rope_theta), model.safetensors (bf16: the
    weights are rounded to bf16 after training, and the report is measured on the rounded weights),
-   generation_config.json (eos <|im_end|>, greedy), tokenizer files and chat template, manifest.json,
-   report.json, train_log.jsonl, corpus_files.jsonl, and the prompts of the next stage in OpenAI
-   `messages` JSONL: prompts/train.jsonl (from training files; functions kept out of the chat samples)
-   and prompts/heldout.jsonl (from held-out files). Everything is built in OUT.partial and renamed into
-   place; a directory whose manifest holds the same settings is reused, not rebuilt.
+   generation_config.json (eos <|im_end|>, greedy), tokenizer files and chat template,
+   manifest.json, report.json, train_log.jsonl, corpus_files.jsonl, and the prompts of the next
+   stage in OpenAI `messages` JSONL: prompts/train.jsonl (from training files; functions kept out of
+   the chat samples) and prompts/heldout.jsonl (from held-out files). Everything is built in
+   OUT.partial and renamed into place; a directory whose manifest holds the same settings is reused,
+   not rebuilt.
 """
 
 from __future__ import annotations
@@ -66,10 +69,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# Qwen3's chat tokens, plus DFlash's MASK token. Trained first, so their ids are 0..3 at any vocab size.
+# Qwen3's chat tokens, plus DFlash's MASK token. Trained first, so their ids are 0..3 at any vocab
+# size.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 EOT, IM_START, IM_END, MASK = SPECIAL_TOKENS
-# The template of dflash_common/tiny.py (copied, not imported: this script must run from any checkout).
+# The template of dflash_common/tiny.py (copied, not imported: this script must run from any
+# checkout).
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
@@ -81,9 +86,10 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# Qwen2/3's pre-tokenizer split. Unlike GPT-2's, it keeps a newline apart from the next line's indentation,
-# so the template's "assistant\n" is one token whether or not an answer follows: the prompt of a greedy
-# answer ends with the same token as in training, and assistant masks do not start a character early.
+# Qwen2/3's pre-tokenizer split. Unlike GPT-2's, it keeps a newline apart from the next line's
+# indentation, so the template's "assistant\n" is one token whether or not an answer follows: the
+# prompt of a greedy answer ends with the same token as in training, and assistant masks do not
+# start a character early.
 PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -96,11 +102,8 @@ CALIBRATION_STEPS = (
     10  # --minutes: steps timed (after the first 3, which compile/warm up) to fix the total
 )
 GEN_BATCH = 64  # greedy report prompts per generate() call
-SKIP_DIRS = {
-    "__pycache__",
-    "site-packages",
-    "dist-packages",
-}  # stdlib holds the base interpreter's packages
+# stdlib holds the base interpreter's packages
+SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 # Settings that do not change what is built (the cache compares all the others).
 NOT_SETTINGS = {"out", "force", "log_every", "workers"}
 
@@ -136,7 +139,8 @@ class TargetConfig:
     intermediate: int = _opt(768, "SwiGLU intermediate size")
     seq_len: int = _opt(512, "tokens per training row")
     batch: int = _opt(128, "rows per step")
-    # 3600 x 62 ms (eager, batch 128 x 512 on one H200: ~1.0M tok/s) = ~4 min; --compile runs them ~2.4x faster
+    # 3600 x 62 ms (eager, batch 128 x 512 on one H200: ~1.0M tok/s) = ~4 min; --compile runs them
+    # ~2.4x faster
     steps: int = _opt(3600, "optimizer steps (ignored when --minutes is given)")
     minutes: float | None = _opt(
         None, "train this long instead of --steps (count fixed after 10 timed steps)"
@@ -159,11 +163,12 @@ class TargetConfig:
     force: bool = _opt(False, "rebuild even when --out holds another target")
 
     def __post_init__(self):
+        # --minutes times steps inside the warmup
         warmup_ok = (
             self.warmup_steps < self.steps
             if self.minutes is None
             else self.warmup_steps >= CALIBRATION_STEPS
-        )  # --minutes times steps inside the warmup
+        )
         checks = {  # field: (valid, what it must be)
             "out": (bool(self.out), "a directory"),
             "device": (self.device in ("auto", "cuda", "cpu"), "cuda, cpu or auto"),
@@ -197,12 +202,13 @@ class TargetConfig:
                 raise ValueError(f"--{name.replace('_', '-')} {value!r}: must be {must} here")
 
     def settings(self, device: str) -> dict:
-        """What the cache compares: every field that changes the result, and the device it ran on."""
+        """What the cache compares: every field that changes the result, and the device it ran
+        on."""
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_SETTINGS}
         return {**fields, "device": device, "python": sys.version.split()[0], "weights": "bf16"}
 
 
-# ---------------------------------------------------------------------------------------------- corpus
+# ------------------------------------------------------------------------------------------- corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,13 +220,15 @@ class SourceFile:
 
 
 def _unit_hash(*parts) -> float:
-    """A stable pseudo-random number in [0, 1) from its parts (Python's hash() is salted per process)."""
+    """A stable pseudo-random number in [0, 1) from its parts (Python's hash() is salted per
+    process)."""
     digest = hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 
 def corpus_roots() -> list[tuple[str, Path]]:
-    """The running interpreter's package and stdlib dirs, each once (purelib and platlib often coincide)."""
+    """The running interpreter's package and stdlib dirs, each once (purelib and platlib often
+    coincide)."""
     paths, roots = sysconfig.get_paths(), []
     for label in ("purelib", "platlib", "stdlib"):
         root = Path(paths[label]).resolve()
@@ -230,7 +238,8 @@ def corpus_roots() -> list[tuple[str, Path]]:
 
 
 def list_candidates(max_bytes: int) -> list[tuple[str, Path]]:
-    """Every non-empty `*.py` of at most max_bytes under the roots, as (rel, path), sorted by rel."""
+    """Every non-empty `*.py` of at most max_bytes under the roots, as (rel, path), sorted by
+    rel."""
     found = []
     for label, root in corpus_roots():
         for dirpath, dirnames, filenames in os.walk(root):
@@ -294,17 +303,17 @@ def corpus_record(files: list[SourceFile]) -> tuple[list[dict], str]:
     return rows, digest
 
 
-# --------------------------------------------------------------------------------------------- samples
+# ------------------------------------------------------------------------------------------ samples
 
 
 def function_spans(text: str) -> list[tuple[int, int, int]]:
-    """(def line, first body line, end line), 0-based and end-exclusive, of every function whose body
-    starts on a line of its own; [] for a file `ast` cannot parse (it still serves as plain text)."""
+    """(def line, first body line, end line), 0-based and end-exclusive, of every function whose
+    body starts on a line of its own; [] for a file `ast` cannot parse (it still serves as plain
+    text)."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore"
-            )  # invalid escapes and the like: SyntaxWarnings, not errors
+            # invalid escapes and the like: SyntaxWarnings, not errors
+            warnings.simplefilter("ignore")
             tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
@@ -324,7 +333,8 @@ def function_spans(text: str) -> list[tuple[int, int, int]]:
 
 
 def all_function_spans(files: list[SourceFile], workers: int) -> list[list[tuple[int, int, int]]]:
-    """function_spans of every file; parsing 200 MB takes ~45 s on one core, so it runs in a pool."""
+    """function_spans of every file; parsing 200 MB takes ~45 s on one core, so it runs in a
+    pool."""
     workers = workers or os.cpu_count() or 1
     if workers == 1 or len(files) < 64:
         return [function_spans(f.text) for f in files]
@@ -336,7 +346,8 @@ def all_function_spans(files: list[SourceFile], workers: int) -> list[list[tuple
 def chat_pair(
     lines: list[str], span: tuple[int, int, int], cfg: TargetConfig
 ) -> tuple[str, str] | None:
-    """(user, assistant) for one function: context + signature -> body; None when the body is too long."""
+    """(user, assistant) for one function: context + signature -> body; None when the body is too
+    long."""
     def_i, body_i, end_i = span
     answer = "\n".join(lines[body_i:end_i]).rstrip()
     if len(answer) > cfg.answer_chars or not answer.strip():
@@ -350,13 +361,15 @@ def chat_pair(
 
 
 def render_chat(user: str, answer: str | None = None) -> str:
-    """CHAT_TEMPLATE's text for one user turn (and answer), without Jinja: a million samples are rendered."""
+    """CHAT_TEMPLATE's text for one user turn (and answer), without Jinja: a million samples are
+    rendered."""
     text = f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n"
     return text if answer is None else f"{text}{answer}{IM_END}\n"
 
 
 def function_pairs(files, spans, cfg) -> list[tuple[float, bool, str, str]]:
-    """(prompt key, held out, user, answer) of every usable function; the key orders prompt selection."""
+    """(prompt key, held out, user, answer) of every usable function; the key orders prompt
+    selection."""
     pairs = []
     for f, file_spans in zip(files, spans):
         lines = f.text.split("\n")
@@ -368,7 +381,8 @@ def function_pairs(files, spans, cfg) -> list[tuple[float, bool, str, str]]:
 
 
 def split_documents(files, pairs, cfg) -> dict:
-    """Training and held-out documents, and the prompts of both splits (kept out of the chat samples)."""
+    """Training and held-out documents, and the prompts of both splits (kept out of the chat
+    samples)."""
     out = {}
     for split, heldout, n_prompts in (
         ("train", False, cfg.train_prompts),
@@ -378,9 +392,8 @@ def split_documents(files, pairs, cfg) -> dict:
         eligible = [i for i, p in enumerate(mine) if len(p[3]) >= PROMPT_MIN_ANSWER_CHARS][
             :n_prompts
         ]
-        reserved = (
-            set(eligible) if split == "train" else set()
-        )  # held-out files are never trained anyway
+        # held-out files are never trained anyway
+        reserved = set(eligible) if split == "train" else set()
         docs = [
             render_chat(user, answer)
             for i, (_, _, user, answer) in enumerate(mine)
@@ -397,11 +410,12 @@ def split_documents(files, pairs, cfg) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------- tokenizer
+# ---------------------------------------------------------------------------------------- tokenizer
 
 
 def train_bpe(files: list[SourceFile], cfg: TargetConfig):
-    """Byte-level BPE on the first --bpe-train-mb of training files; the special tokens get ids 0..3."""
+    """Byte-level BPE on the first --bpe-train-mb of training files; the special tokens get ids
+    0..3."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts, total = [], 0
@@ -430,7 +444,8 @@ def train_bpe(files: list[SourceFile], cfg: TargetConfig):
 
 
 def wrap_tokenizer(tok):
-    """The transformers tokenizer saved with the model: eos <|im_end|>, pad <|endoftext|>, chat template."""
+    """The transformers tokenizer saved with the model: eos <|im_end|>, pad <|endoftext|>, chat
+    template."""
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(
@@ -444,7 +459,8 @@ def wrap_tokenizer(tok):
 
 
 def encode_stream(tok, docs: list[str], seed: int) -> np.ndarray:
-    """All documents, shuffled by the seed, tokenized in parallel batches, each ended by <|endoftext|>."""
+    """All documents, shuffled by the seed, tokenized in parallel batches, each ended by
+    <|endoftext|>."""
     order = np.random.default_rng(seed).permutation(len(docs))
     eot = np.array([tok.token_to_id(EOT)], dtype=np.uint16)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets: ~2x faster
@@ -462,7 +478,7 @@ def to_rows(stream: np.ndarray, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(stream[: n * (seq_len + 1)].astype(np.int32).reshape(n, seq_len + 1))
 
 
-# ------------------------------------------------------------------------------------------ model, train
+# ------------------------------------------------------------------------------------- model, train
 
 
 def build_model(cfg: TargetConfig):
@@ -490,7 +506,8 @@ def build_model(cfg: TargetConfig):
 
 
 def make_optimizer(model, cfg: TargetConfig, device: str) -> torch.optim.AdamW:
-    """AdamW; matrices decay, norm weights do not (decaying a gain towards 0 only fights the loss)."""
+    """AdamW; matrices decay, norm weights do not (decaying a gain towards 0 only fights the
+    loss)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -500,7 +517,8 @@ def make_optimizer(model, cfg: TargetConfig, device: str) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, total: int | None, cfg: TargetConfig) -> float:
-    """Linear warmup, then cosine to --min-lr-frac; total may be unknown (None) during the warmup."""
+    """Linear warmup, then cosine to --min-lr-frac; total may be unknown (None) during the
+    warmup."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
@@ -535,9 +553,8 @@ def train_step(model, opt, rows: torch.Tensor, lr: float, cfg: TargetConfig, dev
 
 def planned_steps(cfg: TargetConfig, step_times: list[float]) -> int:
     """--minutes: the step count that fills the budget at the speed of the calibration steps."""
-    per_step = sum(step_times[3:]) / max(
-        1, len(step_times) - 3
-    )  # the first steps compile and warm up
+    # the first steps compile and warm up
+    per_step = sum(step_times[3:]) / max(1, len(step_times) - 3)
     return max(cfg.warmup_steps + 1, int(cfg.minutes * 60 / per_step))
 
 
@@ -609,14 +626,15 @@ def _log_line(step, total, loss, grad_norm, lr, steps_since, cfg, seconds, devic
         "mem_gib": mem,
     }
     print(
-        f"step {step:6d}/{total} loss {record['loss']:.4f} lr {lr:.2e} grad_norm {record['grad_norm']:.3f} "
+        f"step {step:6d}/{total} loss {record['loss']:.4f} lr {lr:.2e} "
+        f"grad_norm {record['grad_norm']:.3f} "
         f"tok/s {tok_s:,.0f} mem {mem:.1f}GiB",
         flush=True,
     )
     return record
 
 
-# ---------------------------------------------------------------------------------------------- report
+# ------------------------------------------------------------------------------------------- report
 
 
 @torch.no_grad()
@@ -635,7 +653,8 @@ def heldout_loss(model, rows: torch.Tensor, device: str, batch: int) -> float:
 
 
 def ends_in_loop(ids: list[int], window: int, max_period: int) -> bool:
-    """True when the last `window` tokens repeat with some period p <= max_period (ids[i] == ids[i+p])."""
+    """True when the last `window` tokens repeat with some period p <= max_period
+    (ids[i] == ids[i+p])."""
     if len(ids) < window:
         return False
     tail = ids[-window:]
@@ -645,11 +664,11 @@ def ends_in_loop(ids: list[int], window: int, max_period: int) -> bool:
 
 
 def repeats_lines(text: str, ended: bool, times: int = 3) -> bool:
-    """True when the answer's last `times` complete lines are one non-blank line repeated: a loop whose
-    period (a line, ~10-20 tokens) is too long for ends_in_loop, and as easy for a drafter to predict."""
-    lines = (
-        text.split("\n") if ended else text.split("\n")[:-1]
-    )  # an answer cut by the limit ends mid-line
+    """True when the answer's last `times` complete lines are one non-blank line repeated: a loop
+    whose period (a line, ~10-20 tokens) is too long for ends_in_loop, and as easy for a drafter to
+    predict."""
+    # an answer cut by the limit ends mid-line
+    lines = text.split("\n") if ended else text.split("\n")[:-1]
     tail = [line for line in lines if line.strip()][-times:]
     return len(tail) == times and len(set(tail)) == 1
 
@@ -709,7 +728,8 @@ def quality_report(model, tokenizer, heldout_rows, heldout_users, cfg, device) -
         "ended_frac": sum(a["ended"] for a in answers) / n,
         "line_repeat_frac": sum(a["repeats_lines"] for a in answers) / n,
         "mean_answer_tokens": sum(len(a["ids"]) for a in answers) / n,
-        "loop_definition": f"last {cfg.loop_window} answer tokens repeat with a period <= {cfg.loop_max_period}",
+        "loop_definition": f"last {cfg.loop_window} answer tokens repeat "
+        f"with a period <= {cfg.loop_max_period}",
         "line_repeat_definition": "last 3 complete non-blank lines of the answer are the same line",
         "examples": [
             {"prompt": u[-300:], "answer": tokenizer.decode(a["ids"])}
@@ -739,20 +759,22 @@ def print_report(report: dict, training: dict, params: int) -> None:
         print(f"\n--- prompt (tail) ---\n{ex['prompt']}\n--- greedy answer ---\n{ex['answer']}")
 
 
-# ------------------------------------------------------------------------------------------ output, cache
+# ------------------------------------------------------------------------------------ output, cache
 
 
 @torch.no_grad()
 def round_to_bf16(model) -> None:
-    """Round every weight to bf16 in place (kept in float32): the target is saved in bf16, as released
-    checkpoints are (half the bytes to move between machines), and every later stage loads those exact
-    values (upcast to float32 where it runs in float32), so the report is measured on them too."""
+    """Round every weight to bf16 in place (kept in float32): the target is saved in bf16, as
+    released checkpoints are (half the bytes to move between machines), and every later stage loads
+    those exact values (upcast to float32 where it runs in float32), so the report is measured on
+    them too."""
     for p in model.parameters():
         p.copy_(p.to(torch.bfloat16).float())
 
 
 def save_target(model, tokenizer, path: Path) -> None:
-    """HF layout: model (bf16), tokenizer + chat template, greedy generation config ending at <|im_end|>."""
+    """HF layout: model (bf16), tokenizer + chat template, greedy generation config ending at
+    <|im_end|>."""
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig(
@@ -763,7 +785,8 @@ def save_target(model, tokenizer, path: Path) -> None:
     )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    # transformers 5 writes only rope_parameters; loaders on 4.x would then silently assume a default theta
+    # transformers 5 writes only rope_parameters; loaders on 4.x would then silently assume a
+    # default theta
     config = json.loads((path / "config.json").read_text())
     config["rope_theta"] = ROPE_THETA
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -779,11 +802,13 @@ def write_prompts(path: Path, users: list[str]) -> None:
 
 
 def cached(out: Path, settings: dict, force: bool) -> bool:
-    """True when `out` already holds a target built with these settings; refuses to overwrite another."""
+    """True when `out` already holds a target built with these settings; refuses to overwrite
+    another."""
     manifest = out / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("settings") == settings:
         print(
-            f"{out}: a target with these settings is already there (manifest.json matches); skipping"
+            f"{out}: a target with these settings is already there (manifest.json matches); "
+            "skipping"
         )
         return True
     if out.exists() and any(out.iterdir()) and not force:
@@ -827,11 +852,12 @@ def timed(name: str, timings: dict):
     print(f"[{name}] {timings[name]:.1f} s", flush=True)
 
 
-# ------------------------------------------------------------------------------------------------- run
+# ---------------------------------------------------------------------------------------------- run
 
 
 def prepare_data(cfg: TargetConfig, timings: dict) -> dict:
-    """Corpus -> tokenizer -> shuffled, tokenized train/held-out rows, and the prompts of both splits."""
+    """Corpus -> tokenizer -> shuffled, tokenized train/held-out rows, and the prompts of both
+    splits."""
     with timed("corpus", timings):
         files, corpus = select_corpus(cfg)
         spans = all_function_spans(files, cfg.workers)
@@ -843,7 +869,8 @@ def prepare_data(cfg: TargetConfig, timings: dict) -> dict:
         heldout_stream = encode_stream(tok, splits["heldout"]["docs"], cfg.seed)
     n_text = sum(len(d) for s in splits.values() for d in s["docs"])
     print(
-        f"corpus: {len(files)} files, {corpus['bytes'] / 1e6:.1f} MB; {n_text / 1e6:.1f} MB of documents -> "
+        f"corpus: {len(files)} files, {corpus['bytes'] / 1e6:.1f} MB; "
+        f"{n_text / 1e6:.1f} MB of documents -> "
         f"{len(train_stream) + len(heldout_stream):,} tokens "
         f"({n_text / max(timings['encode'], 1e-9) / 1e6:.1f} MB/s)"
     )
@@ -876,9 +903,8 @@ def write_outputs(partial: Path, model, data: dict, manifest: dict, report: dict
     with open(partial / "corpus_files.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in data["files_record"])
     (partial / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (partial / "manifest.json").write_text(
-        json.dumps(manifest, indent=2) + "\n"
-    )  # last: it marks completion
+    # last: it marks completion
+    (partial / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def run(cfg: TargetConfig) -> Path:
@@ -899,13 +925,13 @@ def run(cfg: TargetConfig) -> Path:
     model = build_model(cfg).to(device)
     params = sum(p.numel() for p in model.parameters())  # tied: the embedding is counted once
     print(
-        f"model: {params / 1e6:.2f} M parameters; {len(data['train_rows']):,} training rows of {cfg.seq_len}"
+        f"model: {params / 1e6:.2f} M parameters; "
+        f"{len(data['train_rows']):,} training rows of {cfg.seq_len}"
     )
     with timed("train", timings):
         training = train(model, data["train_rows"], cfg, device, partial / "train_log.jsonl")
-    round_to_bf16(
-        model
-    )  # the target *is* its bf16 weights from here on: report, save, every later stage
+    # the target *is* its bf16 weights from here on: report, save, every later stage
+    round_to_bf16(model)
     with timed("report", timings):
         report = quality_report(
             model, data["tokenizer"], data["heldout_rows"], data["prompts"]["heldout"], cfg, device

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # a timed row: label | N, H, V | median ms | lowest-highest ms | ...
 TIMED = re.compile(
-    r"^\| (?P<label>[^|]+?) +\| (?P<size>\d+, \d+, \d+) +\| +(?P<ms>[\d.]+) \| +(?P<lo>[\d.]+)-(?P<hi>[\d.]+) \|"
+    r"^\| (?P<label>[^|]+?) +\| (?P<size>\d+, \d+, \d+) +\|"
+    r" +(?P<ms>[\d.]+) \| +(?P<lo>[\d.]+)-(?P<hi>[\d.]+) \|"
 )
 
 
@@ -80,6 +81,5 @@ def test_loss_precision_table_has_both_kinds_of_rows():
         if (m := row.match(line))
     }
     assert set(found) == {"typical", "confident"}
-    assert (
-        found["typical"][0] < 2e-2 < found["confident"][0]
-    )  # exact's bf16 softmax - 1 on near-certain rows
+    # exact's bf16 softmax - 1 on near-certain rows
+    assert found["typical"][0] < 2e-2 < found["confident"][0]

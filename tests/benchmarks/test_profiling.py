@@ -66,9 +66,7 @@ def test_a_hole_belongs_to_the_innermost_call_that_spans_half_of_it():
         event("cudaStreamSynchronize", 1, 9),
         event("aten::add", 9, 9.5),
     ]
-    assert (
-        _hole_owner((2 * MS, 8 * MS), calls) == "cudaStreamSynchronize"
-    )  # inside aten::to, shorter
-    assert _hole_owner((9 * MS, 20 * MS), calls).startswith(
-        "(no profiled call"
-    )  # aten::add spans too little
+    # inside aten::to, shorter
+    assert _hole_owner((2 * MS, 8 * MS), calls) == "cudaStreamSynchronize"
+    # aten::add spans too little
+    assert _hole_owner((9 * MS, 20 * MS), calls).startswith("(no profiled call")

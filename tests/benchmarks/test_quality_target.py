@@ -1,4 +1,5 @@
-"""benchmarks/quality/target.py: the tiny mode builds a loadable target end to end, and a rerun is cached."""
+"""benchmarks/quality/target.py: the tiny mode builds a loadable target end to end, and a rerun is
+cached."""
 
 from __future__ import annotations
 
@@ -180,7 +181,10 @@ def test_loop_and_function_helpers():
     assert target.ends_in_loop([5, 6, 7] * 30, window=64, max_period=8)
     assert not target.ends_in_loop(list(range(100)), window=64, max_period=8)
     assert not target.ends_in_loop([1] * 10, window=64, max_period=8)  # too short to judge
-    source = "import os\n\n\ndef f(a,\n      b):\n    '''Doc.'''\n    return a + b\n\n\ndef g(): return 1\n"
+    source = (
+        "import os\n\n\ndef f(a,\n      b):\n    '''Doc.'''\n    return a + b\n\n\n"
+        "def g(): return 1\n"
+    )
     spans = target.function_spans(source)
     assert spans == [(3, 5, 7)]  # g's body shares its line: not a prompt/answer split
     cfg = target.TargetConfig(out="x", context_chars=40)

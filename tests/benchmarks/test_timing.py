@@ -21,9 +21,8 @@ def test_spread_of_repeats_and_its_rate():
     s = Spread.of([3.0, 1.0, 2.0, 10.0])
     assert (s.median, s.low, s.high) == (2.5, 1.0, 10.0)
     assert s.scaled(1e3) == Spread(2500.0, 1000.0, 10000.0)
-    rate = Spread.of([2.0, 4.0, 8.0]).per(
-        8.0
-    )  # 8 tokens over seconds: the slowest repeat is the lowest rate
+    # 8 tokens over seconds: the slowest repeat is the lowest rate
+    rate = Spread.of([2.0, 4.0, 8.0]).per(8.0)
     assert (rate.median, rate.low, rate.high) == (2.0, 1.0, 4.0)
     assert Spread(1234.5, 1000.0, 1500.25).text(",.0f") == "1,234 [1,000-1,500]"
     with pytest.raises(ValueError, match="no repeats"):
