@@ -1,5 +1,6 @@
-"""Chat templating and the loss mask: the target tokenizer's own chat template makes the tokens, and the
-loss mask marks the tokens the assistant generated (its turns, up to and including its end-of-turn token).
+"""Chat templating and the loss mask: the target tokenizer's own chat template makes the tokens, and
+the loss mask marks the tokens the assistant generated (its turns, up to and including its
+end-of-turn token).
 
 Two ways to find the assistant tokens, which give the same mask where both apply (tests check it):
 
@@ -19,7 +20,8 @@ Two ways to find the assistant tokens, which give the same mask where both apply
    span, exactly as transformers does for marked templates. If the generation prompt of turn i is
    not a prefix of F, the template rewrites history (e.g. a template that strips earlier turns
    differently than at generation time); the position of the turn is then unknown and the
-   conversation is refused with reason `template_rewrites_history` instead of getting a guessed mask.
+   conversation is refused with reason `template_rewrites_history` instead of getting a guessed
+   mask.
 
 Template options (`enable_thinking` and the like) pass through as `template_kwargs`.
 """
@@ -37,7 +39,8 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class ChatMaskError(SkippedRecord):
-    """A conversation the template cannot turn into tokens + mask; `reason` is the counted category."""
+    """A conversation the template cannot turn into tokens + mask; `reason` is the counted
+    category."""
 
 
 def has_generation_markers(tokenizer: Any) -> bool:
@@ -46,7 +49,8 @@ def has_generation_markers(tokenizer: Any) -> bool:
 
 
 class ChatTemplate:
-    """The target tokenizer's chat template with fixed options: conversation -> (input_ids, loss_mask)."""
+    """The target tokenizer's chat template with fixed options: conversation -> (input_ids,
+    loss_mask)."""
 
     def __init__(
         self,
@@ -57,9 +61,8 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self.use_markers = has_generation_markers(tokenizer) if use_markers is None else use_markers
-        self.end_of_turn = (
-            tokenizer.eos_token
-        )  # <|im_end|> for Qwen, <|eot_id|> for Llama 3 Instruct
+        # <|im_end|> for Qwen, <|eot_id|> for Llama 3 Instruct
+        self.end_of_turn = tokenizer.eos_token
         if not self.use_markers and not getattr(tokenizer, "is_fast", False):
             raise UserError(
                 "the target's chat template has no {% generation %} markers and its tokenizer "
@@ -82,7 +85,8 @@ class ChatTemplate:
 
         `last_turn_cut`: the last assistant turn was cut by a length limit (dflash-generate's
         finish_reason "length"), so the end-of-turn token(s) the template appends to it were never
-        generated; they get no loss, or the drafter would learn to end turns where the target did not."""
+        generated; they get no loss, or the drafter would learn to end turns where the target did
+        not."""
         if self.use_markers:
             ids, mask = self._tokenize_marked(messages)
         else:
@@ -92,7 +96,8 @@ class ChatTemplate:
         return ids, mask
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a prompt that asks for the next assistant turn (for generation and evaluation)."""
+        """Token ids of a prompt that asks for the next assistant turn (for generation and
+        evaluation)."""
         text = self.render(messages, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -133,9 +138,8 @@ class ChatTemplate:
         return ids, mask_from_spans(offsets, spans)
 
     def _assistant_span(self, messages: list[dict[str, Any]], i: int, full: str) -> tuple[int, int]:
-        if (
-            i == 0
-        ):  # no history to render a generation prompt from (transformers refuses empty chats)
+        # no history to render a generation prompt from (transformers refuses empty chats)
+        if i == 0:
             raise ChatMaskError(
                 "assistant_turn_first",
                 "the conversation opens with an assistant turn; without generation "
@@ -170,7 +174,8 @@ class ChatTemplate:
 
 
 def unmask_end_of_turn(ids: np.ndarray, mask: np.ndarray, special_ids: set[int]) -> None:
-    """Zero, in place, the mask of the special tokens (the end of turn) closing the last assistant span."""
+    """Zero, in place, the mask of the special tokens (the end of turn) closing the last assistant
+    span."""
     at = int(np.flatnonzero(mask)[-1]) if mask.any() else -1
     while at >= 0 and mask[at] and int(ids[at]) in special_ids:
         mask[at] = 0

@@ -106,14 +106,17 @@ def parse_args(
     switches: dict[str, tuple[str | None, str]] | None = None,
     examples: str = "",
 ) -> tuple[T, argparse.Namespace]:
-    """Parse `--config FILE`, shortcut flags, switches and `--section.field=value` overrides into `cls`.
+    """Parse `--config FILE`, shortcut flags, switches and `--section.field=value` overrides into
+    `cls`.
 
-    `shortcuts` maps a plain flag to the dotted field it sets (`{"out": "store.path"}` makes `--out X`
-    mean `--store.path=X`); names in `repeatable` may be given several times and set a list field.
-    `switches` are flags without a value, shown in the usage line: name -> (the bool field it sets to
-    true, or None for one that is no config field, read from the namespace; its help).
+    `shortcuts` maps a plain flag to the dotted field it sets (`{"out": "store.path"}` makes
+    `--out X` mean `--store.path=X`); names in `repeatable` may be given several times and set a
+    list field.
+    `switches` are flags without a value, shown in the usage line: name -> (the bool field it sets
+    to true, or None for one that is no config field, read from the namespace; its help).
     `examples`: command lines, shown first in --help's epilog (a docstring's indented block).
-    Returns the config and the parsed namespace (for switches that are not config fields, e.g. --offline).
+    Returns the config and the parsed namespace (for switches that are not config fields, e.g.
+    --offline).
     """
     shortcuts = shortcuts or {}
     parser = ArgumentParser(
@@ -203,9 +206,8 @@ def user_errors_exit(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (ConfigError, UserError) as e:
             exit_with_error(str(e))
         except BrokenPipeError:  # `| head` closed stdout: stop quietly, as cat does
-            os.dup2(
-                os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-            )  # the exit flush has nowhere to fail
+            # the exit flush has nowhere to fail
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(141)  # 128 + SIGPIPE, what a shell reports for a reader that went away
 
     return wrapper
@@ -227,9 +229,9 @@ def interrupt_says(sentence: Callable[[], str]) -> Iterator[None]:
 
 
 def progress_bar(iterable: Any = None, *, enabled: bool = True, **kwargs: Any) -> Any:
-    """A tqdm bar that draws only on a terminal: tqdm's `disable=None` switches it off when its stream
-    (stderr) is not a tty (CI, `| tee`, nohup), where every frame would be one more line of noise; the
-    log lines and the final summary say what the bar would have."""
+    """A tqdm bar that draws only on a terminal: tqdm's `disable=None` switches it off when its
+    stream (stderr) is not a tty (CI, `| tee`, nohup), where every frame would be one more line of
+    noise; the log lines and the final summary say what the bar would have."""
     from tqdm import tqdm
 
     return tqdm(iterable, disable=None if enabled else True, **kwargs)
@@ -285,7 +287,8 @@ class RateBar:
 
 def library_bars_follow_the_terminal() -> None:
     """The bars of transformers and huggingface_hub (e.g. 'Loading weights') follow `progress_bar`'s
-    rule: none when stderr is not a terminal. The environment variable covers libraries imported later."""
+    rule: none when stderr is not a terminal. The environment variable covers libraries imported
+    later."""
     if sys.stderr.isatty():
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -300,7 +303,8 @@ def library_bars_follow_the_terminal() -> None:
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    """Log lines on stderr (with the rank under torchrun); library progress bars only on a terminal."""
+    """Log lines on stderr (with the rank under torchrun); library progress bars only on a
+    terminal."""
     library_bars_follow_the_terminal()
     rank = os.environ.get("RANK")
     prefix = (

@@ -2,8 +2,9 @@
 
 Every stage (precompute, train, eval) has one tree of frozen dataclasses. Defaults live in the
 dataclass and nowhere else; a TOML file in `configs/` sets some of them; `--section.field=value` on
-the command line sets any of them last. Help text comes from each field's `help` metadata, so the CLI
-`--help`, the generated configuration reference (docs/config.md) and the code cannot drift apart.
+the command line sets any of them last. Help text comes from each field's `help` metadata, so the
+CLI `--help`, the generated configuration reference (docs/config.md) and the code cannot drift
+apart.
 
     @dataclass(frozen=True)
     class OptimSection:
@@ -34,7 +35,8 @@ class ConfigError(ValueError):
 
 
 class UnknownKeyError(ConfigError):
-    """A key the config tree does not have: `key` is its dotted path, `known` the keys of its section."""
+    """A key the config tree does not have: `key` is its dotted path, `known` the keys of its
+    section."""
 
     def __init__(self, message: str, key: str, known: list[str]):
         super().__init__(message)
@@ -225,7 +227,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`--a.b=value` -> (["a", "b"], value); the value is read as TOML where it parses, else a string."""
+    """`--a.b=value` -> (["a", "b"], value); the value is read as TOML where it parses, else a
+    string."""
     if not text.startswith("--") or "=" not in text:
         raise ConfigError(f"Override '{text}' must look like --section.field=value.")
     key, raw = text[2:].split("=", 1)
@@ -265,7 +268,8 @@ STAGES = ("generate", "precompute", "train", "eval")
 
 
 def stage_table(cls: type, data: dict[str, Any], path: str | Path) -> dict[str, Any]:
-    """`data` itself for a one-stage file; the table of `cls.STAGE` for a file made of stage tables."""
+    """`data` itself for a one-stage file; the table of `cls.STAGE` for a file made of stage
+    tables."""
     stage = getattr(cls, "STAGE", None)
     if stage is None or not data or not set(data) <= set(STAGES):
         return data
@@ -280,8 +284,8 @@ def stage_table(cls: type, data: dict[str, Any], path: str | Path) -> dict[str, 
 def load_config(
     cls: type[T], path: str | Path | None = None, overrides: typing.Sequence[str] = ()
 ) -> T:
-    """Defaults <- TOML file (its `[<stage>]` table when it holds several stages) <- `--section.field=value`
-    overrides, validated into a frozen tree."""
+    """Defaults <- TOML file (its `[<stage>]` table when it holds several stages) <-
+    `--section.field=value` overrides, validated into a frozen tree."""
     whole = read_toml(path) if path is not None else {}
     data = stage_table(cls, whole, path) if path is not None else {}
     set_by_overrides = []
@@ -332,7 +336,8 @@ def _refuse_stage_prefix(cls: type, keys: list[str], raw_value: str) -> None:
         rest = ".".join(keys[1:])
         raise ConfigError(
             f"Override '--{'.'.join(keys)}' names the [{stage}] table of a config file, but the "
-            f"command line sets the fields of that table directly; drop '{stage}.': --{rest}={raw_value}"
+            f"command line sets the fields of that table directly; drop '{stage}.': "
+            f"--{rest}={raw_value}"
         )
 
 
@@ -348,10 +353,10 @@ def _toml_key_parts(text: str) -> list[str]:
 
 
 def toml_key_line(text: str, dotted: str) -> int | None:
-    """The line (1-based) of a TOML text that sets the key `dotted` (`train.optim.lrr`): a table header
-    `[train.optim]` followed by `lrr = ...`, a dotted key, or a header of that table. tomllib keeps no
-    positions, so the text is scanned; a line that sets only a table around the key (an inline table)
-    is the answer when nothing sets the key itself; None when no line does."""
+    """The line (1-based) of a TOML text that sets the key `dotted` (`train.optim.lrr`): a table
+    header `[train.optim]` followed by `lrr = ...`, a dotted key, or a header of that table. tomllib
+    keeps no positions, so the text is scanned; a line that sets only a table around the key (an
+    inline table) is the answer when nothing sets the key itself; None when no line does."""
     target = dotted.split(".")
     table: list[str] = []
     around = None

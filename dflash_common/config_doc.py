@@ -31,7 +31,8 @@ def render(stages: Sequence[Stage]) -> str:
         "# Configuration reference",
         "",
         f"Generated from the config dataclasses by `{COMMAND}`; do not edit by hand.",
-        "Every field can be set in a TOML file (`--config FILE`, sections as tables) and overridden on the",
+        "Every field can be set in a TOML file (`--config FILE`, sections as tables) and "
+        "overridden on the",
         "command line as `--section.field=value` (lists as `1,9,17` or `[1, 9, 17]`).",
         "Shipped examples are in `configs/`: `<stage>-<name>.toml`.",
     ]

@@ -31,7 +31,8 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def stage(title: str, *args: str, env: dict[str, str] | None = None) -> float:
-    """Run one CLI (`python -m module args...`) from the repository root; stop the demo if it fails."""
+    """Run one CLI (`python -m module args...`) from the repository root; stop the demo if it
+    fails."""
     print(f"\n=== {title}: {' '.join(args)}", flush=True)
     started = time.perf_counter()
     if subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env).returncode != 0:
@@ -156,28 +157,34 @@ def summary(
     print(f"  target        {rel(TARGET)}  (tiny Qwen3, 8 layers, hidden 64, built from seed 0)")
     reasons = ", ".join(f"{k} {v}" for k, v in gen["finish_reasons"].items())
     print(
-        f"  generated     {rel(generated)}  {gen['counts']['conversations']} answers of the target, "
+        f"  generated     {rel(generated)}  "
+        f"{gen['counts']['conversations']} answers of the target, "
         f"{gen['counts']['generated_tokens']:,} tokens ({reasons})"
     )
     print(
         f"  store         {rel(store)}  {info['tokens']:,} tokens in {info['shards']} shards, "
-        f"{info['bytes_per_token']:,.1f} bytes/token on disk, layers {info['layer_ids']}, {info['dtype']}"
+        f"{info['bytes_per_token']:,.1f} bytes/token on disk, layers {info['layer_ids']}, "
+        f"{info['dtype']}"
     )
     nan = float("nan")
     print(
-        f"  training run  {rel(run)}  final loss {train.get('loss', nan):.3f}, accuracy {train.get('acc', nan):.3f};"
+        f"  training run  {rel(run)}  final loss {train.get('loss', nan):.3f}, "
+        f"accuracy {train.get('acc', nan):.3f};"
         f" held out: loss {val.get('loss', nan):.3f}, estimated tau {val.get('tau', nan):.2f}"
     )
     print(
-        f"  picture       {rel(run / 'report.png')}  (loss, accuracy by block position, tau over steps)"
+        f"  picture       {rel(run / 'report.png')}  "
+        "(loss, accuracy by block position, tau over steps)"
     )
     print(
-        f"  drafter       {rel(drafter)}  (config.json + model.safetensors, the layout SGLang and vLLM load)"
+        f"  drafter       {rel(drafter)}  "
+        "(config.json + model.safetensors, the layout SGLang and vLLM load)"
     )
     lossless = report["lossless"]["ok"]
     print(
-        f"  eval          {rel(report_path)}  tau {report['tau']:.2f} (block {report['block_size']}) over "
-        f"{report['num_prompts']} prompts by real speculative decoding; lossless: {'yes' if lossless else 'NO'}"
+        f"  eval          {rel(report_path)}  tau {report['tau']:.2f} "
+        f"(block {report['block_size']}) over {report['num_prompts']} prompts "
+        f"by real speculative decoding; lossless: {'yes' if lossless else 'NO'}"
     )
 
 

@@ -1,8 +1,9 @@
-"""Fingerprints that tie a store to what made it: the target, the tokenizer and chat template, the data.
+"""Fingerprints that tie a store to what made it: the target, the tokenizer and chat template, the
+data.
 
 They go into the store's manifest, so a store is never silently mixed with states of another model,
-tokenizer or dataset. All are computed from content (never paths, sizes of unrelated files, or times),
-so every rank of a run, and a rerun on another machine, computes the same values.
+tokenizer or dataset. All are computed from content (never paths, sizes of unrelated files, or
+times), so every rank of a run, and a rerun on another machine, computes the same values.
 
 - target: sha256 of config.json, and `weights_sha256` over each weight file's name, size, header
   (safetensors) and 16 evenly spaced 64 KiB blocks of its bytes. Headers alone would not tell a
@@ -13,7 +14,8 @@ so every rank of a run, and a rerun on another machine, computes the same values
   (sizes, vocabulary, RoPE, norm epsilon). The trainer compares them with its `run.target`.
 - tokenizer: sha256 of the vocabulary (token -> id, added tokens included) and the special tokens.
 - chat template: sha256 of the template text.
-- dataset: sha256 of each input file's bytes (whole files: datasets are GBs, hashing runs at ~1 GB/s).
+- dataset: sha256 of each input file's bytes (whole files: datasets are GBs, hashing runs at
+  ~1 GB/s).
 """
 
 from __future__ import annotations
@@ -136,13 +138,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
 
 
 def chat_template_sha256(template: Any) -> str | None:
-    """sha256 of a chat template (a tokenizer's `chat_template`, or the template text); None if none."""
+    """sha256 of a chat template (a tokenizer's `chat_template`, or the template text); None if
+    none."""
     text = getattr(template, "chat_template", template)
     if text is None:
         return None
-    data = (
-        text if isinstance(text, str) else json.dumps(text, sort_keys=True)
-    )  # named templates: a dict
+    # named templates: a dict
+    data = text if isinstance(text, str) else json.dumps(text, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()
 
 

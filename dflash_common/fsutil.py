@@ -25,7 +25,8 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def temp_sibling(path: str | Path) -> Path:
-    """A hidden name beside `path`, unique per process and call (readers skip names starting with '.')."""
+    """A hidden name beside `path`, unique per process and call (readers skip names starting with
+    '.')."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
@@ -76,9 +77,9 @@ def publish_dir(tmp: str | Path, final: str | Path) -> bool:
 
 
 def is_disk_full(error: BaseException) -> bool:
-    """Whether `error`, or an error it came from, says the filesystem is full or over quota. Not every
-    library raises OSError(ENOSPC): safetensors raises SafetensorError('... No space left on device
-    (os error 28)')."""
+    """Whether `error`, or an error it came from, says the filesystem is full or over quota. Not
+    every library raises OSError(ENOSPC): safetensors raises SafetensorError('... No space left on
+    device (os error 28)')."""
     seen = 0
     while error is not None and seen < 8:  # a chain of causes; never loops on a cycle
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -1,10 +1,11 @@
-"""The embedded tiny target: a real Qwen3-architecture causal LM and tokenizer built from a config with
-a fixed seed and saved to disk, so tests and `make demo` run the whole product with no download.
+"""The embedded tiny target: a real Qwen3-architecture causal LM and tokenizer built from a config
+with a fixed seed and saved to disk, so tests and `make demo` run the whole product with no
+download.
 
 The tokenizer is byte-level (every UTF-8 byte is a token) with Qwen-style chat special tokens and a
-chat template. By default the template carries `{% generation %}` markers, so transformers can return
-the assistant-token mask; `generation_markers=False` gives a template without them, which exercises
-the fallback that finds assistant spans by rendering (see dflash_common/chat.py).
+chat template. By default the template carries `{% generation %}` markers, so transformers can
+return the assistant-token mask; `generation_markers=False` gives a template without them, which
+exercises the fallback that finds assistant spans by rendering (see dflash_common/chat.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-# Chat tokens as in Qwen3; the mask token is added to the vocabulary, as DFlash does (151669 on Qwen3).
+# Chat tokens as in Qwen3; the mask token is added to the vocabulary, as DFlash does (151669 on
+# Qwen3).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 MASK_TOKEN = "<|mask|>"
 NUM_BYTE_TOKENS = 256
@@ -39,7 +41,8 @@ _TEMPLATE_PLAIN = _TEMPLATE_MARKED.replace("{% generation %}", "").replace(
 
 @dataclasses.dataclass(frozen=True)
 class TinySpec:
-    """Shape of the tiny target. 8 layers make the DFlash default layer ids [1, 2, 3, 4, 5] distinct."""
+    """Shape of the tiny target. 8 layers make the DFlash default layer ids [1, 2, 3, 4, 5]
+    distinct."""
 
     num_layers: int = 8
     hidden_size: int = 64

@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny target is built once per test session from a fixed seed (no downloads)."""
+"""Shared fixtures: the tiny target is built once per test session from a fixed seed (no
+downloads)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def small_disk(tmp_path):
         )
         if done.returncode != 0:
             pytest.skip(
-                f"cannot mount a small tmpfs here ({done.stderr.strip()}); the injected test still runs"
+                f"cannot mount a small tmpfs here ({done.stderr.strip()}); "
+                "the injected test still runs"
             )
         mounted.append(path)
         return SmallDisk(path)

@@ -23,7 +23,8 @@ STAGES = {
 
 
 def stage_classes(path: Path) -> list[type]:
-    """The config classes a file is for: its name's stage, or each stage table of a several-stage file."""
+    """The config classes a file is for: its name's stage, or each stage table of a several-stage
+    file."""
     data = read_toml(path)
     stages = sorted(data) if data and set(data) <= set(STAGES) else [path.stem.split("-", 1)[0]]
     for stage in stages:
@@ -56,9 +57,8 @@ def test_the_embedded_default_holds_every_stage():
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_config_loads(path):
     for cls in stage_classes(path):
-        cfg = load_config(
-            cls, path
-        )  # unknown keys, wrong types and failed checks raise ConfigError
+        # unknown keys, wrong types and failed checks raise ConfigError
+        cfg = load_config(cls, path)
         assert cfg != cls(), f"{path.name} sets nothing for {cls.STAGE}"
 
 

@@ -1,5 +1,6 @@
-"""`make demo` end to end: every stage through its CLI on the embedded tiny target, and a summary whose
-figures come from what the stages wrote and equal the README's (within the tolerances below)."""
+"""`make demo` end to end: every stage through its CLI on the embedded tiny target, and a summary
+whose figures come from what the stages wrote and equal the README's (within the tolerances
+below)."""
 
 import re
 import subprocess
@@ -77,6 +78,6 @@ def test_demo_runs_every_stage_and_summarises_them(tmp_path):
     ):
         assert (out / made).is_file(), made
     assert str(out / "train" / "report.png") in text
-    # not a terminal (as in CI): no progress-bar frames, and a handful of lines per stage (issue 13: ~900)
+    # not a terminal (as in CI): no progress-bar frames, and a handful of lines per stage
     lines = done.stdout.count("\n") + done.stderr.count("\n")
     assert "\r" not in done.stdout + done.stderr and lines <= 100, (lines, done.stdout, done.stderr)

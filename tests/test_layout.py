@@ -57,8 +57,8 @@ def _module_name(path: Path, root: Path) -> str:
 
 def _import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the project modules it imports (at the top or inside a function: a lazy import that
-    closes a cycle is still a cycle). `from a.b import c` names module a.b.c when it exists, else a.b;
-    importing a submodule does not count as importing its package's __init__."""
+    closes a cycle is still a cycle). `from a.b import c` names module a.b.c when it exists, else
+    a.b; importing a submodule does not count as importing its package's __init__."""
     files = {
         _module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))
     }

@@ -1,5 +1,6 @@
 """docs/reliability.md names the test that proves each guarantee: every name must exist, and every
-fault test must be named there (a promise without its test, or a test without its promise, is a gap)."""
+fault test must be named there (a promise without its test, or a test without its promise, is a
+gap)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Where a packed batch's blocks sit (`BlockLayout`), the sparse attention mask built from it, and the
-attention backends the drafter's layers call.
+"""Where a packed batch's blocks sit (`BlockLayout`), the sparse attention mask built from it, and
+the attention backends the drafter's layers call.
 
 The training forward runs many blocks of many packed sequences at once under a sparse mask built
 from the anchors: a block's queries see the context of their own sequence strictly before the
@@ -11,7 +11,8 @@ SGLang (sliding layers are DECODER attention) and the DFlash authors serve such 
 Backends, each an `Attend` over the layer's mode (sliding window, causal):
 - flex (`block_attend` on the GPU): `flex_attention` with a BlockMask whose tile tables are computed
   from the intervals each query row sees (never a dense [Q, KV] mask), compiled on the GPU.
-- chunked (`block_attend` on the CPU): SDPA over chunks of query rows, masks from the same intervals.
+- chunked (`block_attend` on the CPU): SDPA over chunks of query rows, masks from the same
+  intervals.
 - dense (`dense_attend`): one drafted block over its cached context (speculative decoding).
 """
 
@@ -86,9 +87,8 @@ class BlockLayout:
                 in_ctx = in_ctx & (anchor + k - kv < window)
                 in_block = in_block & (k - rel < window) & (causal or rel - k < window)
             if causal:
-                in_block = in_block & (
-                    rel <= k
-                )  # a sliding layer's block: the query and what precedes it
+                # a sliding layer's block: the query and what precedes it
+                in_block = in_block & (rel <= k)
             return in_ctx | in_block
 
         return visible
@@ -101,9 +101,8 @@ class BlockLayout:
         b = self.block_size
         k = torch.arange(b, device=self.anchors.device)
         anchor, start = self.anchors[:, None], self.starts[:, None]  # [A, 1]
-        block0 = (
-            self.total + torch.arange(self.anchors.shape[0], device=k.device)[:, None] * b
-        )  # [A, 1]
+        # [A, 1]
+        block0 = self.total + torch.arange(self.anchors.shape[0], device=k.device)[:, None] * b
         ctx_lo, ctx_hi = start.expand(-1, b), anchor.expand(-1, b)
         blk_lo, blk_hi = block0.expand(-1, b), (block0 + b).expand(-1, b)
         if sliding_window is not None:
@@ -154,9 +153,8 @@ def _tile_tables(
     rows_per_chunk = max(tile, (_TILE_TABLE_CHUNK // max(n_kv, 1)) // tile * tile)
     any_parts, full_parts = [], []
     for r0 in range(0, n_q * tile, rows_per_chunk):
-        ctx_lo, ctx_hi, blk_lo, blk_hi = (
-            x[r0 : r0 + rows_per_chunk, None] for x in lo_hi
-        )  # [r, 1]
+        # [r, 1]
+        ctx_lo, ctx_hi, blk_lo, blk_hi = (x[r0 : r0 + rows_per_chunk, None] for x in lo_hi)
         seen = _overlaps(ctx_lo, ctx_hi, col_lo, col_hi_clip) | _overlaps(
             blk_lo, blk_hi, col_lo, col_hi_clip
         )
@@ -175,16 +173,17 @@ def _overlaps(lo, hi, col_lo, col_hi):
 
 
 def _tables_to_indices(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool [Qt, KVt] -> (num_blocks [1, 1, Qt], indices [1, 1, Qt, KVt]) with listed tiles first."""
+    """bool [Qt, KVt] -> (num_blocks [1, 1, Qt], indices [1, 1, Qt, KVt]) with listed tiles
+    first."""
     counts = table.sum(-1, dtype=torch.int32)
     order = torch.argsort((~table).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
     return counts[None, None], order[None, None]
 
 
 _compiled_flex: Callable | None = None
-# Always the main flex kernel: without grad and with fewer than 128 query rows (a few blocks, e.g. the
-# last rounds of a path-tau replay), inductor picks its flex-decoding kernel, which finds no valid
-# config for our BlockMask under dynamic shapes (it raises NoValidChoicesError).
+# Always the main flex kernel: without grad and with fewer than 128 query rows (a few blocks, e.g.
+# the last rounds of a path-tau replay), inductor picks its flex-decoding kernel, which finds no
+# valid config for our BlockMask under dynamic shapes (it raises NoValidChoicesError).
 # Not ROWS_GUARANTEED_SAFE: the padding rows of the last query tile see no key, and without the
 # kernel's guard their NaNs reach every key's gradient (the loss is NaN from the first step).
 _FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
@@ -196,13 +195,15 @@ def _flex_fn(device: torch.device) -> Callable:
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        # default dynamic=None: a second batch shape marks lengths dynamic instead of recompiling per shape
+        # default dynamic=None: a second batch shape marks lengths dynamic instead of recompiling
+        # per shape
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 
 FLEX_ON_CPU = False  # tests set it to run the flex path (eager or inductor-compiled) on the CPU too
-# The CPU path's chunks: query rows at most, and scores one chunk may hold (x 4 bytes), at any batch size.
+# The CPU path's chunks: query rows at most, and scores one chunk may hold (x 4 bytes), at any batch
+# size.
 _CPU_ROWS_PER_CHUNK = 1024
 _CPU_SCORES_PER_CHUNK = 1 << 25
 
@@ -210,9 +211,10 @@ _CPU_SCORES_PER_CHUNK = 1 << 25
 def block_attend(
     layout: "BlockLayout", modes: set[LayerMode], head_dim: int, device: torch.device
 ) -> Attend:
-    """The blocks' sparse attention: compiled flex on the GPU; on the CPU, dense attention over chunks
-    of query rows, whose masks come from the same row intervals (flex's eager CPU path materialises
-    every score of the batch at once: ~17 GiB for one validation batch of the quality benchmark)."""
+    """The blocks' sparse attention: compiled flex on the GPU; on the CPU, dense attention over
+    chunks of query rows, whose masks come from the same row intervals (flex's eager CPU path
+    materialises every score of the batch at once: ~17 GiB for one validation batch of the quality
+    benchmark)."""
     if device.type == "cuda" or FLEX_ON_CPU:
         return _flex_attend({m: layout.block_mask(*m) for m in modes}, head_dim)
     return _chunked_attend({m: layout.row_intervals(*m) for m in modes}, head_dim)
@@ -228,7 +230,8 @@ def _flex_attend(masks: dict[LayerMode, BlockMask], head_dim: int) -> Attend:
             and torch.is_grad_enabled()
             and any(x.requires_grad for x in (q, k, v))
         ):
-            # flex_attention has no CPU backward: the same mask_mod, densified, through SDPA (tests only)
+            # flex_attention has no CPU backward: the same mask_mod, densified, through SDPA (tests
+            # only)
             dense = create_mask(mask.mask_mod, None, None, q.shape[2], k.shape[2], q.device)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa
@@ -253,11 +256,12 @@ def _flex_attend(masks: dict[LayerMode, BlockMask], head_dim: int) -> Attend:
 
 
 def _chunked_attend(intervals: dict[LayerMode, tuple[torch.Tensor, ...]], head_dim: int) -> Attend:
-    """Attention of query rows over key columns given, per row, two visible intervals (context, block):
-    SDPA with a boolean mask, a chunk of rows at a time, over only the key columns the chunk's intervals
-    span (consecutive blocks share a sequence: a few hundred context columns and the chunk's own block
-    keys, not the whole batch). Without grad (validation, the offline estimate) memory stays bounded at
-    any batch size; with grad, autograd keeps every chunk for the backward."""
+    """Attention of query rows over key columns given, per row, two visible intervals (context,
+    block): SDPA with a boolean mask, a chunk of rows at a time, over only the key columns the
+    chunk's intervals span (consecutive blocks share a sequence: a few hundred context columns and
+    the chunk's own block keys, not the whole batch). Without grad (validation, the offline
+    estimate) memory stays bounded at any batch size; with grad, autograd keeps every chunk for the
+    backward."""
 
     def attend(q, k, v, mode):
         ctx_lo, ctx_hi, blk_lo, blk_hi = intervals[mode]  # [R] each
@@ -273,14 +277,15 @@ def _chunked_attend(intervals: dict[LayerMode, tuple[torch.Tensor, ...]], head_d
                 if r1 - r0 == 1 or (r1 - r0) * heads * width <= _CPU_SCORES_PER_CHUNK:
                     break
                 r1 = r0 + (r1 - r0) // 2
-            cols = torch.cat(
-                [torch.arange(a, b, device=k.device) for a, b in spans]
-            )  # [W] key columns
+            # [W] key columns
+            cols = torch.cat([torch.arange(a, b, device=k.device) for a, b in spans])
             r = slice(r0, r1)
+            # [rows, W]
             mask = ((cols >= ctx_lo[r, None]) & (cols < ctx_hi[r, None])) | (
                 (cols >= blk_lo[r, None]) & (cols < blk_hi[r, None])
-            )  # [rows, W]
+            )
             k_, v_ = (x[cols].transpose(0, 1)[None] for x in (k, v))  # [1, nkv, W, D]
+            # [rows, nh, D]
             out.append(
                 F.scaled_dot_product_attention(
                     q[r].transpose(0, 1)[None],
@@ -290,7 +295,7 @@ def _chunked_attend(intervals: dict[LayerMode, tuple[torch.Tensor, ...]], head_d
                     scale=head_dim**-0.5,
                     enable_gqa=q.shape[1] != k.shape[1],
                 )[0].transpose(0, 1)
-            )  # [rows, nh, D]
+            )
             r0 = r1
         return torch.cat(out)
 
@@ -306,9 +311,8 @@ def dense_attend(context_len: int, block_len: int, head_dim: int) -> Attend:
         if sliding_window is not None or causal:
             q_pos = context_len + torch.arange(block_len, device=q.device)[:, None]
             k_pos = torch.arange(context_len + block_len, device=q.device)[None, :]
-            mask = torch.ones(
-                block_len, context_len + block_len, dtype=torch.bool, device=q.device
-            )  # [b, L+b]
+            # [b, L+b]
+            mask = torch.ones(block_len, context_len + block_len, dtype=torch.bool, device=q.device)
             if sliding_window is not None:
                 mask = (q_pos - k_pos < sliding_window) & (
                     causal | (k_pos - q_pos < sliding_window)

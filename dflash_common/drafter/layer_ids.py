@@ -11,7 +11,8 @@ DEFAULT_NUM_TARGET_LAYERS = 5
 
 
 def default_layer_ids(num_target_layers: int, k: int = DEFAULT_NUM_TARGET_LAYERS) -> list[int]:
-    """K ids spread evenly from layer 1 to layer N-3 (the DFlash rule): N=36 -> [1, 9, 17, 25, 33]."""
+    """K ids spread evenly from layer 1 to layer N-3 (the DFlash rule):
+    N=36 -> [1, 9, 17, 25, 33]."""
     if k < 1:
         raise ValueError(f"the number of target layers to capture must be >= 1, got {k}")
     if k == 1:
@@ -19,8 +20,8 @@ def default_layer_ids(num_target_layers: int, k: int = DEFAULT_NUM_TARGET_LAYERS
     start, end = 1, num_target_layers - 3
     if end - start + 1 < k:
         raise ValueError(
-            f"a {num_target_layers}-layer target has too few layers between 1 and N-3 for {k} distinct "
-            f"ids; list the layer ids explicitly"
+            f"a {num_target_layers}-layer target has too few layers between 1 and N-3 for {k} "
+            f"distinct ids; list the layer ids explicitly"
         )
     span = end - start
     return [int(round(start + i * span / (k - 1))) for i in range(k)]
@@ -39,5 +40,6 @@ def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
     bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
     if bad:
         raise ValueError(
-            f"layer ids {bad} are outside 0..{num_target_layers - 1} for a {num_target_layers}-layer target"
+            f"layer ids {bad} are outside 0..{num_target_layers - 1} "
+            f"for a {num_target_layers}-layer target"
         )

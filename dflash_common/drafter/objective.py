@@ -86,7 +86,8 @@ def block_labels(
     gamma: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """labels int64 [A, B] (token at anchor + k, IGNORE_INDEX where not a prediction) and float32
-    weights [A, B] = exp(-(k - 1) / gamma), zero at k = 0, past the sequence end, outside the mask."""
+    weights [A, B] = exp(-(k - 1) / gamma), zero at k = 0, past the sequence end, outside the
+    mask."""
     gamma = default_gamma(block_size) if gamma is None else gamma
     k = torch.arange(block_size, device=anchors.device)
     pos = anchors[:, None] + k  # [A, B] packed positions, same position (no shift)
@@ -109,7 +110,8 @@ def dpace_weights(row_ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> to
         C_k = prod_{j <= k} q~_j               a soft chance that drafts 1..k are all accepted
         w_k = valid_k * sum_{j >= k} valid_j C_j
 
-    so a position weighs what its acceptance buys downstream, and the fixed gamma decay is dropped."""
+    so a position weighs what its acceptance buys downstream, and the fixed gamma decay is
+    dropped."""
     q = torch.exp(-row_ce.detach().float())
     q_soft = torch.where(valid, alpha + (1.0 - alpha) * q, torch.ones_like(q))
     reach = torch.cumprod(q_soft, dim=1) * valid  # [A, B]: valid_j C_j
@@ -118,8 +120,8 @@ def dpace_weights(row_ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> to
 
 
 def accepted_drafts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per block [A] (long): leading correct predictions from k = 1 (argmax == label; a position that
-    is not a valid prediction ends the run), the drafts greedy verification would accept."""
+    """Per block [A] (long): leading correct predictions from k = 1 (argmax == label; a position
+    that is not a valid prediction ends the run), the drafts greedy verification would accept."""
     hit = (correct & valid)[:, 1:]  # position 0 is the anchor, never a prediction
     return torch.cumprod(hit.long(), dim=1).sum(1)
 
@@ -146,8 +148,8 @@ def serving_path(
     sorted, on loss-mask positions) and each block's accepted drafts [A] (`accepted_drafts`).
 
     Per response the path starts at its first anchor (the first response position when it is one)
-    and goes on as serving does, a -> a + accepted(a) + 1: the token after the accepted drafts is the
-    target's correction, the next block's anchor. Where that position is no anchor this step (a
+    and goes on as serving does, a -> a + accepted(a) + 1: the token after the accepted drafts is
+    the target's correction, the next block's anchor. Where that position is no anchor this step (a
     sequence with more response positions than max_anchors), the path goes on at the first anchor at
     or after it; past the response's last anchor it ends. So every block after the first is one the
     drafter reaches after a rejection.
@@ -167,9 +169,8 @@ def serving_path(
     first = torch.ones(n, dtype=torch.bool, device=a.device)
     first[1:] = response[1:] != response[:-1]
     on = torch.cat([first, first.new_zeros(1)])  # [A + 1]: the path's starts
-    for _ in range(
-        (n - 1).bit_length() or 1
-    ):  # after r rounds: all within 2^r - 1 jumps (a path has <= n blocks)
+    # after r rounds: all within 2^r - 1 jumps (a path has <= n blocks)
+    for _ in range((n - 1).bit_length() or 1):
         pushed = torch.zeros(n + 1, dtype=torch.int32, device=a.device).index_add_(
             0, jump, on.int()
         )
@@ -209,7 +210,8 @@ class AcceptanceCounts:
         )
 
     def to_tensor(self) -> torch.Tensor:
-        """One float64 vector (for a single all_reduce): [correct (B), valid (B), accepted, blocks]."""
+        """One float64 vector (for a single all_reduce):
+        [correct (B), valid (B), accepted, blocks]."""
         return torch.cat(
             [
                 self.correct,

@@ -56,14 +56,15 @@ def load_target_head(
     head_name = _first_present(LM_HEAD_NAMES, where)
     if head_name is None and not tied:
         raise UserError(
-            f"{target_dir} has no lm_head tensor ({', '.join(LM_HEAD_NAMES)}) and its config does not set "
-            f"tie_word_embeddings; the checkpoint is incomplete."
+            f"{target_dir} has no lm_head tensor ({', '.join(LM_HEAD_NAMES)}) and its config "
+            f"does not set tie_word_embeddings; the checkpoint is incomplete."
         )
     embed = _read(where, embed_name, device, dtype)
     lm_head = embed if head_name is None else _read(where, head_name, device, dtype)
     if embed.shape != lm_head.shape:
         raise UserError(
-            f"{target_dir}: embedding {tuple(embed.shape)} and lm_head {tuple(lm_head.shape)} differ."
+            f"{target_dir}: embedding {tuple(embed.shape)} "
+            f"and lm_head {tuple(lm_head.shape)} differ."
         )
     return TargetHead(embed=embed, lm_head=lm_head, tied=head_name is None)
 

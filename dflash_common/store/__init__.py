@@ -2,7 +2,8 @@
 is the written spec).
 
     store/
-      zarr.json                      root group; attributes = the manifest (+ a `summary`, written last)
+      zarr.json                      root group; attributes = the manifest (+ a `summary`,
+                                     written last)
       shards/zarr.json               group holding the published shards
       shards/<name>/zarr.json        shard group; attributes: token/sequence counts, sample ids
       shards/<name>/input_ids        int32 [T]
@@ -15,13 +16,15 @@ is the written spec).
 
 Writers (many processes at once, no locks) build a shard under `.staging/`, fsync it and publish it
 with one rename to `shards/<name>`; the name comes from the work unit's content, so the first writer
-wins and a rerun skips it. Readers list `shards/`, skip hidden names, and read chosen layers straight
-into caller-provided buffers (dflash_common/store/chunks.py); every chunk is checked against its crc32c.
+wins and a rerun skips it. Readers list `shards/`, skip hidden names, and read chosen layers
+straight into caller-provided buffers (dflash_common/store/chunks.py); every chunk is checked
+against its crc32c.
 
 One module each: `format` (manifest, names, errors, version checks), `chunks` (data files and their
 crc32c), `quant` (the bf16 / fp8_e4m3 / q4_hadamard encodings), `writer` (staging and publishing),
-`reader` (`Store`), `contents` (the shards against the summary and the root manifest: missing shards,
-a hand-edited root), `verify` (checksums, `dflash-store verify` / `info`) and `cli` (`dflash-store`).
+`reader` (`Store`), `contents` (the shards against the summary and the root manifest: missing
+shards, a hand-edited root), `verify` (checksums, `dflash-store verify` / `info`) and `cli`
+(`dflash-store`).
 """
 
 from dflash_common.store.format import (

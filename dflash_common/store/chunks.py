@@ -3,8 +3,8 @@
 Every array of a store shard is a zarr v3 array with *one* shard file (`c/0` for 1-D arrays, `c/0/0`
 for [T, H] arrays) holding inner chunks of `chunk_rows` rows, each encoded as
 `bytes(little endian) -> [zstd | blosc lz4 bitshuffle] -> crc32c`, followed by the shard index
-(n x (offset, nbytes) uint64 little endian, then its own crc32c). That is the layout zarr itself writes
-and reads (tests check both directions), so any zarr v3 reader opens the store.
+(n x (offset, nbytes) uint64 little endian, then its own crc32c). That is the layout zarr itself
+writes and reads (tests check both directions), so any zarr v3 reader opens the store.
 
 zarr creates the metadata (`zarr.json`); the bytes of the data files are written and read here
 because zarr 3.1's sharding path assembles a whole shard in memory on write and decodes into a
@@ -45,7 +45,8 @@ READ_RUN_BYTES = 64 << 20
 
 
 class ChunkError(ValueError):
-    """A data file does not match its metadata or its checksums (the message names file and chunk)."""
+    """A data file does not match its metadata or its checksums (the message names file and
+    chunk)."""
 
 
 def check_codec(codec: str) -> None:
@@ -188,7 +189,8 @@ def parse_layout(meta: dict[str, Any]) -> ArrayLayout:
 def _crc(data: Any, crc: int = 0) -> int:
     """crc32c of any contiguous buffer. The `crc32c` package releases the GIL while it computes
     (google_crc32c does not: a reader thread checksumming 1 MiB pieces held the training loop's
-    thread to 16% of its speed), so reader and writer threads never stall the thread feeding the GPU."""
+    thread to 16% of its speed), so reader and writer threads never stall the thread feeding the
+    GPU."""
     return crc32c.crc32c(data, crc)
 
 
@@ -242,7 +244,8 @@ _scratch = threading.local()  # per-thread buffers: compressed bytes, and a padd
 
 
 def _scratch_buffer(name: str, nbytes: int) -> np.ndarray:
-    """A reusable uint8 buffer of at least nbytes for this thread (fresh pages are slow to fault in)."""
+    """A reusable uint8 buffer of at least nbytes for this thread (fresh pages are slow to fault
+    in)."""
     buf = getattr(_scratch, name, None)
     if buf is None or buf.nbytes < nbytes:
         buf = np.empty(max(nbytes, 1), dtype=np.uint8)
@@ -347,9 +350,8 @@ class ArrayFile:
         """Decode inner chunk i into its rows of `out` (the whole array's buffer, C-contiguous)."""
         start, stop = self.layout.rows(i)
         dest = out[start:stop]
-        full_bytes = (
-            self.layout.chunk_rows * self.layout.row_bytes
-        )  # the last chunk is stored padded
+        # the last chunk is stored padded
+        full_bytes = self.layout.chunk_rows * self.layout.row_bytes
         if self.layout.codec == "none":  # the stored bytes are the values: read them into place
             pad = _scratch_buffer("pad", full_bytes - dest.nbytes)
             self._read_checked(i, [memoryview(dest).cast("B"), memoryview(pad)], fd)
@@ -399,9 +401,8 @@ def _read_index(fd: int, path: Path, layout: ArrayLayout) -> np.ndarray:
         raise ChunkError(f"{path} is too short ({size} bytes) to hold its index")
     raw_size = layout.chunk_rows * layout.row_bytes + CRC_BYTES
     expected = n * (raw_size + INDEX_ENTRY_BYTES) + CRC_BYTES
-    if (
-        layout.codec == "none" and size != expected
-    ):  # uncompressed: the size is known, say what is wrong
+    # uncompressed: the size is known, say what is wrong
+    if layout.codec == "none" and size != expected:
         raise ChunkError(
             f"{path} is {size} bytes, but its array needs {expected} (the file was cut short "
             f"or overwritten)"

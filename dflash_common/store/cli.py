@@ -33,8 +33,8 @@ EXIT_BAD_SHARDS = 1
 
 
 def format_info(info: dict[str, Any]) -> str:
-    """Two sizes, each named: the arrays a read returns (what `dflash-precompute`'s plan projects, in
-    the plan's figures) and the files on disk (incl. shard indexes, checksums and metadata)."""
+    """Two sizes, each named: the arrays a read returns (what `dflash-precompute`'s plan projects,
+    in the plan's figures) and the files on disk (incl. shard indexes, checksums and metadata)."""
     ratio = info["compression_ratio"] if info["codec"] != "none" else None
     per_token = info["bytes_per_token"]
     rows = [
@@ -65,9 +65,8 @@ def format_info(info: dict[str, Any]) -> str:
             "checksums and metadata",
         ),
     ]
-    if (
-        ratio is not None
-    ):  # codec none compresses nothing: its decoded/disk measures only the metadata
+    # codec none compresses nothing: its decoded/disk measures only the metadata
+    if ratio is not None:
         rows.append(
             (
                 "compression ratio",

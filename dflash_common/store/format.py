@@ -19,22 +19,22 @@ from dflash_common.store.chunks import check_codec
 from dflash_common.store.quant import EncodedStates, check_hidden_size
 
 FORMAT_NAME = "dflash-hidden-states"
-# A store carries the lowest version that reads it whole, so a reader that predates a feature refuses
-# exactly the stores that use it: 1 = bf16 / fp8_e4m3 states, 2 = q4_hadamard states (a version-1
-# reader would misread their 9H/16-byte rows). Readers refuse versions they do not know.
+# A store carries the lowest version that reads it whole, so a reader that predates a feature
+# refuses exactly the stores that use it: 1 = bf16 / fp8_e4m3 states, 2 = q4_hadamard states (a
+# version-1 reader would misread their 9H/16-byte rows). Readers refuse versions they do not know.
 FORMAT_VERSION = 2  # the newest version this code writes and reads
 READ_VERSIONS = (1, 2)
 SHARDS_DIR = "shards"
 STAGING_DIR = ".staging"
 STALE_STAGING_S = 24 * 3600  # a shard write takes minutes; a day-old staging dir is a dead writer's
-BUFFER_ALIGN = (
-    4096  # carved arrays start at page offsets of their buffer (DMA- and O_DIRECT-friendly)
-)
+# carved arrays start at page offsets of their buffer (DMA- and O_DIRECT-friendly)
+BUFFER_ALIGN = 4096
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class StoreError(UserError):
-    """A store problem a user can act on; the message is one sentence naming the store and the fix."""
+    """A store problem a user can act on; the message is one sentence naming the store and the
+    fix."""
 
 
 class StoreCorruptError(StoreError):
@@ -69,16 +69,13 @@ class StoreManifest:
     chat_template_sha256: str | None  # fingerprint.chat_template_sha256(...)
     layer_ids: tuple[int, ...]  # outputs of these decoder layers (HF hidden_states[i + 1])
     hidden_size: int
-    dtype: str = (
-        "bf16"  # storage dtype: bf16 | fp8_e4m3 | q4_hadamard (dflash_common/store/quant.py)
-    )
+    # storage dtype: bf16 | fp8_e4m3 | q4_hadamard (dflash_common/store/quant.py)
+    dtype: str = "bf16"
     codec: str = "none"  # none | zstd | blosc-lz4-bitshuffle (dflash_common/store/chunks.py)
-    chunk_tokens: int = (
-        1024  # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
-    )
-    dataset: dict[str, Any] = dataclasses.field(
-        default_factory=dict
-    )  # fingerprint.dataset_fingerprint
+    # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
+    chunk_tokens: int = 1024
+    # fingerprint.dataset_fingerprint
+    dataset: dict[str, Any] = dataclasses.field(default_factory=dict)
     precompute: dict[str, Any] = dataclasses.field(default_factory=dict)  # the precompute config
     # fingerprint.head_fingerprint: the target's embedding/lm_head and drafter-copied config fields;
     # {} in stores written before it was recorded (the trainer then compares `target` as a whole)
@@ -92,9 +89,8 @@ class StoreManifest:
         ids = tuple(int(i) for i in self.layer_ids)
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"layer_ids {list(self.layer_ids)} must be distinct non-negative ids")
-        object.__setattr__(
-            self, "layer_ids", tuple(sorted(ids))
-        )  # a set of layers: one canonical order
+        # a set of layers: one canonical order
+        object.__setattr__(self, "layer_ids", tuple(sorted(ids)))
         if self.hidden_size < 1 or self.chunk_tokens < 1:
             raise ValueError("hidden_size and chunk_tokens must be positive")
         check_hidden_size(self.dtype, self.hidden_size)
@@ -158,9 +154,8 @@ class ShardPayload:
     offsets: Any
     sample_ids: Sequence[str]
     layers: Mapping[int, EncodedStates]
-    final: EncodedStates | None = (
-        None  # the final normed state [T, row]; exactly when the manifest says so
-    )
+    # the final normed state [T, row]; exactly when the manifest says so
+    final: EncodedStates | None = None
 
 
 @dataclasses.dataclass(frozen=True)

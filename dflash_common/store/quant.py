@@ -74,9 +74,8 @@ FP8_ABS_ERROR = 2.0**-10  # half the subnormal step (2^-9), in units of the toke
 Q4_POSITIVE = (0.0529, 0.1597, 0.2696, 0.3849, 0.5085, 0.6446, 0.7990, 0.9815)
 Q4_LEVELS: tuple[float, ...] = tuple(-v for v in reversed(Q4_POSITIVE)) + Q4_POSITIVE  # code 0..15
 Q4_GROUP = 16  # values per scale byte: 1/16 byte of scale per value keeps a row at 9/16 of H bytes
-Q4_LARGEST_GAP = (
-    Q4_POSITIVE[-1] - Q4_POSITIVE[-2]
-)  # 0.1825: twice the worst rounding error, in steps
+# 0.1825: twice the worst rounding error, in steps
+Q4_LARGEST_GAP = Q4_POSITIVE[-1] - Q4_POSITIVE[-2]
 _Q4_ROWS = 1 << 24  # elements per slice of rows encoded or decoded at once: bounds the temporaries
 
 # Bits of the stored payload, per storage dtype (zarr data type names).
@@ -92,9 +91,8 @@ LOGICAL_DTYPE_NAMES = {
 
 _BF16_EXPONENT = 0x7F80  # exponent bits all ones: Inf or NaN
 _FP8_NAN = 0x7F  # e4m3fn has no Inf; S.1111.111 is its only NaN (either sign)
-_CHECK_BLOCK_BYTES = (
-    1 << 19
-)  # NaN scan in blocks that stay in the L2 cache: ~4x faster than whole arrays
+# NaN scan in blocks that stay in the L2 cache: ~4x faster than whole arrays
+_CHECK_BLOCK_BYTES = 1 << 19
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,9 +336,8 @@ def _q4_decode(bits: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) 
     for rows in _row_slices(t, h):
         n = rows.stop - rows.start
         values = pairs[bits[rows, : h // 2].int()].view(n, h // Q4_GROUP, Q4_GROUP)  # [n, H/16, 16]
-        step = (
-            bits[rows, h // 2 :].view(torch.float8_e4m3fn).float() * scale[rows, None]
-        )  # [n, H/16]
+        # [n, H/16]
+        step = bits[rows, h // 2 :].view(torch.float8_e4m3fn).float() * scale[rows, None]
         out[rows] = hadamard_by_matmul((values * step[..., None]).view(n, h))
     return out
 
@@ -352,9 +349,8 @@ def nonfinite_rows(data: np.ndarray, scale: np.ndarray | None, dtype: str) -> np
     """Row (token) indices whose encoded states hold NaN or Inf, judged from the stored bits alone:
     bf16 and fp8 values, q4_hadamard's group scale bytes, and the token scales."""
     check_storage_dtype(dtype)
-    if (
-        dtype == "q4_hadamard"
-    ):  # every 4-bit code is a finite level: only the scale bytes can be NaN
+    # every 4-bit code is a finite level: only the scale bytes can be NaN
+    if dtype == "q4_hadamard":
         data = data[:, data.shape[1] * 8 // 9 :]
     rows = max(1, _CHECK_BLOCK_BYTES // max(1, data[:1].nbytes))
     bad = [

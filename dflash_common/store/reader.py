@@ -101,11 +101,13 @@ class Store:
     def open(cls, path: str | Path, *, read_threads: int = 4) -> Store:
         """Open a store; refuses anything but a dflash store of a format version this code reads,
         and one whose root zarr.json no longer describes its shards (the sentence blames the root).
-        `read_threads` decode chunks in parallel (reads and crc32c overlap; see docs/benchmarks.md)."""
+        `read_threads` decode chunks in parallel (reads and crc32c overlap; see
+        docs/benchmarks.md)."""
         path = Path(path)
         if not path.exists():
             raise StoreError(
-                f"store {path} does not exist; check the path, or run dflash-precompute to write it."
+                f"store {path} does not exist; check the path, "
+                "or run dflash-precompute to write it."
             )
         if not (path / "zarr.json").is_file():
             raise StoreError(
@@ -158,9 +160,8 @@ class Store:
         try:
             attrs = read_json(self.path / SHARDS_DIR / name / "zarr.json")["attributes"]
             t, n, ids = int(attrs["num_tokens"]), int(attrs["num_sequences"]), attrs["sample_ids"]
-            if not (
-                0 < n <= t and isinstance(ids, list) and len(ids) == n
-            ):  # sizes buffers: check first
+            # sizes buffers: check first
+            if not (0 < n <= t and isinstance(ids, list) and len(ids) == n):
                 raise ValueError(
                     f"{n} sequences, {t} tokens and {len(ids)} sample ids do not fit together"
                 )
@@ -180,7 +181,8 @@ class Store:
 
     def _corrupt(self, name: str, why: str) -> StoreCorruptError:
         return StoreCorruptError(
-            f"Shard {name} of store {self.path} is corrupt: {why}; delete {self.path / SHARDS_DIR / name} "
+            f"Shard {name} of store {self.path} is corrupt: {why}; "
+            f"delete {self.path / SHARDS_DIR / name} "
             f"and rerun dflash-precompute to rewrite it.",
             shard=name,
         )
@@ -193,8 +195,9 @@ class Store:
         layer_ids: Sequence[int] | None = None,
         final: bool | None = None,
     ) -> dict[str, BufferSpec]:
-        """The arrays `read_shard` fills, by array name, for the chosen layers and, with `final`, the
-        final normed state (None: with layer_ids None, whatever the store holds) (no array is read)."""
+        """The arrays `read_shard` fills, by array name, for the chosen layers and, with `final`,
+        the final normed state (None: with layer_ids None, whatever the store holds) (no array is
+        read)."""
         info = name_or_info if isinstance(name_or_info, ShardInfo) else self.shard(name_or_info)
         t, n, m = info.num_tokens, info.num_sequences, self.manifest
         specs = {
@@ -252,9 +255,10 @@ class Store:
         final: bool | None = None,
     ) -> ShardData:
         """Read one shard's token arrays, the chosen layers (default: all) and, with `final`, the
-        final normed state (default: when all layers are read and the store has it) into `out` (arrays
-        shaped as `buffer_specs` says, e.g. from `carve_buffers` over pinned memory) or new arrays.
-        Each chunk lands in its buffer directly; a checksum mismatch raises StoreCorruptError."""
+        final normed state (default: when all layers are read and the store has it) into `out`
+        (arrays shaped as `buffer_specs` says, e.g. from `carve_buffers` over pinned memory) or new
+        arrays. Each chunk lands in its buffer directly; a checksum mismatch raises
+        StoreCorruptError."""
         attrs = self._shard_attrs(name)
         specs = self.buffer_specs(self._info(name, attrs), layer_ids, final)
         if out is None:
@@ -345,8 +349,8 @@ def buffers_nbytes(specs: Mapping[str, BufferSpec]) -> int:
 def carve_buffers(
     specs: Mapping[str, BufferSpec], buffer: np.ndarray | torch.Tensor
 ) -> dict[str, np.ndarray]:
-    """Split a flat uint8 buffer (e.g. a slot of a pinned torch tensor) into views for `read_shard`'s
-    `out`; no copy, so the read lands in the caller's memory."""
+    """Split a flat uint8 buffer (e.g. a slot of a pinned torch tensor) into views for
+    `read_shard`'s `out`; no copy, so the read lands in the caller's memory."""
     flat = buffer.numpy() if isinstance(buffer, torch.Tensor) else buffer
     if flat.dtype != np.uint8 or flat.ndim != 1 or flat.nbytes < buffers_nbytes(specs):
         raise ValueError(

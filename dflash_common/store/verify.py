@@ -1,9 +1,9 @@
 """`verify` and `info` of a store: every checksum, every shard's consistency, and the totals.
 
 verify reads every byte of every shard: the index and each chunk of every array are checked against
-their crc32c; the small arrays (token ids, loss mask, offsets, per-token scales) are decoded and checked
-for consistency (offsets rise from 0 to T, masks are 0/1, scales finite); the shard's layer set,
-dtype and array shapes must match the manifest. State chunks are not decompressed: their crc32c
+their crc32c; the small arrays (token ids, loss mask, offsets, per-token scales) are decoded and
+checked for consistency (offsets rise from 0 to T, masks are 0/1, scales finite); the shard's layer
+set, dtype and array shapes must match the manifest. State chunks are not decompressed: their crc32c
 covers the stored bytes, and NaN/Inf were refused when they were written.
 """
 
@@ -64,7 +64,8 @@ def verify_store(store: Store, *, progress: bool = True) -> VerifyReport:
 
 
 def _shard_problem(store: Store, name: str) -> str | None:
-    """What is wrong with one shard, as the one-sentence message of a StoreCorruptError; None if fine."""
+    """What is wrong with one shard, as the one-sentence message of a StoreCorruptError; None if
+    fine."""
     try:
         _verify_shard(store, name)
     except StoreCorruptError as e:
@@ -134,7 +135,8 @@ def store_info(store: Store) -> dict[str, Any]:
     sequences = sum(s.num_sequences for s in shards)
     decoded = sum(spec.nbytes for s in shards for spec in store.buffer_specs(s).values())
     disk = disk_bytes(store.path)
-    # every array but the offsets holds one row per token: states (and fp8 scales), token ids, loss mask
+    # every array but the offsets holds one row per token: states (and fp8 scales), token ids, loss
+    # mask
     per_token = [
         sum(v.nbytes for k, v in store.buffer_specs(s).items() if k != "offsets") // s.num_tokens
         for s in shards[:1]
@@ -153,7 +155,8 @@ def store_info(store: Store) -> dict[str, Any]:
         "shards": len(shards),
         "sequences": sequences,
         "tokens": tokens,
-        # decoded: the arrays a read returns (= the plan's projection); on disk: every published file
+        # decoded: the arrays a read returns (= the plan's projection); on disk: every published
+        # file
         "decoded_bytes": decoded,
         "array_bytes_per_token": per_token[0] if per_token else None,
         "bytes_on_disk": disk,

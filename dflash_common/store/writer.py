@@ -103,8 +103,8 @@ def _staging_owner_dead(entry: os.DirEntry, host: str, now: float) -> bool:
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether `pid` runs. A zombie (killed, not yet reaped: a rank SIGKILLed after its torchrun agent,
-    under a PID 1 that reaps late) is dead, though signal 0 still finds it."""
+    """Whether `pid` runs. A zombie (killed, not yet reaped: a rank SIGKILLed after its torchrun
+    agent, under a PID 1 that reaps late) is dead, though signal 0 still finds it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -116,9 +116,8 @@ def _process_alive(pid: int) -> bool:
             stat = f.read()
     except OSError:  # no /proc here (not Linux), or it just ended
         return True
-    return (
-        stat[stat.rindex(b")") + 2 :][:1] != b"Z"
-    )  # the state follows the parenthesised command name
+    # the state follows the parenthesised command name
+    return stat[stat.rindex(b")") + 2 :][:1] != b"Z"
 
 
 def _host() -> str:
@@ -233,21 +232,22 @@ class StoreWriter:
             fsync_tree(staging)
             published = publish_dir(staging, self.shards_dir / name)
         finally:
-            shutil.rmtree(
-                staging, ignore_errors=True
-            )  # gone after a publish; a failed write's rest
+            # gone after a publish; a failed write's rest
+            shutil.rmtree(staging, ignore_errors=True)
         return WrittenShard(name, attrs["num_tokens"], attrs["num_sequences"], published)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Add `summary` (totals, timings: anything, it is not part of the manifest) to the root
-        attributes with one atomic rewrite. Call it from one process, after all shards are written."""
+        attributes with one atomic rewrite. Call it from one process, after all shards are
+        written."""
         root_meta = self.path / "zarr.json"
         attrs = read_json(root_meta)["attributes"]
         attrs["summary"] = json.loads(json.dumps(dict(summary)))
         atomic_write_bytes(root_meta, group_metadata(attrs))
 
     def _shard_arrays(self, name: str, payload: ShardPayload):
-        """Validate a payload -> ({array name: (data, attrs, dimension names, chunk rows)}, group attrs)."""
+        """Validate a payload -> ({array name: (data, attrs, dimension names, chunk rows)}, group
+        attrs)."""
         m = self.manifest
         input_ids = _numpy(payload.input_ids, "input_ids", np.int32, 1)
         t = len(input_ids)
@@ -328,8 +328,8 @@ class StoreWriter:
             seq = int(np.searchsorted(offsets, bad[0], side="right")) - 1
             raise NonFiniteStatesError(
                 f"Hidden states of sample {sample_ids[seq]} ({what}, token "
-                f"{bad[0] - offsets[seq]}) hold NaN or Inf; nothing of shard {name} was written; check that "
-                f"sample and the target's dtype.",
+                f"{bad[0] - offsets[seq]}) hold NaN or Inf; nothing of shard {name} was written; "
+                f"check that sample and the target's dtype.",
                 sample_id=sample_ids[seq],
             )
         return data, scale

@@ -1,8 +1,8 @@
 """Chat templating and loss masks, checked exactly against masks written by hand.
 
-The tiny tokenizer is byte-level (one token per UTF-8 byte, chat tokens special), so the expected ids
-of a rendered conversation are the concatenation of its pieces, and each piece is marked by hand as
-assistant-generated (1) or not (0)."""
+The tiny tokenizer is byte-level (one token per UTF-8 byte, chat tokens special), so the expected
+ids of a rendered conversation are the concatenation of its pieces, and each piece is marked by hand
+as assistant-generated (1) or not (0)."""
 
 from __future__ import annotations
 
@@ -15,25 +15,32 @@ from transformers import AutoTokenizer
 from dflash_common.chat import ChatMaskError, ChatTemplate, has_generation_markers, mask_from_spans
 
 # A copy of the Qwen3 chat template's assistant logic (no tools): earlier turns lose their thinking,
-# the last turn after the last user query gets a <think> block, enable_thinking=false closes it early.
+# the last turn after the last user query gets a <think> block, enable_thinking=false closes it
+# early.
 QWEN3_LIKE = (
-    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- set ns = namespace(last_query_index=messages|length - 1, found=false) %}"
     "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
-    "{%- if not ns.found and message.role == 'user' %}{%- set ns.found = true %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- if not ns.found and message.role == 'user' %}{%- set ns.found = true %}"
+    "{%- set ns.last_query_index = index %}{%- endif %}"
     "{%- endfor %}"
     "{%- for message in messages %}{%- set content = message.content %}"
     "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}{%- set reasoning = '' %}"
-    "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
     "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}"
     "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
     "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
 
@@ -138,9 +145,8 @@ def test_qwen3_like_template_single_turn_thinking_on_and_off(plain):
     plain = _with_template(plain, QWEN3_LIKE)
     msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
     head = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
-    ids, mask = ChatTemplate(plain).tokenize(
-        msgs
-    )  # thinking on: the empty think block is generated
+    # thinking on: the empty think block is generated
+    ids, mask = ChatTemplate(plain).tokenize(msgs)
     want = expected(plain, [(head, 0), ("<think>\n\n</think>\n\nA<|im_end|>", 1), ("\n", 0)])
     np.testing.assert_array_equal(ids, want[0])
     np.testing.assert_array_equal(mask, want[1])
@@ -159,8 +165,8 @@ def test_qwen3_like_template_multi_turn_strips_earlier_thinking(plain):
         {"role": "assistant", "content": "<think>r2</think>a2"},
     ]
     ids, mask = ChatTemplate(plain).tokenize(msgs)
-    # The first answer renders without its thinking (and differently from when it was the last turn):
-    # the mask covers what the sequence holds, found through its end-of-turn token.
+    # The first answer renders without its thinking (and differently from when it was the last
+    # turn): the mask covers what the sequence holds, found through its end-of-turn token.
     want = expected(
         plain,
         [

@@ -1,4 +1,5 @@
-"""dflash_common/cli.py: progress bars draw only on a terminal; switches appear in the usage line."""
+"""dflash_common/cli.py: progress bars draw only on a terminal; switches appear in the usage
+line."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ _HOLD = (
 
 
 def _holder(directory: Path) -> subprocess.Popen:
-    """Another process holding `directory`'s lock (as another dflash-train or precompute job would)."""
+    """Another process holding `directory`'s lock (as another dflash-train or precompute job
+    would)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _HOLD, str(directory)],
         stdout=subprocess.PIPE,
@@ -81,9 +82,8 @@ def test_the_lock_dies_with_its_killed_holder_and_is_exclusive_within_a_process(
     started = time.monotonic()
     with hold_directory(tmp_path, "run directory", "fix"):
         assert f"pid {os.getpid()} " in (tmp_path / LOCK_FILE).read_text()
-        with pytest.raises(
-            UserError, match=f"pid {os.getpid()} "
-        ):  # a second open file: flock conflicts
+        # a second open file: flock conflicts
+        with pytest.raises(UserError, match=f"pid {os.getpid()} "):
             with hold_directory(tmp_path, "run directory", "fix"):
                 pass
     with hold_directory(tmp_path, "run directory", "fix"):  # released on exit

@@ -37,9 +37,8 @@ def test_top_p_at_the_boundary_keeps_the_crossing_token_and_drops_the_next():
     # just above: the third token crosses top_p and is kept
     torch.testing.assert_close(top_p_filter(probs, 0.76), torch.tensor([[4 / 7, 2 / 7, 1 / 7, 0]]))
     torch.testing.assert_close(top_p_filter(probs, 0.5), torch.tensor([[1.0, 0, 0, 0]]))
-    torch.testing.assert_close(
-        top_p_filter(probs, 0.01), torch.tensor([[1.0, 0, 0, 0]])
-    )  # never empty
+    # never empty
+    torch.testing.assert_close(top_p_filter(probs, 0.01), torch.tensor([[1.0, 0, 0, 0]]))
     assert top_p_filter(probs, 1.0) is probs
 
 

@@ -14,9 +14,9 @@ order of summation only. Correctness (argmax == label) is judged on these float3
 other methods judge the logits rounded to bf16: a near-tie may fall the other way.
 
 Tile shapes are chosen per (C, V, H) by triton.autotune on CUDA, among the configurations below; on
-the CPU (TRITON_INTERPRET=1, the tests) one small shape runs, and the tiles are cast to float32 before
-the dot (the interpreter's bf16 dot is wrong; bf16 x bf16 products are exact in float32, so the
-results are the GPU's up to the order of summation).
+the CPU (TRITON_INTERPRET=1, the tests) one small shape runs, and the tiles are cast to float32
+before the dot (the interpreter's bf16 dot is wrong; bf16 x bf16 products are exact in float32, so
+the results are the GPU's up to the order of summation).
 
 Runs on the CPU under TRITON_INTERPRET=1 (the test suite does so).
 """
@@ -29,8 +29,8 @@ import triton.language as tl
 
 from dflash_common.drafter.loss.hard_triton import LOG2_E, store_odds_outputs
 
-# (BM, BN, BK, warps, stages): Hopper-sized tiles; BN >= MIN_BN so that the per-tile partial sums fit
-# a buffer of cdiv(V, MIN_BN) columns whatever shape the tuner takes.
+# (BM, BN, BK, warps, stages): Hopper-sized tiles; BN >= MIN_BN so that the per-tile partial sums
+# fit a buffer of cdiv(V, MIN_BN) columns whatever shape the tuner takes.
 CONFIGS = [
     triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=3),
     triton.Config({"BM": 128, "BN": 256, "BK": 64}, num_warps=8, num_stages=4),
@@ -99,20 +99,19 @@ def _odds_matmul_kernel(
     b_ptrs = w_ptr + rn[None, :].to(tl.int64) * w_stride + rk[:, None]  # [BK, BN]: a tile of W^T
     acc = tl.zeros((BM, BN), tl.float32)
     for k0 in range(0, K, BK):
-        k_in = (
-            rk < K - k0
-        ) | EVEN_K  # every step whole when BK divides K (hidden sizes do): no K mask
+        # every step whole when BK divides K (hidden sizes do): no K mask
+        k_in = (rk < K - k0) | EVEN_K
         a = tl.load(a_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=col_in[None, :] & k_in[:, None], other=0.0)
-        if (
-            DOT_F32
-        ):  # the interpreter's bf16 dot reads the raw bits as integers; float32 products are exact
+        # the interpreter's bf16 dot reads the raw bits as integers; float32 products are exact
+        if DOT_F32:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)  # [BM, BN] logits, float32
         a_ptrs += BK
         b_ptrs += BK
 
-    # epilogue: the tile's odds against each row's label, their sum, and whether a column beats the label
+    # epilogue: the tile's odds against each row's label, their sum, and whether a column beats the
+    # label
     ref = tl.load(ref_ptr + rm, mask=row_in, other=0.0)
     label = tl.load(labels_ptr + rm, mask=row_in, other=-1)
     diff = acc - ref[:, None]
@@ -127,8 +126,8 @@ def _odds_matmul_kernel(
         tl.store(out, odds.to(odds_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
-# tune_m (the chunk height's power of two) keys the tuning, not M: a batch's last chunk has a height of
-# its own, and tuning again for each would cost more than the shape saves
+# tune_m (the chunk height's power of two) keys the tuning, not M: a batch's last chunk has a height
+# of its own, and tuning again for each would cost more than the shape saves
 _odds_matmul_tuned = triton.autotune(configs=CONFIGS, key=["tune_m", "N", "K"])(
     triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BK"] == 0})(_odds_matmul_kernel)
 )
@@ -206,10 +205,10 @@ def odds_matmul(
     log_limit: float,
     index: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """h [C, H] (rows contiguous), weight [V, H], labels [C] in 0..V-1, weights [C] float32: the same
-    results as hard_triton.label_odds_rows on the logits h @ W^T, into out = (loss, correct, scale,
-    label_coef, ok) at rows `index` (or 0..C-1). Returns the odds [C, V] in the weight's dtype (0 at
-    each label) when compute_grad, else None (nothing [C, V] is stored)."""
+    """h [C, H] (rows contiguous), weight [V, H], labels [C] in 0..V-1, weights [C] float32: the
+    same results as hard_triton.label_odds_rows on the logits h @ W^T, into out = (loss, correct,
+    scale, label_coef, ok) at rows `index` (or 0..C-1). Returns the odds [C, V] in the weight's
+    dtype (0 at each label) when compute_grad, else None (nothing [C, V] is stored)."""
     c, k = h.shape
     v = weight.shape[0]
     if c == 0:
@@ -218,9 +217,8 @@ def odds_matmul(
         raise ValueError("hidden and lm_head rows must be contiguous")
     labels = labels.contiguous()
     ref = label_logits(h, weight, labels)
-    odds = (
-        torch.empty(c, v, dtype=weight.dtype, device=h.device) if compute_grad else ref
-    )  # ref: an unused pointer
+    # ref: an unused pointer
+    odds = torch.empty(c, v, dtype=weight.dtype, device=h.device) if compute_grad else ref
     part_stride = triton.cdiv(v, MIN_BN)
     t_part = torch.empty(c, part_stride, dtype=torch.float32, device=h.device)
     beat_part = torch.empty(c, part_stride, dtype=torch.int8, device=h.device)

@@ -59,12 +59,10 @@ def _weighted_ce_rows_kernel(
     for tile in range(0, n_tiles):
         cols = (n_tiles - 1 - tile) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        above = (
-            x >= m_lane
-        )  # not strict: walking backwards, a lane ends on the first column of its max
-        e = tl.exp2(
-            -tl.abs(x - m_lane) * LOG2_E
-        )  # one exp per value: exp(m - x) if above, else exp(x - m)
+        # not strict: walking backwards, a lane ends on the first column of its max
+        above = x >= m_lane
+        # one exp per value: exp(m - x) if above, else exp(x - m)
+        e = tl.exp2(-tl.abs(x - m_lane) * LOG2_E)
         s_lane = tl.where(above, s_lane * e + 1.0, s_lane + e)
         i_lane = tl.where(above, cols, i_lane)
         m_lane = tl.maximum(m_lane, x)
@@ -99,7 +97,8 @@ def weighted_ce_rows(
     (weighted loss per row [C] float32, argmax == label [C] bool); with compute_grad, logits is
     overwritten by the gradient of the summed weighted loss with respect to it. loss_out /
     correct_out ([C] float32 / [C] bool, contiguous) receive the results in place of new tensors.
-    block / num_warps: the launch shape (columns per step, warps), by default MAX_BLOCK / NUM_WARPS."""
+    block / num_warps: the launch shape (columns per step, warps),
+    by default MAX_BLOCK / NUM_WARPS."""
     c, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("logits rows must be contiguous")
@@ -130,20 +129,20 @@ def weighted_ce_rows(
     return loss, correct
 
 
-# ---- the label-odds method (hard.py): one pass over each row, the softmax taken against the label ----
+# ---- the label-odds method (hard.py): one pass over each row, the softmax taken against the label
 
 
 @triton.jit
 def odds_outputs(t, beat, weight, log_limit):
     """A row's results from t = sum over v != label of exp(x_v - x_label) and `beat` (some column
     beats the label: a larger logit, or an equal one at a lower index):
-    (w * CE, correct, scale a = w / (1 + t), label coefficient b = -w * t / (1 + t), ok = log t < log_limit).
+    (w * CE, correct, scale a = w / (1 + t), label coefficient b = -w * t / (1 + t),
+    ok = log t < log_limit).
     CE = log(1 + t) without cancellation for small t (the label almost certain): u - 1 is exact."""
     u = 1.0 + t
     ce = tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0)))
-    ok = (
-        tl.log(t) < log_limit
-    )  # False for inf and NaN: such rows are recomputed exactly (t = 0: -inf, ok)
+    # False for inf and NaN: such rows are recomputed exactly (t = 0: -inf, ok)
+    ok = tl.log(t) < log_limit
     return ce * weight, beat == 0, weight / u, -weight * (t / u), ok
 
 
@@ -181,9 +180,8 @@ def _label_odds_rows_kernel(
     row_ptr = logits_ptr + row * logits_row_stride
     label = tl.load(labels_ptr + row)
     weight = tl.load(weights_ptr + row).to(tl.float32)
-    ref = tl.load(row_ptr + label).to(
-        tl.float32
-    )  # the label's logit, read before it is overwritten
+    # the label's logit, read before it is overwritten
+    ref = tl.load(row_ptr + label).to(tl.float32)
     n_tiles = tl.cdiv(n_cols, BLOCK)
 
     # one pass, from the row's end (where the logits matmul wrote last and L2 still holds it): each
@@ -195,16 +193,14 @@ def _label_odds_rows_kernel(
         cols = (n_tiles - 1 - tile) * BLOCK + tl.arange(0, BLOCK)
         in_row = cols < n_cols
         x = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        odds = tl.where(
-            cols == label, 0.0, tl.exp2((x - ref) * LOG2_E)
-        )  # 0 past the row's end (x = -inf)
+        # 0 past the row's end (x = -inf)
+        odds = tl.where(cols == label, 0.0, tl.exp2((x - ref) * LOG2_E))
         t_lane += odds
         beat_lane = beat_lane | ((x > ref) | ((x == ref) & (cols < label))).to(tl.int32)
         if COMPUTE_GRAD:
             tl.store(row_ptr + cols, odds.to(logits_ptr.dtype.element_ty), mask=in_row)
-    out = (
-        tl.load(index_ptr + row) if HAS_INDEX else row
-    )  # results straight into their rows of the batch
+    # results straight into their rows of the batch
+    out = tl.load(index_ptr + row) if HAS_INDEX else row
     store_odds_outputs(
         tl.sum(t_lane, axis=0),
         tl.max(beat_lane, axis=0),
@@ -232,8 +228,8 @@ def label_odds_rows(
     """logits [C, V] (rows contiguous), labels [C] in 0..V-1, weights [C] float32. Per row, into
     out = (loss, correct, scale, label_coef, ok) ([N] float32, bool, float32, float32, bool) at rows
     `index` [C] (or rows 0..C-1 when None): see odds_outputs (log_limit: hard.ODDS_LOG_LIMIT). With
-    compute_grad, logits is overwritten by the odds exp(x - x_label), 0 at the label (the gradient is
-    scale * odds @ W + label_coef * W[label]: hard.py). block: columns per step, by default as
+    compute_grad, logits is overwritten by the odds exp(x - x_label), 0 at the label (the gradient
+    is scale * odds @ W + label_coef * W[label]: hard.py). block: columns per step, by default as
     weighted_ce_rows."""
     c, v = logits.shape
     if logits.stride(1) != 1:

@@ -28,9 +28,9 @@ returns the weighted sum as one scalar, so the backward only scales by the incom
 Cost against DFlash's hard loss (hard.py, 4NVH): the bias adds 6NVr (its logits and the embedding's
 gradient ride in the two matmuls of the lm_head, widened from H to H + r; W2's gradient is one more
 matmul, the only extra pass over a [c, V] chunk): +6r/(4H), +9.4% at r = 256 and H = 4096; the
-weights cost a few [n, B] ops a chunk. DSpark's rows are all predictions (DFlash drops row 0: B-1
-of B). Memory: the [N, H] and [N, r] stored gradients, W2's float32 gradient [V, r], the lm_head beside W2
-([V, H + r], one copy a call), one logits chunk (two with a soft kind).
+weights cost a few [n, B] ops a chunk. DSpark's rows are all predictions (DFlash drops row 0: B-1 of
+B). Memory: the [N, H] and [N, r] stored gradients, W2's float32 gradient [V, r], the lm_head beside
+W2 ([V, H + r], one copy a call), one logits chunk (two with a soft kind).
 
 Backends as hard.py's and soft.py's ('auto', 'triton', 'torch'); the hard rows use the exact method.
 """

@@ -1,5 +1,6 @@
 """Soft targets: the drafter's distribution matched to the target's, through the frozen lm_head, in
-row chunks that never materialise [N, V] logits (the soft twin of hard.py; same design and backends).
+row chunks that never materialise [N, V] logits (the soft twin of hard.py; same design and
+backends).
 
     soft_lm_head_loss(hidden [N, H], lm_head [V, H], labels int64 [N], weights [N],
                       teacher [M, H], teacher_index [N], kind, temperature)
@@ -16,8 +17,8 @@ scales row i of the stored gradient by the gradient arriving at rows[i].
 The target's distribution for row i comes from its final (normed) hidden state
 `teacher[teacher_index[i]]` (precompute's `store.final_state`) through the same lm_head:
 q = softmax(teacher_row @ W^T / T), p = softmax(hidden_row @ W^T / T), T = `temperature`. For a
-block row at anchor a, position k (predicting token a + k) the teacher row is a + k - 1: the target's
-final state there is what its lm_head turns into its prediction of token a + k.
+block row at anchor a, position k (predicting token a + k) the teacher row is a + k - 1: the
+target's final state there is what its lm_head turns into its prediction of token a + k.
 
 Kinds (per row, before the row weight):
 - 'ce':     CE(hidden_row @ W^T, label) (temperature-free), with labels that may be TARGET_ARGMAX
@@ -61,7 +62,8 @@ def soft_kind(soft: str) -> SoftKind:
 
 def teacher_rows(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[A, B] packed positions of the final states that give the target's distribution of each block
-    row: a + k - 1 for the token at a + k (k = 0 is never a prediction; clamped to stay in range)."""
+    row: a + k - 1 for the token at a + k (k = 0 is never a prediction; clamped to stay in
+    range)."""
     k = torch.arange(block_size, device=anchors.device)
     return (anchors[:, None] + k - 1).clamp(min=0)
 
@@ -70,7 +72,8 @@ def greedy_prompt_labels(
     labels: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor
 ) -> torch.Tensor:
     """labels [A, B] (from block_labels with every position valid) -> the same, with every label
-    outside the loss mask (prompt tokens) replaced by TARGET_ARGMAX: the target's own greedy token."""
+    outside the loss mask (prompt tokens) replaced by TARGET_ARGMAX: the target's own greedy
+    token."""
     k = torch.arange(labels.shape[1], device=labels.device)
     pos = (anchors[:, None] + k).clamp(max=loss_mask.shape[0] - 1)  # [A, B]
     prompt = (labels != IGNORE_INDEX) & ~loss_mask[pos]
@@ -112,7 +115,8 @@ def soft_lm_head_loss(
 
 
 class _SoftSpec:
-    """What the chunks compute: kind, temperature, backend, chunk budget (one object through autograd)."""
+    """What the chunks compute: kind, temperature, backend, chunk budget (one object through
+    autograd)."""
 
     def __init__(self, kind: str, temperature: float, backend: str, chunk_bytes: int | None):
         self.kind, self.temperature, self.backend, self.chunk_bytes = (
@@ -130,9 +134,8 @@ class _SoftLoss(torch.autograd.Function):
         rows, correct, ce, grad = _chunked_soft_loss(
             hidden, weight, labels, weights, teacher, teacher_index, spec, need_grad=True
         )
-        ctx.grad_hidden = (
-            grad  # [N, H]: row i is d rows[i] / d hidden[i] (no other row depends on it)
-        )
+        # [N, H]: row i is d rows[i] / d hidden[i] (no other row depends on it)
+        ctx.grad_hidden = grad
         ctx.mark_non_differentiable(correct, ce)
         return rows, correct, ce
 
@@ -167,12 +170,10 @@ def _chunked_soft_loss(
     step = soft_chunk_rows(n, hidden, weight, spec.backend, spec.chunk_bytes)
     for r0 in range(0, kept.numel(), step):
         rows = kept[r0 : r0 + step]
-        logits = (
-            hidden[rows].to(weight.dtype) @ weight.T
-        )  # [c, V]; becomes d loss / d logits in place
-        target = (
-            teacher[teacher_index[rows]].to(weight.dtype) @ weight.T
-        )  # [c, V], the target's logits
+        # [c, V]; becomes d loss / d logits in place
+        logits = hidden[rows].to(weight.dtype) @ weight.T
+        # [c, V], the target's logits
+        target = teacher[teacher_index[rows]].to(weight.dtype) @ weight.T
         row_loss, row_correct, row_ce = _soft_rows(
             spec, logits, target, labels[rows], weights[rows].float(), need_grad
         )

@@ -101,9 +101,8 @@ def _soft_rows_kernel(
     best = tl.min(tl.where(m1 == tl.max(m1, axis=0), i1, n_cols), axis=0)
     best_q = tl.min(tl.where(mq == tl.max(mq, axis=0), iq, n_cols), axis=0)
     label = tl.load(labels_ptr + row)
-    label = tl.where(
-        label == -1, best_q, label
-    )  # -1 = soft.TARGET_ARGMAX: the target's greedy token
+    # -1 = soft.TARGET_ARGMAX: the target's greedy token
+    label = tl.where(label == -1, best_q, label)
     ce = lse1 - tl.load(x_ptr + label).to(tl.float32)
     loss = a_ce * ce
     tl.store(correct_ptr + row, (best == label).to(tl.int8))

@@ -25,7 +25,8 @@ def engine_visible(layer_type, q_pos, k_pos, window):
     """[b, L] which keys a block query sees, by the serving engines' rule, written from their code:
     vLLM 0.32 `_dflash_layer_causal` (no is_causal/dflash_config.causal: causal iff the layer is
     sliding_attention) with `per_layer_sliding_window` (q - k < window), SGLang (full_attention is
-    ENCODER_ONLY attention, sliding_attention is DECODER attention with window_left = window - 1)."""
+    ENCODER_ONLY attention, sliding_attention is DECODER attention with
+    window_left = window - 1)."""
     seen = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)  # ENCODER_ONLY: everything given
     if layer_type == "sliding_attention":
         for i, q in enumerate(q_pos.tolist()):
@@ -105,9 +106,10 @@ LAYER_TYPES = {
     ],
 )
 def test_training_forward_matches_dense_reference(tiny_target, path, types, monkeypatch):
-    """Every attention path of the training forward: the CPU's chunked dense attention (with and without
-    a gradient, and with one query row per chunk), and the flex path the GPU runs (eager flex_attention;
-    with a gradient, its mask_mod densified), against the rule written another way."""
+    """Every attention path of the training forward: the CPU's chunked dense attention (with and
+    without a gradient, and with one query row per chunk), and the flex path the GPU runs (eager
+    flex_attention; with a gradient, its mask_mod densified), against the rule written another
+    way."""
     import dflash_common.drafter.attention as attention
 
     window = 5 if "sliding_attention" in LAYER_TYPES[types] else None
@@ -135,7 +137,8 @@ def test_training_forward_matches_dense_reference(tiny_target, path, types, monk
 @pytest.mark.parametrize("types", sorted(LAYER_TYPES))
 def test_spec_decode_drafting_matches_the_engine_rule(tiny_target, types):
     """The drafting path (KV-cached context, one block at a time) against the engines' rule, written
-    another way, on blocks near a sequence's start and far enough for the window to cut the context."""
+    another way, on blocks near a sequence's start and far enough for the window to cut the
+    context."""
     window = 5 if "sliding_attention" in LAYER_TYPES[types] else None
     cfg = tiny_config(tiny_target, layer_types=LAYER_TYPES[types], sliding_window=window)
     drafter = tiny_drafter(cfg)
@@ -255,17 +258,16 @@ def test_block_tables_equal_create_block_mask(window, causal, tile):
         for row, count in enumerate(n.flatten().tolist()):
             assert torch.equal(ia[0, 0, row, :count], ib[0, 0, row, :count])
     assert ref.kv_num_blocks.sum() > 0
-    if (
-        tile == 4 and window in (None, 5) and not causal
-    ):  # whole own-block tiles: the full-tile path is exercised
+    # whole own-block tiles: the full-tile path is exercised
+    if tile == 4 and window in (None, 5) and not causal:
         assert ref.full_kv_num_blocks.sum() > 0
 
 
 @pytest.mark.gpu
 def test_compiled_flex_on_the_gpu_matches_the_dense_reference(tiny_target):
-    """Blocks and gradients: the compiled flex kernel's backward against the hand-written reference's,
-    every gradient finite (the padding rows of the last query tile see no key: a kernel option that
-    drops the guard for such rows once made every gradient NaN)."""
+    """Blocks and gradients: the compiled flex kernel's backward against the hand-written
+    reference's, every gradient finite (the padding rows of the last query tile see no key: a kernel
+    option that drops the guard for such rows makes every gradient NaN)."""
     cfg = tiny_config(tiny_target)
     drafter = tiny_drafter(cfg)
     context, input_ids, cu = packed_batch(cfg)

@@ -84,14 +84,14 @@ def test_config_json_carries_the_pitfall_fields(drafter, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["block_size"] == 4 and config["num_target_layers"] == 8  # top-level
-    # sliding layer 0 causal, full layer 1 bidirectional: no global key, the layer_types rule says it
+    # sliding layer 0 causal, full layer 1 bidirectional: no global key, the layer_types rule says
+    # it
     assert config["dflash_config"] == {
         "mask_token_id": TINY_MASK_ID,
         "target_layer_ids": [1, 2, 3, 4, 5],
     }
-    assert (
-        config["rope_theta"] == 10000.0 and "rope_scaling" in config
-    )  # written by hand, top-level
+    # written by hand, top-level
+    assert config["rope_theta"] == 10000.0 and "rope_scaling" in config
     assert (
         config["num_hidden_layers"] == 2
         and config["vocab_size"] == 320
@@ -129,7 +129,8 @@ def test_newest_complete_step_is_exported(drafter, tmp_path):
         resolve_drafter_dir(run / "step-30")
     with pytest.raises(UserError, match="no complete checkpoint"):
         resolve_drafter_dir(_checkpoint(tmp_path / "run2", 1, drafter, complete=False).parent)
-    # a run with its final drafter/ beside the steps: steps still decide; alone, the final one serves
+    # a run with its final drafter/ beside the steps: steps still decide; alone, the final one
+    # serves
     save_drafter(newer, run / "drafter")
     assert resolve_drafter_dir(run) == run / "step-12" / "drafter"
     final_only = tmp_path / "run3"

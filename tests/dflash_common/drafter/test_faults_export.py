@@ -85,9 +85,8 @@ def test_a_missing_or_cut_weights_file_is_one_sentence_with_the_fix(
         and len(err.strip().splitlines()) == 1
         and "dflash-export RUN_DIR" in err
     )
-    with pytest.raises(
-        Exception, match="dflash-export RUN_DIR"
-    ) as info:  # the loader dflash-eval uses
+    # the loader dflash-eval uses
+    with pytest.raises(Exception, match="dflash-export RUN_DIR") as info:
         load_drafter(out)
     assert type(info.value).__name__ == "UserError"
 
@@ -124,25 +123,22 @@ def test_a_hand_edited_config_is_refused_naming_the_key(tiny_target, tmp_path, c
         config = json.loads((directory / "config.json").read_text())
         change(config)
         (directory / "config.json").write_text(json.dumps(config))
-    for source in (
-        run,
-        run / "step-1",
-        run / "drafter",
-    ):  # dflash-export of a run, a step, a drafter
+    # dflash-export of a run, a step, a drafter
+    for source in (run, run / "step-1", run / "drafter"):
         err = _refused([str(source), str(tmp_path / "out")], capsys)
         assert len(err.strip().splitlines()) == 1 and says in err, err
         assert "export the drafter again from its run" in err and "'hidden_size'" not in err
         assert not (tmp_path / "out").exists()
-    with pytest.raises(
-        Exception, match=re.escape(says)
-    ) as info:  # the loader dflash-eval and resume use
+    # the loader dflash-eval and resume use
+    with pytest.raises(Exception, match=re.escape(says)) as info:
         load_drafter(run / "drafter")
     assert type(info.value).__name__ == "UserError"
     assert any(says in f.message for f in serving.errors(serving.lint_drafter_dir(run / "drafter")))
 
 
 def test_a_config_without_a_record_names_a_missing_key_in_a_sentence(drafter, tmp_path):
-    """A drafter whose weights were saved by another tool (no record): a missing key is still named."""
+    """A drafter whose weights were saved by another tool (no record): a missing key is still
+    named."""
     from safetensors.torch import load_file, save_file
 
     out = save_drafter(drafter, tmp_path / "d")

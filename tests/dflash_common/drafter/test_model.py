@@ -76,9 +76,8 @@ def test_drafting_with_the_cache_equals_the_training_forward(tiny_target):
         first = drafter.draft(cache, seq_ctx[:2], torch.tensor([int(seq_ids[2])] + mask))
         assert cache.length == 2  # the block's keys/values were not kept
         torch.testing.assert_close(first, want[0], rtol=1e-4, atol=1e-4)
-        drafter.draft(
-            cache, seq_ctx[2:7], torch.tensor([int(seq_ids[7])] + mask)
-        )  # a rejected draft
+        # a rejected draft
+        drafter.draft(cache, seq_ctx[2:7], torch.tensor([int(seq_ids[7])] + mask))
         second = drafter.draft(cache, seq_ctx[7:12], torch.tensor([int(seq_ids[12])] + mask))
         assert cache.length == 12
         torch.testing.assert_close(second, want[1], rtol=1e-4, atol=1e-4)
@@ -127,9 +126,10 @@ def _forward_and_grads(drafter, batch):
 
 
 def test_compiled_regions_give_the_eager_forward_and_gradients(tiny_target):
-    """precision.compile's regions (queries, context keys/values, norms, MLP: drafter.compile_regions),
-    compiled by inductor on the CPU: the same blocks and gradients as eager, over two batch shapes (the
-    second through the dynamic graphs); weight names and the state dict unchanged."""
+    """precision.compile's regions (queries, context keys/values, norms, MLP:
+    drafter.compile_regions), compiled by inductor on the CPU: the same blocks and gradients as
+    eager, over two batch shapes (the second through the dynamic graphs); weight names and the state
+    dict unchanged."""
     import torch._dynamo
 
     cfg = tiny_config(tiny_target)

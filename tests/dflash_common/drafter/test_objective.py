@@ -1,4 +1,5 @@
-"""Anchors, labels, gamma weights and the tau estimate against the BRIEF's facts, by hand-made cases."""
+"""Anchors, labels, gamma weights and the tau estimate against the BRIEF's facts, by hand-made
+cases."""
 
 from __future__ import annotations
 
@@ -121,12 +122,10 @@ def test_rule_label_makes_the_last_response_tokens_anchors_and_rule_block_never(
     for seed in range(10):
         block = sample_anchors(LOSS_MASK, CU, 4, 50, torch.Generator().manual_seed(seed), "block")
         label = sample_anchors(LOSS_MASK, CU, 4, 50, torch.Generator().manual_seed(seed), "label")
-        assert label.tolist() == [2, 3, 4, 5, 6] + list(
-            range(11, 29)
-        )  # 29 is last: no label to predict
-        assert block.tolist() == [2, 3, 4, 5, 6] + list(
-            range(11, 27)
-        )  # 27, 28 never: no whole block
+        # 29 is last: no label to predict
+        assert label.tolist() == [2, 3, 4, 5, 6] + list(range(11, 29))
+        # 27, 28 never: no whole block
+        assert block.tolist() == [2, 3, 4, 5, 6] + list(range(11, 27))
     labels, weights = block_labels(
         torch.arange(30), LOSS_MASK, CU, torch.tensor([28]), block_size=4
     )
@@ -180,9 +179,8 @@ def test_dpace_weights_equal_the_formula_written_out(alpha):
     want = torch.tensor(_dpace_loop(ce.tolist(), valid.tolist(), alpha))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got[~valid].eq(0).all() and got.dtype == torch.float32
-    if (
-        alpha == 1.0
-    ):  # every factor 1: w_k = valid positions from k on (a linear, not exponential, decay)
+    # every factor 1: w_k = valid positions from k on (a linear, not exponential, decay)
+    if alpha == 1.0:
         torch.testing.assert_close(got[valid], valid.flip(1).cumsum(1).flip(1).float()[valid])
 
 

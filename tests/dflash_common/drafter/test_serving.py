@@ -88,9 +88,8 @@ def test_an_old_bidirectional_sliding_drafter_is_refused_and_nothing_written(tin
     )
     import dataclasses
 
-    old = dataclasses.replace(
-        cfg, sliding_causal=False
-    )  # trained bidirectionally: SGLang reads it causal
+    # trained bidirectionally: SGLang reads it causal
+    old = dataclasses.replace(cfg, sliding_causal=False)
     src = save_drafter(tiny_drafter(old), tmp_path / "old", torch.float32)
     with pytest.raises(UserError, match="sglang: would run the block's attention with causal"):
         export(src, tmp_path / "out")

@@ -1,5 +1,5 @@
-"""Storage encodings: bf16 bit-exact, fp8 e4m3 and q4_hadamard within their documented bounds, NaN/Inf
-seen in the bits."""
+"""Storage encodings: bf16 bit-exact, fp8 e4m3 and q4_hadamard within their documented bounds,
+NaN/Inf seen in the bits."""
 
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ def _states(t=300, h=96, seed=0):
     x = torch.randn(t, h, generator=g)
     x[:, 7] *= 300  # massive activation: the rest of the row sits far below amax
     x[5] = 0  # an all-zero token
-    x[9, :10] = torch.tensor(
-        [1e-8, -1e-7, 3e-5, 0.0, 1e-3, -2e-4, 5e-6, 1.0, -1.0, 2.0]
-    )  # subnormal range
+    # subnormal range
+    x[9, :10] = torch.tensor([1e-8, -1e-7, 3e-5, 0.0, 1e-3, -2e-4, 5e-6, 1.0, -1.0, 2.0])
     return x.to(torch.bfloat16)
 
 
@@ -116,8 +115,8 @@ def test_nonfinite_scan_matches_torch_on_random_bit_patterns(dtype):
 
 
 def test_a_nan_group_scale_byte_is_found_and_codes_never_count():
-    """A q4 row's 4-bit codes are all finite levels (every byte value is valid there); only its group
-    scale bytes can hold the e4m3 NaN."""
+    """A q4 row's 4-bit codes are all finite levels (every byte value is valid there); only its
+    group scale bytes can hold the e4m3 NaN."""
     enc = encode_states(torch.randn(6, 64), "q4_hadamard")
     data, scale = enc.data.numpy().copy(), enc.scale.numpy()
     data[:, :32] = 0xFF  # code bytes: levels 15 and 15, not a NaN
@@ -134,8 +133,8 @@ def _sylvester64(n: int) -> torch.Tensor:
 
 
 def _rotate64(x: torch.Tensor) -> torch.Tensor:
-    """R x in float64 from the spec's words: a Sylvester Hadamard / sqrt(B) on each block of B values,
-    B the largest power of two dividing H."""
+    """R x in float64 from the spec's words: a Sylvester Hadamard / sqrt(B) on each block of B
+    values, B the largest power of two dividing H."""
     h = x.shape[1]
     block = h & -h
     return (x.double().reshape(-1, block) @ _sylvester64(block).T).reshape(x.shape)
@@ -173,9 +172,8 @@ def test_q4_round_trip_within_the_stated_bound(h):
     bound = Q4_GROUP**0.5 * Q4_LARGEST_GAP / 2 * d_up
     assert (err <= bound * (1 + 1e-5) + 1e-9).all(), (err / bound.clamp_min(1e-30)).max()
     assert (err / bound.clamp_min(1e-30)).max() > 0.3  # not vacuous
-    assert (
-        torch.equal(back[5], torch.zeros_like(back[5])) and enc.scale[5] == 0
-    )  # the all-zero token
+    # the all-zero token
+    assert torch.equal(back[5], torch.zeros_like(back[5])) and enc.scale[5] == 0
     gauss = torch.randn(300, h, generator=torch.Generator().manual_seed(1))
     enc = encode_states(gauss, "q4_hadamard")
     back = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
@@ -190,9 +188,8 @@ def test_q4_decoding_follows_the_spec_for_every_code():
     t, h = 20, 96
     codes = torch.randint(0, 16, (t, h), generator=g)
     codes[0, :16] = torch.arange(16)
-    gscale = torch.randint(0, 0x7F, (t, h // Q4_GROUP), generator=g).to(
-        torch.uint8
-    )  # every non-NaN code
+    # every non-NaN code
+    gscale = torch.randint(0, 0x7F, (t, h // Q4_GROUP), generator=g).to(torch.uint8)
     scale = torch.rand(t, generator=g) * 3
     data = torch.cat([(codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8), gscale], dim=1)
     got = decode_states(data, scale, "q4_hadamard", out_dtype=torch.float32)
@@ -259,7 +256,8 @@ def test_encoding_on_the_gpu_matches_the_cpu(dtype, h):
     gpu = encode_states(x.cuda(), dtype)
     diff = (gpu.data.cpu() != cpu.data).nonzero()
     assert diff.numel() == 0, (
-        f"{len(diff)} codes differ, e.g. at {diff[:3].tolist()}: gpu {gpu.data.cpu()[tuple(diff[0])]}, "
+        f"{len(diff)} codes differ, e.g. at {diff[:3].tolist()}: "
+        f"gpu {gpu.data.cpu()[tuple(diff[0])]}, "
         f"cpu {cpu.data[tuple(diff[0])]}, x {x[tuple(diff[0])].item()!r}, "
         f"scale gpu {gpu.scale.cpu()[diff[0, 0]].item() if gpu.scale is not None else None!r} "
         f"cpu {cpu.scale[diff[0, 0]].item() if cpu.scale is not None else None!r}"

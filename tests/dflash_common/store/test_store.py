@@ -1,4 +1,5 @@
-"""The store on real zarr v3 directories: round trips, subset reads, refusals, corruption, publishing."""
+"""The store on real zarr v3 directories: round trips, subset reads, refusals, corruption,
+publishing."""
 
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ def test_fp8_round_trip_within_the_bound(tmp_path, codec):
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_q4_round_trip_decodes_what_was_encoded(tmp_path, codec):
-    """The store keeps q4_hadamard's rows and scales exactly: a read decodes to the bits the encoder's
-    own output decodes to, and the error stays 4-bit sized. The store is format version 2."""
+    """The store keeps q4_hadamard's rows and scales exactly: a read decodes to the bits the
+    encoder's own output decodes to, and the error stays 4-bit sized. The store is format version
+    2."""
     m = manifest("q4_hadamard", codec)
     assert m.format_version == 2 and manifest("fp8_e4m3").format_version == 1
     p, states = payload(4, T, m)
@@ -76,9 +78,8 @@ def test_q4_round_trip_decodes_what_was_encoded(tmp_path, codec):
         d = store.read_shard("u4")
         for layer_id, x in states.items():
             enc = p.layers[layer_id]
-            assert (
-                d.layers[layer_id].shape == (T, 36) and d.layers[layer_id].dtype == np.uint8
-            )  # 9H/16
+            # 9H/16
+            assert d.layers[layer_id].shape == (T, 36) and d.layers[layer_id].dtype == np.uint8
             want = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
             got = d.states(layer_id, out_dtype=torch.float32)
             assert torch.equal(got, want)
@@ -139,9 +140,8 @@ def test_reads_land_in_caller_buffers(tmp_path):
         )
         assert np.array_equal(d.layers[3], p.layers[3].data.numpy())
         base = slab[4096:].data_ptr()
-        assert all(
-            (v.ctypes.data - base) % 4096 == 0 for v in views.values()
-        )  # page-aligned offsets
+        # page-aligned offsets
+        assert all((v.ctypes.data - base) % 4096 == 0 for v in views.values())
         with pytest.raises(ValueError, match="layer_3"):
             store.read_shard("u4", [3], out={**views, "layer_3": np.empty((T, 7), np.uint16)})
 
@@ -149,9 +149,8 @@ def test_reads_land_in_caller_buffers(tmp_path):
 def test_listing_counts_and_skips_hidden_names(tmp_path):
     m = manifest()
     w = write_units(tmp_path / "s", m, [0, 1, 2], 100)
-    os.makedirs(
-        tmp_path / "s/shards/.u9-partial/layer_1"
-    )  # what a foreign or killed writer could leave
+    # what a foreign or killed writer could leave
+    os.makedirs(tmp_path / "s/shards/.u9-partial/layer_1")
     os.makedirs(tmp_path / "s/.staging/u5~host~1~abcd/layer_1")
     with Store.open(tmp_path / "s") as store:
         assert [s.name for s in store.shards] == [unit_name(u) for u in range(3)]
@@ -207,9 +206,8 @@ def test_a_reader_of_version_1_only_refuses_a_q4_store(tmp_path, monkeypatch):
         Store.open(tmp_path / "s")
     monkeypatch.undo()
     meta = json.loads((tmp_path / "s/zarr.json").read_text())
-    meta["attributes"]["format_version"] = (
-        1  # a manifest claiming version 1 with q4 states is malformed
-    )
+    # a manifest claiming version 1 with q4 states is malformed
+    meta["attributes"]["format_version"] = 1
     (tmp_path / "s/zarr.json").write_text(json.dumps(meta))
     with pytest.raises(
         StoreError, match="malformed manifest.*format version 1 has no q4_hadamard states"
@@ -255,9 +253,8 @@ def _flip_byte(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize(
-    "codec,where", [("none", 1000), ("zstd", 5), ("none", -10)]
-)  # -10: in the index
+# -10: in the index
+@pytest.mark.parametrize("codec,where", [("none", 1000), ("zstd", 5), ("none", -10)])
 def test_a_flipped_byte_is_found_by_verify_and_by_reads(tmp_path, codec, where):
     m = manifest("bf16", codec)
     write_units(tmp_path / "s", m, [0, 1, 2], T)

@@ -1,4 +1,5 @@
-"""benchmarks/store_io.py --quick runs and prints its table (a smoke test; figures are not judged)."""
+"""benchmarks/store_io.py --quick runs and prints its table (a smoke test; figures are not
+judged)."""
 
 from __future__ import annotations
 

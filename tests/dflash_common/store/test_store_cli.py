@@ -1,4 +1,5 @@
-"""`dflash-store info` and `verify`, run as the user runs them: a separate process, exit codes, output."""
+"""`dflash-store info` and `verify`, run as the user runs them: a separate process, exit codes,
+output."""
 
 from __future__ import annotations
 
@@ -48,9 +49,8 @@ def test_info_verify_and_exit_codes(tmp_path):
     for line in ("format version     1", "layer ids          1, 3, 5", "tokens             300"):
         assert line in text.stdout
     assert "array bytes/token" in text.stdout and "incl. shard indexes" in text.stdout
-    assert (
-        "compression ratio  " in text.stdout and "codec zstd" in text.stdout
-    )  # shown for a real codec only
+    # shown for a real codec only
+    assert "compression ratio  " in text.stdout and "codec zstd" in text.stdout
     assert data["array_bytes_per_token"] == 3 * 68 + 5
 
     ok = _cli("verify", store)
@@ -72,7 +72,8 @@ def test_info_and_verify_of_a_q4_store(tmp_path):
     write_units(store, manifest("q4_hadamard"), [0, 1], 100)
     data = json.loads(_cli("info", store, "--json").stdout)
     assert data["dtype"] == "q4_hadamard" and data["format_version"] == 2
-    # 3 layers x (36 B: 32 of 4-bit codes + 4 group scale bytes, + a 4 B token scale) + 5 B id and mask
+    # 3 layers x (36 B: 32 of 4-bit codes + 4 group scale bytes, + a 4 B token scale) + 5 B id and
+    # mask
     assert data["array_bytes_per_token"] == 3 * (36 + 4) + 5
     rows = dict(
         line.split(None, 1) if not line.startswith("format") else ("format", line.split()[-1])
@@ -116,8 +117,8 @@ def test_info_json_into_a_closed_pipe_ends_quietly(tmp_path):
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    proc.stdout.close()  # the reader went away before the first line, as `| head` does after its lines
+    # the reader went away before the first line, as `| head` does after its lines
+    proc.stdout.close()
     err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 141 and err == "", (
-        err
-    )  # 128 + SIGPIPE; no BrokenPipeError traceback
+    # 128 + SIGPIPE; no BrokenPipeError traceback
+    assert proc.wait(timeout=120) == 141 and err == "", err

@@ -1,4 +1,5 @@
-"""Fingerprints of target, tokenizer, chat template and dataset: stable, and sensitive to content."""
+"""Fingerprints of target, tokenizer, chat template and dataset: stable, and sensitive to
+content."""
 
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
 """Helpers for the store tests (no tests here), and a writer process the multi-process tests start:
 
-    python tests/dflash_common/store/test_store_support.py STORE DTYPE CODEC FIRST_UNIT NUM_UNITS TOKENS HIDDEN [--forever]
+    python tests/dflash_common/store/test_store_support.py \
+        STORE DTYPE CODEC FIRST_UNIT NUM_UNITS TOKENS HIDDEN [--forever]
 
-writes units FIRST_UNIT.. of the standard test manifest into STORE, one shard each; `--forever` keeps
-writing fresh units (for a test that kills the process mid-shard); `--go FILE` prints `ready` once the
-store is open and waits for FILE to exist before writing (so two writers surely run at once).
+writes units FIRST_UNIT.. of the standard test manifest into STORE, one shard each; `--forever`
+keeps writing fresh units (for a test that kills the process mid-shard); `--go FILE` prints `ready`
+once the store is open and waits for FILE to exist before writing (so two writers surely run at
+once).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The fused LM-head loss against plain F.cross_entropy on materialised logits, for both backends and
-every method (the Triton kernels run on the CPU through TRITON_INTERPRET=1, set by conftest.py)."""
+"""The fused LM-head loss against plain F.cross_entropy on materialised logits, for both backends
+and every method (the Triton kernels run on the CPU through TRITON_INTERPRET=1, set by
+conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dflash_common.drafter.loss.hard import (
 from dflash_common.drafter.objective import IGNORE_INDEX
 
 BACKENDS = ["torch", "triton"]
-# (backend, method): the exact softmax on both backends, the label odds on both, and in the logits matmul
+# (backend, method): the exact softmax on both backends, the label odds on both, and in the logits
+# matmul
 WAYS = [
     ("torch", "exact"),
     ("triton", "exact"),
@@ -108,9 +110,8 @@ def test_triton_kernel_tiles_the_vocabulary_like_the_torch_rows():
     labels = torch.tensor([0, 199, 7, 64, 63, 195])
     weights = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.0, 0.25])
     a, b = logits.clone(), logits.clone()
-    loss_t, correct_t = weighted_ce_rows(
-        a, labels, weights, compute_grad=True, block=64
-    )  # 4 tiles, last partial
+    # 4 tiles, last partial
+    loss_t, correct_t = weighted_ce_rows(a, labels, weights, compute_grad=True, block=64)
     loss_r, correct_r = weighted_ce_rows_torch(b, labels, weights, compute_grad=True)
     torch.testing.assert_close(loss_t, loss_r)
     torch.testing.assert_close(a, b)
@@ -137,18 +138,16 @@ def test_odds_kernel_tiles_the_vocabulary_like_the_torch_rows():
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(7, 200, generator=g) * 4
-    logits[2, 190] = logits[2, 7] = logits[2, 71] = (
-        50.0  # the label ties the max at the lowest index: correct
-    )
+    # the label ties the max at the lowest index: correct
+    logits[2, 190] = logits[2, 7] = logits[2, 71] = 50.0
     logits[3, 190] = logits[3, 7] = 50.0  # ... at a higher index than another column: not correct
     logits[5, 195] = 60.0  # the max only in the last, partial tile
     labels = torch.tensor([0, 199, 7, 190, 63, 195, 64])
     weights = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.0, 0.25, 3.0])
     a, b = logits.clone(), logits.clone()
     got = _odds_out(7)
-    label_odds_rows(
-        a, labels, weights, True, got, ODDS_LOG_LIMIT, block=64
-    )  # 4 tiles, the last partial
+    # 4 tiles, the last partial
+    label_odds_rows(a, labels, weights, True, got, ODDS_LOG_LIMIT, block=64)
     want = label_odds_rows_torch(b, labels, weights, True)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y)
@@ -196,16 +195,14 @@ def test_odds_matmul_gives_the_odds_of_the_logits(compute_grad, hidden_size):
         assert odds is None
 
 
-@pytest.mark.filterwarnings(
-    "ignore::RuntimeWarning"
-)  # numpy (the interpreter) on the overflow provoked here
+# numpy (the interpreter) on the overflow provoked here
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("backend, method", WAYS[2:], ids=WAY_IDS[2:])
 def test_rows_past_80_nats_are_recomputed_exactly(backend, method):
     hidden, weight, labels, weights = _case(n=20, seed=5)
     with torch.no_grad():
-        hidden[[2, 7]] = (
-            weight[labels[[2, 7]] + 1] * 40
-        )  # another token's row, far: CE of hundreds of nats
+        # another token's row, far: CE of hundreds of nats
+        hidden[[2, 7]] = weight[labels[[2, 7]] + 1] * 40
     logits = hidden.detach() @ weight.T
     assert not label_odds_rows_torch(logits.clone(), labels.clamp(min=0), weights, False)[4][
         [2, 7]
@@ -225,14 +222,13 @@ def test_rows_past_80_nats_are_recomputed_exactly(backend, method):
 
 
 def test_odds_methods_keep_the_gradient_of_confident_rows_where_the_exact_one_loses_it():
-    # bf16 inputs, rows whose label is nearly certain: exact rounds softmax - 1 at the label to bf16,
-    # the odds methods keep that term in float32. Against float64 on the same rounded inputs.
+    # bf16 inputs, rows whose label is nearly certain: exact rounds softmax - 1 at the label to
+    # bf16, the odds methods keep that term in float32. Against float64 on the same rounded inputs.
     g = torch.Generator().manual_seed(6)
     weight = (torch.randn(2000, 64, generator=g) * 0.3).bfloat16()
     labels = torch.randint(0, 2000, (64,), generator=g)
-    hidden = (
-        weight[labels].float() * torch.linspace(2, 12, 64)[:, None]
-    ).bfloat16()  # CE from ~0.1 to ~1e-30
+    # CE from ~0.1 to ~1e-30
+    hidden = (weight[labels].float() * torch.linspace(2, 12, 64)[:, None]).bfloat16()
     unit = torch.ones(64)
     ref = hidden.double().requires_grad_(True)
     F.cross_entropy(ref @ weight.double().T, labels, reduction="sum").backward()
@@ -256,7 +252,8 @@ def test_unknown_method_and_epilogue_without_triton_are_refused_and_auto_runs_od
         fused_lm_head_loss(hidden, weight, labels, weights, method="fast")
     with pytest.raises(ValueError, match="use backend 'triton'"):
         fused_lm_head_loss(hidden, weight, labels, weights, backend="torch", method="odds_epilogue")
-    # 'auto' on a CPU has no Triton backend to run the epilogue's matmul: the same odds from torch's logits
+    # 'auto' on a CPU has no Triton backend to run the epilogue's matmul: the same odds from torch's
+    # logits
     with torch.no_grad():
         auto = fused_lm_head_loss(hidden, weight, labels, weights, method="odds_epilogue")
         odds = fused_lm_head_loss(hidden, weight, labels, weights, backend="torch", method="odds")
@@ -299,14 +296,16 @@ def test_triton_methods_on_the_gpu_stay_close_to_a_float32_reference(method):
 
 
 def _close_to_float32(method, device, n, h, v):
-    """bf16 through the Triton backend (on CUDA the epilogue's autotuned matmul), four chunks, weights
-    with skipped rows, against float32 on the same rounded inputs: per-row gradient error."""
+    """bf16 through the Triton backend (on CUDA the epilogue's autotuned matmul), four chunks,
+    weights with skipped rows, against float32 on the same rounded inputs: per-row gradient
+    error."""
     hidden, weight, labels, weights = _case(n=n, h=h, v=v, seed=4, dtype=torch.bfloat16)
     hidden = hidden.detach().to(device).requires_grad_(True)
     weight, labels, weights = weight.to(device), labels.to(device), weights.to(device)
     ref = hidden.detach().float().requires_grad_(True)
     want, want_correct = _reference(ref, weight, labels, weights)
     want.backward()
+    # a quarter of the rows a chunk
     out = fused_lm_head_loss(
         hidden,
         weight,
@@ -315,7 +314,7 @@ def _close_to_float32(method, device, n, h, v):
         backend="triton",
         method=method,
         chunk_bytes=-(-n // 4) * v * 2,
-    )  # a quarter of the rows a chunk
+    )
     out.loss.backward()
     torch.testing.assert_close(out.loss, want.detach(), rtol=2e-3, atol=1e-2)
     assert (out.correct == want_correct).float().mean() > 0.97  # bf16 logits may flip a near-tie
@@ -323,7 +322,8 @@ def _close_to_float32(method, device, n, h, v):
     # each row's error against the rows' mean gradient norm (a confident row's own gradient is tiny,
     # and there the exact method's error is as large as it: see the test above)
     err = (hidden.grad.float() - ref.grad).norm(dim=1)[kept] / ref.grad.norm(dim=1)[kept].mean()
-    # bf16 logits put a few percent of error on rows whose softmax is spread; the epilogue never rounds them
+    # bf16 logits put a few percent of error on rows whose softmax is spread; the epilogue never
+    # rounds them
     median, most = (1e-2, 5e-2) if method == "odds_epilogue" else (2e-2, 0.2)
     assert err.median() < median and err.max() < most, (err.median().item(), err.max().item())
     assert hidden.grad[~kept].abs().sum() == 0
@@ -334,7 +334,8 @@ def _close_to_float32(method, device, n, h, v):
 def test_rows_reweighted_after_the_forward_give_the_gradient_of_the_reweighted_objective(
     backend, method, chunk_bytes
 ):
-    # D-PACE's path: unit weights in the fused forward, per-row weights from its own CE applied after
+    # D-PACE's path: unit weights in the fused forward, per-row weights from its own CE applied
+    # after
     hidden, weight, labels, weights = _case(seed=2)
     unit = ((weights != 0) & (labels != IGNORE_INDEX)).float()
     out = fused_lm_head_loss(
@@ -342,9 +343,8 @@ def test_rows_reweighted_after_the_forward_give_the_gradient_of_the_reweighted_o
     )
     logits = hidden.detach().float() @ weight.float().T
     ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
-    torch.testing.assert_close(
-        out.rows, ce * unit, rtol=1e-5, atol=1e-5
-    )  # per-row CE, 0 where skipped
+    # per-row CE, 0 where skipped
+    torch.testing.assert_close(out.rows, ce * unit, rtol=1e-5, atol=1e-5)
     w = torch.exp(-out.rows.detach()) + torch.arange(len(unit)) / 10  # depends on this forward's CE
     (w * out.rows).sum().backward()
     got_grad, hidden.grad = hidden.grad, None

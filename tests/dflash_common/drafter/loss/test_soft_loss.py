@@ -51,6 +51,7 @@ def _reference(kind, hidden, weight, labels, weights, teacher, index, temperatur
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_value_gradient_and_correctness_match_materialised_logits(backend, kind, temperature):
     hidden, weight, labels, weights, teacher, index = _case(seed=KINDS.index(kind))
+    # chunks of a few rows
     out = soft_lm_head_loss(
         hidden,
         weight,
@@ -62,7 +63,7 @@ def test_value_gradient_and_correctness_match_materialised_logits(backend, kind,
         temperature,
         backend=backend,
         chunk_bytes=300 * 100 * 7,
-    )  # chunks of a few rows
+    )
     (out.loss * 3.0).backward()  # grad_output != 1 scales the stored gradient
     got, hidden.grad = hidden.grad, None
     want, want_correct = _reference(
@@ -116,12 +117,8 @@ def test_rows_reweighted_after_the_forward_and_ce_match_materialised_logits(back
 def test_result_does_not_depend_on_the_chunk_size(backend):
     hidden, weight, labels, weights, teacher, index = _case(n=50, seed=7)
     results = []
-    for chunk_bytes in (
-        1,
-        300 * 100 * 3,
-        300 * 100 * 17,
-        None,
-    ):  # 1 row, 3 rows, 17 rows, all in one
+    # 1 row, 3 rows, 17 rows, all in one
+    for chunk_bytes in (1, 300 * 100 * 3, 300 * 100 * 17, None):
         out = soft_lm_head_loss(
             hidden,
             weight,
@@ -138,9 +135,8 @@ def test_result_does_not_depend_on_the_chunk_size(backend):
         hidden.grad = None
     for loss, correct, grad in results[1:]:
         torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(
-            grad, results[0][2], rtol=1e-4, atol=1e-5
-        )  # matmul blocking only
+        # matmul blocking only
+        torch.testing.assert_close(grad, results[0][2], rtol=1e-4, atol=1e-5)
         assert torch.equal(correct, results[0][1])
 
 
@@ -199,9 +195,10 @@ def test_triton_on_the_gpu_matches_the_torch_backend_in_bf16(kind):
 
 
 def _fit(kind: str, temperature: float, steps: int = 250) -> float:
-    """Trains a linear "drafter" (features -> hidden, through the frozen head) on rows whose teacher has
-    a clear argmax and a real tail (entropy ~1.5 nats), with `kind`; returns the share of rows whose
-    argmax is the teacher's. Labels are the teacher's argmax, as the store's greedy answers are."""
+    """Trains a linear "drafter" (features -> hidden, through the frozen head) on rows whose teacher
+    has a clear argmax and a real tail (entropy ~1.5 nats), with `kind`; returns the share of rows
+    whose argmax is the teacher's. Labels are the teacher's argmax, as the store's greedy answers
+    are."""
     g = torch.Generator().manual_seed(7)
     n, f, h, v = 256, 32, 16, 64
     feats = torch.randn(n, f, generator=g)
@@ -231,8 +228,8 @@ def _fit(kind: str, temperature: float, steps: int = 250) -> float:
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_a_kl_trained_drafter_reaches_the_argmax_a_ce_trained_one_does(temperature):
     """Forward KL's 0.83x tau on the quality benchmark is not a fault of the teacher rows or the
-    temperature: where the drafter can represent the target, KL to the teacher's distribution ends on
-    the same argmax as CE to its greedy token (both near every row). What KL costs a drafter that
+    temperature: where the drafter can represent the target, KL to the teacher's distribution ends
+    on the same argmax as CE to its greedy token (both near every row). What KL costs a drafter that
     cannot represent the target is capacity spent on the tail, which this case leaves out."""
     ce, kl = _fit("ce", temperature), _fit("kl", temperature)
     assert ce >= 0.97 and kl >= 0.97, (ce, kl)
