@@ -92,12 +92,15 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
     return first, end, seq_start
 
 
-def _greedy_drafts(drafter, hidden: torch.Tensor) -> torch.Tensor:
-    """Block hidden states [n, b, H] -> greedy drafts [n, b-1] (position 0 is the anchor)."""
+def _greedy_drafts(drafter, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+    """Block hidden states [n, b, H] of blocks starting with `first_tokens` [n] -> the drafts served
+    [n, b-1] (position 0 is the anchor): the drafter's own rule (`draft_tokens`)."""
     n, b, _ = hidden.shape
     rows = max(1, _LOGIT_ELEMENTS // max(1, (b - 1) * drafter.cfg.vocab_size))
-    return torch.cat([drafter.logits(hidden[i:i + rows, 1:]).argmax(-1) for i in range(0, n, rows)]) if n else \
-        hidden.new_zeros((0, b - 1), dtype=torch.long)
+    if n == 0:
+        return hidden.new_zeros((0, b - 1), dtype=torch.long)
+    return torch.cat([drafter.draft_tokens(hidden[i:i + rows], first_tokens[i:i + rows])
+                      for i in range(0, n, rows)])
 
 
 @torch.no_grad()
@@ -122,7 +125,7 @@ def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_
                 break
             a = anchor[live]
             layout = BlockLayout.build(batch.cu_seqlens, a, t, b)  # whole blocks, as the real loop drafts
-            drafts = _greedy_drafts(drafter, drafter.blocks(kv, ids, layout))  # [n, b-1]
+            drafts = _greedy_drafts(drafter, drafter.blocks(kv, ids, layout), ids[a])  # [n, b-1]
             pos = a[:, None] + steps  # [n, b-1] positions the drafts are for
             hit = (drafts == ids[pos.clamp(max=t - 1)]) & (pos < end[live][:, None])
             accepted = hit.long().cumprod(1).sum(1)

@@ -1,6 +1,7 @@
 """The DFlash drafter's config, one to one with the released `config.json`: built from a target's
 config (`from_target`), written and read as config.json (`to_config_json`, `from_config_json`, also
 z-lab's layout), and as the transformers Qwen3Config whose RoPE code the drafter uses (`to_hf_config`).
+A DFlash2 drafter is the same config with `dflash2` set (`DFlash2Config`: convolutions, selector).
 """
 
 from __future__ import annotations
@@ -13,7 +14,58 @@ from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_DFLASH2 = "DFlash2DraftModel"  # vLLM 0.32 and SGLang pick DFlash2's model by this name
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# dflash_config keys of DFlash2 that vLLM 0.32 requires (qwen3_dflash2.py reads them with [])
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass(frozen=True)
+class DFlash2Config:
+    """What DFlash2 adds to a DFlash drafter (vLLM 0.32 `qwen3_dflash2.py`, z-lab's release): in
+    every draft layer a grouped dynamic convolution over block positions around the attention and
+    one around the MLP, and a candidate selector over each position's top-k tokens. Defaults are
+    the released geometry (z-lab's config, SpecForge's and speculators' trainers)."""
+
+    conv_kernel_size: int = 2  # taps: a block row mixes in the rows up to taps-1 before it
+    conv_group_size: int = 16  # channels sharing one per-row dynamic coefficient
+    selector_rank: int = 256  # rank r of the predecessor/successor codebooks [V, r]
+    selector_top_k: int = 16  # candidates per block position the selector chooses among
+    # The served unary scores are top-k values * output_multiplier, then tanh-capped when the cap is
+    # > 0 (both monotonic: the candidates are the top-k of the raw logits). Read from released
+    # checkpoints; a drafter trained here keeps 1 and no cap.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+
+    def check(self, hidden_size: int, vocab_size: int) -> None:
+        check(self.conv_kernel_size >= 1,
+              f"conv_kernel_size = {self.conv_kernel_size} must be >= 1.")
+        check(self.conv_group_size >= 1 and hidden_size % self.conv_group_size == 0,
+              f"conv_group_size = {self.conv_group_size} must divide hidden_size = {hidden_size} "
+              f"(vLLM and SGLang refuse it otherwise); e.g. 16.")
+        check(self.selector_rank >= 1, f"selector_rank = {self.selector_rank} must be >= 1.")
+        check(1 <= self.selector_top_k <= vocab_size,
+              f"selector_top_k = {self.selector_top_k} must be in 1..vocab_size ({vocab_size}).")
+        check(self.output_multiplier > 0,
+              f"output_multiplier = {self.output_multiplier} must be > 0 (vLLM's top-k refuses "
+              "it otherwise).")
+        check(self.final_logit_softcapping >= 0,
+              f"final_logit_softcapping = {self.final_logit_softcapping} must be >= 0 (0 = none).")
+
+    def to_dflash_config(self) -> dict[str, Any]:
+        """The keys DFlash2 adds to config.json's dflash_config."""
+        names = (*DFLASH2_KEYS, "output_multiplier", "final_logit_softcapping")
+        return {name: getattr(self, name) for name in names}
+
+    @classmethod
+    def from_dflash_config(cls, dflash: Mapping[str, Any]) -> "DFlash2Config":
+        missing = [k for k in DFLASH2_KEYS if dflash.get(k) is None]
+        check(not missing, f"config.json's dflash_config has no {', '.join(missing)}; a DFlash2 "
+                           f"drafter needs all of {', '.join(DFLASH2_KEYS)} (vLLM fails to load it "
+                           "without them).")
+        return cls(*(int(dflash[k]) for k in DFLASH2_KEYS),
+                   output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+                   final_logit_softcapping=float(dflash.get("final_logit_softcapping") or 0.0))
 
 
 @dataclass(frozen=True)
@@ -44,6 +96,7 @@ class DrafterConfig:
     # Sliding layers see their own block causally, as vLLM and SGLang serve them. False only reads
     # old checkpoints that trained them bidirectionally; SGLang cannot serve those (export refuses).
     sliding_causal: bool = True
+    dflash2: DFlash2Config | None = None  # set: a DFlash2 drafter (convolutions and selector)
 
     def __post_init__(self):
         for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable
@@ -64,6 +117,8 @@ class DrafterConfig:
         except ValueError as e:
             raise ConfigError(f"target_layer_ids: {e}.") from e
         self._check_layer_types()
+        if self.dflash2 is not None:
+            self.dflash2.check(self.hidden_size, self.vocab_size)
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
         check(kind != "dynamic", "rope_scaling type 'dynamic' depends on the sequence length; it is not supported.")
 
@@ -83,6 +138,11 @@ class DrafterConfig:
             sliding or self.sliding_window is None,
             f"sliding_window = {self.sliding_window} is set but no layer is sliding_attention; set layer_types.",
         )
+
+    @property
+    def architecture(self) -> str:
+        """config.json's `architectures` entry: the name serving engines pick the model class by."""
+        return ARCHITECTURE_DFLASH2 if self.dflash2 is not None else ARCHITECTURE
 
     @property
     def num_context_layers(self) -> int:
@@ -118,6 +178,7 @@ class DrafterConfig:
         layer_ids: list[int] | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
+        dflash2: DFlash2Config | None = None,
     ) -> "DrafterConfig":
         """A drafter for `target_config` (an HF config object or its config.json as a dict).
 
@@ -150,6 +211,7 @@ class DrafterConfig:
             tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
             bos_token_id=t.get("bos_token_id"),
             eos_token_id=_as_id_or_ids(t.get("eos_token_id")),
+            dflash2=dflash2,
         )
 
     # -- config.json ------------------------------------------------------------------------------
@@ -163,6 +225,9 @@ class DrafterConfig:
         rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         rope_parameters.pop("type", None)
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.dflash2 is not None:
+            # block_size too: SGLang's conv block when --speculative-num-draft-tokens is not given
+            dflash |= {"block_size": self.block_size, **self.dflash2.to_dflash_config()}
         sliding = "sliding_attention" in self.layer_types
         causal = set(self.layer_causality())
         if len(causal) == 1:
@@ -171,7 +236,7 @@ class DrafterConfig:
             # relies on the layer_types rule of vLLM and SGLang (sliding causal, full bidirectional)
             dflash["causal"] = causal.pop()
         config = {
-            "architectures": [ARCHITECTURE],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
@@ -213,9 +278,11 @@ class DrafterConfig:
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
         """Read a released `config.json` (ours, or one following z-lab's layout)."""
         arch = data.get("architectures") or []
-        check(ARCHITECTURE in arch,
-              f"config.json architectures = {arch} is not [{ARCHITECTURE!r}]; not a DFlash drafter.")
+        check(ARCHITECTURE in arch or ARCHITECTURE_DFLASH2 in arch,
+              f"config.json architectures = {arch} is neither [{ARCHITECTURE!r}] nor "
+              f"[{ARCHITECTURE_DFLASH2!r}]; not a DFlash drafter.")
         dflash = data.get("dflash_config") or {}
+        dflash2 = DFlash2Config.from_dflash_config(dflash) if ARCHITECTURE_DFLASH2 in arch else None
 
         def dflash_value(name: str):
             return dflash.get(name, data.get(name))
@@ -252,6 +319,7 @@ class DrafterConfig:
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=_as_id_or_ids(data.get("eos_token_id")),
             sliding_causal=sliding_causal,
+            dflash2=dflash2,
         )
 
     def to_hf_config(self):

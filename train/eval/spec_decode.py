@@ -298,7 +298,9 @@ class DFlashProposer:
 
     The block is [anchor, MASK x n] at positions start..start+n; the output at block position k
     predicts the token at start+k (same position, no shift), so position 0 is dropped. Drafts are
-    greedy even when the target samples (as DFlash serves them).
+    greedy even when the target samples (as DFlash serves them): each position's argmax for DFlash,
+    the selector's greedy walk through each position's top-k candidates for DFlash2 (as vLLM's
+    DFlash2 speculator drafts; dflash2.py `walk`).
     """
 
     def __init__(self, drafter, block_size: int | None = None):
@@ -319,4 +321,4 @@ class DFlashProposer:
         block = torch.full((num_drafts + 1,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = anchor
         hidden = self.drafter.draft(self.cache, context.to(dtype), block)  # [n+1, H]; cache: context only
-        return self.drafter.logits(hidden[1:]).argmax(-1)  # [n]
+        return self.drafter.draft_tokens(hidden[None], block[:1])[0]  # [n]: argmax, or a walk
