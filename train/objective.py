@@ -1,6 +1,7 @@
 """The training step's objective: one packed batch through the drafter, its block labels and weights,
 and the fused LM-head loss; the trainer minimises it (train/loop.py) and validation reports it
-(train/validate.py).
+(train/validate.py). A DFlash2 drafter adds its selector loss (loss/selector.py) over the top-k the
+fused loss hands over, and its correctness is the served walk's.
 
     loss_sum, normaliser, counts = batch_objective(drafter, model, batch, block_size=B, gamma=7.0,
                                                    autocast="bf16")
@@ -15,6 +16,7 @@ import torch
 from dflash_common.drafter.loss import (
     fused_lm_head_loss, greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows,
 )
+from dflash_common.drafter.loss.selector import block_selector_loss, top_k_logits
 from dflash_common.drafter.objective import IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path
 
 
@@ -31,7 +33,11 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
                     gamma: float | None, autocast: str, weights: str = "gamma", dpace_alpha: float = 0.5,
                     normalise: str = "weight", targets: Any = None, path_weight: float = 0.0,
-                    loss_method: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    loss_method: str = "exact", selector_weight: float = 1.0,
+                    selector_candidates: str = "gold", selector_stop_gradient: bool = False,
+                    dpace_confidence: str = "served",
+                    extras: dict[str, torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
     `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
@@ -41,11 +47,20 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
     D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
     greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
     the hard loss's method (precision.loss_method; fused_lm_head_loss runs 'odds_epilogue' as 'odds' on a CPU).
+    A DFlash2 drafter (drafter.cfg.dflash2) adds selector_weight x its selector CE
+    (`selector_candidates`, `selector_stop_gradient`: loss/selector.py) under the same row weights;
+    its counts are the served walk's; D-PACE's confidence is the served proposal's probability of
+    the label (`dpace_confidence` = 'served': the selector's, 0 when the label is not a candidate)
+    or the unary softmax's ('unary'). `extras`, when given, receives DFlash2's diagnostics
+    ('unary': counts of the argmax, laid out as the counts; 'selector': [weighted selector CE,
+    labels among the candidates, prediction rows], float64).
     Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
     of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
     scalar, counts [2B+2]).
     """
     device = batch.features.device
+    d2 = getattr(drafter.cfg, "dflash2", None)
+    top_k = d2.selector_top_k if d2 is not None else 0
     prompt = targets is not None and targets.prompt_anchors
     mask = torch.ones_like(batch.loss_mask) if prompt else batch.loss_mask  # prompt labels count too
     labels, w = block_labels(batch.input_ids, mask, batch.cu_seqlens, batch.anchors,
@@ -63,12 +78,21 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
                                     soft_kind(targets.soft), targets.temperature)
         else:
             out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
-                                     method=loss_method)
-    correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
+                                     method=loss_method, top_k=top_k)
+        sel = None
+        if top_k:  # DFlash2: the selector over the loss's top-k (the soft loss has none: a pass)
+            tops = (out.top_ids, out.top_values) if out.top_ids is not None else \
+                top_k_logits(hidden.flatten(0, 1), drafter.lm_head_weight, top_k)
+            sel = block_selector_loss(drafter, hidden, batch.input_ids, batch.anchors, labels,
+                                      *tops, selector_candidates, selector_stop_gradient)
+    unary_correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
+    correct = unary_correct if sel is None else sel.correct & valid  # what is served
     row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
     if weights == "dpace":  # from the drafter's CE to the label (the soft loss's rows are another kind)
-        ce = out.rows if out.ce is None else out.ce
-        w = dpace_weights(ce.detach().view_as(labels), valid, dpace_alpha)
+        ce = (out.rows if out.ce is None else out.ce).detach().view_as(labels)
+        if sel is not None and dpace_confidence == "served":  # the selector's: 0 off the candidates
+            ce = torch.where(sel.in_top_k, sel.ce.detach(), torch.inf)
+        w = dpace_weights(ce, valid, dpace_alpha)
         row_scale = w
     block_w = None
     if path_weight:  # 0 leaves the objective as it was, bit for bit
@@ -77,6 +101,13 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
         w = w * block_w[:, None]
         row_scale = w if weights == "dpace" else block_w[:, None].expand_as(w)
     loss = out.loss if row_scale is None else (row_scale.flatten() * out.rows).sum()
+    if sel is not None:
+        selector_sum = (w * sel.ce).sum()  # the same row weights (path weights included)
+        loss = loss + selector_weight * selector_sum
+        if extras is not None:
+            extras["unary"] = block_counts(unary_correct, valid)
+            extras["selector"] = torch.stack([selector_sum.detach(), (sel.in_top_k & valid).sum(),
+                                              valid[:, 1:].sum()]).double()
     has_label = valid[:, 1:].any(1).float()  # [A]
     blocks = has_label if block_w is None else has_label * block_w  # a block on the path counts 1 + path_weight
     norm = blocks.sum() if normalise == "anchors" else w.sum()
