@@ -74,6 +74,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class DrafterSection:
+    arch: Literal["dflash", "dflash2"] = option(
+        "dflash", "The drafter: 'dflash' (DFlash), or 'dflash2' (DFlash2: DFlash plus grouped "
+        "convolutions over block positions around every attention and MLP, and a candidate "
+        "selector over each position's top-k; the conv_* and selector_* fields shape it)."
+    )
     depth: int = option(5, "Draft layers (5 for Qwen3/Llama drafters, 8 for Qwen3-Coder).")
     block_size: int = option(16, "Tokens per block: the anchor plus block_size-1 masked predictions.")
     layer_ids: list[int] | None = option(
@@ -90,8 +95,23 @@ class DrafterSection:
         None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
         "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ."
     )
+    conv_kernel_size: int = option(
+        2, "DFlash2: taps of each grouped convolution (a block row mixes in the "
+        "conv_kernel_size - 1 rows before it).")
+    conv_group_size: int = option(
+        16, "DFlash2: channels per group of the convolutions' per-row coefficients; must divide "
+        "the hidden size.")
+    selector_rank: int = option(
+        256, "DFlash2: rank of the selector's predecessor/successor codebooks [V, rank].")
+    selector_top_k: int = option(
+        16, "DFlash2: candidates per block position the selector chooses among (the served top-k).")
 
     def __post_init__(self):
+        check(self.arch in ("dflash", "dflash2"),
+              f"drafter.arch must be dflash or dflash2, got {self.arch!r}.")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            check(value >= 1, f"drafter.{name} must be >= 1, got {value}.")
         check(self.depth >= 1, f"drafter.depth must be >= 1, got {self.depth}.")
         check(self.block_size >= 2, f"drafter.block_size must be >= 2, got {self.block_size}.")
         check(self.layer_types is None or len(self.layer_types) == self.depth,
@@ -138,8 +158,35 @@ class ObjectiveSection:
         "them so too (weights, or blocks under normalise = anchors). 0 = off; validation is unchanged."
     )
 
+    selector_weight: float = option(
+        1.0, "DFlash2: weight of the selector loss (teacher-forced K-way CE over each position's "
+        "top-k, with the label's predecessor; loss/selector.py) added to the per-position CE, "
+        "under the same position weights."
+    )
+    selector_candidates: Literal["gold", "strict"] = option(
+        "gold", "DFlash2: when the label is not among the top-k, 'gold' puts it in place of the "
+        "weakest candidate in the selector loss (speculators' trainer); 'strict' leaves the row "
+        "out of it (SpecForge's)."
+    )
+    selector_stop_gradient: bool = option(
+        False, "DFlash2: the selector loss trains only the selector (codebooks, projection), not "
+        "the drafter's logits and hidden states."
+    )
+    dpace_confidence: Literal["served", "unary"] = option(
+        "served", "D-PACE's per-position confidence (weights = dpace): 'served' = the probability "
+        "the served proposal gives the label (DFlash: its softmax; DFlash2: its selector's over "
+        "the top-k, 0 off them); 'unary' = the per-position softmax's, also for DFlash2."
+    )
+
     def __post_init__(self):
         check(self.max_anchors >= 1, f"objective.max_anchors must be >= 1, got {self.max_anchors}.")
+        check(self.selector_weight >= 0,
+              f"objective.selector_weight must be >= 0, got {self.selector_weight}.")
+        check(self.selector_candidates in ("gold", "strict"),
+              f"objective.selector_candidates must be gold or strict, got "
+              f"{self.selector_candidates!r}.")
+        check(self.dpace_confidence in ("served", "unary"),
+              f"objective.dpace_confidence must be served or unary, got {self.dpace_confidence!r}.")
         check(self.gamma is None or self.gamma > 0, f"objective.gamma must be > 0, got {self.gamma}.")
         check(self.anchors in ("block", "label"), f"objective.anchors must be block or label, got {self.anchors!r}.")
         check(self.weights in ("gamma", "dpace"), f"objective.weights must be gamma or dpace, got {self.weights!r}.")

@@ -32,10 +32,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dflash_common.cli import progress_bar, write_run_record
 
 from dflash_common.errors import UserError
-from dflash_common.config import to_dict
-from dflash_common.drafter.config import DrafterConfig
+from dflash_common.config import ConfigError, to_dict
+from dflash_common.drafter.config import DFlash2Config, DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
-from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.model import DFlashDrafter, new_drafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.fsutil import is_disk_full, os_reason
@@ -93,10 +93,18 @@ def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     """The drafter's config, from the target's config and the [drafter] section."""
     d = cfg.drafter
     layer_ids = d.layer_ids if d.layer_ids is not None else list(stores[0].manifest.layer_ids)
-    return DrafterConfig.from_target(
-        target_config(cfg.run.target), mask_token_id=mask_token_id(cfg.run.target, d.mask_token_id),
-        depth=d.depth, block_size=d.block_size, layer_ids=layer_ids, layer_types=d.layer_types,
-        sliding_window=d.sliding_window)
+    dflash2 = None
+    if d.arch == "dflash2":
+        dflash2 = DFlash2Config(d.conv_kernel_size, d.conv_group_size, d.selector_rank,
+                                d.selector_top_k)
+    mask_id = mask_token_id(cfg.run.target, d.mask_token_id)
+    try:
+        return DrafterConfig.from_target(
+            target_config(cfg.run.target), mask_token_id=mask_id, depth=d.depth,
+            block_size=d.block_size, layer_ids=layer_ids, layer_types=d.layer_types,
+            sliding_window=d.sliding_window, dflash2=dflash2)
+    except ConfigError as e:  # e.g. a group size that does not divide the target's hidden size
+        raise UserError(f"[drafter] does not fit the target {cfg.run.target}: {e}") from e
 
 
 def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
@@ -114,7 +122,7 @@ def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
 
 def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -> DFlashDrafter:
     torch.manual_seed(cfg.run.seed)  # the same random start on every rank and every run of this seed
-    drafter = DFlashDrafter(dcfg)
+    drafter = new_drafter(dcfg)
     if cfg.drafter.init_from:  # refuses a drafter whose config differs in anything that shapes weights
         load_weights_into(drafter, cfg.drafter.init_from)
     drafter.to(device=device, dtype=torch.float32)  # fp32 master weights; autocast computes in bf16
@@ -252,7 +260,11 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
             loss_sum, weight, c = batch_objective(
                 drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
                 autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
-                targets=cfg.targets, path_weight=o.path_weight, loss_method=cfg.precision.loss_method)
+                targets=cfg.targets, path_weight=o.path_weight,
+                loss_method=cfg.precision.loss_method, selector_weight=o.selector_weight,
+                selector_candidates=o.selector_candidates,
+                selector_stop_gradient=o.selector_stop_gradient,
+                dpace_confidence=o.dpace_confidence)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
