@@ -35,7 +35,7 @@ from dflash_common.cli import setup_logging, user_errors_exit
 from dflash_common.errors import UserError
 from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DrafterConfig
-from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.model import DFlashDrafter, new_drafter
 from dflash_common.fsutil import fsync_tree, publish_dir, temp_sibling
 
 log = logging.getLogger("dflash")
@@ -170,15 +170,17 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
 def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: str | Path) -> None:
     """Refuse unknown, missing or misshapen weights, naming them."""
     with torch.device("meta"):  # shapes only: no memory, no random init
-        expected = {name: tuple(p.shape) for name, p in DFlashDrafter(cfg).state_dict().items()}
+        expected = {name: tuple(p.shape) for name, p in new_drafter(cfg).state_dict().items()}
     unknown = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unknown or missing:
+        hint = ("; DFlash2's codebooks are bare parameters: rename *_codebook.weight to *_codebook"
+                if any(n.endswith("_codebook.weight") for n in unknown) else "")
         raise UserError(
             f"{where}: weights do not match the released DFlash layout"
             + (f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}" if unknown else "")
             + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
-            + ". Nothing was loaded."
+            + hint + ". Nothing was loaded."
         )
     bad = [f"{n} {tuple(t.shape)} (expected {expected[n]})"
            for n, t in tensors.items() if tuple(t.shape) != expected[n]]
@@ -193,7 +195,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu",
     cfg, tensors = read_drafter_dir(path)
     check_weights(cfg, tensors, path)
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
+        drafter = new_drafter(cfg)
     drafter.load_state_dict(tensors, strict=True, assign=True)  # the file's tensors become the parameters
     return drafter.to(device=device, dtype=dtype), cfg
 

@@ -22,6 +22,9 @@ Each loader's rules are written here as read from its code (docs/serving.md says
   the draft depth; RoPE from top-level `rope_theta`/`rope_scaling`; `speculative_num_draft_tokens`
   is B. Weights: unknown names are skipped silently (a `model.` prefix is stripped), only
   `fc.weight`'s shape is checked, missing weights stay uninitialised.
+
+DFlash2 drafters add their own rules (serving_dflash2.py): the architecture, the four dflash_config
+keys vLLM requires, bare codebook names, and the convolution's [2, T, H] layout.
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     drafter `cfg` that was trained, plus what a user must know to serve it."""
     found = _causality_findings(cfg, config) + _window_findings(cfg, config) + _id_findings(cfg, config)
     found += _rope_findings(cfg, config)
+    if cfg.dflash2 is not None:
+        from dflash_common.drafter import serving_dflash2
+
+        found += serving_dflash2.config_findings(cfg, config)
     mixed = len(set(cfg.layer_types)) > 1
     if mixed:
         found.append(Finding("vllm", "warning", "mixed sliding/full layers need vLLM's V2 model runner: set "
@@ -194,6 +201,10 @@ def lint_weights(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tu
     bad = [n for n in set(expected) & set(found) if tuple(expected[n]) != tuple(found[n]) and n != "fc.weight"]
     if bad:
         out.append(Finding("both", "error", f"weights of the wrong shape: {', '.join(sorted(bad)[:6])}"))
+    if any(n.startswith("candidate_selector.") for n in expected):  # DFlash2
+        from dflash_common.drafter import serving_dflash2
+
+        out += serving_dflash2.weight_findings(found)
     return out
 
 
@@ -207,7 +218,9 @@ def errors(findings: Iterable[Finding]) -> list[Finding]:
 def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str = "TARGET") -> dict[str, str]:
     """The vLLM and SGLang command lines that serve this drafter with its target."""
     spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": cfg.block_size - 1})
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(cfg.layer_types)) > 1 else ""
+    # mixed sliding/full layers and DFlash2's selector run only in vLLM's V2 model runner
+    v2 = len(set(cfg.layer_types)) > 1 or cfg.dflash2 is not None
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if v2 else ""
     return {
         "vllm": f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
         "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
@@ -237,13 +250,19 @@ def lint_drafter_dir(path) -> list[Finding]:
     import torch
     from safetensors import safe_open
 
-    from dflash_common.drafter.model import DFlashDrafter
+    from dflash_common.drafter.model import new_drafter
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         found = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+        base_kernels = {n: f.get_tensor(n) for n in f.keys() if n.endswith(".base_kernel")}
     cfg = DrafterConfig.from_config_json(config)
     with torch.device("meta"):
-        expected = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).state_dict().items()}
-    return lint_config(cfg, config) + lint_weights(expected, found)
+        expected = {n: tuple(p.shape) for n, p in new_drafter(cfg).state_dict().items()}
+    found_all = lint_config(cfg, config) + lint_weights(expected, found)
+    if cfg.dflash2 is not None:
+        from dflash_common.drafter import serving_dflash2
+
+        found_all += serving_dflash2.conv_layout_findings(base_kernels)
+    return found_all

@@ -1,8 +1,8 @@
 """The DFlash2 drafter (dflash2.py) against the released layout and against other ways to compute
-the same: names and shapes as vLLM and z-lab's checkpoint hold them, a fresh DFlash2 drafter drafting
-as the DFlash drafter it extends, the convolution causal inside each block, the KV-cached drafting
-path against the training forward, the greedy walk and its tie rule, and the Triton kernels against
-the torch convolution (values and gradients, under TRITON_INTERPRET=1 on a CPU)."""
+the same: names and shapes as vLLM and z-lab's checkpoint hold them, a fresh DFlash2 drafter
+drafting as the DFlash drafter it extends, the convolution causal inside each block, the KV-cached
+drafting path against the training forward, the greedy walk and its tie rule, and the Triton kernels
+against the torch convolution (values and gradients, under TRITON_INTERPRET=1 on a CPU)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ from dflash_common.drafter.config import DFlash2Config, DrafterConfig
 from dflash_common.drafter.dflash2 import DFlash2Drafter, grouped_conv, grouped_conv_torch, walk
 from dflash_common.drafter.model import DFlashDrafter, new_drafter
 
-from drafter_testlib import ANCHORS, TINY_MASK_ID, packed_batch, randomise_dflash2, tiny_config, tiny_drafter
+from drafter_testlib import (
+    ANCHORS,
+    TINY_MASK_ID,
+    packed_batch,
+    randomise_dflash2,
+    tiny_config,
+    tiny_drafter,
+)
 
 D2 = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
@@ -34,10 +41,13 @@ def test_config_json_names_dflash2_and_its_four_keys_and_reads_back(tiny_target)
     data = cfg.to_config_json()
     assert data["architectures"] == ["DFlash2DraftModel"]
     dc = data["dflash_config"]
-    assert {k: dc[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == \
-        {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+    assert {
+        k: dc[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    } == {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
     assert dc["output_multiplier"] == 1.0 and dc["final_logit_softcapping"] == 0.0
-    assert dc["block_size"] == cfg.block_size  # SGLang's conv block when the command line gives none
+    assert (
+        dc["block_size"] == cfg.block_size
+    )  # SGLang's conv block when the command line gives none
     assert DrafterConfig.from_config_json(json.loads(json.dumps(data))) == cfg
     assert "dflash_config" in tiny_config(tiny_target).to_config_json()
     assert tiny_config(tiny_target).to_config_json()["architectures"] == ["DFlashDraftModel"]
@@ -48,14 +58,22 @@ def test_config_json_names_dflash2_and_its_four_keys_and_reads_back(tiny_target)
 
 def test_z_labs_released_geometry_reads_with_its_multiplier_and_cap(tiny_target):
     data = _cfg(tiny_target).to_config_json()
-    data["dflash_config"] |= {"output_multiplier": 0.19611613513818404, "final_logit_softcapping": 20.0}
+    data["dflash_config"] |= {
+        "output_multiplier": 0.19611613513818404,
+        "final_logit_softcapping": 20.0,
+    }
     d2 = DrafterConfig.from_config_json(data).dflash2
     assert (d2.output_multiplier, d2.final_logit_softcapping) == (0.19611613513818404, 20.0)
 
 
-@pytest.mark.parametrize("bad, match", [({"conv_group_size": 24}, "must divide hidden_size"),
-                                        ({"selector_top_k": 10**6}, "selector_top_k"),
-                                        ({"output_multiplier": 0.0}, "output_multiplier")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"conv_group_size": 24}, "must divide hidden_size"),
+        ({"selector_top_k": 10**6}, "selector_top_k"),
+        ({"output_multiplier": 0.0}, "output_multiplier"),
+    ],
+)
 def test_a_geometry_the_engines_refuse_is_refused_naming_the_field(tiny_target, bad, match):
     with pytest.raises(ConfigError, match=match):
         _cfg(tiny_target, **bad)
@@ -68,14 +86,22 @@ def test_weight_names_and_shapes_are_the_released_layout(tiny_target):
     cfg = _cfg(tiny_target, conv_kernel_size=3)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in new_drafter(cfg).state_dict().items()}
-        dflash = {n: tuple(p.shape) for n, p in DFlashDrafter(tiny_config(tiny_target)).state_dict().items()}
+        dflash = {
+            n: tuple(p.shape)
+            for n, p in DFlashDrafter(tiny_config(tiny_target)).state_dict().items()
+        }
     h, v, t, g, r = cfg.hidden_size, cfg.vocab_size, 3, cfg.hidden_size // 16, 8
-    extra = {"candidate_selector.predecessor_codebook": (v, r), "candidate_selector.successor_codebook": (v, r),
-             "candidate_selector.hidden_projection.weight": (r, h)}
+    extra = {
+        "candidate_selector.predecessor_codebook": (v, r),
+        "candidate_selector.successor_codebook": (v, r),
+        "candidate_selector.hidden_projection.weight": (r, h),
+    }
     for i in range(cfg.num_hidden_layers):
         for conv in ("attention_conv", "mlp_conv"):
-            extra |= {f"layers.{i}.{conv}.base_kernel": (2, t, h),
-                      f"layers.{i}.{conv}.kernel_projection.weight": (2 * t * g, h)}
+            extra |= {
+                f"layers.{i}.{conv}.base_kernel": (2, t, h),
+                f"layers.{i}.{conv}.kernel_projection.weight": (2 * t * g, h),
+            }
     assert shapes == dflash | extra
     assert isinstance(new_drafter(tiny_config(tiny_target)), DFlashDrafter)
     assert not isinstance(new_drafter(tiny_config(tiny_target)), DFlash2Drafter)
@@ -126,31 +152,44 @@ def test_the_torch_convolution_is_the_formula_and_its_gradient_checks():
     x = torch.randn(10, 8, dtype=torch.float64, generator=g, requires_grad=True)
     delta = torch.randn(10, 3, 2, dtype=torch.float64, generator=g, requires_grad=True)
     base = torch.randn(3, 8, dtype=torch.float64, generator=g, requires_grad=True)
-    torch.testing.assert_close(grouped_conv_torch(x, delta, base, 4, 4), _conv_loop(x, delta, base, 4, 4))
+    torch.testing.assert_close(
+        grouped_conv_torch(x, delta, base, 4, 4), _conv_loop(x, delta, base, 4, 4)
+    )
     assert torch.autograd.gradcheck(lambda *a: grouped_conv_torch(*a, 4, 4), (x, delta, base))
 
 
 def test_the_convolution_is_causal_inside_each_block_and_never_crosses_one():
     g = torch.Generator().manual_seed(1)
-    x, delta, base = torch.randn(12, 16, generator=g), torch.randn(12, 3, 4, generator=g), torch.randn(3, 16, generator=g)
+    x, delta, base = (
+        torch.randn(12, 16, generator=g),
+        torch.randn(12, 3, 4, generator=g),
+        torch.randn(3, 16, generator=g),
+    )
     out = grouped_conv_torch(x, delta, base, 4, 4)
     moved = x.clone()
     moved[5] += 1.0  # block 1 (rows 4..7), position 1
     diff = (grouped_conv_torch(moved, delta, base, 4, 4) - out).abs().sum(-1)
     assert diff[[5, 6, 7]].gt(0).all()  # itself and the two taps after it, inside its block
-    assert diff[[0, 1, 2, 3, 4, 8, 9, 10, 11]].eq(0).all()  # nothing before it, nothing in other blocks
+    assert (
+        diff[[0, 1, 2, 3, 4, 8, 9, 10, 11]].eq(0).all()
+    )  # nothing before it, nothing in other blocks
 
 
-@pytest.mark.parametrize("rows, hidden, taps, group, block, dtype", [
-    (24, 64, 2, 16, 8, torch.float32),   # the default geometry
-    (21, 96, 3, 8, 7, torch.float32),    # rows not a multiple of the kernel's tile, odd block
-    (40, 256, 2, 16, 16, torch.float32), # more than one channel tile
-    (9, 32, 1, 4, 3, torch.float32),     # one tap: the dynamic scale alone
-    (16, 64, 2, 16, 4, torch.bfloat16),  # bf16 in and out, float32 inside
-])
-def test_the_triton_kernels_give_the_torch_convolution_and_its_gradients(rows, hidden, taps, group, block, dtype):
-    """Forward and backward kernels (conv_triton.py) against autograd through the torch version, with
-    delta a strided view of the [R, 2, T, G] projection output as the layers pass it."""
+@pytest.mark.parametrize(
+    "rows, hidden, taps, group, block, dtype",
+    [
+        (24, 64, 2, 16, 8, torch.float32),  # the default geometry
+        (21, 96, 3, 8, 7, torch.float32),  # rows not a multiple of the kernel's tile, odd block
+        (40, 256, 2, 16, 16, torch.float32),  # more than one channel tile
+        (9, 32, 1, 4, 3, torch.float32),  # one tap: the dynamic scale alone
+        (16, 64, 2, 16, 4, torch.bfloat16),  # bf16 in and out, float32 inside
+    ],
+)
+def test_the_triton_kernels_give_the_torch_convolution_and_its_gradients(
+    rows, hidden, taps, group, block, dtype
+):
+    """Forward and backward kernels (conv_triton.py) against autograd through the torch version,
+    with delta a strided view of the [R, 2, T, G] projection output as the layers pass it."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, hidden, generator=g).to(dtype).requires_grad_()
     proj = torch.randn(rows, 2, taps, hidden // group, generator=g).to(dtype).requires_grad_()

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from dflash_common.drafter.config import DFlash2Config
 from dflash_common.drafter.loss.hard import fused_lm_head_loss
 from dflash_common.drafter.loss.selector import candidate_dot, top_k_logits
-from dflash_common.drafter.objective import IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights
+from dflash_common.drafter.objective import (
+    IGNORE_INDEX,
+    accepted_drafts,
+    block_labels,
+    dpace_weights,
+)
 from train.objective import batch_objective
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,8 +29,16 @@ from drafter_testlib import packed_batch, randomise_dflash2, tiny_config, tiny_d
 K = 4
 
 
-@pytest.mark.parametrize("backend, method", [("torch", "exact"), ("triton", "exact"), ("torch", "odds"),
-                                             ("triton", "odds"), ("triton", "odds_epilogue")])
+@pytest.mark.parametrize(
+    "backend, method",
+    [
+        ("torch", "exact"),
+        ("triton", "exact"),
+        ("torch", "odds"),
+        ("triton", "odds"),
+        ("triton", "odds_epilogue"),
+    ],
+)
 def test_the_fused_loss_hands_over_each_kept_rows_top_k(backend, method):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(29, 16, generator=g, requires_grad=True)
@@ -35,8 +48,16 @@ def test_the_fused_loss_hands_over_each_kept_rows_top_k(backend, method):
     weights[::4] = 0.0
     labels[5] = IGNORE_INDEX
     plain = fused_lm_head_loss(hidden, weight, labels, weights, backend=backend, method=method)
-    out = fused_lm_head_loss(hidden, weight, labels, weights, backend=backend, method=method, top_k=K,
-                             chunk_bytes=8 * 300 * 4)  # several chunks
+    out = fused_lm_head_loss(
+        hidden,
+        weight,
+        labels,
+        weights,
+        backend=backend,
+        method=method,
+        top_k=K,
+        chunk_bytes=8 * 300 * 4,
+    )  # several chunks
     values, ids = torch.topk(hidden.detach() @ weight.T, K)
     kept = (weights != 0) & (labels != IGNORE_INDEX)
     assert torch.equal(out.top_ids[kept], ids[kept])
@@ -57,7 +78,9 @@ def test_the_bilinear_term_and_its_gradients_are_the_gathered_einsums():
     ids = torch.randint(0, 50, (20, 5), generator=g)
     ids[0] = 7  # a row whose candidates repeat: the table's gradient accumulates
     assert torch.autograd.gradcheck(lambda a, b: candidate_dot(a, b, ids), (q, table))
-    torch.testing.assert_close(candidate_dot(q, table, ids), torch.einsum("mr,mkr->mk", q, table[ids]))
+    torch.testing.assert_close(
+        candidate_dot(q, table, ids), torch.einsum("mr,mkr->mk", q, table[ids])
+    )
 
 
 def _batch(cfg, seed=0):
@@ -66,7 +89,9 @@ def _batch(cfg, seed=0):
     mask = torch.ones_like(input_ids)
     mask[[2, 3, 15]] = 0
     anchors = torch.tensor([0, 3, 6, 7, 11, 12, 18, 27])
-    return SimpleNamespace(features=context, input_ids=input_ids, loss_mask=mask, cu_seqlens=cu, anchors=anchors)
+    return SimpleNamespace(
+        features=context, input_ids=input_ids, loss_mask=mask, cu_seqlens=cu, anchors=anchors
+    )
 
 
 def _drafter(tiny_target, seed=0):
@@ -83,11 +108,18 @@ def _reference(drafter, batch, b, candidates, weights, alpha=0.5, selector_weigh
     valid = labels != IGNORE_INDEX
     hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
     logits = hidden.float() @ drafter.lm_head_weight.float().T  # [A, B, V]
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none").view_as(w) * valid
+    ce = (
+        F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none"
+        ).view_as(w)
+        * valid
+    )
     values, ids = torch.topk(logits.detach(), K)
     in_top = (ids == labels[..., None]).any(-1) & valid
     h = hidden.detach() if stop else hidden
-    unary = torch.gather(h.float() @ drafter.lm_head_weight.float().T, -1, ids)  # the same values, with grad
+    unary = torch.gather(
+        h.float() @ drafter.lm_head_weight.float().T, -1, ids
+    )  # the same values, with grad
     if candidates == "gold":
         miss = ~in_top & valid
         ids = ids.clone()
@@ -106,14 +138,29 @@ def _reference(drafter, batch, b, candidates, weights, alpha=0.5, selector_weigh
     return (w * ce).sum() + selector_weight * (w * sce).sum(), w.sum(), correct, valid
 
 
-@pytest.mark.parametrize("candidates, weights, stop", [("gold", "gamma", False), ("strict", "gamma", False),
-                                                       ("gold", "dpace", False), ("strict", "dpace", True)])
+@pytest.mark.parametrize(
+    "candidates, weights, stop",
+    [
+        ("gold", "gamma", False),
+        ("strict", "gamma", False),
+        ("gold", "dpace", False),
+        ("strict", "dpace", True),
+    ],
+)
 def test_the_step_objective_is_the_plain_one(tiny_target, candidates, weights, stop):
     cfg, drafter = _drafter(tiny_target)
     batch, b = _batch(cfg), cfg.block_size
-    loss, norm, counts = batch_objective(drafter, drafter, batch, block_size=b, gamma=None, autocast="none",
-                                         weights=weights, selector_candidates=candidates,
-                                         selector_stop_gradient=stop)
+    loss, norm, counts = batch_objective(
+        drafter,
+        drafter,
+        batch,
+        block_size=b,
+        gamma=None,
+        autocast="none",
+        weights=weights,
+        selector_candidates=candidates,
+        selector_stop_gradient=stop,
+    )
     grads = torch.autograd.grad(loss, list(drafter.parameters()), allow_unused=True)
     want, want_norm, correct, valid = _reference(drafter, batch, b, candidates, weights, stop=stop)
     want_grads = torch.autograd.grad(want, list(drafter.parameters()), allow_unused=True)
@@ -125,7 +172,9 @@ def test_the_step_objective_is_the_plain_one(tiny_target, candidates, weights, s
         assert rel < 1e-5, f"{name}: relative gradient difference {rel:.3g}"
     assert valid.sum() > 10 and correct.any()  # the case has served hits to count
     accepted = accepted_drafts(correct, valid)
-    assert float(counts[-2]) == float(accepted.sum()) and torch.equal(counts[:b], (correct & valid).sum(0).double())
+    assert float(counts[-2]) == float(accepted.sum()) and torch.equal(
+        counts[:b], (correct & valid).sum(0).double()
+    )
 
 
 def test_the_selector_term_moves_the_gradient_and_unary_confidence_differs(tiny_target):
@@ -136,7 +185,9 @@ def test_the_selector_term_moves_the_gradient_and_unary_confidence_differs(tiny_
     full, _, _ = batch_objective(drafter, drafter, batch, **args)
     assert float(full) > float(base)
     served, _, _ = batch_objective(drafter, drafter, batch, **args, weights="dpace")
-    unary, _, _ = batch_objective(drafter, drafter, batch, **args, weights="dpace", dpace_confidence="unary")
+    unary, _, _ = batch_objective(
+        drafter, drafter, batch, **args, weights="dpace", dpace_confidence="unary"
+    )
     assert float(served) != float(unary)
     extras = {}
     batch_objective(drafter, drafter, batch, **args, extras=extras)
