@@ -18,8 +18,8 @@ from train.data import TrainData  # noqa: E402
 
 
 def setup(store, target, grad_accum: int, extra: tuple[str, ...] = ()):
-    """-> (cfg, drafter, [batch A, batch B]): the first two batches of the plan of one rank; `extra`:
-    more config overrides."""
+    """-> (cfg, drafter, [batch A, batch B]): the first two batches of the plan of one rank;
+    `extra`: more config overrides."""
     cfg = parse(["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store), "--out", "unused",
                  f"--run.target={target}", "--run.device=cpu", "--data.batch_tokens=1024",
                  "--data.holdout_sequences=0", "--data.gpu_prefetch=0", "--drafter.block_size=4",
