@@ -15,6 +15,8 @@ counters vLLM must then report.
 
 On a CPU: vLLM's CPU attention takes head_dim 64 (not 16), its V1 runner serves drafters whose layers
 are all full or all sliding (mixed ones need VLLM_USE_V2_MODEL_RUNNER=1, which needs triton-cpu).
+A DFlash2 drafter drafts only in the V2 runner: the child sets VLLM_USE_V2_MODEL_RUNNER=1 for it and,
+without a GPU, runs vLLM's Triton kernels in Triton's interpreter (vllm_triton_cpu.py; slow).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def serve(request: dict) -> dict:
     ids, max_new_tokens, stop_ids, max_model_len); per prompt: tokens, seconds and spec counters."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+    if request.get("drafter") and _is_dflash2(request["drafter"]):
+        _prepare_dflash2()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -105,6 +109,25 @@ def serve(request: dict) -> dict:
         seconds = time.perf_counter() - t0
         rows.append({"tokens": list(out.outputs[0].token_ids), "seconds": seconds, **_delta(_counters(llm), before)})
     return {"prompts": rows}
+
+
+def _is_dflash2(drafter: str) -> bool:
+    from dflash_common.drafter.config import ARCHITECTURE_DFLASH2
+
+    config = json.loads((Path(drafter) / "config.json").read_text())
+    return ARCHITECTURE_DFLASH2 in (config.get("architectures") or [])
+
+
+def _prepare_dflash2() -> None:
+    """vLLM drafts DFlash2 in its V2 model runner only; on a machine without a GPU that runner's
+    Triton kernels run interpreted (vllm_triton_cpu.py). Before vllm is imported."""
+    import torch
+
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if not torch.cuda.is_available():
+        from train.eval.vllm_triton_cpu import enable
+
+        enable()
 
 
 def run_engine(request: dict, workdir: Path, name: str, python: str = sys.executable, timeout: float = 1800) -> dict:
