@@ -277,3 +277,59 @@ def test_the_walk_follows_the_chosen_candidates_row_and_breaks_ties_to_the_lowes
     scores[0, 1, 0] = torch.tensor([9.0, 0.0, 0.0, 0.0])  # row 0 is not read
     scores[0, 2, 3] = torch.tensor([1.0, 1.0, 1.0, 1.0])  # all tie -> 0
     assert walk(ids, scores).tolist() == [[101, 107, 108]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_kernels_on_the_gpu_give_the_torch_convolution(dtype):
+    """The kernels as the GPU compiles them (the interpreter checks only their arithmetic), at a
+    Qwen3-8B-sized hidden size and a training batch's rows."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, hidden, taps, group, block = 16 * 300, 4096, 2, 16, 16
+    x = torch.randn(rows, hidden, generator=g, device="cuda").to(dtype).requires_grad_()
+    proj = torch.randn(rows, 2, taps, hidden // group, generator=g, device="cuda").to(dtype)
+    proj.requires_grad_()
+    base = torch.randn(taps, hidden, generator=g, device="cuda").requires_grad_()
+    dout = torch.randn(rows, hidden, generator=g, device="cuda").to(dtype)
+    results = []
+    for backend in ("torch", "triton"):
+        out = grouped_conv(x, proj[:, 1], base, block, group, backend=backend)
+        results.append((out, *torch.autograd.grad(out, (x, proj, base), dout)))
+    for name, want, got in zip(("out", "d x", "d delta", "d base"), *results):
+        scale = want.float().abs().max().clamp(min=1.0)
+        err = float((got.float() - want.float()).abs().max() / scale)
+        assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), f"{name}: {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_a_dflash2_step_on_the_gpu_under_autocast_is_finite_and_reaches_every_weight(tiny_target):
+    from types import SimpleNamespace
+
+    from train.objective import batch_objective
+
+    cfg = _cfg(tiny_target)
+    drafter = randomise_dflash2(tiny_drafter(cfg)).cuda()
+    drafter.attach_frozen(
+        drafter.embed_weight.cuda().bfloat16(), drafter.lm_head_weight.cuda().bfloat16()
+    )
+    context, input_ids, cu = (t.cuda() for t in packed_batch(cfg))
+    batch = SimpleNamespace(
+        features=context,
+        input_ids=input_ids,
+        loss_mask=torch.ones_like(input_ids),
+        cu_seqlens=cu,
+        anchors=torch.tensor(ANCHORS, device="cuda"),
+    )
+    loss, norm, counts = batch_objective(
+        drafter,
+        drafter,
+        batch,
+        block_size=cfg.block_size,
+        gamma=None,
+        autocast="bf16",
+        weights="dpace",
+    )
+    (loss / norm).backward()
+    assert loss.isfinite() and counts.isfinite().all()
+    for name, p in drafter.named_parameters():
+        assert p.grad is not None and p.grad.isfinite().all(), name
