@@ -237,3 +237,11 @@ def test_two_ranks_average_the_selectors_gradients_too(
     assert ddp.keys() == want.keys() and "candidate_selector.successor_codebook" in want
     for name in want:
         torch.testing.assert_close(ddp[name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_soft_targets_train_a_dflash2_drafter(tiny_store_final, tiny_target, tmp_path):
+    """The soft loss hands over no top-k: the selector's candidates come from a pass of their own."""
+    main(_args(tiny_store_final, tiny_target, tmp_path / "kl", "--optim.max_steps=2", "--targets.soft=kl",
+               "--validation.every_steps=2"))
+    val = [r for r in read_metrics(tmp_path / "kl") if r["kind"] == "val"][-1]
+    assert 0 < val["top_k_recall"] <= 1 and val["selector_loss"] > 0
