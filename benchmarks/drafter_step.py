@@ -47,7 +47,7 @@ from dflash_common.drafter.config import DFlash2Config, DrafterConfig  # noqa: E
 from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
 from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
 from dflash_common.drafter.loss.selector import block_selector_loss  # noqa: E402
-from dflash_common.drafter.model import new_drafter  # noqa: E402
+from dflash_common.drafter.build import new_drafter  # noqa: E402
 from dflash_common.drafter.objective import block_labels, sample_anchors  # noqa: E402
 from train.loop import clip_and_step  # noqa: E402
 

@@ -39,11 +39,12 @@ SPEC = dict(
 )  # head_dim 64: vLLM's CPU attention layer takes it
 
 
-def _child(*args: str, timeout: float = 900) -> None:
+def _child(*args: str, timeout: float = 900, **extra_env: str) -> None:
     """tests/vllm_dflash2.py with vLLM's Triton kernels interpreted: its walk kernel runs, and its V2
     runner's rules apply (a mixed sliding/full drafter needs them)."""
     env = {
         **os.environ,
+        **extra_env,
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -63,14 +64,14 @@ def _child(*args: str, timeout: float = 900) -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A tiny target and a DFlash2 drafter for it (random, convolutions and selector moved off their
-    start; one sliding layer, one full), exported in float32 by dflash-export."""
+    """A tiny target and a DFlash2 drafter for it (random, norms, convolutions and selector moved off
+    their start; one sliding layer, one full), exported in float32 by dflash-export."""
     sys.path.insert(0, str(ROOT / "tests" / "dflash_common" / "drafter"))
     from drafter_testlib import randomise_dflash2
 
     from dflash_common.drafter.config import DFlash2Config, DrafterConfig
     from dflash_common.drafter.export import export, save_drafter
-    from dflash_common.drafter.model import new_drafter
+    from dflash_common.drafter.build import new_drafter
     from dflash_common.tiny import TinySpec, build_tiny_target
 
     work = tmp_path_factory.mktemp("dflash2-vllm")
@@ -87,6 +88,10 @@ def pair(tmp_path_factory):
     )
     torch.manual_seed(0)
     drafter = randomise_dflash2(new_drafter(cfg))
+    with torch.no_grad():  # every norm its own weights: a norm taken from another layer shows
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
     save_drafter(drafter, work / "run-drafter", dtype=torch.float32)
     return target, export(work / "run-drafter", work / "export", dtype=torch.float32)
 
@@ -178,9 +183,22 @@ def test_vllms_dflash2_model_loads_our_export_and_drafts_our_paths(pair, tmp_pat
     torch.testing.assert_close(theirs["unary"], ours["unary"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(theirs["scores"], ours["scores"], rtol=1e-4, atol=1e-3)
     assert torch.equal(theirs["path"], ours["path"])
-    assert not torch.equal(
-        ours["path"], ours["argmax"]
-    )  # the selector chose otherwise than the argmax
+    assert not torch.equal(ours["path"], ours["argmax"])  # the selector chose otherwise somewhere
+
+
+def test_vllms_cpu_build_normalises_every_layers_context_k_with_layer_0s(pair, tmp_path):
+    """The CPU-build bug the parity child patches (tests/vllm_dflash2.py): left in, layer 1's context
+    keys take layer 0's k_norm and the hidden states part from ours. When this fails, vLLM has fixed
+    it: drop the patch and this test."""
+    target, drafter_dir = pair
+    g = torch.Generator().manual_seed(1)
+    contexts, anchors = [torch.randn(9, 2 * SPEC["hidden_size"], generator=g)], [17]
+    torch.save({"contexts": contexts, "anchors": anchors}, tmp_path / "inputs.pt")
+    args = (str(drafter_dir), str(target), str(tmp_path / "inputs.pt"), str(tmp_path / "vllm.pt"))
+    _child("forward", *args, DFLASH2_CPU_KNORM="1")
+    theirs, ours = torch.load(tmp_path / "vllm.pt"), _ours(drafter_dir, target, contexts, anchors)
+    rel = float((theirs["hidden"] - ours["hidden"]).abs().max() / ours["hidden"].abs().max())
+    assert rel > 1e-3, f"vLLM's CPU context k_norm agrees with ours now (relative {rel:.2g})"
 
 
 def test_vllms_walk_kernel_breaks_ties_to_the_lowest_index_as_ours(tmp_path):

@@ -165,9 +165,12 @@ def draft(cfg, model, contexts: list[torch.Tensor], anchors: list[int]) -> dict:
     mask_id = cfg.speculative_config.draft_model_config.hf_config.dflash_config["mask_token_id"]
     inner = model.model
     with set_current_vllm_config(cfg), torch.no_grad():
-        inner._normalize_context_k = lambda all_k: torch.stack(  # the CPU bug (module docstring)
-            [layer.self_attn.k_norm(all_k[i]) for i, layer in enumerate(inner.layers)]
-        )
+        if (
+            os.environ.get("DFLASH2_CPU_KNORM") != "1"
+        ):  # the CPU bug (module docstring); =1 keeps it
+            inner._normalize_context_k = lambda all_k: torch.stack(
+                [layer.self_attn.k_norm(all_k[i]) for i, layer in enumerate(inner.layers)]
+            )
         captures = [_CaptureKV() for _ in inner.layers]
         for attn, cap in zip(inner._attn_layers, captures):
             attn.impl = cap

@@ -35,7 +35,8 @@ from dflash_common.errors import UserError
 from dflash_common.config import ConfigError, to_dict
 from dflash_common.drafter.config import DFlash2Config, DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
-from dflash_common.drafter.model import DFlashDrafter, new_drafter
+from dflash_common.drafter.build import new_drafter
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.fsutil import is_disk_full, os_reason

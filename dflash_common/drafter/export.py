@@ -35,7 +35,8 @@ from dflash_common.cli import setup_logging, user_errors_exit
 from dflash_common.errors import UserError
 from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DrafterConfig
-from dflash_common.drafter.model import DFlashDrafter, new_drafter
+from dflash_common.drafter.build import new_drafter
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.fsutil import fsync_tree, publish_dir, temp_sibling
 
 log = logging.getLogger("dflash")

@@ -163,15 +163,6 @@ class DraftCache:
         return self.keys[0].shape[0]
 
 
-def new_drafter(cfg: DrafterConfig) -> "DFlashDrafter":
-    """The drafter `cfg` describes: DFlash, or DFlash2 when `cfg.dflash2` is set."""
-    if cfg.dflash2 is not None:
-        from dflash_common.drafter.dflash2 import DFlash2Drafter  # builds on this module
-
-        return DFlash2Drafter(cfg)
-    return DFlashDrafter(cfg)
-
-
 class DFlashDrafter(nn.Module):
     layer_class: type[nn.Module] = DraftLayer  # DFlash2's layers add convolutions
 

@@ -128,7 +128,7 @@ def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     if cfg.dflash2 is not None:
         from dflash_common.drafter import serving_dflash2
 
-        found += serving_dflash2.config_findings(cfg, config)
+        found += [Finding(*f) for f in serving_dflash2.config_findings(cfg, config)]
     mixed = len(set(cfg.layer_types)) > 1
     if mixed:
         found.append(Finding("vllm", "warning", "mixed sliding/full layers need vLLM's V2 model runner: set "
@@ -204,7 +204,7 @@ def lint_weights(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tu
     if any(n.startswith("candidate_selector.") for n in expected):  # DFlash2
         from dflash_common.drafter import serving_dflash2
 
-        out += serving_dflash2.weight_findings(found)
+        out += [Finding(*f) for f in serving_dflash2.weight_findings(found)]
     return out
 
 
@@ -250,7 +250,7 @@ def lint_drafter_dir(path) -> list[Finding]:
     import torch
     from safetensors import safe_open
 
-    from dflash_common.drafter.model import new_drafter
+    from dflash_common.drafter.build import new_drafter
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -264,5 +264,5 @@ def lint_drafter_dir(path) -> list[Finding]:
     if cfg.dflash2 is not None:
         from dflash_common.drafter import serving_dflash2
 
-        found_all += serving_dflash2.conv_layout_findings(base_kernels)
+        found_all += [Finding(*f) for f in serving_dflash2.conv_layout_findings(base_kernels)]
     return found_all

@@ -34,17 +34,21 @@ import torch
 
 from dflash_common.drafter.config import ARCHITECTURE_DFLASH2, DFLASH2_KEYS, DrafterConfig
 
+# (loader, severity, message): serving.py makes each a Finding
+Found = tuple[str, str, str]
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
-def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
-    """The DFlash2 keys of config.json against the drafter `cfg` that was trained."""
-    from dflash_common.drafter.serving import Finding
+def _finding(loader: str, severity: str, message: str) -> Found:
+    return loader, severity, message
 
+
+def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Found]:
+    """The DFlash2 keys of config.json against the drafter `cfg` that was trained."""
     d2, dflash, out = cfg.dflash2, config.get("dflash_config") or {}, []
     if (config.get("architectures") or []) != [ARCHITECTURE_DFLASH2]:
         out.append(
-            Finding(
+            _finding(
                 "both",
                 "error",
                 f"architectures must be [{ARCHITECTURE_DFLASH2!r}] (vLLM and SGLang "
@@ -54,7 +58,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
     for key in DFLASH2_KEYS:
         if dflash.get(key) is None:
             out.append(
-                Finding(
+                _finding(
                     "vllm",
                     "error",
                     f"dflash_config.{key} is missing: vLLM fails to load the drafter "
@@ -63,7 +67,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
             )
         elif int(dflash[key]) != getattr(d2, key):
             out.append(
-                Finding(
+                _finding(
                     "both",
                     "error",
                     f"dflash_config.{key} is {dflash[key]}, trained {getattr(d2, key)}.",
@@ -71,7 +75,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
             )
     if float(dflash.get("output_multiplier", 1.0)) != d2.output_multiplier:
         out.append(
-            Finding(
+            _finding(
                 "both",
                 "error",
                 f"dflash_config.output_multiplier reads {dflash.get('output_multiplier')}, "
@@ -80,7 +84,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
         )
     if float(dflash.get("final_logit_softcapping") or 0.0) != d2.final_logit_softcapping:
         out.append(
-            Finding(
+            _finding(
                 "both",
                 "error",
                 f"dflash_config.final_logit_softcapping reads "
@@ -89,7 +93,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
         )
     if float(dflash.get("input_embedding_scale", 1.0)) != 1.0:
         out.append(
-            Finding(
+            _finding(
                 "both",
                 "error",
                 "dflash_config.input_embedding_scale must be 1: vLLM scales the block's "
@@ -98,7 +102,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
         )
     if dflash.get("sample_from_anchor"):
         out.append(
-            Finding(
+            _finding(
                 "vllm",
                 "error",
                 "dflash_config.sample_from_anchor must be false: the anchor is the "
@@ -107,7 +111,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
         )
     if config.get("hidden_size", cfg.hidden_size) % int(dflash.get("conv_group_size") or 1):
         out.append(
-            Finding(
+            _finding(
                 "both",
                 "error",
                 f"conv_group_size {dflash.get('conv_group_size')} does not divide "
@@ -115,7 +119,7 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
             )
         )
     out.append(
-        Finding(
+        _finding(
             "vllm",
             "warning",
             "DFlash2 drafts only in vLLM's V2 model runner: set "
@@ -125,15 +129,13 @@ def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list:
     return out
 
 
-def weight_findings(found: Iterable[str]) -> list:
+def weight_findings(found: Iterable[str]) -> list[Found]:
     """Names the loaders take otherwise than they look: `.weight`-suffixed codebooks."""
-    from dflash_common.drafter.serving import Finding
-
     suffixed = sorted(n for n in found if n in {c + ".weight" for c in CODEBOOKS})
     if not suffixed:
         return []
     return [
-        Finding(
+        _finding(
             "both",
             "error",
             f"{', '.join(suffixed)}: the codebooks are bare parameters (no '.weight'); "
@@ -142,13 +144,11 @@ def weight_findings(found: Iterable[str]) -> list:
     ]
 
 
-def conv_layout_findings(base_kernels: Mapping[str, torch.Tensor]) -> list:
+def conv_layout_findings(base_kernels: Mapping[str, torch.Tensor]) -> list[Found]:
     """base_kernel [2 (side), T (tap), H] by its values: a convolution starts as the identity (tap 0
     = 1, the rest 0) and training keeps tap 0 dominant on both sides. Stored as [T, 2, H] (the other
     layout), side 1's tap 0 would read the input side's tap 1 (~0) and side 0's tap 1 the output's
     tap 0 (~1): a shape check cannot see it when T = 2, vLLM loads it."""
-    from dflash_common.drafter.serving import Finding
-
     bad = []
     for name, base in base_kernels.items():
         if base.dim() != 3 or base.shape[0] != 2 or base.shape[1] < 2:
@@ -159,7 +159,7 @@ def conv_layout_findings(base_kernels: Mapping[str, torch.Tensor]) -> list:
     if not bad:
         return []
     return [
-        Finding(
+        _finding(
             "both",
             "error",
             f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: tap 0 does not "

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from dflash_common.drafter.config import DrafterConfig
-from dflash_common.drafter.model import DFlashDrafter, new_drafter
+from dflash_common.drafter.build import new_drafter
+from dflash_common.drafter.model import DFlashDrafter
 
 ANCHORS = [0, 3, 6, 7, 11, 12, 18, 27]  # seq 0 = [0, 11), seq 1 = [11, 31); includes both starts
 TINY_MASK_ID = 259  # <|mask|> of the tiny tokenizer (256 bytes + 3 chat tokens before it)

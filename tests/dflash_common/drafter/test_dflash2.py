@@ -15,7 +15,8 @@ import dflash_common.drafter.dflash2 as dflash2
 from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DFlash2Config, DrafterConfig
 from dflash_common.drafter.dflash2 import DFlash2Drafter, grouped_conv, grouped_conv_torch, walk
-from dflash_common.drafter.model import DFlashDrafter, new_drafter
+from dflash_common.drafter.build import new_drafter
+from dflash_common.drafter.model import DFlashDrafter
 
 from drafter_testlib import (
     ANCHORS,
