@@ -92,7 +92,7 @@ def step_flops(cfg: DrafterConfig, cu, anchors, total: int, n_loss: int) -> floa
     layout = BlockLayout.build(cu, anchors, total, cfg.block_size)
     flops = 4.0 * total * k * h * h
     for layer in range(cfg.num_hidden_layers):
-        ctx_lo, ctx_hi, blk_lo, blk_hi = layout.row_intervals(cfg.window(layer))
+        ctx_lo, ctx_hi, blk_lo, blk_hi = layout.row_intervals(cfg.layer_sliding_window(layer))
         pairs = float((ctx_hi - ctx_lo).clamp(min=0).sum() + (blk_hi - blk_lo).clamp(min=0).sum())
         flops += 3 * 2 * total * h * 2 * hkv
         flops += 3 * 2 * q * (h * hq + 2 * h * hkv + hq * h + 3 * h * i)

@@ -96,7 +96,8 @@ def roofline(model, batch: list[list[int]], new_tokens: int, bandwidth: float) -
 
 
 def bench(shape: str, args, device: torch.device, dtype: torch.dtype) -> dict:
-    from precompute.generate.decode import Request, Sampling, TransformersDecoder
+    from dflash_common.sampling import Sampling
+    from precompute.generate.decode import Request, TransformersDecoder
 
     model = build(shape, device, dtype)
     batch = prompts(args.batch, args.prompt_len, model.config.vocab_size)

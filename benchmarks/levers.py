@@ -29,7 +29,8 @@ from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.drafter.objective import sample_anchors  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.loop import _N, build_optimizer, train_step  # noqa: E402
+from train.loop import _N, train_step  # noqa: E402
+from train.optim import build_optimizer  # noqa: E402
 from train.regularise import WeightAverage  # noqa: E402
 from train.transfer import DeviceBatch  # noqa: E402
 
@@ -50,7 +51,7 @@ def make_batch(cfg, seqs: int, seq_len: int, anchors_per_seq: int, rule: str, de
     anchors = sample_anchors(loss_mask, cu, cfg.block_size, anchors_per_seq, g, rule)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return DeviceBatch(features.to(device, dtype), input_ids.to(device), loss_mask.to(device),
-                       cu.to(device, torch.int32), anchors.to(device), total, 0, 0, {}, 0.0)
+                       cu.to(device), anchors.to(device), total, 0, 0, {}, 0.0)
 
 
 def time_variant(variant: str, dcfg, args, device) -> Spread:
@@ -65,7 +66,7 @@ def time_variant(variant: str, dcfg, args, device) -> Spread:
     v, h = dcfg.vocab_size, dcfg.hidden_size
     drafter.attach_frozen(torch.randn(v, h, device=device, dtype=torch.bfloat16),
                           torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5)
-    optimizer, scheduler = build_optimizer(cfg, drafter, total=10**6, device=device)
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total=10**6, device=device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
     batch = make_batch(dcfg, args.seqs, args.seq_len, args.anchors, cfg.objective.anchors, device)
     sums = torch.zeros(_N + 1, dtype=torch.float64, device=device)

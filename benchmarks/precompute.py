@@ -57,7 +57,7 @@ from dflash_common.store import Store  # noqa: E402
 from precompute.batching import pad_right  # noqa: E402
 from precompute.config import PrecomputeConfig  # noqa: E402
 from precompute.inputs import SkipLog  # noqa: E402
-from precompute.pipeline import window_batches  # noqa: E402
+from precompute.pipeline import sort_window_batches  # noqa: E402
 from precompute.tokenizing import TokenizedUnit  # noqa: E402
 
 H200_BF16_TFLOPS = 989.0  # dense, no sparsity
@@ -197,7 +197,7 @@ def batches_like_precompute(seqs: list[np.ndarray], samples_per_unit: int, budge
         offsets = np.concatenate([[0], np.cumsum([len(s) for s in chunk])])
         unit = TokenizedUnit(start // samples_per_unit, len(chunk), np.concatenate(chunk),
                              np.ones(offsets[-1], np.uint8), offsets, [str(i) for i in range(len(chunk))], SkipLog())
-        out += [[chunk[n] for _, n in batch] for batch in window_batches([unit], budget)]
+        out += [[chunk[n] for _, n in batch] for batch in sort_window_batches([unit], budget)]
     return out
 
 
@@ -239,18 +239,19 @@ def hf_forward(path: Path, batches: list[list[np.ndarray]], layer_ids: list[int]
 
 @contextlib.contextmanager
 def profiled_forward_loop(profiles: list) -> Iterator[None]:
-    """The job's forward loop (precompute.job.run_windows, batches handed to the pipeline) under the
-    profiler: what runs in it is the CLI's code; the writers' tail after it is not profiled."""
+    """The job's forward loop (precompute.job.run_sort_windows, batches handed to the pipeline)
+    under the profiler: what runs in it is the CLI's code; the writers' tail after it is not
+    profiled."""
     import precompute.job as job
 
     from benchmarks.profiling import profile_phase
 
-    plain = job.run_windows
-    job.run_windows = lambda *a, **k: profiles.append(profile_phase(lambda: plain(*a, **k)))
+    plain = job.run_sort_windows
+    job.run_sort_windows = lambda *a, **k: profiles.append(profile_phase(lambda: plain(*a, **k)))
     try:
         yield
     finally:
-        job.run_windows = plain
+        job.run_sort_windows = plain
 
 
 class Variant(NamedTuple):

@@ -45,10 +45,11 @@ from dflash_common.config import load_config  # noqa: E402
 from dflash_common.drafter.config import DrafterConfig  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.store import ShardPayload, Store, StoreManifest, StoreWriter, encode_states, shard_name  # noqa: E402
-from train.cache import human_bytes  # noqa: E402
+from dflash_common.fsutil import human_bytes  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import TrainData  # noqa: E402
-from train.loop import _N, _TOKENS, _WAIT, build_optimizer, train_step  # noqa: E402
+from train.loop import _N, _TOKENS, _WAIT, train_step  # noqa: E402
+from train.optim import build_optimizer  # noqa: E402
 
 # Qwen3-8B: hidden 4096, 32 heads of 128, 8 KV heads, MLP 12288, vocabulary 151,936, 36 layers.
 FULL = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936, target_layers=36,
@@ -139,7 +140,7 @@ def make_drafter(s: dict, device: torch.device) -> DFlashDrafter:
 
 def timed_phase(drafter, batches, cfg, steps: int, warmup: int, device: torch.device) -> dict:
     """Train `warmup` + `steps` optimiser steps from `batches`; time the last `steps`."""
-    optimizer, scheduler = build_optimizer(cfg, drafter, warmup + steps, device)
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, warmup + steps, device)
     sums = torch.zeros(_N + 1, dtype=torch.float64, device=device)
     counts = torch.zeros(2 * drafter.cfg.block_size + 2, dtype=torch.float64, device=device)
     for _ in range(warmup):  # compilation of the attention kernels, allocator warm-up

@@ -31,18 +31,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dflash_common.errors import UserError
+from dflash_common.errors import SkippedRecord, UserError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class ChatMaskError(ValueError):
+class ChatMaskError(SkippedRecord):
     """A conversation the template cannot turn into tokens + mask; `reason` is the counted category."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 def has_generation_markers(tokenizer: Any) -> bool:
@@ -66,9 +61,9 @@ class ChatTemplate:
 
     @classmethod
     def from_pretrained(cls, path: str, template_kwargs: dict[str, Any] | None = None) -> "ChatTemplate":
-        from transformers import AutoTokenizer
+        from dflash_common.hf import load_tokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path), template_kwargs)
+        return cls(load_tokenizer(path), template_kwargs)
 
     def tokenize(self, messages: list[dict[str, Any]], last_turn_cut: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """-> input_ids int32 [T], loss_mask uint8 [T] (1 on assistant tokens).
@@ -90,11 +85,11 @@ class ChatTemplate:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        return _guarded(lambda: self.tokenizer.apply_chat_template(
+        return run_template(lambda: self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs))
 
     def _tokenize_marked(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
-        out = _guarded(lambda: self.tokenizer.apply_chat_template(
+        out = run_template(lambda: self.tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
             **self.template_kwargs))
         return np.asarray(out["input_ids"], np.int32), np.asarray(out["assistant_masks"], np.uint8)
@@ -161,9 +156,11 @@ def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
     return mask
 
 
-def _guarded(render: Callable[[], Any]) -> Any:
-    """Run the template; any error it raises (jinja's raise_exception, a missing variable, a role the
-    template does not know) is a property of the conversation, reported as `template_error`."""
+def run_template(render: Callable[[], Any]) -> Any:
+    """Run `render`, a call of the chat template (this module's, or a stage's own, such as
+    dflash-generate's prompts); any error it raises (jinja's raise_exception, a missing variable, a
+    role the template does not know) is a property of the conversation, reported as
+    `template_error`."""
     try:
         return render()
     except ChatMaskError:

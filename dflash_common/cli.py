@@ -10,25 +10,77 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import typing
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import tomli_w
 
-from dflash_common.config import ConfigError, iter_fields, load_config, to_dict
+from dflash_common.config import (
+    ConfigError,
+    did_you_mean,
+    iter_fields,
+    load_config,
+    to_dict,
+)
 from dflash_common.errors import UserError
 from dflash_common.fsutil import atomic_write_text
 
 T = TypeVar("T")
 log = logging.getLogger("dflash")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse as every dflash command uses it: an option is spelt out in full (argparse would take
+    `--stor` for `--store` and `--overwrit` for `--overwrite` without a word: a prefix that matches
+    today means something else once an option is added), and a mistyped one gets the closest real
+    option (`--confg`: did you mean --config?). Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def option_names(self) -> list[str]:
+        """Every long option of this parser and of its subcommands."""
+        names = [o for o in self._option_string_actions if o.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    names += sub.option_names() if isinstance(sub, ArgumentParser) else []
+        return sorted(set(names))
+
+    def unknown_argument(self, item: str, extra: str = "",
+                         more: Sequence[str] = ()) -> typing.NoReturn:
+        """Exit 2 naming `item`, with the closest option (or name in `more`) when one is close."""
+        flag = item.split("=", 1)[0]
+        known = [*self.option_names(), *more]
+        hint = did_you_mean(flag, known, quote="") if flag.startswith("--") else ""
+        self.error(f"unrecognized argument '{item}'{hint}{extra}")
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        found = re.fullmatch(r"unrecognized arguments: (.+)", message)
+        if found:
+            hints = [did_you_mean(a.split("=", 1)[0], self.option_names(), quote="")
+                     for a in found.group(1).split() if a.startswith("--")]
+            message += "".join(h for h in hints if h)
+        super().error(message)
+
+
+def _examples_help(examples: str) -> str:
+    if not examples.strip():
+        return ""
+    return "examples:\n" + textwrap.indent(textwrap.dedent(examples).strip("\n"), "  ") + "\n\n"
 
 
 def _fields_help(cls: type) -> str:
@@ -48,6 +100,7 @@ def parse_args(
     shortcuts: dict[str, str] | None = None,
     repeatable: Sequence[str] = (),
     switches: dict[str, tuple[str | None, str]] | None = None,
+    examples: str = "",
 ) -> tuple[T, argparse.Namespace]:
     """Parse `--config FILE`, shortcut flags, switches and `--section.field=value` overrides into `cls`.
 
@@ -55,13 +108,14 @@ def parse_args(
     mean `--store.path=X`); names in `repeatable` may be given several times and set a list field.
     `switches` are flags without a value, shown in the usage line: name -> (the bool field it sets to
     true, or None for one that is no config field, read from the namespace; its help).
+    `examples`: command lines, shown first in --help's epilog (a docstring's indented block).
     Returns the config and the parsed namespace (for switches that are not config fields, e.g. --offline).
     """
     shortcuts = shortcuts or {}
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=prog,
         description=description,
-        epilog=_fields_help(cls),
+        epilog=_examples_help(examples) + _fields_help(cls),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file with the run's configuration")
@@ -77,13 +131,17 @@ def parse_args(
 
 def _parse(parser, cls, argv, shortcuts, repeatable, switches):
     args, rest = parser.parse_known_args(argv)
+    sections = {f.name for f in dataclasses.fields(cls)}
     overrides, i = [], 0
     while i < len(rest):  # accept both `--a.b=v` and `--a.b v`
         item = rest[i]
         if item.startswith("--") and "=" not in item and "." in item and i + 1 < len(rest):
             item, i = f"{item}={rest[i + 1]}", i + 1
-        if not (item.startswith("--") and "=" in item):
-            parser.error(f"unrecognized argument '{item}'; config fields are set as --section.field=value")
+        key = item[2:].split("=", 1)[0]
+        if not (item.startswith("--") and "=" in item) or ("." not in key and key not in sections):
+            # no config field (`--confg x`, `--dryrun`, `--stor=x`): most likely a mistyped option
+            parser.unknown_argument(item, "; config fields are set as --section.field=value",
+                                    [f"--{k}" for k, _, _, _ in iter_fields(cls)])
         overrides.append(item)
         i += 1
     for flag, key in shortcuts.items():
@@ -162,6 +220,45 @@ def progress_bar(iterable: Any = None, *, enabled: bool = True, **kwargs: Any) -
     return tqdm(iterable, disable=None if enabled else True, **kwargs)
 
 
+class RateBar:
+    """A `progress_bar` of things done (samples, turns) with the rate of tokens they make, for a job
+    of ranks (drawn where `enabled`: rank 0; on a terminal only). It counts whether it draws or not.
+
+        with RateBar(total, unit="sample", desc="precompute", enabled=ranks.main) as bar:
+            bar.update(done=8, tokens=4096)      # or bar.add_tokens(n) as they come, bar.update(1)
+    """
+
+    def __init__(self, total: int, *, unit: str, desc: str, enabled: bool = True,
+                 rate: str = "tok/s", note: Callable[[], str] | None = None):
+        self.total, self.unit, self.desc, self.enabled = total, unit, desc, enabled
+        self.rate, self.note = rate, note  # the rate's name; `note()`: more text after it
+        self.bar: Any = None
+        self.done = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> "RateBar":
+        if self.enabled:
+            self.bar = progress_bar(total=self.total, unit=self.unit, desc=self.desc,
+                                    dynamic_ncols=True)
+        return self
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+    def update(self, done: int, tokens: int = 0) -> None:
+        self.done += done
+        self.tokens += tokens
+        if self.bar is not None:
+            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
+            note = f", {self.note()}" if self.note is not None else ""
+            self.bar.set_postfix_str(f"{rate:,.0f} {self.rate}{note}", refresh=False)
+            self.bar.update(done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def library_bars_follow_the_terminal() -> None:
     """The bars of transformers and huggingface_hub (e.g. 'Loading weights') follow `progress_bar`'s
     rule: none when stderr is not a terminal. The environment variable covers libraries imported later."""
@@ -226,10 +323,12 @@ def run_record(cfg: Any) -> dict[str, Any]:
             "argv": sys.argv}
 
 
-def write_run_record(directory: str | Path, cfg: Any, name: str = "run") -> None:
-    """Write `<name>.toml` (the resolved config, loadable with --config) and `<name>.json` (versions)."""
+def write_run_record(directory: str | Path, cfg: Any, name: str = "run",
+                     extra: dict[str, Any] | None = None) -> None:
+    """Write `<name>.toml` (the resolved config, loadable with --config) and `<name>.json`
+    (versions, and `extra`: what else the stage records, e.g. a training run's resumes)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    record = run_record(cfg)
+    record = {**run_record(cfg), **(extra or {})}
     atomic_write_text(directory / f"{name}.toml", tomli_w.dumps(record["config"]))
     atomic_write_text(directory / f"{name}.json", json.dumps(record, indent=2, default=str))

@@ -6,7 +6,7 @@ the command line sets any of them last. Help text comes from each field's `help`
 `--help`, the generated configuration reference (docs/config.md) and the code cannot drift apart.
 
     @dataclass(frozen=True)
-    class OptimConfig:
+    class OptimSection:
         lr: float = option(6e-4, "Peak learning rate of AdamW.")
 
     cfg = load_config(TrainConfig, "configs/tiny.toml", ["--optim.lr=3e-4"])
@@ -18,6 +18,7 @@ sentence that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import tomllib
 import types
@@ -39,6 +40,36 @@ class UnknownKeyError(ConfigError):
         super().__init__(message)
         self.key = key
         self.known = known
+
+
+def closest(word: str, candidates: typing.Iterable[str]) -> str | None:
+    """The candidate a mistyped `word` most likely meant (difflib's ratio >= 0.6), or None."""
+    found = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def did_you_mean(word: str, candidates: typing.Iterable[str], quote: str = "'") -> str:
+    """' (did you mean 'x'?)' for the closest candidate, or '' when none is close."""
+    match = closest(word, candidates)
+    return f" (did you mean {quote}{match}{quote}?)" if match else ""
+
+
+def corrected_key(cls: type, dotted: str) -> str | None:
+    """`dotted` with each unknown part replaced by the closest key of its section (`optm.lrr` ->
+    `optim.lr`), if every part finds one; None when none is needed or some part finds none."""
+    parts, out, node = dotted.split("."), [], cls
+    for part in parts:
+        if node is None:
+            return None
+        names = {f.name: f for f in dataclasses.fields(node)}
+        name = part if part in names else closest(part, names)
+        if name is None:
+            return None
+        out.append(name)
+        tp = _hints(node)[name]
+        node = tp if _is_section(tp) else None
+    fixed = ".".join(out)
+    return fixed if fixed != dotted else None
 
 
 def option(default: Any, help: str, **kwargs: Any) -> Any:
@@ -154,8 +185,9 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key in data:
         if key not in names:
             where = f"section [{prefix.rstrip('.')}]" if prefix else "the top level"
+            hint, known = did_you_mean(key, names), ", ".join(sorted(names))
             raise UnknownKeyError(
-                f"Unknown config key '{prefix}{key}' in {where}; known keys: {', '.join(sorted(names))}.",
+                f"Unknown config key '{prefix}{key}' in {where}{hint}; known keys: {known}.",
                 prefix + key, sorted(names))
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -247,15 +279,30 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: typing.
     try:
         return from_dict(cls, data)
     except UnknownKeyError as e:
-        if path is None or any(k == e.key or k.startswith(e.key + ".") for k in set_by_overrides):
+        typed = [k for k in set_by_overrides if k == e.key or k.startswith(e.key + ".")]
+        if typed:
+            raise _unknown_override(cls, typed[0], e) from e
+        if path is None:
             raise
         in_file = (f"{cls.STAGE}.{e.key}" if data is not whole else e.key)  # type: ignore[attr-defined]
         line = toml_key_line(Path(path).read_text(), in_file)
         where = f"{path}" + (f", line {line}" if line else "")
         table = in_file.rsplit(".", 1)[0] if "." in in_file else None
-        raise ConfigError(f"Unknown config key '{in_file.rsplit('.', 1)[-1]}' "
+        name = in_file.rsplit(".", 1)[-1]
+        raise ConfigError(f"Unknown config key '{name}' "
                           + (f"in table [{table}] " if table else "at the top level ")
-                          + f"of {where}; known keys there: {', '.join(e.known)}.") from e
+                          + f"of {where}{did_you_mean(name, e.known)}; known keys there: "
+                          + f"{', '.join(e.known)}.") from e
+
+
+def _unknown_override(cls: type, typed: str, error: UnknownKeyError) -> ConfigError:
+    """An unknown key set on the command line: the whole override corrected where it can be
+    (`--optm.lr` -> `--optim.lr`), else the keys of the section it goes wrong in."""
+    fixed = corrected_key(cls, typed)
+    hint = f" (did you mean --{fixed}?)" if fixed else ""
+    where = f"section [{error.key.rsplit('.', 1)[0]}]" if "." in error.key else "the top level"
+    return ConfigError(f"Unknown config key '{error.key}' in --{typed}{hint}; known keys of "
+                       f"{where}: {', '.join(error.known)}.")
 
 
 def _refuse_stage_prefix(cls: type, keys: list[str], raw_value: str) -> None:
@@ -319,3 +366,12 @@ def check(condition: bool, message: str) -> None:
     """For __post_init__: raise ConfigError(message) unless condition holds."""
     if not condition:
         raise ConfigError(message)
+
+
+def check_device(device: str, field: str, index: bool = True) -> None:
+    """For __post_init__: `device` is a name dflash_common.dist.resolve_device takes: 'auto', 'cpu',
+    'cuda' and, where `index`, 'cuda:N'."""
+    names = "'auto', 'cpu' or 'cuda[:N]'" if index else "'auto', 'cpu' or 'cuda'"
+    indexed = index and re.fullmatch(r"cuda:\d+", device) is not None
+    ok = device in ("auto", "cpu", "cuda") or indexed
+    check(ok, f"{field} = {device!r} must be {names}.")

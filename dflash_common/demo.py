@@ -12,7 +12,6 @@ the target.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_common.cli import ArgumentParser
 from dflash_common.tiny import TinySpec, build_tiny_target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def last_records(run: Path) -> tuple[dict, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="make demo", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="make demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "demo", help="where the demo writes (default: demo/)")
     out = parser.parse_args(argv).out.resolve()
     store, run, drafter, report_path = out / "store", out / "train", out / "drafter", out / "eval.json"

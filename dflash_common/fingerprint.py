@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash_common.hf import check_model_dir, read_config_json, text_fields
+
 SAMPLE_BLOCKS = 16  # blocks hashed per weight file: enough to catch any fine-tune, ~1 MiB of reads
 SAMPLE_BLOCK_BYTES = 64 * 1024
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -33,11 +35,6 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
 def _sha256_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config (multimodal checkpoints nest it under `text_config`)."""
-    return config.get("text_config") or config
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -73,12 +70,9 @@ def weights_sha256(model_dir: str | Path) -> str | None:
 
 def target_fingerprint(model_dir: str | Path, name: str | None = None) -> dict[str, Any]:
     """What identifies a target checkpoint directory (config.json + weight files)."""
-    model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory")
-    raw = config_path.read_bytes()
-    text = _text_config(json.loads(raw))
+    model_dir = check_model_dir(model_dir, "target")
+    raw = (model_dir / "config.json").read_bytes()  # hashed as stored
+    text = text_fields(json.loads(raw))
     return {
         "name": name if name is not None else model_dir.name,
         "config_sha256": hashlib.sha256(raw).hexdigest(),
@@ -103,8 +97,7 @@ def head_fingerprint(model_dir: str | Path) -> dict[str, Any]:
 
     from dflash_common.drafter.target_head import load_target_head
 
-    model_dir = Path(model_dir)
-    text = _text_config(json.loads((model_dir / "config.json").read_text()))
+    text = text_fields(read_config_json(model_dir, "target"))
     head = load_target_head(model_dir)  # as stored: no cast
     h = hashlib.sha256()
     for name, tensor in [("embed", head.embed)] + ([] if head.tied else [("lm_head", head.lm_head)]):

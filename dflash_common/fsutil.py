@@ -9,8 +9,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
+
+from dflash_common.errors import UserError
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -92,6 +95,53 @@ def os_reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def nearest_existing(path: str | Path) -> Path:
+    """`path` if it exists, else its nearest ancestor that does (where a `mkdir -p` starts)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def first_missing(path: str | Path) -> Path | None:
+    """The top directory `mkdir -p path` creates (what to remove to undo it); None if it exists."""
+    path = Path(path)
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def check_writable(path: str | Path, what: str, fix: str, *, directory: bool = True,
+                   beside: bool = False) -> None:
+    """Refuse, in one sentence, an output a job could not write, before the job does any work.
+
+    `directory=True`: the job writes inside `path` (created if missing), and with `beside` also
+    next to it (a run record, a cache); False: it creates or replaces the entry `path` itself (a
+    file, or a directory renamed into place), so its parent is what must be writable. Refused: a
+    file where a directory has to be, and a read-only filesystem, an immutable directory or missing
+    permission at the nearest existing level. That is found by creating and removing a hidden file
+    there: the mode bits do not tell (root ignores them; a read-only mount or an immutable flag
+    does not show in them)."""
+    path = Path(path)
+    places = [path] if directory else []
+    places += [path.parent] if beside or not directory else []
+    for place in dict.fromkeys(nearest_existing(p) for p in places):
+        if not place.is_dir():
+            detail = ("is a file, not a directory" if place == path
+                      else f"cannot be created: {place} is a file")
+            raise UserError(f"{what} {path} {detail}; {fix}.")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".dflash-write-check-", dir=place)
+        except OSError as e:
+            at = "" if place == path else f" at {place}"
+            reason = f"{os_reason(e)}{at}"
+            raise UserError(f"{what} {path} cannot be written ({reason}); {fix}.") from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def human_bytes(n: float) -> str:

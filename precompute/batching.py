@@ -15,8 +15,8 @@ Why right padding (and no attention mask) rather than packed variable-length seq
   benchmarks/precompute_batching.py). Right padding needs none of it.
 - Passing no attention mask keeps sdpa/flash on their causal fast paths (a mask forces the slower
   masked kernels).
-The price is the padding itself; sorting by length within a window of work units before cutting the
-batches keeps it small (benchmarks/precompute_batching.py prints the padding fraction).
+The price is the padding itself; sorting by length within a sort window of work units before
+cutting the batches keeps it small (benchmarks/precompute_batching.py prints the padding fraction).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ _SWITCHES = {"dry-run": ("run.dry_run", "print the plan and stop; writes nothing
 def parse(argv: Sequence[str] | None = None) -> PrecomputeConfig:
     """`--config FILE`, `--out STORE`, `--dry-run`, `--force` and `--section.field=value` -> the config."""
     cfg, _ = parse_args(PrecomputeConfig, sys.argv[1:] if argv is None else argv, prog="dflash-precompute",
-                        description=__doc__.split("\n\n")[0], shortcuts={"out": "store.path"}, switches=_SWITCHES)
+                        description=__doc__.split("\n\n")[0], shortcuts={"out": "store.path"},
+                        switches=_SWITCHES, examples=__doc__.split("\n\n")[1])
     return cfg
 
 

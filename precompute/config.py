@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 
 @dataclass(frozen=True)
-class TargetConfig:
+class TargetSection:
     path: str = option(
         "",
         "Local directory of the target checkpoint (config.json, safetensors weights, tokenizer). "
@@ -53,7 +53,7 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataSection:
     inputs: list[str] = option(
         [],
         "Input files, globs or directories, read in this order (each glob sorted by path): JSONL "
@@ -90,7 +90,7 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
-class StoreConfig:
+class StoreSection:
     path: str = option("", "Directory of the hidden-state store (created; a rerun resumes it).")
     dtype: Literal["bf16", "fp8_e4m3"] = option(
         "bf16", "Element type on disk: bf16 (2 bytes per value) or fp8 e4m3 with a float32 scale per token "
@@ -108,14 +108,15 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
-class BatchingConfig:
+class BatchingSection:
     token_budget: int = option(
         32768, "Padded tokens per forward batch (batch size x longest sequence in it)."
     )
     sort_window_units: int = option(
         4,
-        "Samples of this many consecutive work units are sorted by length together before batching: "
-        "larger means less padding and more host memory for states of unfinished units.",
+        "Samples of this many consecutive work units (a sort window, computed whole by one rank) "
+        "are sorted by length together before batching: larger means less padding and more host "
+        "memory for states of unfinished units.",
     )
 
     def __post_init__(self) -> None:
@@ -125,7 +126,7 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunSection:
     samples_per_unit: int = option(
         32,
         "Input records per work unit (= per shard), counted before filtering so units never depend on "
@@ -153,18 +154,21 @@ class RunConfig:
         check(self.tokenize_workers >= 0, f"run.tokenize_workers must be >= 0, got {self.tokenize_workers}.")
         check(self.writer_threads >= 1, f"run.writer_threads must be >= 1, got {self.writer_threads}.")
         check(self.queue_depth >= 1, f"run.queue_depth must be >= 1, got {self.queue_depth}.")
-        check(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-              f"run.device = {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'.")
+        check_device(self.device, "run.device")
 
 
 @dataclass(frozen=True)
 class PrecomputeConfig:
     STAGE: ClassVar[str] = "precompute"  # its table in a config file that holds several stages
-    target: TargetConfig = section(TargetConfig, "The target model and the layers captured from it.")
-    data: DataConfig = section(DataConfig, "Input conversations, chat template and length rules.")
-    store: StoreConfig = section(StoreConfig, "Where and how the hidden states are written.")
-    batching: BatchingConfig = section(BatchingConfig, "How sequences are grouped into forward batches.")
-    run: RunConfig = section(RunConfig, "Work units, devices, writer pool, disk check.")
+    target: TargetSection = section(
+        TargetSection, "The target model and the layers captured from it."
+    )
+    data: DataSection = section(DataSection, "Input conversations, chat template and length rules.")
+    store: StoreSection = section(StoreSection, "Where and how the hidden states are written.")
+    batching: BatchingSection = section(
+        BatchingSection, "How sequences are grouped into forward batches."
+    )
+    run: RunSection = section(RunSection, "Work units, devices, writer pool, disk check.")
 
     def __post_init__(self) -> None:
         check(self.batching.token_budget >= self.data.max_length,

@@ -4,7 +4,8 @@
 Reading is two cheap steps so that a rank can walk the whole input and parse only its own work units:
 `iter_raw_records` streams records (a JSONL line as bytes, a dataset row by index) with a global
 position and a stable source id (`path:line`, 1-based, or `path:index`); `parse_record` turns one into
-a `Conversation` or a `PreTokenized` sequence or raises `BadRecord(reason, detail)`.
+a `Conversation` (messages read by dflash_common/conversations.py, the reader of every stage) or a
+`PreTokenized` sequence, or raises `BadRecord(reason, detail)`.
 
 Bad input never stops the run and is never silent: every skipped record is counted by reason in a
 `SkipLog`, and the first few are reported with their file and line (in the plan). Reasons of this module:
@@ -26,28 +27,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from dflash_common.conversations import BadRecord, conversation_format, conversation_messages
 from dflash_common.errors import UserError
 
 
 # Markers of a directory written by `datasets` save_to_disk (a Dataset, or a DatasetDict of splits).
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 # A JSONL line longer than this is skipped unread (`record_too_large`): a file without newlines (a
 # JSON array, a binary) would otherwise be read whole into memory, and rendering tens of MB through a
 # chat template takes minutes, all to keep data.max_length tokens. Real records are far shorter: a
 # 128K-token conversation is ~0.5 MB.
 MAX_RECORD_BYTES = 32 << 20
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-                  "assistant": "assistant", "chatgpt": "assistant"}
-
-
-class BadRecord(ValueError):
-    """A record that cannot become a training sequence; `reason` is the counted category."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,12 +257,8 @@ def parse_record(raw: RawRecord, fmt: str = "auto", require_assistant: bool = Tr
     obj = record_object(raw)
     fmt = _detect_format(obj) if fmt == "auto" else fmt
     cut = obj.get("finish_reason") == "length"
-    if fmt == "messages":
-        turns = _messages(_field(obj, "messages"), "role", "content", None, require_assistant)
-        return Conversation(raw.source_id, turns, cut)
-    if fmt == "sharegpt":
-        turns = _messages(_field(obj, "conversations"), "from", "value", SHAREGPT_ROLES, require_assistant)
-        return Conversation(raw.source_id, turns, cut)
+    if fmt in ("messages", "sharegpt"):
+        return Conversation(raw.source_id, conversation_messages(obj, fmt, require_assistant), cut)
     return _pre_tokenized(raw.source_id, obj)
 
 
@@ -304,9 +290,9 @@ def _load_json_line(line: bytes) -> Any:
 
 
 def _detect_format(obj: dict) -> str:
-    for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"), ("input_ids", "tokenized")):
-        if key in obj:
-            return fmt
+    fmt = conversation_format(obj) or ("tokenized" if "input_ids" in obj else None)
+    if fmt is not None:
+        return fmt
     raise BadRecord("missing_field", "record has none of 'messages', 'conversations', 'input_ids'")
 
 
@@ -314,60 +300,6 @@ def _field(obj: dict, key: str) -> Any:
     if key not in obj:
         raise BadRecord("missing_field", f"record has no '{key}'")
     return obj[key]
-
-
-def _messages(turns: Any, role_key: str, text_key: str, role_map: dict[str, str] | None,
-              require_assistant: bool = True) -> list[dict]:
-    if not isinstance(turns, list):
-        raise BadRecord("wrong_field_type", f"the conversation must be a list, got {type(turns).__name__}")
-    if not turns:
-        raise BadRecord("empty_conversation", "the conversation has no turns")
-    messages = [_message(i, turn, role_key, text_key, role_map) for i, turn in enumerate(turns)]
-    if require_assistant and not any(m["role"] == "assistant" for m in messages):
-        raise BadRecord("no_assistant_turn", "no assistant turn to learn from")
-    return messages
-
-
-def _message(i: int, turn: Any, role_key: str, text_key: str, role_map: dict[str, str] | None) -> dict:
-    if not isinstance(turn, dict):
-        raise BadRecord("wrong_field_type", f"turn {i} must be an object, got {type(turn).__name__}")
-    role = turn.get(role_key)
-    if not isinstance(role, str):
-        raise BadRecord("wrong_field_type" if role_key in turn else "missing_field",
-                        f"turn {i} needs a string '{role_key}'")
-    mapped = role_map.get(role) if role_map is not None else (role if role in MESSAGE_ROLES else None)
-    if mapped is None:
-        raise BadRecord("unknown_role", f"turn {i} has role {role[:40]!r}")
-    message = {"role": mapped, "content": _content(i, turn, text_key)}
-    if isinstance(turn.get("reasoning_content"), str):
-        message["reasoning_content"] = _checked_text(i, turn["reasoning_content"])
-    if isinstance(turn.get("tool_calls"), list) and turn["tool_calls"]:
-        _checked_text(i, json.dumps(turn["tool_calls"], ensure_ascii=False))
-        message["tool_calls"] = turn["tool_calls"]
-    return message
-
-
-def _content(i: int, turn: dict, text_key: str) -> str:
-    content = turn.get(text_key)
-    if content is None and isinstance(turn.get("tool_calls"), list) and turn["tool_calls"]:
-        return ""  # an assistant turn that only calls tools
-    if isinstance(content, list):  # OpenAI content parts: text parts are joined, others refused
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise BadRecord("wrong_field_type", f"turn {i} has content parts that are not text")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise BadRecord("wrong_field_type" if text_key in turn else "missing_field",
-                        f"turn {i} needs a string '{text_key}'")
-    return _checked_text(i, content)
-
-
-def _checked_text(i: int, text: str) -> str:
-    try:  # JSON may carry lone surrogates ("\ud800") that no tokenizer can encode
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRecord("invalid_utf8", f"turn {i} holds an unpaired surrogate") from None
-    return text
 
 
 def _pre_tokenized(source_id: str, obj: dict) -> PreTokenized:

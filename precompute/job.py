@@ -1,20 +1,20 @@
 """One `dflash-precompute` job, on every rank: manifest, plan, target, pipeline, summary.
 
     rank 0 fingerprints the target, tokenizer and inputs once -> the manifest, sent to every rank
-    every rank tokenizes its windows of work units (or finds them in the token cache)
+    every rank tokenizes its sort windows of work units (or finds them in the token cache)
     the ranks' unit summaries are gathered -> the plan (samples, tokens, bytes, free space), printed
       by rank 0; rank 0 decides whether the disk is big enough, every rank obeys; --dry-run stops here
-    every rank loads the target (truncated) and runs its windows through the pipeline
+    every rank loads the target (truncated) and runs its sort windows through the pipeline
     the ranks' statistics are gathered (a barrier) -> rank 0 writes the summary into the store
 
 Distribution: one process per GPU under torchrun (LOCAL_RANK picks the GPU; NCCL on GPUs, gloo on
-CPUs), any number of nodes. Windows of `batching.sort_window_units` units go round-robin to the
+CPUs), any number of nodes. Sort windows of `batching.sort_window_units` units go round-robin to the
 ranks (precompute/units.py), so the set of shards, their names and their bytes do not depend on the
 number of ranks.
 
 Resume: a unit whose shard is published is done, and so is a unit whose records were all skipped
 (it has no sequences, hence no shard; the summary lists it under `empty_units`, and every rerun
-knows it from the token cache without running anything). A window is computed when any of its
+knows it from the token cache without running anything). A sort window is computed when any of its
 units is not done, and then whole, so that its batches, and therefore the bits of the units it
 writes, are those of an uninterrupted run; units already published are not written again. A job
 killed at any point resumes by running the same command.
@@ -26,135 +26,63 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import os
+import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
-from dflash_common.cli import progress_bar, write_run_record
-
+from dflash_common.cli import RateBar, write_run_record
+from dflash_common.dirlock import LOCK_FILE, hold_directory
+from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
-from dflash_common.dirlock import hold_directory
 from dflash_common.fingerprint import dataset_fingerprint, head_fingerprint, target_fingerprint
-from dflash_common.fsutil import human_bytes, is_disk_full, os_reason
+from dflash_common.fsutil import check_writable, first_missing, human_bytes
+from dflash_common.hf import load_text_config
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
+from dflash_common.store.contents import disk_bytes, precompute_record
 from dflash_common.store.format import read_root_attributes
+from dflash_common.store.writer import check_store_place
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
-from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_windows
+from precompute.pipeline import Pipeline, PipelineStats, UnitWork, run_sort_windows
 from precompute.plan import Plan, check_disk, check_samples, make_plan, state_key, unit_shard_name
-from precompute.target import load_target, read_text_config, resolve_device, resolve_layer_ids
+from precompute.target import load_target, resolve_layer_ids
 from precompute.tokenizing import (
     TOKENIZE_VERSION, TokenCache, UnitSummary, tokenize_units, tokenizer_identity,
 )
 
 log = logging.getLogger("dflash")
 
-# The last collective waits for the slowest rank's last window; a failed rank ends the job through
-# torchrun long before, so a long timeout costs nothing.
-_COLLECTIVE_TIMEOUT = datetime.timedelta(hours=24)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ranks:
-    """This process's place in the job (world 1 without torchrun)."""
-
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank."""
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def from_main(self, fn: Callable[[], Any]) -> Any:
-        """Rank 0 runs `fn`; every rank returns its result or raises its error."""
-        if self.world == 1:
-            return fn()
-        box: list[Any] = [None]
-        if self.main:
-            try:
-                box[0] = (True, fn())
-            except Exception as e:  # noqa: BLE001 - raised on every rank below
-                box[0] = (False, e)
-        dist.broadcast_object_list(box, src=0)
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
-
-    def finished(self) -> None:
-        """Every rank's work is done: wait for the others, so that no rank tears its process group down
-        while another still talks to it (seen under gloo: the other rank aborted after its work, "terminate
-        called without an active exception", exit -6). Not on an error path: a rank that failed must not
-        wait for ranks still working."""
-        if self.world > 1 and dist.is_initialized():
-            dist.barrier()
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def start_ranks(device_choice: str) -> Ranks:
-    """Join torchrun's process group if there is one; pick this rank's device."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = resolve_device(device_choice)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        cuda = device.type == "cuda"
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=_COLLECTIVE_TIMEOUT,
-                                device_id=device if cuda else None)
-    return Ranks(rank, world, device)
-
-
 def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
-    ranks = start_ranks(cfg.run.device)
-    try:
-        with contextlib.ExitStack() as stack:
-            hold = StoreHold(stack)
-            ranks.from_main(lambda: hold.take(cfg, existing_only=True))
-            store = _run(cfg, ranks, hold)
-            ranks.finished()
-            return store
-    except UserError:
-        raise
-    except Exception as e:  # a full disk outside the shard writer: token cache, run record, summary
-        if not is_disk_full(e):
-            raise
-        raise UserError(f"the filesystem of {cfg.store.path} is full ({os_reason(e)}); free space and rerun the "
-                        "same command: published shards are kept and the job resumes.") from e
-    finally:
-        ranks.close()
+    check_store_outputs(cfg)
+    full = (lambda why: f"the filesystem of {cfg.store.path} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes.")
+    with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks, \
+            contextlib.ExitStack() as stack:
+        hold = StoreHold(stack)
+        ranks.from_main(lambda: hold.take(cfg, existing_only=True))
+        return _run(cfg, ranks, hold)
 
 
 @dataclasses.dataclass
 class StoreHold:
     """Rank 0's hold on the store for the rest of the job (its other ranks share it): a second job
     into the store is refused before it writes anything. An existing store is held from the start,
-    a new one from just before it is created (a refused or dry run leaves no directory behind)."""
+    a new one (or an empty directory) from just before it is created (a refused or dry run leaves
+    nothing behind)."""
 
     stack: contextlib.ExitStack
     held: bool = False
 
     def take(self, cfg: PrecomputeConfig, existing_only: bool = False) -> None:
         path = _store_path(cfg)
+        # early, only a store (or one being made) is held: no lock file lands in a user's directory
+        begun = (path / "zarr.json").is_file() or (path / LOCK_FILE).is_file()
         if self.held or cfg.run.dry_run or (path.exists() and not path.is_dir()) or \
-                (existing_only and not path.is_dir()):
+                (existing_only and not begun):
             return  # a dry run writes nothing; a file: create_or_open says so
         self.stack.enter_context(hold_directory(path, "store", "wait for that dflash-precompute to end (or stop "
                                                 "it), then rerun this command: it resumes"))
@@ -164,26 +92,32 @@ class StoreHold:
 def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
     started = time.perf_counter()
     store_path = _store_path(cfg)
-    text_config = read_text_config(_target_path(cfg))
+    text_config = load_text_config(_target_path(cfg))  # read once, passed on
     layer_ids = resolve_layer_ids(cfg.target.layer_ids, text_config.num_hidden_layers)
     sources = resolve_inputs(cfg.data.inputs)
-    manifest = ranks.from_main(lambda: adopt_stored_identity(
-        store_path, build_manifest(cfg, sources, layer_ids, text_config.hidden_size)))
+    manifest, fresh_cache = ranks.from_main(
+        lambda: identity(cfg, store_path, sources, layer_ids, text_config.hidden_size))
+    check_store_place(store_path)  # a file or another directory: refused before any work
     if (store_path / "zarr.json").is_file():
         StoreWriter.create_or_open(store_path, manifest)  # refuses a store made otherwise, before any work
-    plan, mine = make_job_plan(cfg, ranks, sources, manifest)
-    if ranks.main:
-        print(plan.format(), flush=True)
-    ranks.from_main(lambda: check_samples(plan, ", ".join(cfg.data.inputs)))
-    ranks.from_main(lambda: check_disk(plan, cfg.run.force))
+    try:
+        plan, mine = make_job_plan(cfg, ranks, sources, manifest, text_config.vocab_size)
+        if ranks.main:
+            print(plan.format(), flush=True)
+        ranks.from_main(lambda: check_samples(plan, ", ".join(cfg.data.inputs)))
+        ranks.from_main(lambda: check_disk(plan, cfg.run.force))
+    except UserError:
+        if ranks.main and fresh_cache is not None:  # a refused run leaves nothing it created
+            shutil.rmtree(fresh_cache, ignore_errors=True)
+        raise
     if cfg.run.dry_run:
         return store_path
     ranks.from_main(lambda: hold.take(cfg))  # a new store: from here on
     writer = StoreWriter.create_or_open(store_path, manifest)
     if ranks.main:
-        write_run_record(store_path.parent, cfg, name=f"{store_path.name}.precompute")
+        write_run_record(store_path.parent, cfg, name=precompute_record(store_path).stem)
     planned = time.perf_counter()
-    stats, load_s = _compute(cfg, ranks, layer_ids, writer, mine)
+    stats, load_s = _compute(cfg, ranks, text_config, layer_ids, writer, mine)
     done = time.perf_counter()
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
@@ -192,8 +126,30 @@ def _run(cfg: PrecomputeConfig, ranks: Ranks, hold: StoreHold) -> Path:
                    "forward_write": done - planned - load_s - stats.setup_s, "total": done - started}
         summary = make_summary(plan, everyone, timings, Store.open(store_path).summary, ranks.world)
         writer.write_summary(summary)
-        print(format_summary(summary), flush=True)
+        print(format_summary(summary, disk_bytes(store_path)), flush=True)
     return store_path
+
+
+def check_store_outputs(cfg: PrecomputeConfig) -> None:
+    """The store, what is written beside it (the run record, the token cache) and run.cache_dir must
+    be writable: one sentence before any work, a dry run included (its plan must not call a place it
+    cannot write 'enough')."""
+    fix = "pass --out a new directory or a dflash store, on a writable filesystem"
+    check_writable(_store_path(cfg), "store.path", fix, beside=True)
+    if cfg.run.cache_dir:
+        check_writable(cfg.run.cache_dir, "run.cache_dir",
+                       "pass a writable directory, or leave it unset")
+
+
+def identity(cfg: PrecomputeConfig, store_path: Path, sources: list[Source], layer_ids: list[int],
+             hidden_size: int) -> tuple[StoreManifest, Path | None]:
+    """Rank 0: the store's manifest, and the top directory of the token cache this run will create
+    (None when it exists), found before any rank can write the cache."""
+    manifest = build_manifest(cfg, sources, layer_ids, hidden_size)
+    manifest = adopt_stored_identity(store_path, manifest)
+    tokenizer = {"tokenizer": manifest.tokenizer,
+                 "chat_template_sha256": manifest.chat_template_sha256}
+    return manifest, first_missing(TokenCache.for_config(cfg, sources, tokenizer).root)
 
 
 def _store_path(cfg: PrecomputeConfig) -> Path:
@@ -270,14 +226,15 @@ class RankUnits:
 
 
 def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
-                  manifest: StoreManifest) -> tuple[Plan, RankUnits]:
+                  manifest: StoreManifest, vocab_size: int) -> tuple[Plan, RankUnits]:
     """Tokenize this rank's units (once: the token cache), find the published ones, and gather the
-    plan of the whole job from every rank."""
+    plan of the whole job from every rank. `vocab_size`: the target's embedding rows."""
     cache = TokenCache.for_config(cfg, sources, {"tokenizer": manifest.tokenizer,
                                                  "chat_template_sha256": manifest.chat_template_sha256})
     reader_skips = SkipLog(cfg.data.report_first)
     summaries, records = tokenize_units(cfg, sources, cache, ranks.rank, ranks.world, reader_skips,
-                                        write_cache=not cfg.run.dry_run)  # a dry run writes nothing
+                                        write_cache=not cfg.run.dry_run,  # a dry run writes nothing
+                                        vocab_size=vocab_size)
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
     # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
@@ -286,12 +243,15 @@ def make_job_plan(cfg: PrecomputeConfig, ranks: Ranks, sources: list[Source],
     committed = {u for u, name in names.items() if name in published}
     gathered = ranks.gather((summaries, committed, reader_skips.to_dict(), other_copies(names, published)))
     refuse_other_copies(cfg.store.path, [c for part in gathered for c in part[3]])  # every rank, the same sentence
-    plan = make_plan([s for part, _, _, _ in gathered for s in part], records,
+    everyone = [s for part, _, _, _ in gathered for s in part]
+    plan = make_plan(everyone, records,
                      samples_per_unit=cfg.run.samples_per_unit, hidden_size=manifest.hidden_size,
                      layer_ids=list(manifest.layer_ids), store_dtype=manifest.dtype, store_path=cfg.store.path,
                      committed=set().union(*(c for _, c, _, _ in gathered)), report_first=cfg.data.report_first,
                      reader_skips=SkipLog.from_dict(gathered[0][2], cfg.data.report_first),  # read by every rank
-                     final_state=manifest.final_state)
+                     final_state=manifest.final_state,
+                     shards=[unit_shard_name(s.index, s.digest, state)
+                             for s in everyone if s.samples])
     return plan, RankUnits(summaries, names, committed, cache)
 
 
@@ -315,45 +275,50 @@ def refuse_other_copies(store: str, copies: list[tuple[int, str, str]]) -> None:
 # ---------------------------------------------------------------------------------------- compute
 
 
-def my_windows(units: RankUnits, window_size: int) -> list[list[int]]:
-    """This rank's windows (unit indices) that hold a unit still to write."""
-    windows: dict[int, list[int]] = {}
+def my_sort_windows(units: RankUnits, units_per_sort_window: int) -> list[list[int]]:
+    """This rank's sort windows (unit indices) that hold a unit still to write."""
+    sort_windows: dict[int, list[int]] = {}
     for s in units.summaries:
-        windows.setdefault(s.index // window_size, []).append(s.index)
+        sort_windows.setdefault(s.index // units_per_sort_window, []).append(s.index)
     todo = lambda u: u in units.names and u not in units.committed  # noqa: E731
-    return [w for _, w in sorted(windows.items()) if any(todo(u) for u in w)]
+    return [w for _, w in sorted(sort_windows.items()) if any(todo(u) for u in w)]
 
 
-def _load_windows(units: RankUnits, windows: list[list[int]]) -> Iterator[list[UnitWork]]:
-    """Each window's units from the token cache, loaded when the window comes up."""
-    for window in windows:
+def _load_sort_windows(units: RankUnits, sort_windows: list[list[int]]) -> Iterator[list[UnitWork]]:
+    """Each sort window's units from the token cache, loaded when the sort window comes up."""
+    for sort_window in sort_windows:
         yield [UnitWork(units.cache.load(u), None if u in units.committed else units.names.get(u))
-               for u in window]
+               for u in sort_window]
 
 
-def _compute(cfg: PrecomputeConfig, ranks: Ranks, layer_ids: list[int], writer: StoreWriter,
-             units: RankUnits) -> tuple[PipelineStats, float]:
-    """Load the target and run this rank's windows -> (statistics, seconds spent loading)."""
-    windows = my_windows(units, cfg.batching.sort_window_units)
+def _compute(cfg: PrecomputeConfig, ranks: Ranks, text_config: Any, layer_ids: list[int],
+             writer: StoreWriter, units: RankUnits) -> tuple[PipelineStats, float]:
+    """Load the target and run this rank's sort windows -> (statistics, seconds spent loading)."""
+    sort_windows = my_sort_windows(units, cfg.batching.sort_window_units)
     samples = {s.index: s.samples for s in units.summaries}
-    total = sum(samples[u] for w in windows for u in w)
-    log.info("%d windows of %d work units to compute (%d samples); %d units of this rank already in the store",
-             len(windows), sum(len(w) for w in windows), total, len(units.committed))
-    if not windows:
+    total = sum(samples[u] for w in sort_windows for u in w)
+    log.info("%d sort windows of %d work units to compute (%d samples); %d units of this rank "
+             "already in the store", len(sort_windows), sum(len(w) for w in sort_windows), total,
+             len(units.committed))
+    if not sort_windows:
         return PipelineStats(), 0.0  # nothing left here: the target is not even loaded
     started = time.perf_counter()
     target = load_target(cfg.target.path, layer_ids, dtype=cfg.target.dtype,
                          attn_implementation=cfg.target.attn_implementation, device=ranks.device,
-                         final_state=cfg.store.final_state, compile=cfg.target.compile)
+                         final_state=cfg.store.final_state, compile=cfg.target.compile,
+                         text_config=text_config)
     load_s = time.perf_counter() - started
     with _cpu_core_for_writers(ranks.device), \
             Pipeline.start(writer, device=ranks.device, capacity_tokens=cfg.batching.token_budget,
                            writer_threads=cfg.run.writer_threads, queue_depth=cfg.run.queue_depth) as pipe, \
-            ProgressBar(total, pipe, ranks, cfg.run.progress) as on_batch:
-        run_windows(target, _load_windows(units, windows), pipe, cfg.batching.token_budget, on_batch)
-    log.info("%d shards written (%s on disk) from %s tokens in %d batches; waited %.1f s for the disk",
-             pipe.stats.units_written, human_bytes(pipe.stats.bytes_written), f"{pipe.stats.tokens:,}",
-             pipe.stats.batches, pipe.stats.wait_s)
+            RateBar(total, unit="sample", desc=ranks.label("precompute"),
+                    enabled=cfg.run.progress and ranks.main,
+                    note=lambda: f"{human_bytes(pipe.stats.bytes_written)} written") as bar:
+        run_sort_windows(target, _load_sort_windows(units, sort_windows), pipe,
+                         cfg.batching.token_budget, bar.update)
+    log.info("%d shards written from %s tokens in %d batches; waited %.1f s for the disk",
+             pipe.stats.units_written, f"{pipe.stats.tokens:,}", pipe.stats.batches,
+             pipe.stats.wait_s)
     return pipe.stats, load_s
 
 
@@ -370,37 +335,6 @@ def _cpu_core_for_writers(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-class ProgressBar:
-    """tqdm on rank 0, on a terminal only: samples, tokens/s and bytes written by this rank, ETA."""
-
-    def __init__(self, total: int, pipe: Pipeline, ranks: Ranks, enabled: bool):
-        self.total = total
-        self.pipe = pipe
-        self.ranks = ranks
-        self.enabled = enabled and ranks.main
-        self.bar = None
-        self.tokens = 0
-        self.started = time.perf_counter()
-
-    def __enter__(self) -> Callable[[int, int], None]:
-        if self.enabled:
-            desc = "precompute" if self.ranks.world == 1 else f"precompute, rank 0 of {self.ranks.world}"
-            self.bar = progress_bar(total=self.total, unit="sample", desc=desc, dynamic_ncols=True)
-        return self.update
-
-    def update(self, sequences: int, tokens: int) -> None:
-        self.tokens += tokens
-        if self.bar is not None:
-            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
-            self.bar.set_postfix_str(f"{rate:,.0f} tok/s, {human_bytes(self.pipe.stats.bytes_written)} written",
-                                     refresh=False)
-            self.bar.update(sequences)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------- summary
@@ -426,7 +360,8 @@ def make_summary(plan: Plan, stats: list[PipelineStats], timings: dict[str, floa
     runs = list((previous or {}).get("runs", [])) + [this_run]
     return {"records": plan.records, "units": plan.units, "samples": plan.samples, "tokens": plan.tokens,
             "response_tokens": plan.response_tokens, "truncated": plan.truncated, "skips": plan.skips.to_dict(),
-            "empty_units": plan.empty_units, "bytes_projected": plan.bytes_total, "runs": runs}
+            "empty_units": plan.empty_units, "shards": list(plan.shards),
+            "bytes_projected": plan.bytes_total, "runs": runs}
 
 
 def _elsewhere(run: dict[str, Any]) -> str:
@@ -434,7 +369,9 @@ def _elsewhere(run: dict[str, Any]) -> str:
     return f", {n:,} published meanwhile by another job (its copy kept)" if n else ""
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def format_summary(summary: dict[str, Any], disk: int | None = None) -> str:
+    """The summary's lines; `disk`, the store's bytes on disk (contents.disk_bytes, the size
+    `dflash-store info` prints), once the summary is written."""
     run = summary["runs"][-1]
     skips = ", ".join(f"{k} {v:,}" for k, v in summary["skips"]["counts"].items()) or "none"
     s = run["seconds"]
@@ -442,14 +379,19 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in {summary['units']:,} work units "
         f"({len(summary['empty_units']):,} without a sequence)",
         f"  skipped records: {skips}; truncated {summary['truncated']:,}",
-        f"  this run: {run['units_written']:,} shards written ({human_bytes(run['bytes_written'])} on disk), "
+        f"  this run: {run['units_written']:,} shards written, "
         f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
         f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s "
         f"on {run['world_size']} rank(s)",
         f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
         f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
         f"{run['disk_wait_s_max_rank']:.1f} s" + _gpu_idle(run),
-    ])
+    ] + ([] if disk is None else [_store_line(summary, disk)]))
+
+
+def _store_line(summary: dict[str, Any], disk: int) -> str:
+    return (f"  store: {len(summary['shards']):,} shards, {human_bytes(disk)} on disk ({disk:,} B, "
+            "as dflash-store info counts it)")
 
 
 def _gpu_idle(run: dict[str, Any]) -> str:

@@ -16,19 +16,19 @@ Back-pressure instead of unbounded RAM: the main thread takes a free staging buf
 tokens: torch's pinned allocator would round every request up to a power of two), the collector
 blocks when `run.queue_depth` finished units wait for the `run.writer_threads` writers, and so the
 GPU waits only when the disk cannot keep up (`PipelineStats.wait_s` measures it). Host memory per
-rank, counted in work units' states: at most (STAGING_BUFFERS + 2) windows (the one being computed,
-the one whose last batch waits for its copy, and those whose last batches are still in staging
-buffers) + queue_depth + writer_threads, plus the staging buffers themselves
+rank, counted in work units' states: at most (STAGING_BUFFERS + 2) sort windows (the one being
+computed, the one whose last batch waits for its copy, and those whose last batches are still in
+staging buffers) + queue_depth + writer_threads, plus the staging buffers themselves
 (`PipelineStats.max_units_in_memory` reports the peak).
 
 A batch's copy to the host is queued only after the next batch's forward has been launched. The
 model reads a flag back from the GPU at the start of every forward (transformers' packed-sequence
 check, one small device-to-host copy and a sync). Queued behind a batch's states (~0.6 GB in bf16,
-~11 ms on an H200; most likely both copies share a copy engine), that small copy waited for them
-while the GPU had nothing else queued: one gap as long as the copy, every batch. Queued after the
+~11 ms on an H200; most likely both copies share a copy engine), that small copy would wait for them
+while the GPU has nothing else queued: one gap as long as the copy, every batch. Queued after the
 launch, the states travel while the next forward computes (measured on an H200, docs/benchmarks.md
 "Precompute": gaps of >= 1 ms in the GPU's work 25 (288 ms) -> 3 (4 ms) a run, GPU busy 96% -> 99%).
-The cost is GPU memory: a batch's encoded states (~0.6 GB in bf16 at a 16K-token budget) now stay on
+The cost is GPU memory: a batch's encoded states (~0.6 GB in bf16 at a 16K-token budget) stay on
 the GPU until their copy ends, early in the next forward, instead of being freed before it starts.
 
 On a CPU the same code runs without streams or events: the copies are plain copies.
@@ -76,8 +76,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 
 @dataclasses.dataclass(frozen=True)
 class UnitWork:
-    """A unit of a window: its tokens, and the shard name when it is to be written (None: it is
-    only computed so that the window's batches are the same as in a run that writes it)."""
+    """A unit of a sort window: its tokens, and the shard name when it is to be written (None: it
+    is only computed so that the sort window's batches are the same as in a run that writes it)."""
 
     unit: TokenizedUnit
     name: str | None
@@ -160,9 +160,11 @@ class _Assembly:
                             sample_ids=u.sample_ids, layers=layers, final=final)
 
 
-def window_batches(units: Sequence[TokenizedUnit], token_budget: int) -> list[list[tuple[int, int]]]:
-    """The window's batches as (unit position in the window, sample) pairs (precompute/batching.py:
-    sorted by length, longest first, within the token budget). Depends on the window's content only."""
+def sort_window_batches(units: Sequence[TokenizedUnit],
+                        token_budget: int) -> list[list[tuple[int, int]]]:
+    """A sort window's batches as (unit position in the sort window, sample) pairs
+    (precompute/batching.py: sorted by length, longest first, within the token budget). Depends on
+    the sort window's content only."""
     seqs = [(u, n) for u, unit in enumerate(units) for n in range(unit.num_samples)]
     lengths = [int(units[u].offsets[n + 1] - units[u].offsets[n]) for u, n in seqs]
     return [[seqs[i] for i in batch] for batch in plan_batches(lengths, token_budget)]
@@ -188,8 +190,8 @@ class Pipeline:
         stats = pipe.stats                           # after the with block: all shards written
     """
 
-    # False: each batch's copy is queued as soon as it is encoded, before the next forward (the
-    # order before 2026-12-04, kept for `benchmarks/precompute.py --copy-order`, which times both)
+    # False: each batch's copy is queued as soon as it is encoded, before the next forward; kept so
+    # that `benchmarks/precompute.py --copy-order` can time both orders
     copy_after_next_forward = True
 
     def __init__(self, writer: StoreWriter, layer_ids: list[int], device: torch.device, staging: list[_Staging],
@@ -459,8 +461,8 @@ def _allocate_staging(layers: int, hidden: int, dtype: str, capacity: int, pin: 
     """One page-aligned host buffer: per layer [capacity, H] stored bits (+ float32 [capacity] scales)."""
     item = storage_numpy_dtype(dtype)
     fp8 = dtype == "fp8_e4m3"
-    region = _aligned(capacity * hidden * item.itemsize)
-    scale_region = _aligned(capacity * 4) if fp8 else 0
+    region = _page_aligned(capacity * hidden * item.itemsize)
+    scale_region = _page_aligned(capacity * 4) if fp8 else 0
     total = layers * (region + scale_region)
     backing = torch.empty(total + _PAGE, dtype=torch.uint8)
     start = -backing.data_ptr() % _PAGE  # malloc aligns to 64 bytes, registration pins whole pages
@@ -503,7 +505,7 @@ def _release_staging(staging: _Staging) -> None:
         staging.pinned = False
 
 
-def _aligned(n: int) -> int:
+def _page_aligned(n: int) -> int:
     return -(-n // _PAGE) * _PAGE
 
 
@@ -551,16 +553,18 @@ class GpuClock:
         stats.gpu_idle_s += max(0.0, span - busy)
 
 
-def run_windows(target, windows: Iterable[list[UnitWork]], pipe: Pipeline, token_budget: int,
-                on_batch: Callable[[int, int], None] = lambda sequences, tokens: None) -> None:
-    """Forward every window's batches through `target` (a CapturedTarget) into `pipe`. Units with a
-    name are assembled and written; the others only run (so the batches match a full run)."""
+def run_sort_windows(target, sort_windows: Iterable[list[UnitWork]], pipe: Pipeline,
+                     token_budget: int,
+                     on_batch: Callable[[int, int], None] = lambda sequences, tokens: None) -> None:
+    """Forward every sort window's batches through `target` (a CapturedTarget) into `pipe`. Units
+    with a name are assembled and written; the others only run (so the batches match a full run)."""
     device, clock = target.device, GpuClock(target.device)
     with torch.inference_mode():
-        for window in windows:
-            units = [w.unit for w in window]
-            assemblies = {u: pipe.assembly(w) for u, w in enumerate(window) if w.name is not None}
-            for batch in window_batches(units, token_budget):
+        for sort_window in sort_windows:
+            units = [w.unit for w in sort_window]
+            assemblies = {u: pipe.assembly(w) for u, w in enumerate(sort_window)
+                          if w.name is not None}
+            for batch in sort_window_batches(units, token_budget):
                 seqs = [units[u].input_ids[units[u].offsets[n]: units[u].offsets[n + 1]] for u, n in batch]
                 ids = to_device(pad_right(seqs, pad_id=0), device)  # [B, S]; pads are never kept
                 pieces = [_Piece(assemblies[u], n, row, len(seqs[row]))

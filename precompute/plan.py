@@ -49,7 +49,8 @@ def state_key(target: Any, layer_ids: list[int], cfg: PrecomputeConfig) -> str:
     the target's fingerprint (the manifest's `target`)."""
     key = {"target": target, "layer_ids": sorted(layer_ids), "dtype": cfg.target.dtype,
            "attn_implementation": cfg.target.attn_implementation, "store_dtype": cfg.store.dtype}
-    if cfg.store.final_state:  # only when set: the names of stores without final states stay as they were
+    # only when set, so a store without final states names its shards as if the option did not exist
+    if cfg.store.final_state:
         key["final_state"] = True
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
@@ -89,6 +90,9 @@ class Plan:
     bytes_total: int
     free_bytes: int
     final_state: bool = False  # one more [T, H] array per shard: the final normed state
+    # every shard the finished store holds (units with sequences): the summary lists them, so a
+    # shard lost later is named by verify, info and train
+    shards: tuple[str, ...] = ()
 
     @property
     def state_arrays(self) -> int:
@@ -129,9 +133,11 @@ class Plan:
 
 def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: int, hidden_size: int,
               layer_ids: list[int], store_dtype: str, store_path: str, committed: Collection[int] = (),
-              report_first: int = 5, reader_skips: SkipLog | None = None, final_state: bool = False) -> Plan:
+              report_first: int = 5, reader_skips: SkipLog | None = None, final_state: bool = False,
+              shards: Collection[str] = ()) -> Plan:
     """The plan from the unit summaries of all ranks; `committed` holds units the store already has,
-    `reader_skips` the files that could not be read to their end (tokenize_units)."""
+    `reader_skips` the files that could not be read to their end (tokenize_units), `shards` the
+    names of all units' shards."""
     arrays = len(layer_ids) + (1 if final_state else 0)  # state arrays per token
     skips, per = SkipLog(report_first), bytes_per_token(hidden_size, arrays, store_dtype)
     for s in sorted(summaries, key=lambda s: s.index):
@@ -148,7 +154,7 @@ def make_plan(summaries: list[UnitSummary], records: int, *, samples_per_unit: i
         committed_units=len(committed), empty_units=sorted(s.index for s in summaries if s.samples == 0),
         bytes_total=sum(size.values()),
         bytes_to_write=sum(v for u, v in size.items() if u not in committed),
-        free_bytes=free_space(store_path), final_state=final_state,
+        free_bytes=free_space(store_path), final_state=final_state, shards=tuple(sorted(shards)),
     )
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,28 +28,15 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from dflash_common.errors import UserError
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
+from dflash_common.errors import UserError
+from dflash_common.hf import load_text_config, torch_dtype
 
 log = logging.getLogger("dflash")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 _LAYER_LIST_NAMES = ("layers", "h")
 FINAL = "final"  # key of the final normed state beside the layer ids (CapturedTarget.state_keys)
-
-
-def read_text_config(path: str | Path) -> Any:
-    """The target's (text) config from `path`/config.json, without loading weights."""
-    from transformers import AutoConfig
-
-    if not (Path(path) / "config.json").is_file():
-        raise UserError(f"target.path {path} has no config.json; point it at a local checkpoint directory "
-                        f"(the demo's tiny target is built with `python -m dflash_common.tiny {path}`).")
-    try:
-        return AutoConfig.from_pretrained(path).get_text_config()
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"target.path {path}: transformers cannot read its config.json ({e}).") from e
 
 
 def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
@@ -73,19 +59,6 @@ def truncated_config(text_config: Any, num_layers: int) -> Any:
     cut.num_hidden_layers = num_layers
     cut.use_cache = False
     return cut
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; 'cuda' without an
-    index is this rank's GPU too (a device with an index: streams and set_device need one)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"run.device = {name!r} but no CUDA GPU is visible; use 'cpu' or 'auto'.")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
 
 
 class CapturedTarget:
@@ -163,20 +136,23 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "bf16",
                 attn_implementation: str = "sdpa", device: torch.device | str = "cpu",
-                final_state: bool = False, compile: bool = False) -> CapturedTarget:
+                final_state: bool = False, compile: bool = False,
+                text_config: Any = None) -> CapturedTarget:
     """Load the target truncated after its deepest captured layer, without lm_head or final norm;
     with `final_state`, whole (every layer and the final norm, still no lm_head). `compile` compiles
-    the decoder layers' parts on CUDA (`compile_decoder_layers`); on a CPU it is ignored."""
+    the decoder layers' parts on CUDA (`compile_decoder_layers`); on a CPU it is ignored.
+    `text_config`: the target's (`hf.load_text_config(path)`), read here when not given."""
     from transformers import AutoModel
 
-    text_config = read_text_config(path)
+    text_config = text_config if text_config is not None else load_text_config(path)
     num_layers = text_config.num_hidden_layers
     ids = resolve_layer_ids(layer_ids, num_layers)
     config = truncated_config(text_config, num_layers if final_state else max(ids) + 1)
     with _quiet_transformers():
         try:
             model, info = AutoModel.from_pretrained(
-                path, config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+                path, config=config, dtype=torch_dtype(dtype),
+                attn_implementation=attn_implementation,
                 device_map={"": str(device)}, output_loading_info=True)
         except (OSError, ValueError, ImportError) as e:
             raise UserError(f"target.path {path} could not be loaded ({e}).") from e
@@ -191,7 +167,7 @@ def load_target(path: str | Path, layer_ids: list[int] | None, *, dtype: str = "
     compiled = compile and torch.device(device).type == "cuda"
     if compiled:
         compile_decoder_layers(model)
-        _warm_up(model, torch.device(device))
+        _compile_now(model, torch.device(device))
     log.info("target %s: %d of %d decoder layers loaded%s, capturing layer ids %s%s", path, config.num_hidden_layers,
              num_layers, " (their parts compiled)" if compiled else "", ids,
              " and the final normed state" if final_state else "")
@@ -222,7 +198,7 @@ def compile_decoder_layers(model: nn.Module, kv_cache: bool = False) -> int:
 
 
 @torch.inference_mode()
-def _warm_up(model: nn.Module, device: torch.device) -> None:
+def _compile_now(model: nn.Module, device: torch.device) -> None:
     """Compile now, at load time (logged apart from the batches): a forward of one row and one of two
     (dynamic shapes still specialise a size of 1), on a few tokens."""
     started = time.perf_counter()

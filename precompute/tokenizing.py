@@ -31,16 +31,15 @@ from typing import Any, Iterator
 import numpy as np
 
 from dflash_common.chat import ChatMaskError, ChatTemplate
-from dflash_common.errors import UserError
 from dflash_common.fingerprint import chat_template_sha256, tokenizer_fingerprint
 from dflash_common.fsutil import atomic_write_bytes
-from precompute.config import DataConfig, PrecomputeConfig
+from dflash_common.hf import load_text_config, load_tokenizer
+from precompute.config import DataSection, PrecomputeConfig
 from precompute.inputs import Conversation, RawRecord, SkipLog, Source, iter_raw_records, parse_or_skip
 from precompute.units import iter_unit_records, num_units, owner
 
-# Bumped when the tokenization rules change, so caches made by older code are not reused.
-# 2: no loss on the end of turn of a record cut by length (finish_reason); 3: sample ids name a file by
-# its own name, not its path (inputs.Source.label), so shard names no longer change when inputs move
+# Part of the token cache's key: raised whenever the tokenization rules change (which tokens, loss
+# mask, sample ids), so a cache made under other rules is never read back.
 TOKENIZE_VERSION = 3
 
 
@@ -119,24 +118,21 @@ class UnitSummary:
 class UnitTokenizer:
     """Records of a unit -> TokenizedUnit, applying the chat template and the length rules."""
 
-    def __init__(self, chat: ChatTemplate, data: DataConfig, vocab_size: int):
+    def __init__(self, chat: ChatTemplate, data: DataSection, vocab_size: int):
         self.chat = chat
         self.data = data
         self.vocab_size = vocab_size
 
     @classmethod
-    def from_target(cls, target_path: str, data: DataConfig) -> "UnitTokenizer":
-        from transformers import AutoTokenizer
-
-        from precompute.target import read_text_config
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(target_path)
-        except (OSError, ValueError) as e:
-            raise UserError(f"target.path {target_path} has no usable tokenizer ({e}).") from e
+    def from_target(cls, target_path: str, data: DataSection,
+                    vocab_size: int | None = None) -> "UnitTokenizer":
+        """The target's tokenizer and template; `vocab_size`: its config's (read if not given)."""
+        tokenizer = load_tokenizer(target_path)
+        if vocab_size is None:
+            vocab_size = load_text_config(target_path).vocab_size
         # Pre-tokenized ids must index the embedding, which may have more rows than the tokenizer
         # has tokens (padded vocabularies; targets that emit ids the tokenizer cannot spell).
-        vocab = max(len(tokenizer), read_text_config(target_path).vocab_size)
+        vocab = max(len(tokenizer), vocab_size)
         return cls(ChatTemplate(tokenizer, data.chat_template_kwargs), data, vocab)
 
     def __call__(self, index: int, records: list[RawRecord]) -> TokenizedUnit:
@@ -239,12 +235,7 @@ class TokenCache:
 def tokenizer_identity(target_path: str) -> dict[str, Any]:
     """What decides the tokens of a conversation: the tokenizer's vocabulary and special tokens and
     the chat template (the store manifest's fingerprints of them)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"target.path {target_path} has no usable tokenizer ({e}).") from e
+    tokenizer = load_tokenizer(target_path)
     return {"tokenizer": tokenizer_fingerprint(tokenizer), "chat_template_sha256": chat_template_sha256(tokenizer)}
 
 
@@ -256,25 +247,28 @@ def _source_stamp(source: Source) -> list[Any]:
 
 def tokenize_units(cfg: PrecomputeConfig, sources: list[Source], cache: TokenCache, rank: int = 0,
                    world_size: int = 1, reader_skips: SkipLog | None = None,
-                   write_cache: bool = True) -> tuple[list[UnitSummary], int]:
+                   write_cache: bool = True,
+                   vocab_size: int | None = None) -> tuple[list[UnitSummary], int]:
     """Tokenize (or find in the cache) every unit this rank owns. Files that break mid-way are counted
     in `reader_skips` (`unreadable_file`; every rank reads every file, so one rank's count is the job's).
     With `write_cache` false (a dry run) units missing from the cache are tokenized for their summary
-    only: nothing is written.
+    only: nothing is written. `vocab_size`: the target config's (read when not given).
 
     -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
     counter = _RecordCounter(iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips))
-    window = cfg.batching.sort_window_units
-    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, window)
+    per_sort_window = cfg.batching.sort_window_units
+    units = iter_unit_records(counter, cfg.run.samples_per_unit, rank, world_size, per_sort_window)
     todo = ((u, recs) for u, recs in units if not cache.has(u) or _stale(cache, u, recs))
     root = str(cache.root) if write_cache else None
+    if vocab_size is None:
+        vocab_size = load_text_config(cfg.target.path).vocab_size
     if cfg.run.tokenize_workers > 0:
-        fresh = _tokenize_in_pool(cfg, todo, root)
+        fresh = _tokenize_in_pool(cfg, todo, root, vocab_size)
     else:
-        tokenizer = UnitTokenizer.from_target(cfg.target.path, cfg.data)
+        tokenizer = UnitTokenizer.from_target(cfg.target.path, cfg.data, vocab_size)
         fresh = {u: _tokenize_one(tokenizer, u, recs, root) for u, recs in todo}
     total_units = num_units(counter.count, cfg.run.samples_per_unit)
-    mine = [u for u in range(total_units) if owner(u, world_size, window) == rank]
+    mine = [u for u in range(total_units) if owner(u, world_size, per_sort_window) == rank]
     return [fresh[u] if u in fresh else cache.load(u).summary() for u in mine], counter.count
 
 
@@ -308,10 +302,10 @@ class _RecordCounter:
 _WORKER: UnitTokenizer | None = None
 
 
-def _worker_init(target_path: str, data: DataConfig) -> None:
+def _worker_init(target_path: str, data: DataSection, vocab_size: int) -> None:
     global _WORKER
     logging.getLogger("dflash").setLevel(logging.ERROR)  # the main process logs the summary
-    _WORKER = UnitTokenizer.from_target(target_path, data)
+    _WORKER = UnitTokenizer.from_target(target_path, data, vocab_size)
 
 
 def _worker_run(unit: int, records: list[RawRecord], cache_root: str | None) -> UnitSummary:
@@ -319,7 +313,8 @@ def _worker_run(unit: int, records: list[RawRecord], cache_root: str | None) -> 
     return _tokenize_one(_WORKER, unit, records, cache_root)
 
 
-def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache_root: str | None) -> dict[int, UnitSummary]:
+def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache_root: str | None,
+                      vocab_size: int) -> dict[int, UnitSummary]:
     """Units go to a pool of processes (spawned: forking a process that holds tokenizer threads can
     deadlock); at most 2 per worker are in flight, so reading never runs far ahead of tokenizing.
     -> the summaries of the units tokenized, by unit."""
@@ -327,7 +322,7 @@ def _tokenize_in_pool(cfg: PrecomputeConfig, todo, cache_root: str | None) -> di
     ctx = multiprocessing.get_context("spawn")
     out: dict[int, UnitSummary] = {}
     with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                initargs=(cfg.target.path, cfg.data)) as pool:
+                                initargs=(cfg.target.path, cfg.data, vocab_size)) as pool:
         pending: set[cf.Future] = set()
         for u, recs in todo:
             pending.add(pool.submit(_worker_run, u, [r.portable() for r in recs], cache_root))

@@ -2,11 +2,12 @@
 
 The input record stream (every line or row of every input, in input order, bad ones included) is cut
 into units of `run.samples_per_unit` consecutive records: unit u holds records [u*S, (u+1)*S). Units
-depend on the input alone, never on the number of ranks. Consecutive units form windows of
-`batching.sort_window_units` (window w = units [w*W, (w+1)*W)), whose samples are sorted by length and
-batched together; rank r computes the windows with w % world_size == r. As a window is batched the
-same way whatever the number of ranks, every sequence runs in the same batch and its states are the
-same bits with 1 rank or 100. Each unit becomes one shard (precompute/plan.py names it).
+depend on the input alone, never on the number of ranks. Consecutive units form sort windows of
+`batching.sort_window_units` (sort window w = units [w*W, (w+1)*W)), whose samples are sorted by
+length and batched together; rank r computes the sort windows with w % world_size == r. As a sort
+window is batched the same way whatever the number of ranks, every sequence runs in the same batch
+and its states are the same bits with 1 rank or 100. Each unit becomes one shard (precompute/plan.py
+names it).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Iterator
 from precompute.inputs import RawRecord
 
 
-def owner(unit: int, world_size: int, units_per_window: int = 1) -> int:
-    """The rank that computes `unit`: the owner of its window (windows go round-robin)."""
-    return (unit // units_per_window) % world_size
+def owner(unit: int, world_size: int, units_per_sort_window: int = 1) -> int:
+    """The rank that computes `unit`: the owner of its sort window (they go round-robin)."""
+    return (unit // units_per_sort_window) % world_size
 
 
 def num_units(num_records: int, samples_per_unit: int) -> int:
@@ -26,7 +27,8 @@ def num_units(num_records: int, samples_per_unit: int) -> int:
 
 
 def iter_unit_records(records: Iterator[RawRecord], samples_per_unit: int, rank: int = 0,
-                      world_size: int = 1, units_per_window: int = 1) -> Iterator[tuple[int, list[RawRecord]]]:
+                      world_size: int = 1,
+                      units_per_sort_window: int = 1) -> Iterator[tuple[int, list[RawRecord]]]:
     """Group the record stream into (unit index, records) for the units this rank owns. Records of
     other ranks' units are passed over without being kept or parsed."""
     current, batch = -1, []
@@ -36,7 +38,7 @@ def iter_unit_records(records: Iterator[RawRecord], samples_per_unit: int, rank:
             if batch:
                 yield current, batch
             current, batch = unit, []
-        if owner(unit, world_size, units_per_window) == rank:
+        if owner(unit, world_size, units_per_sort_window) == rank:
             batch.append(record)
     if batch:
         yield current, batch

@@ -69,3 +69,35 @@ def small_disk(tmp_path):
     yield mount
     for path in mounted:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(params=["read-only filesystem", "immutable directory"])
+def unwritable_dir(request, tmp_path):
+    """A directory nothing can be written into, root included (root ignores mode bits): a tmpfs
+    mounted read-only, or a directory with the immutable flag (`chattr +i`; as a user without root,
+    mode 0555 does). Skips where this machine allows neither."""
+    path = tmp_path / "unwritable"
+    path.mkdir()
+    if request.param == "read-only filesystem":
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.strip()})")
+        undo = ["umount", "-l", str(path)]
+    elif os.geteuid() != 0:
+        path.chmod(0o555)
+        undo = ["chmod", "755", str(path)]
+    else:
+        done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot make a directory immutable here ({done.stderr.strip()})")
+        undo = ["chattr", "-i", str(path)]
+    try:
+        (path / "probe").touch()
+    except OSError:
+        pass
+    else:
+        subprocess.run(undo, capture_output=True)
+        pytest.skip(f"a {request.param} here still takes new files")
+    yield path
+    subprocess.run(undo, capture_output=True)

@@ -136,3 +136,106 @@ def test_generate_and_the_precompute_plan_have_their_rooms():
     assert not sorted((ROOT / "precompute").glob("generate_*.py")), "dflash-generate lives in precompute/generate/"
     for room in ("units", "tokenizing", "plan"):
         assert (ROOT / "precompute" / f"{room}.py").is_file(), room
+
+
+def test_test_files_have_unique_names():
+    """tests/ has no __init__.py files: pytest imports each test module by its file name, so two of
+    one name in different folders break the collection of both."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert not {n for n in names if names.count(n) > 1}
+
+
+# What two modules may both define: conventional entry points (a CLI's `main` and `parse`, a job's
+# `run` and the `_run` inside it). Everything else is written once and imported.
+ENTRY_NAMES = frozenset({"main", "parse", "run", "_run"})
+# Bodies that are no helper to share: an empty one, and what context managers and iterators write.
+_BOILERPLATE = ("pass", "...", "return self", "self.close()")
+_PROTOCOL_BODIES = frozenset(ast.dump(ast.parse(code)) for code in _BOILERPLATE)
+
+
+def _modules(root: Path) -> dict[Path, ast.Module]:
+    paths = [p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))]
+    return {p: ast.parse(p.read_text(), filename=str(p)) for p in paths}
+
+
+def _is_stage_config(path: Path, root: Path) -> bool:
+    """A stage's config.py: its section classes are named after its TOML tables ([run], [data]),
+    which two stages may share."""
+    return path.name == "config.py" and path.relative_to(root).parts[0] != "dflash_common"
+
+
+def _duplicate_names(root: Path = ROOT) -> dict[str, list[str]]:
+    """Top-level function and class names defined in more than one module (entry names aside)."""
+    where: dict[str, list[str]] = {}
+    for path, tree in _modules(root).items():
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            section = isinstance(node, ast.ClassDef) and _is_stage_config(path, root)
+            if node.name in ENTRY_NAMES or section:
+                continue
+            where.setdefault(node.name, []).append(str(path.relative_to(root)))
+    return {name: paths for name, paths in where.items() if len(paths) > 1}
+
+
+def _duplicate_bodies(root: Path = ROOT) -> list[list[str]]:
+    """Groups of functions (methods and nested ones too), under any names, whose bodies are the
+    same code (`ast.dump` equal, the docstring left out)."""
+    bodies: dict[str, list[str]] = {}
+    for path, tree in _modules(root).items():
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            dumped = ast.dump(ast.Module(body=body, type_ignores=[]))
+            if body and dumped not in _PROTOCOL_BODIES:
+                place = f"{path.relative_to(root)}:{node.lineno} {node.name}"
+                bodies.setdefault(dumped, []).append(place)
+    return [places for places in bodies.values() if len(places) > 1]
+
+
+def test_no_helper_is_defined_twice():
+    assert _duplicate_names() == {}, "defined in several modules: write it once (in dflash_common?)"
+    assert _duplicate_bodies() == [], "the same function body twice: keep one and call it"
+
+
+_A = '''
+def run():
+    pass
+
+class Bar:
+    def __enter__(self):
+        return self
+
+def load(p):
+    return p.read()
+
+def human_bytes(n):
+    return f"{n} B"
+'''
+_B = '''
+def run():
+    pass
+
+class Other:
+    def __enter__(self):
+        return self
+
+def load(p):
+    return None
+
+def size(n):
+    """Sizes."""
+    return f"{n} B"
+'''
+
+
+def test_the_duplicate_checkers_find_copies(tmp_path):
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+    for stage in ("precompute", "train"):  # two stages' [run] tables: allowed
+        (tmp_path / stage / "config.py").write_text("class RunConfig:\n    pass\n")
+    (tmp_path / "precompute" / "a.py").write_text(_A)
+    (tmp_path / "train" / "b.py").write_text(_B)
+    assert _duplicate_names(tmp_path) == {"load": ["precompute/a.py", "train/b.py"]}
+    assert _duplicate_bodies(tmp_path) == [["precompute/a.py:12 human_bytes", "train/b.py:12 size"]]

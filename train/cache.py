@@ -30,11 +30,9 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from dflash_common.fsutil import human_bytes
+
 log = logging.getLogger("dflash")
-
-
-def human_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 # Pin slot by slot on this many threads: registering memory faults every page in, which is the slow
 # part and parallelises; a copy never spans two slots, so per-slot registrations are enough.

@@ -35,6 +35,7 @@ import torch
 
 from dflash_common.cli import write_run_record
 from dflash_common.fsutil import atomic_write_text, fsync_tree, publish_dir, temp_sibling
+from train.config import TrainConfig
 
 log = logging.getLogger("dflash")
 
@@ -101,7 +102,7 @@ def save_checkpoint(
     save_drafter: Callable[[Path], None],
     trainer_state: dict[str, Any],
     rank_states: list[dict[str, Any]],
-    cfg: Any,
+    cfg: TrainConfig,
     keep_last: int,
 ) -> Path:
     """Write `step-N/` aside, mark it complete, publish it by rename, drop all but the last `keep_last`.

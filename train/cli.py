@@ -21,6 +21,7 @@ def parse(argv: Sequence[str] | None = None) -> TrainConfig:
     cfg, _ = parse_args(
         TrainConfig, argv, prog="dflash-train", description=__doc__.split("\n\n")[0],
         shortcuts={"store": "data.stores", "out": "run.out_dir"}, repeatable=["store"],
+        examples=__doc__.split("\n\n")[1],
     )
     return cfg
 

@@ -1,10 +1,10 @@
 """The configuration tree of `dflash-train`: data, drafter, objective, optimiser, precision,
 checkpoints, logging, validation and the run itself.
 
-Defaults are the published DFlash recipe (AdamW lr 6e-4, weight decay 0, grad clip 1.0, cosine schedule
-with 4% warmup, 6 epochs, block size 16, up to 512 anchors per sequence, 5 draft layers; batches of
-65,536 packed tokens as the seed pipeline used) but for one change measured on the quality benchmark:
-D-PACE position weights instead of the exp(-(k-1)/gamma) decay (`objective.weights`).
+Defaults are the published DFlash recipe (AdamW lr 6e-4, weight decay 0, grad clip 1.0, cosine
+schedule with 4% warmup, 6 epochs, block size 16, up to 512 anchors per sequence, 5 draft layers;
+batches of 65,536 packed tokens) but for D-PACE position weights instead of the exp(-(k-1)/gamma)
+decay (`objective.weights`), which reach a higher tau on the quality benchmark (docs/benchmarks.md).
 
     cfg = load_config(TrainConfig, "configs/tiny.toml", ["--optim.lr=3e-4"])
 """
@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataSection:
     stores: list[str] = option([], "Store directories written by dflash-precompute; at least one (or --store).")
     weights: list[float] | None = option(
         None,
@@ -32,8 +32,7 @@ class DataConfig:
     reader_threads: int = option(4, "Threads reading shards from disk into the cache ahead of need, per rank.")
     batch_tokens: int = option(
         65536,
-        "Token budget of one packed micro-batch (the seed pipeline used 65,536); a longer sequence is "
-        "truncated to it.",
+        "Token budget of one packed micro-batch; a longer sequence is truncated to it.",
     )
     window_shards: int = option(
         4, "Shards whose sequences are shuffled and packed together (the shuffle window, per rank); consecutive "
@@ -52,9 +51,11 @@ class DataConfig:
     )
     on_bad_shard: Literal["stop", "skip"] = option(
         "stop",
-        "What a corrupt shard (a failed checksum, a cut or missing file, missing metadata) does: 'stop' ends "
-        "the run with one sentence naming it (delete it, rerun dflash-precompute, rerun to resume); 'skip' "
-        "trains on without its sequences, logging it and counting it in the metrics (bad_shards).",
+        "What a corrupt shard (a failed checksum, a cut or missing file, missing metadata) or a "
+        "missing one (listed in the store's summary, gone from the store) does: 'stop' ends the "
+        "run with one sentence naming it (delete a corrupt one, rerun dflash-precompute, rerun to "
+        "resume); 'skip' trains on without its sequences, logging it (a corrupt one is also "
+        "counted in the metrics, bad_shards).",
     )
 
     def __post_init__(self):
@@ -90,7 +91,10 @@ class DrafterSection:
     layer_types: list[str] | None = option(
         None, "Attention kind per draft layer ('full_attention' or 'sliding_attention'); none = all full."
     )
-    sliding_window: int | None = option(None, "Window of sliding_attention layers, in tokens (2048 on Qwen3.6).")
+    sliding_window: int | None = option(
+        None, "Sliding window of sliding_attention layers, in tokens: a query sees the keys of "
+        "at most this many positions, its own included (2048 on Qwen3.6)."
+    )
     init_from: str | None = option(
         None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
         "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ."
@@ -198,7 +202,7 @@ class ObjectiveSection:
 
 
 @dataclass(frozen=True)
-class RegulariseConfig:
+class RegulariseSection:
     noise: float = option(
         0.0, "Gaussian noise added to the context features while training (never in validation), with a "
         "standard deviation of this times each token's per-layer feature RMS; 0 = none."
@@ -214,7 +218,7 @@ class RegulariseConfig:
 
 
 @dataclass(frozen=True)
-class TargetsSection:
+class SoftTargetsSection:
     soft: Literal["none", "kl", "tv", "dspark"] = option(
         "none",
         "Match the target's distribution softmax(lm_head(final state)) instead of only its token: 'kl' = "
@@ -240,8 +244,11 @@ class TargetsSection:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = option(6e-4, "Peak learning rate of AdamW.")
+class OptimSection:
+    name: Literal["adamw", "muon"] = option(
+        "adamw", "The optimiser: 'adamw' (the recipe), or 'muon': Muon for the linear layers' weight "
+                 "matrices, AdamW for the rest, at the same lr (train/optim.py).")
+    lr: float = option(6e-4, "Peak learning rate (AdamW's; Muon's update is scaled to match it).")
     weight_decay: float = option(0.0, "AdamW weight decay (the recipe uses none).")
     betas: list[float] = option([0.9, 0.999], "AdamW betas (torch's defaults; the recipe names none).")
     eps: float = option(1e-8, "AdamW epsilon.")
@@ -253,6 +260,7 @@ class OptimConfig:
     max_steps: int | None = option(None, "Stop after this many optimiser steps (the schedule spans them).")
     grad_accum: int = option(1, "Micro-batches per optimiser step on each rank; the step's loss is their "
                                 "token-weighted whole, as one batch holding them all.")
+    muon_momentum: float = option(0.95, "Muon's momentum (optim.name = 'muon'; Muon's own default).")
 
     def __post_init__(self):
         check(self.lr > 0, f"optim.lr must be > 0, got {self.lr}.")
@@ -265,10 +273,11 @@ class OptimConfig:
         check(self.epochs >= 1, f"optim.epochs must be >= 1, got {self.epochs}.")
         check(self.max_steps is None or self.max_steps >= 1, f"optim.max_steps must be >= 1, got {self.max_steps}.")
         check(self.grad_accum >= 1, f"optim.grad_accum must be >= 1, got {self.grad_accum}.")
+        check(0 <= self.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}.")
 
 
 @dataclass(frozen=True)
-class PrecisionConfig:
+class PrecisionSection:
     autocast: Literal["bf16", "none"] = option(
         "bf16", "Compute dtype of forward and loss; weights, gradients and AdamW state stay fp32 either way."
     )
@@ -287,10 +296,14 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointSection:
     every_steps: int = option(1000, "Save a checkpoint every this many optimiser steps (and at the end).")
     keep_last: int = option(3, "Complete checkpoints kept; older ones are deleted.")
-    resume: bool = option(True, "Resume from the newest complete checkpoint in run.out_dir, if any.")
+    resume: bool = option(
+        True, "Resume from the newest complete checkpoint in run.out_dir, if any (settings that "
+        "define what is trained must then be its own); false starts the run over there, removing "
+        "the earlier run's checkpoints and final drafter."
+    )
 
     def __post_init__(self):
         check(self.every_steps >= 1, f"checkpoint.every_steps must be >= 1, got {self.every_steps}.")
@@ -298,7 +311,7 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class LogConfig:
+class LogSection:
     every_steps: int = option(10, "Print and record metrics every this many optimiser steps.")
     tensorboard: bool = option(True, "Also write TensorBoard event files into the run directory.")
     progress: bool = option(True, "Show a progress bar (on rank 0).")
@@ -308,7 +321,7 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
-class ValidationConfig:
+class ValidationSection:
     every_steps: int = option(1000, "Evaluate the held-out sequences every this many steps; 0 = only at the end.")
 
     def __post_init__(self):
@@ -316,7 +329,7 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunSection:
     out_dir: str = option("runs/dflash", "Run directory: checkpoints, metrics, report, final drafter.")
     seed: int = option(0, "Seed of the initial weights, the data order and the anchors.")
     target: str | None = option(
@@ -326,25 +339,30 @@ class RunConfig:
     device: str = option("auto", "'auto' (CUDA if present), 'cpu' or 'cuda'; under torchrun each rank takes its GPU.")
 
     def __post_init__(self):
-        check(self.device in ("auto", "cpu", "cuda"), f"run.device must be auto, cpu or cuda, got {self.device!r}.")
+        check_device(self.device, "run.device", index=False)  # each rank takes its own GPU
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     STAGE: ClassVar[str] = "train"  # its table in a config file that holds several stages
-    data: DataConfig = section(DataConfig, "Stores, shard cache, batching and held-out data.")
+    data: DataSection = section(DataSection, "Stores, shard cache, batching and held-out data.")
     drafter: DrafterSection = section(DrafterSection, "Shape of the drafter being trained.")
-    objective: ObjectiveSection = section(ObjectiveSection, "The DFlash objective: anchors and loss weights.")
-    regularise: RegulariseConfig = section(RegulariseConfig, "Regularisers for small data: feature noise, EMA.")
-    targets: TargetsSection = section(
-        TargetsSection, "What the drafter is taught from the target's final state: soft targets, prompt anchors."
+    objective: ObjectiveSection = section(
+        ObjectiveSection, "The DFlash objective: anchors and loss weights."
     )
-    optim: OptimConfig = section(OptimConfig, "AdamW and the learning-rate schedule.")
-    precision: PrecisionConfig = section(PrecisionConfig, "Mixed precision.")
-    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
-    log: LogConfig = section(LogConfig, "Console, JSONL and TensorBoard metrics.")
-    validation: ValidationConfig = section(ValidationConfig, "Validation on held-out sequences.")
-    run: RunConfig = section(RunConfig, "Run directory, seed and target.")
+    regularise: RegulariseSection = section(
+        RegulariseSection, "Regularisers for small data: feature noise, EMA."
+    )
+    targets: SoftTargetsSection = section(
+        SoftTargetsSection,
+        "What the drafter is taught from the target's final state: soft targets, prompt anchors.",
+    )
+    optim: OptimSection = section(OptimSection, "AdamW and the learning-rate schedule.")
+    precision: PrecisionSection = section(PrecisionSection, "Mixed precision.")
+    checkpoint: CheckpointSection = section(CheckpointSection, "Checkpoints and resume.")
+    log: LogSection = section(LogSection, "Console, JSONL and TensorBoard metrics.")
+    validation: ValidationSection = section(ValidationSection, "Validation on held-out sequences.")
+    run: RunSection = section(RunSection, "Run directory, seed and target.")
 
     def __post_init__(self):
         t = self.targets

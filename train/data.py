@@ -34,9 +34,11 @@ from torchdata.nodes import BaseNode, Loader, Prefetcher
 
 from dflash_common.errors import UserError
 from dflash_common.drafter.objective import sample_anchors
-from dflash_common.store import Store, StoreCorruptError, carve_buffers
+from dflash_common.store import Store, StoreCorruptError, StoreError, carve_buffers
+from dflash_common.store.contents import incomplete_sentence, missing_sentence, store_contents
 from train.batch import HostBatch, ShardSlot, raw_dtype
 from train.cache import Handle, ShardCache, SlotSlab
+from train.config import TrainConfig
 from train.plan import DataPlan, EpochPlan, ShardMeta, holdout_split, rng
 
 log = logging.getLogger("dflash")
@@ -77,6 +79,25 @@ class BadShards:
 
     def found_while_reading(self) -> int:
         return len(self.skipped) - self.at_scan
+
+
+def check_contents(stores: Sequence[Store], policy: str = "stop", option: str = "") -> None:
+    """Each store against its summary. A shard the summary lists but the store lacks stops the run
+    naming it and the fix (`policy` 'stop'; `option`, formatted with the number of shards present,
+    names the setting that trains without it), or is left out with a warning ('skip'). A store
+    without a summary (dflash-precompute still writing it, or stopped) is read as it is, with a
+    warning."""
+    for store in stores:
+        contents = store_contents(store)
+        if contents.status == "incomplete":
+            log.warning("%s; reading the %d shard(s) it has", incomplete_sentence(store.path),
+                        contents.shards)
+        elif contents.missing and policy == "stop":
+            fix = option.format(present=contents.shards)
+            raise StoreError(missing_sentence(store.path, contents) + fix + ".")
+        elif contents.missing:
+            log.warning("%s; training on the %d shard(s) there (data.on_bad_shard = skip)",
+                        missing_sentence(store.path, contents), contents.shards)
 
 
 def scan_stores(stores: Sequence[Store], threads: int, batch_tokens: int,
@@ -155,11 +176,13 @@ def assemble(rows: np.ndarray, shards: list[ShardSlot], slot_of: dict[int, int],
         segments.append((slot_of[shard], src, dst, n))
         lengths.append(n)
         dst += n
+    # the dtypes of train/transfer.py's DeviceBatch; the mask travels as int64 0/1 beside the others
     input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
-    loss_mask = torch.from_numpy(np.concatenate(mask).astype(np.int64))
+    response = torch.from_numpy(np.concatenate(mask).astype(bool))
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    anchor_mask = torch.ones_like(loss_mask) if prompt_anchors else loss_mask
-    anchors = sample_anchors(anchor_mask, cu, block_size, max_anchors, generator, anchor_rule).long()
+    anchor_mask = torch.ones_like(response) if prompt_anchors else response
+    anchors = sample_anchors(anchor_mask, cu, block_size, max_anchors, generator, anchor_rule)
+    loss_mask = response.long()
     return HostBatch(epoch, index, input_ids, loss_mask, cu, anchors, segments, shards, handles)
 
 
@@ -240,12 +263,13 @@ class BatchNode(BaseNode[HostBatch]):
         self.bad = bad if bad is not None else BadShards()
         self.epoch = 0
         self.index = 0
-        self._windows: dict[tuple[int, int], list[Handle]] = {}  # (epoch, window) -> handles held
+        # (epoch, shuffle window) -> the handles that keep its shards requested
+        self._shuffle_windows: dict[tuple[int, int], list[Handle]] = {}
         self._failure: FailedBatch | None = None
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
-        self._release_windows(keep=())
+        self._release_shuffle_windows(keep=())
         self._failure = None
         state = initial_state or {"epoch": 0, "index": 0}
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
@@ -274,7 +298,7 @@ class BatchNode(BaseNode[HostBatch]):
     def _next(self) -> HostBatch:
         while True:
             p = self._current()
-            self._hold_windows(p, int(p.batch_window[self.index]))
+            self._hold_shuffle_windows(p, int(p.batch_shuffle_window[self.index]))
             got = wait_for_usable(p.batches[self.index], self.cache, self.plan.shards, self.bad)
             if got is not None:
                 break
@@ -292,24 +316,27 @@ class BatchNode(BaseNode[HostBatch]):
             raise UserError(f"every one of the {len(self.plan.shards)} shards planned for training is corrupt; "
                             f"rerun dflash-precompute to rewrite them.")
 
-    def _hold_windows(self, p: EpochPlan, window: int) -> None:
-        """Keep the current window and the next one (maybe the next epoch's first) requested."""
+    def _hold_shuffle_windows(self, p: EpochPlan, window: int) -> None:
+        """Keep the current shuffle window and the next one (maybe the next epoch's first)
+        requested."""
         wanted = [(p.epoch, window)]
-        if window + 1 < len(p.windows):
+        if window + 1 < len(p.shuffle_windows):
             wanted.append((p.epoch, window + 1))
         else:
             wanted.append((p.epoch + 1, 0))
         for epoch, w in wanted:
-            if (epoch, w) not in self._windows:
+            if (epoch, w) not in self._shuffle_windows:
                 plan = p if epoch == p.epoch else self.plan.epoch(epoch, self.rank)
-                shards = plan.windows[w].tolist() if w < len(plan.windows) else []
-                self._windows[(epoch, w)] = [self.cache.request(s, count=False) for s in shards
-                                             if (self.plan.shards[s].store, self.plan.shards[s].name) not in self.bad]
-        self._release_windows(keep=wanted)
+                shards = plan.shuffle_windows[w].tolist() if w < len(plan.shuffle_windows) else []
+                usable = [s for s in shards if (self.plan.shards[s].store, self.plan.shards[s].name)
+                          not in self.bad]
+                self._shuffle_windows[(epoch, w)] = [self.cache.request(s, count=False)
+                                                     for s in usable]
+        self._release_shuffle_windows(keep=wanted)
 
-    def _release_windows(self, keep: Sequence[tuple[int, int]]) -> None:
-        for key in [k for k in self._windows if k not in keep]:
-            for h in self._windows.pop(key):
+    def _release_shuffle_windows(self, keep: Sequence[tuple[int, int]]) -> None:
+        for key in [k for k in self._shuffle_windows if k not in keep]:
+            for h in self._shuffle_windows.pop(key):
                 h.release()
 
 
@@ -337,7 +364,7 @@ def allocate_cache(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_i
     """A cache of as many whole-shard slots as `cache_gb` holds (at least `min_shards`)."""
     nbytes, fill = slot_size(stores, shards, layer_ids, final)
     n = min(int(cache_gb * 2**30) // nbytes, len(shards))  # more slots than shards would never be used
-    min_shards = min(min_shards, len(shards))  # a store smaller than two windows just fits whole
+    min_shards = min(min_shards, len(shards))  # a store smaller than two shuffle windows fits whole
     if n < min_shards:
         from dflash_common.errors import UserError
 
@@ -412,20 +439,23 @@ class TrainData:
         self.feeder = None
 
     @classmethod
-    def build(cls, cfg, stores: Sequence[Store], layer_ids: Sequence[int], *, rank: int, world: int,
-              device: torch.device) -> "TrainData":
-        """`cfg` is the TrainConfig; `layer_ids` the drafter's target_layer_ids (their order is kept)."""
+    def build(cls, cfg: TrainConfig, stores: Sequence[Store], layer_ids: Sequence[int], *,
+              rank: int, world: int, device: torch.device) -> "TrainData":
+        """`layer_ids`: the drafter's target_layer_ids (their order is kept)."""
         d = cfg.data
         check_stores_agree(stores)
         final = cfg.targets.needs_final_state
         if final:
             check_final_states(stores)
+        check_contents(stores, d.on_bad_shard,
+                       ', or set data.on_bad_shard = "skip" to train on the {present} shards there')
         bad = BadShards(d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it')
         shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
         split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,
                               2 * cfg.drafter.block_size)  # sequences with < 2B response tokens are dropped
         plan = DataPlan(shards, split, n_stores=len(stores), weights=d.weights, seed=cfg.run.seed,
-                        batch_tokens=d.batch_tokens, window_shards=d.window_shards, world=world,
+                        batch_tokens=d.batch_tokens, shuffle_window_shards=d.window_shards,
+                        world=world,
                         grad_accum=cfg.optim.grad_accum)
         cache = allocate_cache(stores, shards, layer_ids, cache_gb=d.cache_gb, min_shards=2 * d.window_shards,
                                threads=d.reader_threads, what="training", final=final)

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -31,18 +29,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_common.cli import progress_bar, write_run_record
 
+from dflash_common.dist import Ranks, run_on_ranks
 from dflash_common.errors import UserError
-from dflash_common.config import ConfigError, to_dict
+from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DFlash2Config, DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
 from dflash_common.drafter.build import new_drafter
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
-from dflash_common.fsutil import is_disk_full, os_reason
+from dflash_common.fsutil import check_writable, human_bytes
 from dflash_common.store import Store, check_compatible
-from dflash_common.store import open_stores as open_store_paths
-from train.cache import CacheStats, human_bytes
+from dflash_common.store import open_stores
+from train.cache import CacheStats
 from train.checkpoint import (
     StopRequest, latest_checkpoint, load_checkpoint, remove_stale_saves, rng_state, save_checkpoint, set_rng_state,
 )
@@ -50,60 +49,38 @@ from train.config import TrainConfig
 from train.data import BadShards, TrainData
 from train.metrics import MetricsWriter
 from train.objective import batch_objective
+from train.optim import build_optimizer
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
-from train.report import write_report
+from train.report import save_report
+from train.resume import checkpoint_to_resume, discard_earlier_run, new_run_hint, resume_record
 from train.target import check_same_target, mask_token_id, target_config, tokenizer_sha256
-from train.validate import evaluate_batches, summarize
+from train.validate import evaluate_batches, summarize_sums
 
 log = logging.getLogger("dflash")
 
 
-@dataclasses.dataclass(frozen=True)
-class Dist:
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(choice: str) -> Dist:
-    """One process per GPU under torchrun (NCCL), or per CPU process (gloo); a single process otherwise."""
-    cuda = torch.cuda.is_available() and choice != "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("run.device = cuda but no CUDA device is visible; use run.device=auto or cpu.")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    return Dist(rank, world, device)
-
-
-def open_stores(cfg: TrainConfig) -> list[Store]:
+def open_train_stores(cfg: TrainConfig) -> list[Store]:
     if not cfg.data.stores:
         raise UserError("No store given; pass --store PATH (repeatable) or set data.stores in the config.")
-    return open_store_paths(cfg.data.stores, read_threads=cfg.data.reader_threads)
+    return open_stores(cfg.data.stores, read_threads=cfg.data.reader_threads)
 
 
 def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     """The drafter's config, from the target's config and the [drafter] section."""
-    d = cfg.drafter
-    layer_ids = d.layer_ids if d.layer_ids is not None else list(stores[0].manifest.layer_ids)
+    shape = cfg.drafter
+    layer_ids = shape.layer_ids
+    if layer_ids is None:
+        layer_ids = list(stores[0].manifest.layer_ids)
     dflash2 = None
-    if d.arch == "dflash2":
-        dflash2 = DFlash2Config(d.conv_kernel_size, d.conv_group_size, d.selector_rank,
-                                d.selector_top_k)
-    mask_id = mask_token_id(cfg.run.target, d.mask_token_id)
+    if shape.arch == "dflash2":
+        dflash2 = DFlash2Config(shape.conv_kernel_size, shape.conv_group_size,
+                                shape.selector_rank, shape.selector_top_k)
     try:
         return DrafterConfig.from_target(
-            target_config(cfg.run.target), mask_token_id=mask_id, depth=d.depth,
-            block_size=d.block_size, layer_ids=layer_ids, layer_types=d.layer_types,
-            sliding_window=d.sliding_window, dflash2=dflash2)
+            target_config(cfg.run.target),
+            mask_token_id=mask_token_id(cfg.run.target, shape.mask_token_id),
+            depth=shape.depth, block_size=shape.block_size, layer_ids=layer_ids,
+            layer_types=shape.layer_types, sliding_window=shape.sliding_window, dflash2=dflash2)
     except ConfigError as e:  # e.g. a group size that does not divide the target's hidden size
         raise UserError(f"[drafter] does not fit the target {cfg.run.target}: {e}") from e
 
@@ -133,26 +110,6 @@ def build_drafter(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device) -
     if cfg.precision.compile and device.type == "cuda":
         drafter.compile_regions()
     return drafter
-
-
-def lr_factor(step: int, total: int, warmup_fraction: float, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr after `step` optimiser steps: linear warmup, then cosine (or flat)."""
-    warmup = math.ceil(warmup_fraction * total)
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(cfg: TrainConfig, drafter: DFlashDrafter, total: int, device: torch.device):
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total, o.warmup_fraction, o.schedule, o.min_lr_ratio))
-    return optimizer, scheduler
 
 
 def total_steps(cfg: TrainConfig, data: TrainData) -> int:
@@ -245,7 +202,7 @@ def accumulate_gradients(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig
 def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: torch.Tensor,
                 counts: torch.Tensor) -> tuple[StepInfo, torch.Tensor]:
     """accumulate_gradients without the final scaling: (info, the factor the gradients are to take)."""
-    accum, o = cfg.optim.grad_accum, cfg.objective
+    accum, objective = cfg.optim.grad_accum, cfg.objective
     rank = dist.get_rank() if dist.is_initialized() else 0
     weight_sum = torch.zeros((), dtype=torch.float64, device=sums.device)  # this step's, on this rank
     for micro in range(accum):
@@ -258,21 +215,22 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
         last = micro == accum - 1
         sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
         with sync:
-            loss_sum, weight, c = batch_objective(
-                drafter, model, batch, block_size=drafter.cfg.block_size, gamma=o.gamma,
-                autocast=cfg.precision.autocast, weights=o.weights, dpace_alpha=o.dpace_alpha, normalise=o.normalise,
-                targets=cfg.targets, path_weight=o.path_weight,
-                loss_method=cfg.precision.loss_method, selector_weight=o.selector_weight,
-                selector_candidates=o.selector_candidates,
-                selector_stop_gradient=o.selector_stop_gradient,
-                dpace_confidence=o.dpace_confidence)
+            loss_sum, weight, batch_counts = batch_objective(
+                drafter, model, batch, block_size=drafter.cfg.block_size, gamma=objective.gamma,
+                autocast=cfg.precision.autocast, weights=objective.weights,
+                dpace_alpha=objective.dpace_alpha, normalise=objective.normalise,
+                targets=cfg.targets, path_weight=objective.path_weight,
+                loss_method=cfg.precision.loss_method, selector_weight=objective.selector_weight,
+                selector_candidates=objective.selector_candidates,
+                selector_stop_gradient=objective.selector_stop_gradient,
+                dpace_confidence=objective.dpace_confidence)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
         sums[_WEIGHT] += weight.double()
         sums[_TOKENS] += batch.tokens
         sums[_WAIT] += batch.data_wait_s
-        counts += c
+        counts += batch_counts
         info = StepInfo(batch.epoch, batch.position)
         del batch  # free its features before the next batch is decoded: one batch on the GPU
     world = 1
@@ -282,7 +240,7 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
     return info, world / weight_sum.clamp(min=1e-9)
 
 
-class Window:
+class LogInterval:
     """The figures of the steps since the last logging step, kept on the device (no per-step sync)."""
 
     def __init__(self, device: torch.device, block_size: int):
@@ -297,17 +255,22 @@ class Window:
         self.started = time.perf_counter()
 
     def record(self, step: int, epoch: int, lr: float, cache: CacheStats, world: int, bad: BadShards) -> dict[str, Any]:
-        """Sum the window over ranks (one collective), make the logging step's record, start a new window."""
+        """Sum the interval's figures over ranks (one collective), make the logging step's record,
+        start the next interval."""
         now = (cache.hits, cache.misses, cache.bytes_read)
-        window = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]  # ranks read apart
-        both = torch.cat([self.sums, self.counts, torch.tensor(window, dtype=torch.float64, device=self.device)])
+        # ranks read apart: each its own cache counters since the last logging step
+        reads = [a - b for a, b in zip(now, self.cache_seen)] + [bad.found_while_reading()]
+        reads_t = torch.tensor(reads, dtype=torch.float64, device=self.device)
+        both = torch.cat([self.sums, self.counts, reads_t])
         if dist.is_initialized():
             dist.all_reduce(both)
         both = both.cpu()
         sums, counts, (hits, misses, read, bad_read) = both[:_N + 1], both[_N + 1:-4], both[-4:].tolist()
-        figures = summarize(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
+        figures = summarize_sums(float(sums[_LOSS]), float(sums[_WEIGHT]), counts)
         steps = max(1.0, float(sums[_N]))
-        record = {"kind": "train", "step": step, "epoch": epoch, "loss": figures["loss"], "acc": figures["acc"],
+        record = {"kind": "train", "step": step,
+                  "epoch": epoch + 1,  # from 1: the last step of a 4-epoch run is in epoch 4
+                  "loss": figures["loss"], "acc": figures["acc"],
                   "acc_by_pos": figures["acc_by_pos"], "tau": figures["tau"], "lr": lr,
                   "grad_norm": float(sums[_GNORM]) / steps,
                   "tok_s": float(sums[_TOKENS]) / max(time.perf_counter() - self.started, 1e-9),
@@ -332,104 +295,78 @@ class Run:
     """What the loop works with, built by `setup`."""
 
     cfg: TrainConfig
-    dist: Dist
+    ranks: Ranks
     out: Path
     drafter: DFlashDrafter
     model: torch.nn.Module  # the drafter, or its DDP wrapper
     data: TrainData
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     total: int
     start: int  # optimiser steps already done (resume)
     position: dict[str, Any] | None  # data position to resume from
     ema: WeightAverage | None = None  # the weights' moving average (regularise.ema > 0)
 
 
-def setup(cfg: TrainConfig) -> Run:
-    d = setup_distributed(cfg.run.device)
+def setup(cfg: TrainConfig, proc: Ranks) -> Run:
+    """Everything the loop needs, every check passed before the run directory is written to."""
     out = Path(cfg.run.out_dir)
-    stores = open_stores(cfg)
+    stores = open_train_stores(cfg)
     dcfg = resolve_drafter(cfg, stores)
     verdict = check_stores(stores, dcfg, cfg.run.target)
-    from_path = checkpoint_to_resume(cfg, out, dcfg)
-    if d.main:
+    from_path, changed = checkpoint_to_resume(cfg, out, dcfg)
+    if proc.main:
         log.info("%s", verdict)
+    drafter = build_drafter(cfg, dcfg, proc.device)
+    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=proc.rank, world=proc.world, device=proc.device)
+    total = total_steps(cfg, data)
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total, proc.device)
+    ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
+    start, position = resume(from_path, proc, drafter, optimizer, scheduler, ema, total=total, out=out)
+    if proc.main:
+        if changed:
+            log.warning("resuming from %s with new values of settings that do not change what is "
+                        "trained (recorded in run.json): %s", from_path,
+                        ", ".join(f"{k} ({old!r} -> {new!r})" for k, (old, new) in changed.items()))
         out.mkdir(parents=True, exist_ok=True)
         remove_stale_saves(out)
-        write_run_record(out, cfg, name="run")
-    drafter = build_drafter(cfg, dcfg, d.device)
-    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=d.rank, world=d.world, device=d.device)
-    total = total_steps(cfg, data)
-    optimizer, scheduler = build_optimizer(cfg, drafter, total, d.device)
-    ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
-    start, position = resume(from_path, d, drafter, optimizer, scheduler, ema)
+        if not cfg.checkpoint.resume:
+            discard_earlier_run(out)
+        write_run_record(out, cfg, name="run", extra=resume_record(out, from_path, changed))
     model = drafter
-    if d.world > 1:
-        model = DDP(drafter, device_ids=[d.device.index] if d.device.type == "cuda" else None,
+    if proc.world > 1:
+        model = DDP(drafter, device_ids=[proc.device.index] if proc.device.type == "cuda" else None,
                     broadcast_buffers=False)  # no buffers; the frozen head is a plain attribute
-    return Run(cfg, d, out, drafter, model, data, optimizer, scheduler, total, start, position, ema)
+    return Run(cfg, proc, out, drafter, model, data, optimizer, scheduler, total, start, position,
+               ema)
 
 
-def checkpoint_to_resume(cfg: TrainConfig, out: Path, dcfg: DrafterConfig) -> Path | None:
-    """The newest complete checkpoint of the run directory, if resuming; one sentence when it holds
-    another drafter than this config makes (before anything of this run is written)."""
-    path = latest_checkpoint(out) if cfg.checkpoint.resume else None
-    if path is None:
-        return None
-    try:
-        saved = DrafterConfig.from_config_json(json.loads((path / "drafter" / "config.json").read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
-        raise UserError(f"checkpoint {path} has no readable drafter/config.json ({e}); delete {path} to resume "
-                        f"from an older one, or start a new run directory (--out).") from e
-    differ = [f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)]
-    if differ:
-        detail = ", ".join(f"{f} = {getattr(saved, f)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3])
-        raise UserError(f"cannot resume from {path}: it holds another drafter ({detail}); resume with the settings "
-                        f"of {path / 'run.toml'}, or start a new run directory (--out).")
-    _warn_of_changed_settings(path, cfg)
-    return path
-
-
-def _warn_of_changed_settings(path: Path, cfg: TrainConfig) -> None:
-    """Settings other than the drafter's may change on resume (more steps, another log interval), but
-    the optimiser and schedule go on from the checkpoint's state: say what differs."""
-    import tomllib
-
-    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-        out = {}
-        for key, value in tree.items():
-            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-        return out
-
-    try:
-        before = flat(tomllib.loads((path / "run.toml").read_text()))
-    except (OSError, ValueError):
-        return
-    now = flat(to_dict(cfg))
-    changed = [k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k) and k != "run.out_dir"]
-    if changed:
-        log.warning("resuming from %s with settings that differ from the run that wrote it: %s", path,
-                    ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:8]))
-
-
-def resume(path: Path | None, d: Dist, drafter, optimizer, scheduler,
-           ema: WeightAverage | None = None) -> tuple[int, dict | None]:
+def resume(path: Path | None, proc: Ranks, drafter, optimizer, scheduler,
+           ema: WeightAverage | None = None, *, total: int | None = None,
+           out: Path | None = None) -> tuple[int, dict | None]:
     """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An EMA
-    missing from the checkpoint (it was written without regularise.ema) restarts from its weights."""
+    missing from the checkpoint (it was written without regularise.ema) restarts from its weights.
+    A schedule of another length than `total` (the stores' shards changed since) is refused."""
     if path is None:
         return 0, None
     trainer_state, ranks = load_checkpoint(path)
-    if len(ranks) != d.world:
-        raise UserError(f"{path} was written by {len(ranks)} rank(s) but this run has {d.world}; resume with "
+    if len(ranks) != proc.world:
+        raise UserError(f"{path} was written by {len(ranks)} rank(s) but this run has {proc.world}; resume with "
                         f"{len(ranks)}, or start a new run directory (--out).")
+    scheduled = trainer_state.get("total_steps")
+    if total is not None and scheduled is not None and scheduled != total:
+        raise UserError(f"cannot resume from {path}: its learning-rate schedule spans {scheduled} "
+                        f"optimiser steps, but the stores now give {total} with its settings "
+                        f"(their shards changed since); resume with the stores it trained on, or "
+                        f"{new_run_hint(out or path.parent)}.")
     load_weights_into(drafter, path / "drafter")
     optimizer.load_state_dict(trainer_state["optimizer"])
     scheduler.load_state_dict(trainer_state["scheduler"])
     _resume_average(path, trainer_state.get("trained_weights"), drafter, ema)
-    set_rng_state(ranks[d.rank]["rng"])
-    if d.main:
+    set_rng_state(ranks[proc.rank]["rng"])
+    if proc.main:
         log.info("resuming from %s (step %d)", path, trainer_state["step"])
-    return int(trainer_state["step"]), ranks[d.rank]["data"]
+    return int(trainer_state["step"]), ranks[proc.rank]["data"]
 
 
 def _resume_average(path: Path, trained: dict[str, torch.Tensor] | None, drafter, ema: WeightAverage | None) -> None:
@@ -448,13 +385,9 @@ def _resume_average(path: Path, trained: dict[str, torch.Tensor] | None, drafter
 
 def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
     """Save step-N/ (rank 0 writes; every rank contributes its data position and RNG states)."""
-    mine = {"data": position, "rng": rng_state()}
-    ranks = [mine]
-    if r.dist.world > 1:
-        ranks = [None] * r.dist.world
-        dist.all_gather_object(ranks, mine)
+    ranks = r.ranks.gather({"data": position, "rng": rng_state()})
     path = Path(r.out) / f"step-{step}"
-    if r.dist.main:
+    if r.ranks.main:
         trainer_state = {"step": step, "optimizer": r.optimizer.state_dict(),
                          "scheduler": r.scheduler.state_dict(), "total_steps": r.total}
         if r.ema is not None:  # drafter/ holds the average (what validation measured and export takes)
@@ -464,9 +397,8 @@ def checkpoint(r: Run, step: int, position: dict[str, Any]) -> Path:
                                    save_drafter=lambda d: save_drafter(r.drafter, d, dtype=torch.float32),
                                    trainer_state=trainer_state, rank_states=ranks, cfg=r.cfg,
                                    keep_last=r.cfg.checkpoint.keep_last)
-        write_report(r.out)
-    if r.dist.world > 1:
-        dist.barrier()
+        save_report(r.out)
+    r.ranks.barrier()
     return path
 
 
@@ -483,41 +415,37 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     return record
 
 
-def stop_agreed(stop: StopRequest, d: Dist) -> bool:
-    """Whether any rank was asked to stop (all ranks must leave the loop at the same step)."""
-    if d.world == 1:
-        return stop.requested
-    flag = torch.tensor([1.0 if stop.requested else 0.0], device=d.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def run(cfg: TrainConfig) -> Path:
     """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
-    try:
-        with _own_run_directory(cfg):
-            return _run(cfg)
-    except Exception as e:  # a full disk anywhere (metrics, report, checkpoint): say so, and how to go on
-        if not is_disk_full(e):
-            raise
+    check_writable(cfg.run.out_dir, "run.out_dir", "pass --out a directory on a writable disk")
+
+    def full(why: str) -> str:  # a full disk anywhere (metrics, report, checkpoint): how to go on
         latest = latest_checkpoint(cfg.run.out_dir)
-        raise UserError(f"no space left on the filesystem of {cfg.run.out_dir} ({os_reason(e)}); free "
-                        f"space (or lower checkpoint.keep_last) and rerun the same command: it resumes from "
-                        f"{latest or 'the start'}.") from e
+        return (f"no space left on the filesystem of {cfg.run.out_dir} ({why}); free space (or lower "
+                f"checkpoint.keep_last) and rerun the same command: it resumes from "
+                f"{latest or 'the start'}.")
+
+    with run_on_ranks(cfg.run.device, full_disk=full) as ranks, _own_run_directory(cfg, ranks):
+        return _run(cfg, ranks)
 
 
-def _own_run_directory(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+def _own_run_directory(cfg: TrainConfig, ranks: Ranks) -> contextlib.AbstractContextManager:
     """Rank 0 holds the run directory for the whole run: a second dflash-train into it is refused
-    before it reads a checkpoint (the other ranks of this job share rank 0's hold)."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    before it reads a checkpoint (the other ranks of this job share rank 0's hold). A run refused
+    before it wrote anything leaves no lock file, nor a directory it made."""
+    if not ranks.main:
         return contextlib.nullcontext()
-    return hold_directory(cfg.run.out_dir, "run directory",
-                          "wait for that run to end (or stop it), or train into another directory (--out)")
+    fix = "wait for that run to end (or stop it), or train into another directory (--out)"
+    return hold_directory(cfg.run.out_dir, "run directory", fix, tidy=True)
 
 
-def _run(cfg: TrainConfig) -> Path:
-    r = setup(cfg)
-    metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start) if r.dist.main else None
+def _run(cfg: TrainConfig, ranks: Ranks) -> Path:
+    r = setup(cfg, ranks)
+    metrics = None
+    if r.ranks.main:
+        epochs = r.cfg.optim.epochs if r.cfg.optim.max_steps is None else None  # else steps rule
+        metrics = MetricsWriter(r.out, r.total, r.cfg.log.tensorboard, r.start, epochs=epochs,
+                                every_steps=r.cfg.log.every_steps)
     try:
         saved, stopped = train(r, metrics)
     except BaseException:  # e.g. a corrupt shard under data.on_bad_shard = stop: what is saved stays
@@ -532,30 +460,33 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     """The loop: -> (last step saved, the signal that stopped it early or None)."""
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    c, main = r.cfg, r.dist.main
-    window = Window(r.dist.device, r.drafter.cfg.block_size)
+    cfg, main = r.cfg, r.ranks.main
+    interval = LogInterval(r.ranks.device, r.drafter.cfg.block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
-    bar = progress_bar(total=r.total, initial=r.start, enabled=main and c.log.progress, unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=r.total, initial=r.start, enabled=main and cfg.log.progress,
+                       unit="step", dynamic_ncols=True)
     with StopRequest() as stop, logging_redirect_tqdm():
         for step in range(r.start + 1, r.total + 1):
-            info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, c, window.sums, window.counts,
-                              r.ema)
+            info = train_step(r.model, r.drafter, feeder, r.optimizer, r.scheduler, cfg,
+                              interval.sums, interval.counts, r.ema)
             bar.update(1)
             last = step == r.total
-            if step % c.log.every_steps == 0 or last:
-                record = window.record(step, info.epoch, info.lr, r.data.cache.stats, r.dist.world, r.data.bad)
+            if step % cfg.log.every_steps == 0 or last:
+                record = interval.record(step, info.epoch, info.lr, r.data.cache.stats,
+                                         r.ranks.world, r.data.bad)
                 if metrics is not None:
                     metrics.write(record)
-            if (c.validation.every_steps and step % c.validation.every_steps == 0) or last:
+            if (cfg.validation.every_steps and step % cfg.validation.every_steps == 0) or last:
                 validate(r, step, metrics)
-                window.restart_clock()
-            if r.dist.world == 1 or step % c.log.every_steps == 0 or last:  # ranks agree only at log steps
-                stopped = stop.signum if stop_agreed(stop, r.dist) else None
-            if step % c.checkpoint.every_steps == 0 or last or stopped:
+                interval.restart_clock()
+            # ranks agree only at log steps
+            if r.ranks.world == 1 or step % cfg.log.every_steps == 0 or last:
+                stopped = stop.signum if r.ranks.any(stop.requested) else None
+            if step % cfg.checkpoint.every_steps == 0 or last or stopped:
                 checkpoint(r, step, info.position)
                 saved = step
-                window.restart_clock()
+                interval.restart_clock()
             if stopped:
                 break
     bar.close()
@@ -574,7 +505,7 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
     r.data.close()
     if metrics is not None:
         metrics.close()
-    if r.dist.main:
+    if r.ranks.main:
         ckpt = r.out / f"step-{saved}"
         if stopped:
             log.info("stopped by %s after step %d; checkpoint saved in %s; run the same command again "
@@ -582,10 +513,7 @@ def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | Non
         else:
             with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # the average, if kept
                 save_drafter(r.drafter, r.out / "drafter", dtype=torch.bfloat16, overwrite=True)  # as served
-            write_report(r.out)
+            save_report(r.out)
             log.info("done: %d steps; drafter in %s, checkpoint in %s, report %s", saved, r.out / "drafter", ckpt,
                      r.out / "report.png")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
     return r.out

@@ -1,8 +1,13 @@
 """What a run reports: one fixed-format line per logging step, the same record in `metrics.jsonl`, and
 TensorBoard scalars, all in the run directory.
 
-    step 120/3000 | ep 0 | loss 2.3456 | acc 0.412 | acc@k .81 .62 .50 .41 .33 .27 .22 | tau 3.21 |
-    lr 5.9e-04 | gnorm 0.83 | 182.3k tok/s | wait 1.2 ms | cache 97% | mem 12.3 GiB
+    step 120/3000 | ep 1/6 | loss 2.3456 | acc 0.412 | acc@k .81 .62 .50 .41 .33 .27 .22 |
+    tau 3.21 | lr 5.9e-04 | gnorm 0.83 | 182.3k tok/s | wait 1.2 ms | cache 97% | mem 12.3 GiB
+
+Each line holds the means over the steps since the previous one (`log.every_steps`); a line over
+fewer (the first after a resume, the last of the run) says so: `step 105/3000 (mean of 5 steps since
+the resume) | ...`. Epochs count from 1 (the last step of a 6-epoch run is in `ep 6/6`); `mem` is
+the peak GPU memory, `n/a (no GPU)` on a CPU.
 
 Training records have "kind": "train", validation records "kind": "val". A resumed run first drops the
 records written after its checkpoint, so the curves have no doubled steps.
@@ -27,15 +32,29 @@ def _positions(values: list[float]) -> str:
     return " ".join("1.0" if v >= 0.995 else f"{v:.2f}".lstrip("0") for v in values)
 
 
-def format_train_line(r: dict[str, Any], total_steps: int) -> str:
-    mem = f"{r['gpu_mem_gib']:.1f} GiB" if r.get("gpu_mem_gib") is not None else "-"
+def format_train_line(r: dict[str, Any], total_steps: int, *, epochs: int | None = None,
+                      every_steps: int | None = None, resumed_at: int = 0) -> str:
+    """The console line of training record `r`; `epochs` the run's (none when optim.max_steps
+    sets its length), `every_steps` the steps a line means, `resumed_at` the step resumed from."""
+    mem = f"{r['gpu_mem_gib']:.1f} GiB" if r.get("gpu_mem_gib") is not None else "n/a (no GPU)"
+    epoch = f"{r['epoch']}/{epochs}" if epochs else f"{r['epoch']}"
     return (
-        f"step {r['step']}/{total_steps} | ep {r['epoch']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
+        f"step {r['step']}/{total_steps}{_window(r, every_steps, resumed_at)} | ep {epoch} | "
+        f"loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
         f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | lr {r['lr']:.1e} | "
         f"gnorm {r['grad_norm']:.2f} | {r['tok_s'] / 1e3:.1f}k tok/s | wait {r['data_wait_ms']:.1f} ms | "
         f"cache {100 * r['cache_hit_rate']:.0f}% | mem {mem}"
         + (f" | {r['bad_shards']} bad shard(s) skipped" if r.get("bad_shards") else "")
     )
+
+
+def _window(r: dict[str, Any], every_steps: int | None, resumed_at: int) -> str:
+    """' (mean of N steps[ since the resume])' for a line over fewer steps than the others."""
+    n = round(r.get("steps") or 0)
+    if every_steps is None or not 0 < n < every_steps:
+        return ""
+    since = " since the resume" if resumed_at and r["step"] - n == resumed_at else ""
+    return f" (mean of {n} step{'' if n == 1 else 's'}{since})"
 
 
 def format_val_line(r: dict[str, Any]) -> str:
@@ -70,9 +89,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 class MetricsWriter:
     """Console line + JSONL + TensorBoard. Only rank 0 makes one; the others record nothing."""
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, resume_step: int):
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, resume_step: int, *,
+                 epochs: int | None = None, every_steps: int | None = None):
         self.run_dir = run_dir
         self.total_steps = total_steps
+        self.line = {"epochs": epochs, "every_steps": every_steps, "resumed_at": resume_step}
         self._truncate_after(resume_step)
         self._file = open(run_dir / METRICS_FILE, "a")
         self._tb = None
@@ -87,7 +108,10 @@ class MetricsWriter:
         atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept), durable=False)
 
     def write(self, record: dict[str, Any]) -> None:
-        line = format_train_line(record, self.total_steps) if record["kind"] == "train" else format_val_line(record)
+        if record["kind"] == "train":
+            line = format_train_line(record, self.total_steps, **self.line)
+        else:
+            line = format_val_line(record)
         log.info("%s", line)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

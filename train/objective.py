@@ -9,15 +9,18 @@ fused loss hands over, and its correctness is the served walk's.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dflash_common.drafter.loss import (
     fused_lm_head_loss, greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows,
 )
 from dflash_common.drafter.loss.selector import block_selector_loss, top_k_logits
-from dflash_common.drafter.objective import IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path
+from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.objective import (
+    IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path,
+)
+from train.config import SoftTargetsSection
+from train.transfer import DeviceBatch
 
 
 def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -30,9 +33,10 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
                       (accepted * has_any).sum().double()[None], has_any.sum().double()[None]])
 
 
-def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any, *, block_size: int,
-                    gamma: float | None, autocast: str, weights: str = "gamma", dpace_alpha: float = 0.5,
-                    normalise: str = "weight", targets: Any = None, path_weight: float = 0.0,
+def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: DeviceBatch, *,
+                    block_size: int, gamma: float | None, autocast: str, weights: str = "gamma",
+                    dpace_alpha: float = 0.5, normalise: str = "weight",
+                    targets: SoftTargetsSection | None = None, path_weight: float = 0.0,
                     loss_method: str = "exact", selector_weight: float = 1.0,
                     selector_candidates: str = "gold", selector_stop_gradient: bool = False,
                     dpace_confidence: str = "served",
@@ -42,7 +46,7 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
 
     `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
     train/config.py's [objective]; D-PACE weights and the serving path come from the same forward's
-    per-row CE and correctness (no second pass). `targets` (train config's TargetsSection) switches on
+    per-row CE and correctness (no second pass). `targets` (train config's [targets]) switches on
     soft targets and prompt-anchor labels (the config refuses them with path_weight); with them,
     D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
     greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
@@ -95,7 +99,7 @@ def batch_objective(drafter: torch.nn.Module, model: torch.nn.Module, batch: Any
         w = dpace_weights(ce, valid, dpace_alpha)
         row_scale = w
     block_w = None
-    if path_weight:  # 0 leaves the objective as it was, bit for bit
+    if path_weight:  # 0: the objective without serving-path weights, bit for bit
         on_path = serving_path(batch.anchors, accepted_drafts(correct, valid), batch.loss_mask, batch.cu_seqlens)
         block_w = 1.0 + path_weight * on_path.float()  # [A], detached: from argmax correctness
         w = w * block_w[:, None]

@@ -54,6 +54,10 @@ from typing import Any
 import torch
 
 from dflash_common.drafter.attention import BlockLayout
+from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.drafter.objective import response_starts
+from dflash_common.drafter.packed import sequence_index
+from train.transfer import DeviceBatch
 
 # Blocks whose logits [n, B-1, V] are materialised at once (bounds memory at large vocabularies).
 _LOGIT_ELEMENTS = 1 << 26
@@ -71,28 +75,22 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
                       max_new_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The responses of a packed batch: maximal runs of loss-mask positions inside one sequence.
 
-    Returns packed (first, end, seq_start) [R] each: first response token, end of the response
+    Returns packed (first, end, seq_start) int64 [R] each: first response token, end of the response
     (exclusive, cut at first + max_new_tokens) and the start of its sequence."""
-    device = loss_mask.device
-    mask = loss_mask.bool()
-    t = mask.shape[0]
-    cu = cu_seqlens.to(device, torch.long)
-    is_start = torch.zeros(t, dtype=torch.bool, device=device)
-    is_start[cu[:-1][cu[:-1] < t]] = True  # a run never crosses a sequence boundary
-    prev = torch.cat([mask.new_zeros(1), mask[:-1]])
-    begins = mask & (~prev | is_start)
-    nxt = torch.cat([mask[1:], mask.new_zeros(1)])
-    next_starts = torch.cat([is_start[1:], is_start.new_ones(1)])
-    finishes = mask & (~nxt | next_starts)
+    begins = response_starts(loss_mask, cu_seqlens)  # [T]
+    # a response ends where the next position does not continue it (no response, or another one)
+    continues = torch.cat([loss_mask[1:] & ~begins[1:], loss_mask.new_zeros(1)])
+    finishes = loss_mask & ~continues
     first = torch.nonzero(begins)[:, 0]
     end = torch.nonzero(finishes)[:, 0] + 1
-    seq_start = cu[torch.searchsorted(cu, first, right=True) - 1]
+    seq_start = cu_seqlens[sequence_index(cu_seqlens, first)]
     if max_new_tokens:
         end = torch.minimum(end, first + max_new_tokens)
     return first, end, seq_start
 
 
-def _greedy_drafts(drafter, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor,
+                   first_tokens: torch.Tensor) -> torch.Tensor:
     """Block hidden states [n, b, H] of blocks starting with `first_tokens` [n] -> the drafts served
     [n, b-1] (position 0 is the anchor): the drafter's own rule (`draft_tokens`)."""
     n, b, _ = hidden.shape
@@ -104,8 +102,8 @@ def _greedy_drafts(drafter, hidden: torch.Tensor, first_tokens: torch.Tensor) ->
 
 
 @torch.no_grad()
-def replay_batch(drafter, batch: Any, *, block_size: int | None = None, max_new_tokens: int | None = None,
-                 autocast: str = "none") -> list[list[int]]:
+def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int | None = None,
+                 max_new_tokens: int | None = None, autocast: str = "none") -> list[list[int]]:
     """Greedy speculative decoding of every response of a device batch (features, input_ids, loss_mask,
     cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
     emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""

@@ -5,9 +5,10 @@ Per epoch, on every rank alike:
    it supplies weights[i]/sum(weights) of the epoch's tokens; all stores' shards are shuffled together;
 2. shard k of that order goes to rank k % world (the tail that does not divide evenly waits for the
    next epoch's order), so ranks read disjoint shards into their own caches;
-3. a rank's shards are grouped into windows of `window_shards`; the sequences of one window are
-   shuffled together and packed greedily, in that order, into batches of at most `batch_tokens`
-   tokens (a sequence longer than the budget is truncated to it: its tail is not trained on);
+3. a rank's shards are grouped into shuffle windows of `shuffle_window_shards`
+   (data.window_shards); the sequences of one shuffle window are shuffled together and packed
+   greedily, in that order, into batches of at most `batch_tokens` tokens (a sequence longer than
+   the budget is truncated to it: its tail is not trained on);
 4. every rank keeps the same number of batches (the fewest any rank has, rounded down to a multiple of
    grad_accum) so that DDP ranks step together.
 
@@ -25,7 +26,7 @@ import threading
 import numpy as np
 
 # Tags keep the random streams of different purposes apart (numpy SeedSequence mixes the whole key).
-_SHARD_ORDER, _MIX, _WINDOW = 1, 2, 3
+_SHARD_ORDER, _MIX, _SHUFFLE_WINDOW = 1, 2, 3
 
 
 def rng(*key: int) -> np.random.Generator:
@@ -53,8 +54,8 @@ class EpochPlan:
 
     epoch: int
     batches: list[np.ndarray]
-    batch_window: np.ndarray  # int64 [len(batches)]: the window each batch comes from
-    windows: list[np.ndarray]  # per window: the shard indices it reads
+    batch_shuffle_window: np.ndarray  # int64 [len(batches)]: each batch's shuffle window
+    shuffle_windows: list[np.ndarray]  # per shuffle window: the shard indices it reads
 
 
 def _stable_hash(text: str) -> int:
@@ -108,14 +109,15 @@ class DataPlan:
     """The batches of every epoch for every rank, derived from the stores' metadata alone."""
 
     def __init__(self, shards: list[ShardMeta], split: Split, *, n_stores: int, weights: list[float] | None,
-                 seed: int, batch_tokens: int, window_shards: int, world: int, grad_accum: int):
+                 seed: int, batch_tokens: int, shuffle_window_shards: int, world: int,
+                 grad_accum: int):
         self.shards = shards
         self.split = split
         self.n_stores = n_stores
         self.weights = weights
         self.seed = seed
         self.batch_tokens = batch_tokens
-        self.window_shards = window_shards
+        self.shuffle_window_shards = shuffle_window_shards
         self.world = world
         self.grad_accum = grad_accum
         self._plans: dict[int, tuple[int, list[EpochPlan]]] = {}  # the two latest epochs planned
@@ -153,17 +155,19 @@ class DataPlan:
     def _rank_plan(self, epoch: int, rank: int, order: np.ndarray) -> EpochPlan:
         usable = len(order) - len(order) % self.world
         mine = order[:usable][rank::self.world]
-        windows = [mine[i:i + self.window_shards] for i in range(0, len(mine), self.window_shards)]
-        batches, batch_window = [], []
-        for w, shards in enumerate(windows):
+        size = self.shuffle_window_shards
+        shuffle_windows = [mine[i:i + size] for i in range(0, len(mine), size)]
+        batches, batch_shuffle_window = [], []
+        for w, shards in enumerate(shuffle_windows):
             seqs = np.concatenate([np.column_stack([np.full(len(self.split.train[s]), s), self.split.train[s]])
                                    for s in shards]).astype(np.int64)  # [n, 2] (shard, sequence)
             lengths = np.concatenate([self.shards[s].lengths[self.split.train[s]] for s in shards])  # [n]
-            order = rng(self.seed, _WINDOW, epoch, rank, w).permutation(len(seqs))
+            order = rng(self.seed, _SHUFFLE_WINDOW, epoch, rank, w).permutation(len(seqs))
             packed = pack(seqs[order], lengths[order], self.batch_tokens)
             batches += packed
-            batch_window += [w] * len(packed)
-        return EpochPlan(epoch, batches, np.array(batch_window, dtype=np.int64), windows)
+            batch_shuffle_window += [w] * len(packed)
+        return EpochPlan(epoch, batches, np.array(batch_shuffle_window, dtype=np.int64),
+                         shuffle_windows)
 
     def epoch(self, epoch: int, rank: int) -> EpochPlan:
         """Rank `rank`'s batches of `epoch`, cut to the length every rank shares."""
@@ -181,7 +185,7 @@ class DataPlan:
             self._plans[epoch] = (n, plans)
         n, plans = self._plans[epoch]
         p = plans[rank]
-        return EpochPlan(epoch, p.batches[:n], p.batch_window[:n], p.windows)
+        return EpochPlan(epoch, p.batches[:n], p.batch_shuffle_window[:n], p.shuffle_windows)
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimiser steps of one epoch (the same on every rank)."""

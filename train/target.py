@@ -4,12 +4,15 @@ fingerprint (checked against the store's) and the MASK token id."""
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import DRAFTER_CONFIG_KEYS, head_fingerprint, target_fingerprint, tokenizer_fingerprint
+from dflash_common.hf import check_model_dir, load_tokenizer, read_config_json
+
+if TYPE_CHECKING:
+    from dflash_common.store import StoreManifest
 
 MASK_TOKEN = "<|mask|>"  # the token DFlash adds to the tokenizer (dflash_common/tiny.py has it too)
 
@@ -18,25 +21,16 @@ def _target_dir(path: str | None) -> Path:
     if path is None:
         raise UserError("No target given; set run.target to the target model's directory (its embedding, "
                         "lm_head and tokenizer are needed).")
-    target = Path(path)
-    if not (target / "config.json").is_file():
-        raise UserError(f"run.target = {path} has no config.json; pass the target model's directory.")
-    return target
+    return check_model_dir(path, "run.target")
 
 
 def target_config(path: str | None) -> dict[str, Any]:
-    return json.loads((_target_dir(path) / "config.json").read_text())
+    return read_config_json(_target_dir(path), "run.target")
 
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the tokenizer of run.target = {path} ({e}); the directory needs its "
-                        f"tokenizer files.") from e
+    return load_tokenizer(path, "run.target")  # asked for twice (fingerprint, MASK id): loaded once
 
 
 def tokenizer_sha256(path: str | None) -> str:
@@ -55,7 +49,7 @@ def mask_token_id(path: str | None, configured: int | None) -> int:
     return int(token_id)
 
 
-def check_same_target(manifest: Any, store: str | Path, path: str | None) -> None:
+def check_same_target(manifest: StoreManifest, store: str | Path, path: str | None) -> None:
     """Refuse a run.target other than the store's target: its embedding/lm_head (what the drafter is
     trained and served with) or the config fields the drafter copies differ. Content, not names:
     a copy in a directory of another name passes. Stores without a `target_head` record (older

@@ -16,6 +16,7 @@ are no streams: copies run in order and handles are released at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -28,13 +29,25 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class DeviceBatch:
-    """A packed batch on the training device."""
+    """A packed batch on the training device, each field in the one dtype every consumer takes it in
+    (the drafter, its objective and losses, validation and path tau convert none of them):
+
+    - features: the compute dtype (bf16 under bf16 autocast, else float32), decoded from the store's
+      bits here, on the device.
+    - input_ids, cu_seqlens, anchors: int64, torch's index dtype. They index tensors (embedding
+      rows, labels, sequence ends), meet `arange` and `searchsorted` results (int64) and become
+      F.cross_entropy's labels, which must be int64; nothing here reads them as int32 (no varlen
+      kernel), so a narrower dtype would only be converted back. They travel as one int64 vector
+      (HostBatch.small_tensor) and arrive as its slices: no conversion on the device.
+    - loss_mask: bool, the dtype `&`, `~` and `torch.where` take it in; the one conversion, from the
+      0/1 it travels as in that vector, is here.
+    """
 
     features: torch.Tensor  # [T, K*H] context features, K layers in the drafter's target_layer_ids order
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # bool [T]
-    cu_seqlens: torch.Tensor  # int32 [N+1]
-    anchors: torch.Tensor  # int64 [A] packed positions
+    cu_seqlens: torch.Tensor  # int64 [N+1]
+    anchors: torch.Tensor  # int64 [A] packed positions, sorted
     tokens: int
     epoch: int
     index: int  # position of this batch in its epoch's plan
@@ -109,7 +122,7 @@ class DeviceFeeder:
             buf.copied.synchronize()  # its small host twin is about to be overwritten: its last copy must be done
         small = host.small_tensor()  # int64 [2T + A + N + 1] <= [3 * batch_tokens + 1]
         buf.small_host[:small.numel()].copy_(small)
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if buf.decoded is not None:
                 stream.wait_event(buf.decoded)
             for shard, src, dst, n in host.segments:
@@ -141,7 +154,7 @@ class DeviceFeeder:
             buf.decoded.record(compute)
         ids, mask, anchors, cu = host.split_small(small)
         self._release_finished()
-        return DeviceBatch(features, ids, mask.bool(), cu.to(torch.int32), anchors, t, host.epoch, host.index,
+        return DeviceBatch(features, ids, mask.bool(), cu, anchors, t, host.epoch, host.index,
                            position, waited, final)
 
     def _release_finished(self) -> None:
@@ -167,11 +180,3 @@ class DeviceFeeder:
             for h in handles:
                 h.release()
         self._held.clear()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None

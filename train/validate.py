@@ -20,12 +20,15 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import AcceptanceCounts
+from train.config import SoftTargetsSection
 from train.objective import batch_objective
 from train.path_tau import path_counts, replay_batch, summarize_path
+from train.transfer import DeviceBatch
 
 
-def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
+def summarize_sums(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
     """Sums -> the reported figures (accuracies by position k = 1..B-1; position 0 is the anchor)."""
     acc = AcceptanceCounts.from_tensor(counts)
     return {
@@ -38,13 +41,13 @@ def summarize(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[
 
 
 @torch.no_grad()
-def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_size: int,
+def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, block_size: int,
                      gamma: float | None = None, autocast: str = "bf16", reduce: bool = False,
-                     path: bool = True, targets: Any = None) -> dict[str, Any]:
-    """Loss, accuracy by position and tau over device batches (objects with features, input_ids,
-    loss_mask, cu_seqlens, anchors); with `path`, also the path tau of greedy decoding replayed from
-    the batches (train/path_tau.py: exact when the responses are the target's greedy output). With
-    `reduce`, sums are all-reduced over the process group."""
+                     path: bool = True,
+                     targets: SoftTargetsSection | None = None) -> dict[str, Any]:
+    """Loss, accuracy by position and tau over device batches; with `path`, also the path tau of
+    greedy decoding replayed from the batches (train/path_tau.py: exact when the responses are the
+    target's greedy output). With `reduce`, sums are all-reduced over the process group."""
     was_training = drafter.training
     drafter.eval()
     device = next(drafter.parameters()).device
@@ -57,14 +60,14 @@ def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
         if batch.anchors.numel() == 0:
             continue
         found: dict[str, torch.Tensor] = {}
-        loss, weight, c = batch_objective(drafter, drafter, batch, block_size=block_size, gamma=gamma,
-                                          autocast=autocast, targets=targets, extras=found,
-                                          selector_weight=0.0)  # the loss stays DFlash's
+        loss, weight, batch_counts = batch_objective(
+            drafter, drafter, batch, block_size=block_size, gamma=gamma, autocast=autocast,
+            targets=targets, extras=found, selector_weight=0.0)  # the loss stays DFlash's
         if dflash2:
             extra += torch.cat([found["unary"], found["selector"]])
         sums += torch.stack([loss.double(), weight.double(), torch.tensor(batch.cu_seqlens.numel() - 1.0,
                                                                           dtype=torch.float64, device=device)])
-        counts += c
+        counts += batch_counts
         if path:
             paths += path_counts(replay_batch(drafter, batch, autocast=autocast)).to(device)
     if reduce and dist.is_initialized():
@@ -73,7 +76,7 @@ def evaluate_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
         n = counts.numel()
         sums, counts, paths, extra = both[:3], both[3:3 + n], both[3 + n:8 + n], both[8 + n:]
     drafter.train(was_training)
-    out = summarize(float(sums[0]), float(sums[1]), counts.cpu())
+    out = summarize_sums(float(sums[0]), float(sums[1]), counts.cpu())
     out["sequences"] = int(sums[2])
     if dflash2:
         out.update(_dflash2_figures(extra.cpu(), float(sums[1])))

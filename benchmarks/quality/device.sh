@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# The quality benchmark's GPU stages as one command on one H200 (the device tool's run), inside a deadline:
+# The quality benchmark as one command on one GPU (the device tool's run), inside a deadline:
 #
 #   bash benchmarks/quality/device.sh DEADLINE_S STAGES VARIANTS SEEDS [TRAIN_PROMPTS]
-#   e.g. bash benchmarks/quality/device.sh 560 target,data,drafters baseline,dpace 0,1,2
+#   e.g. bash benchmarks/quality/device.sh 560 target,data,drafters,eval baseline,dpace 0,1,2
 #
-# STAGES is a comma list of target, data, drafters (the heldout, eval and table stages run where
-# dflash-eval runs: a CPU will do, see docs/benchmarks.md); with target/ and data/ carried in, `data`
-# only rebuilds the training store from them. Artefacts travel both ways as tar parts of
-# at most 15 MiB (the device tool returns at most 8 files of 16 MiB): parts found in .carry/ are
-# unpacked into the work directory first, and what this call made is packed into $OUT as
-#   base.tgz.part-*   target/ and data/ (after the data stage, so they come back even if training runs late)
-#   runs.tgz.part-*   every finished drafter (bf16), its metrics, run record and path tau, and the logs
-# With data/heldout.jsonl carried in (heldout.tgz.part-*: the held-out answers made where dflash-eval
-# runs), every finished run's path tau on them comes back too (offline_heldout.json).
+# STAGES is a comma list of target, data, drafters, eval; with target/ and data/ carried in, `data`
+# only rebuilds the training store from them. `eval` (after the drafters, EVAL_S seconds kept for
+# it, default 150) makes the held-out answers with dflash-eval's own batched target loop on this
+# GPU, runs dflash-eval (batched, float32, lossless) and the offline reports for every finished run
+# of VARIANTS x SEEDS, and writes the table: a whole regime in one call. Without `eval`, the
+# held-out answers and tau come from wherever dflash-eval runs later (run.py --stage
+# heldout,eval,table; a CPU will do). Artefacts travel both ways as tar parts of at most 15 MiB (the
+# device tool returns at most 8 files of 16 MiB): parts found in .carry/ are unpacked into the work
+# directory first, and what this call made is packed into $OUT as
+#   base.tgz.part-*  target/ and data/ (after the data stage: they come back if training runs late)
+#   runs.tgz.part-*  every finished drafter (bf16), its metrics, run record and path tau, the logs;
+#                    after `eval` also every run's reports, the held-out answers, results.md/.json
+# With data/heldout.jsonl carried in (heldout.tgz.part-*) and no `eval`, every finished run's path
+# tau on those answers comes back too (offline_heldout.json).
 # Unpack here with: cat OUT/base.tgz.part-* | tar xz -C WORK (the same for runs.tgz.part-*).
 # The machine has no network and lacks zarr, numcodecs, torchdata, crc32c, google-crc32c (zarr's crc32c
 # codec imports it), donfig and tomli-w: they travel as Python 3.12 wheels in .whl/ (docs/benchmarks.md).
@@ -20,10 +25,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
 DEADLINE=${1:-560}
-STAGES=${2:-target,data,drafters}
+STAGES=${2:-target,data,drafters,eval}
 VARIANTS=${3:-baseline,dpace}
 SEEDS=${4:-0,1,2}
-TRAIN_PROMPTS=${5:-5000}
+TRAIN_PROMPTS=${5:-}   # default: the regime's (run.py REGIMES)
+REGIME=${REGIME:-small}  # small | rich (run.py --regime)
 OUT=${OUT:-/tmp/quality-out}
 W=${QUALITY_WORK:-/tmp/quality}
 mkdir -p "$OUT" "$W"
@@ -42,8 +48,8 @@ done
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   nproc; } > "$OUT/machine.txt" 2>&1
 # QUALITY_EXTRA=--tiny and TARGET_ARGS= run this script's plumbing on a CPU in minutes
-COMMON=(--work "$W" --train-prompts "$TRAIN_PROMPTS" --eval-prompts 200 --max-new-tokens 128 ${QUALITY_EXTRA:-})
-TARGET_ARGS=${TARGET_ARGS---compile --steps 1500 --corpus-mb 100}
+COMMON=(--work "$W" --regime "$REGIME" ${TRAIN_PROMPTS:+--train-prompts "$TRAIN_PROMPTS"} --eval-prompts 200
+        --max-new-tokens 128 ${QUALITY_EXTRA:-})
 pack() {  # pack NAME PATHS... (relative to $W) -> $OUT/NAME.tgz.part-*
   local name=$1; shift
   rm -f "$OUT/$name".tgz.part-*
@@ -56,8 +62,8 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
 {
   if [[ ,$STAGES, == *,target,* ]]; then
     log "target"
-    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage target \
-      --target-args "$TARGET_ARGS" || exit 1
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage target ${TARGET_ARGS+--target-args "$TARGET_ARGS"} \
+      || exit 1
   fi
   if [[ ,$STAGES, == *,data,* ]]; then
     log "data"
@@ -67,28 +73,49 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
       pack base target data
     fi
   fi
+  EVAL=0; [[ ,$STAGES, == *,eval,* ]] && EVAL=1
   if [[ ,$STAGES, == *,drafters,* ]]; then
     log "GPU check: the compiled flex kernel without grad on a few blocks (validation's path replay)"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/dflash_common/drafter/test_attention.py -k "flex" || exit 1
-    LEFT=$(( DEADLINE - $(elapsed) - 90 ))  # the path-tau reports and the packing after it
+    LEFT=$(( DEADLINE - $(elapsed) - 90 - EVAL * ${EVAL_S:-150} ))  # reports and packing after it
     log "drafters $VARIANTS x $SEEDS, deadline in $LEFT s"
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage drafters --variants "$VARIANTS" --seeds "$SEEDS" \
       --deadline-s "$LEFT"
-    if [ -f "$W/data/heldout.jsonl" ]; then  # answered where dflash-eval runs; carried in as heldout.tgz
+    if [ "$EVAL" = 0 ] && [ -f "$W/data/heldout.jsonl" ]; then  # answers carried in as heldout.tgz
       log "path tau of every finished run on the held-out answers"
       python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout
       python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --evals offline_heldout \
         --variants "$VARIANTS" --seeds "$SEEDS" --deadline-s $(( DEADLINE - $(elapsed) ))
     fi
+  fi
+  if [ "$EVAL" = 1 ]; then
+    log "eval: held-out answers by the batched target loop, dflash-eval, offline reports, table"
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout || exit 1
+    # a few processes side by side: each decodes its 200 prompts in one batch, host-bound
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --variants "$VARIANTS" \
+      --seeds "$SEEDS" --parallel "${EVAL_PARALLEL:-4}" \
+      --deadline-s $(( DEADLINE - $(elapsed) - 45 ))
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage table --variants "$VARIANTS" \
+      --seeds "$SEEDS"
+  fi
+  if [[ ,$STAGES, == *,drafters,* ]] || [ "$EVAL" = 1 ]; then
     log "pack runs"
-    # this call's runs only (a warm machine keeps earlier ones): finished drafters, and every run's log,
-    # metrics and run record (how far it got)
+    # this call's runs only (a warm machine keeps earlier ones): finished drafters, and every run's
+    # log, metrics, run record (how far it got) and reports
     FILES=()
     for v in ${VARIANTS//,/ }; do for s in ${SEEDS//,/ }; do
-      for f in runs/$v/train-seed-$s.log runs/$v/seed-$s/{drafter,metrics.jsonl,run.toml,run.json,bench_manifest.json,offline_heldout.json}; do
+      for f in runs/$v/{train,eval,offline_heldout,offline_train}-seed-$s.log \
+          runs/$v/seed-$s/{drafter,metrics.jsonl,run.toml,run.json,bench_manifest.json} \
+          runs/$v/seed-$s/{eval,offline_heldout,offline_train}.json \
+          runs/$v/seed-$s/eval.run.toml; do
         [ -e "$W/$f" ] && FILES+=("$f")
       done
     done; done
+    if [ "$EVAL" = 1 ]; then
+      for f in data/heldout.jsonl data/heldout_manifest.json results.md results.json; do
+        [ -e "$W/$f" ] && FILES+=("$f")
+      done
+    fi
     pack runs $(cd "$W" && ls -d logs 2>/dev/null) "${FILES[@]}"
   fi
   log "done"

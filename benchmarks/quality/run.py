@@ -3,7 +3,7 @@
     python benchmarks/quality/run.py --work runs/quality --stage all      # or one stage at a time:
     python benchmarks/quality/run.py --work runs/quality --stage target   # target.py, ~2 min on an H200
     python benchmarks/quality/run.py --work runs/quality --stage data     # dflash-generate + training store
-    python benchmarks/quality/run.py --work runs/quality --stage heldout  # held-out answers + store (CPU is fine)
+    python benchmarks/quality/run.py --work runs/quality --stage heldout  # where eval runs
     python benchmarks/quality/run.py --work runs/quality --stage drafters --variants baseline --seeds 0,1,2
     python benchmarks/quality/run.py --work runs/quality --stage eval     # dflash-eval + offline, per run
     python benchmarks/quality/run.py --work runs/quality --stage table    # results.md / results.json
@@ -16,13 +16,16 @@ Stages and what they leave in --work (a stage whose output has a matching manife
    conversations that precompute tokenises; batched HF generate into train.jsonl token records is the
    fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as messages for
    dflash-eval); then dflash-precompute writes stores/train (float32 target, bf16 states, final states).
-3. data/heldout.jsonl: the held-out prompts answered one by one by dflash-eval's own baseline loop
-   (`target_generate`, float32) on this stage's device, as token records, so path tau replays exactly what
-   dflash-eval's target emits there; then stores/heldout. Cheap enough for a CPU: run it where dflash-eval runs.
+3. data/heldout.jsonl: the held-out prompts answered by dflash-eval's own baseline loop (float32)
+   on this stage's device, as token records, so path tau replays exactly what dflash-eval's target
+   emits there: on a GPU its batched loop in its batches (train/eval/batched.py), on a CPU one
+   prompt at a time (`target_generate`); answers made the other way are made again. Then
+   stores/heldout.
 4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
    processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below). At the
    deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same command resumes it.
-5. per run: eval.json (dflash-eval, float32, lossless required), offline_heldout.json and
+5. per run: eval.json (dflash-eval, float32, lossless required; batched on a GPU, one prompt at a
+   time on a CPU: generation.batch_size's default), offline_heldout.json and
    offline_train.json (dflash-eval --offline: the estimate and path tau on the held-out store and on the
    training store's held-out split), at most --parallel processes at a time.
 6. results.md / results.json: per variant, mean +- sd over seeds.
@@ -55,6 +58,8 @@ VARIANTS: dict[str, list[str]] = {
     "ema": ["--regularise.ema=0.99"],  # ~100-step average (a run is ~500 steps)
     "noise": ["--regularise.noise=0.1"],
     "dpace+lr2x": ["--objective.weights=dpace", "--optim.lr=1.2e-3"],
+    # Muon for the linear layers' matrices (AdamW for the rest), at the recipe's lr (RMS-matched update)
+    "dpace+muon": ["--objective.weights=dpace", "--optim.name=muon"],
     "dpace+lr2x+label": ["--objective.weights=dpace", "--optim.lr=1.2e-3", "--objective.anchors=label"],
     "dpace+norm_anchors": ["--objective.weights=dpace", "--objective.normalise=anchors"],
     # blocks on greedy serving's path (anchors after a rejection) weigh 1 + path_weight times
@@ -98,6 +103,22 @@ RECIPE = ["--drafter.block_size=16", "--drafter.depth=3", "--optim.epochs=6", "-
           "--data.batch_tokens=16384", "--data.cache_gb=5", "--data.holdout_sequences=256",
           "--validation.every_steps=500", "--checkpoint.every_steps=1000", "--log.every_steps=50",
           "--log.progress=false"]
+# Two regimes (--regime). "small": the 8.4M-parameter target, 5,000 training prompts, 6 epochs at 450
+# steps: a drafter that sees its data six times memorises it (held-out loss far above training loss).
+# "rich": a stronger target (~36M parameters: hidden 512, 8 heads, SwiGLU 2048, 8 layers, so the DFlash
+# layer ids stay [1..5]) on twice the corpus, ~5x the answer tokens (24,000 prompts), the same 450 steps
+# of 16K tokens, which are then ~1.1 passes over the data: the regime real drafter training is in
+# (~1B tokens, few epochs), where levers that regularise cannot pass for levers that learn. Its store is
+# fp8 (half the disk of bf16, equal tau: docs/benchmarks.md) to fit the device's 64 GiB disk.
+REGIMES: dict[str, dict] = {
+    "small": {"target_args": "--compile --steps 1500 --corpus-mb 100", "train_prompts": 5000,
+              "store_dtype": "bf16", "recipe": []},
+    "rich": {"target_args": "--compile --hidden 512 --heads 8 --kv-heads 4 --intermediate 2048 --steps 1500 "
+                            "--corpus-mb 200 --train-prompts 24000 --context-chars 400",
+             "train_prompts": 24000, "store_dtype": "fp8_e4m3",
+             "recipe": ["--optim.epochs=2", "--optim.max_steps=450"]},
+}
+
 TINY_RECIPE = ["--drafter.block_size=8", "--drafter.depth=1", "--optim.epochs=2", "--optim.lr=3e-3",
                "--objective.weights=gamma",
                "--data.batch_tokens=2048", "--data.cache_gb=0.05", "--data.holdout_sequences=8",
@@ -115,7 +136,7 @@ TINY_TARGET = ["--device", "cpu", "--corpus-mb", "2", "--bpe-train-mb", "2", "--
 
 def settings(args) -> dict:
     """What the cached artefacts depend on (not the variants or seeds, which have their own run dirs)."""
-    return {"tiny": args.tiny, "seed": args.target_seed, "max_new_tokens": args.max_new_tokens,
+    return {"tiny": args.tiny, "regime": args.regime, "seed": args.target_seed, "max_new_tokens": args.max_new_tokens,
             "eval_prompts": args.eval_prompts, "train_prompts": args.train_prompts, "device": args.device}
 
 
@@ -182,7 +203,8 @@ def stage_target(args) -> None:
     cmd += TINY_TARGET if args.tiny else ["--device", args.device]
     if args.target_minutes and not args.tiny:  # else target.py's own step count (or --target-args')
         cmd += ["--minutes", str(args.target_minutes)]
-    cmd += args.target_args.split()
+    cmd += (args.target_args if args.target_args is not None else
+            "" if args.tiny else REGIMES[args.regime]["target_args"]).split()
     run_one(cmd, args.work / "logs" / "target.log")
 
 
@@ -268,22 +290,22 @@ def train_answers(args, data: Path) -> str:
 def load_target(args):
     """The target in float32 on the benchmark's device, its tokenizer, stop ids and chat template."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_common.chat import ChatTemplate
-    from train.eval.load import stop_token_ids
+    from dflash_common.hf import load_causal_lm, load_tokenizer, stop_token_ids
 
     target = args.work / "target"
-    tok = AutoTokenizer.from_pretrained(target)
-    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
-    return model, tok, stop_token_ids(model, tok), ChatTemplate(tok, {})
+    tok = load_tokenizer(target)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
+    model = load_causal_lm(target, dtype="float32", device=device)
+    return model, tok, stop_token_ids(model.generation_config, tok), ChatTemplate(tok, {})
 
 
 def precompute(args, records: Path, store: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "precompute.cli", "--out", str(store), f"--target.path={args.work / 'target'}",
            f"--store.final_state={'true' if store.name == 'train' else 'false'}",  # soft-target variants
-           f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32", "--store.dtype=bf16",
+           f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32",
+           f"--store.dtype={'bf16' if args.tiny else REGIMES[args.regime]['store_dtype']}",
            "--data.block_size=2", "--data.max_length=4096", "--run.progress=false",
            f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]
     if args.tiny:
@@ -317,26 +339,38 @@ def stage_data(args) -> None:
     build_store(args, "train", data / json.loads((data / "manifest.json").read_text())["train_input"], want)
 
 
-def stage_heldout(args) -> None:
-    """The held-out prompts answered one by one by dflash-eval's own baseline loop (float32), so path tau
-    replays exactly what dflash-eval's target emits on this device; then the held-out store. Answers made
-    on another device are kept (the manifest says which): dflash-eval must then run there too."""
+def heldout_batch_size(args) -> int:
+    """The batch size dflash-eval picks here by default (generation.batch_size = 0)."""
     import torch
 
-    from train.eval.spec_decode import TargetRunner, target_generate
+    from train.eval.batched import AUTO_ROWS
+
+    return AUTO_ROWS if torch.cuda.is_available() and args.device != "cpu" else 1
+
+
+def stage_heldout(args) -> None:
+    """The held-out prompts answered by dflash-eval's own baseline loop (float32) as dflash-eval
+    runs it on this device (batched on a GPU), so path tau replays exactly what dflash-eval's
+    target emits here; then the held-out store. Answers made the other way (another batch size)
+    are made again."""
+    import torch
+
+    from train.eval.run import target_answers
 
     data, want = args.work / "data", data_settings(args)
     want = {k: v for k, v in want.items() if k not in ("device", "train_prompts")}
+    want["batch_size"] = heldout_batch_size(args)
     if not matches(data / "heldout_manifest.json", want):
         model, _, stops, template = load_target(args)
         held = [template.prompt_ids(m) for m in read_prompts(data / "heldout_prompts.jsonl", 0)]
-        runner = TargetRunner(model, [])
-        answers = [target_generate(runner, p, max_new_tokens=args.max_new_tokens, stop_ids=stops).tokens
-                   for p in held]
+        t0 = time.perf_counter()
+        answers = target_answers(model, held, max_new_tokens=args.max_new_tokens, stop_ids=stops,
+                                 batch_size=want["batch_size"], block_size=8 if args.tiny else 16)
         write_records(data / "heldout.jsonl", held, answers)
         device = next(model.parameters()).device
         write_manifest(data / "heldout_manifest.json", want, device=str(device),
-                       device_name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+                       device_name=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       seconds=round(time.perf_counter() - t0, 1))
     else:
         made = json.loads((data / "heldout_manifest.json").read_text()).get("device_name")
         print(f"{data / 'heldout.jsonl'}: held-out answers made on {made} are there; keeping them")
@@ -355,7 +389,7 @@ def train_command(args, variant: str, seed: int) -> list[str]:
     return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(args.work / 'stores' / 'train')])}",
             f"--run.target={args.work / 'target'}", f"--run.out_dir={out}", f"--run.seed={seed}",
             f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}",
-            *(TINY_RECIPE if args.tiny else RECIPE), *VARIANTS[variant]]
+            *(TINY_RECIPE if args.tiny else RECIPE + REGIMES[args.regime]["recipe"]), *VARIANTS[variant]]
 
 
 def stage_drafters(args) -> None:
@@ -449,7 +483,17 @@ def one_run(out: Path) -> dict:
             "path_tau_heldout": held.get("path_tau"), "path_tau_pooled_heldout": held.get("path_tau_pooled"),
             "path_tau_train": train.get("path_tau"), "val_path_tau": val[-1].get("path_tau") if val else None,
             "val_tau": val[-1].get("tau") if val else None,
+            # where dflash-eval decoded: "cuda:0, batches of up to 256" or "cpu, one at a time"
+            "eval_on": _decoded_on(ev),
             "tok_s": statistics.fmean(tok_s[1:] or tok_s) if tok_s else None}
+
+
+def _decoded_on(report: dict) -> str | None:
+    if not report:
+        return None
+    batch = report.get("batch_size", 1)
+    how = "one at a time" if batch == 1 else f"batches of up to {batch}"
+    return f"{report.get('device')}, {how}"
 
 
 def _mean(xs: list[float | None]) -> float | None:
@@ -498,9 +542,12 @@ def stage_table(args) -> None:
             per_seed.append(f"| {v} | {seed} | " + " | ".join(
                 "n/a" if r[k] is None else f"{r[k]:.3f}" if k != "tok_s" else f"{r[k]:,.0f}"
                 for k in ("tau", "tau_pooled", "path_tau_heldout", "offline_heldout", "tok_s")) + " |")
-    (args.work / "results.md").write_text(table + "\n\nmean ± sd over seeds; tau per prompt then over prompts "
-                                          "(the DFlash authors' way), pooled = tokens per cycle over all cycles.\n"
-                                          + "\n".join(per_seed) + "\n")
+    where = sorted({r["eval_on"] for runs in results.values() for r in runs.values()
+                    if r["eval_on"]})
+    (args.work / "results.md").write_text(
+        table + "\n\nmean ± sd over seeds; tau per prompt then over prompts (the DFlash authors' "
+        "way), pooled = tokens per cycle over all cycles; "
+        f"dflash-eval decoded on {' and '.join(where) or 'n/a'}.\n" + "\n".join(per_seed) + "\n")
     (args.work / "results.json").write_text(json.dumps({"settings": settings(args), "runs": results}, indent=2))
 
 
@@ -520,10 +567,15 @@ def parse(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--target-seed", type=int, default=0)
     p.add_argument("--target-minutes", type=float, default=0, help="target training time (0: its --steps)")
-    p.add_argument("--train-prompts", type=int, default=0, help="training prompts answered (0: all)")
+    p.add_argument("--train-prompts", type=int, default=None,
+                   help="training prompts answered (default: the regime's; 0: all)")
     p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts (dflash-eval and path tau)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit, generation and eval")
-    p.add_argument("--target-args", default="", help="more target.py arguments, e.g. '--compile --steps 2000'")
+    p.add_argument("--regime", default="small", choices=sorted(REGIMES),
+                   help="small: today's 8.4M target, 5,000 prompts, 6 epochs; rich: a ~36M target, 24,000 "
+                        "prompts, ~1 epoch at the same steps (REGIMES in this file)")
+    p.add_argument("--target-args", default=None,
+                   help="target.py arguments instead of the regime's, e.g. '--compile --steps 2000'")
     p.add_argument("--train-data", default="generate", choices=["generate", "hf"],
                    help="training answers by dflash-generate (text conversations, re-tokenised by precompute) "
                         "or by batched HF generate (token records); generate falls back to hf if it fails")
@@ -542,6 +594,8 @@ def parse(argv=None):
     if unknown:
         p.error(f"unknown variant(s) {unknown}; define them in VARIANTS in {__file__}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    if args.train_prompts is None:
+        args.train_prompts = REGIMES[args.regime]["train_prompts"]
     args.evals = [e for e in args.evals.split(",") if e]
     if set(args.evals) - {"offline_heldout", "eval", "offline_train"}:
         p.error(f"--evals: unknown report(s) {sorted(set(args.evals) - {'offline_heldout', 'eval', 'offline_train'})}")

@@ -5,10 +5,10 @@ The training forward runs many blocks of many packed sequences at once under a s
 from the anchors: a block's queries see the context of their own sequence strictly before the
 anchor, their own block and nothing else. Inside the block a `full_attention` layer is
 bidirectional and a `sliding_attention` layer is causal (k_pos <= q_pos), with its keys capped
-by the window (`q_pos - k_pos < sliding_window`): the rule vLLM (`_dflash_layer_causal`), SGLang
-(sliding layers are DECODER attention) and the DFlash authors serve such layers by.
+by the sliding window (`q_pos - k_pos < sliding_window`): the rule vLLM (`_dflash_layer_causal`),
+SGLang (sliding layers are DECODER attention) and the DFlash authors serve such layers by.
 
-Backends, each an `Attend` over the layer's mode (window, causal):
+Backends, each an `Attend` over the layer's mode (sliding window, causal):
 - flex (`block_attend` on the GPU): `flex_attention` with a BlockMask whose tile tables are computed
   from the intervals each query row sees (never a dense [Q, KV] mask), compiled on the GPU.
 - chunked (`block_attend` on the CPU): SDPA over chunks of query rows, masks from the same intervals.
@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+
+from dflash_common.drafter.packed import sequence_index
 
 # flex_attention's default sparse tile (rows x columns of the score matrix per BlockMask entry).
 FLEX_TILE = 128
@@ -47,23 +49,27 @@ class BlockLayout:
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, anchors: torch.Tensor, total: int, block_size: int) -> "BlockLayout":
-        cu = cu_seqlens.to(anchors.device, torch.long)
-        anchors = anchors.long()
+        """cu_seqlens int64 [N+1] and anchors int64 [A] (dflash_common/drafter/packed.py)."""
         tokens = torch.arange(total, device=anchors.device)
-        seq_of_token = torch.searchsorted(cu, tokens, right=True) - 1  # [T]
-        seq_of_anchor = torch.searchsorted(cu, anchors, right=True) - 1  # [A]
-        return cls(anchors, cu[seq_of_anchor], tokens - cu[seq_of_token], total, block_size)
+        seq_of_token = sequence_index(cu_seqlens, tokens)  # [T]
+        seq_of_anchor = sequence_index(cu_seqlens, anchors)  # [A]
+        starts = cu_seqlens[seq_of_anchor]
+        return cls(anchors, starts, tokens - cu_seqlens[seq_of_token], total, block_size)
 
     def block_positions(self) -> torch.Tensor:
         """[A, B] absolute positions anchor..anchor+B-1 within each block's sequence."""
         offsets = torch.arange(self.block_size, device=self.anchors.device)
         return self.positions[self.anchors][:, None] + offsets
 
-    def mask_mod(self, window: int | None, causal: bool = False):
+    def mask_mod(self, sliding_window: int | None, causal: bool = False):
         """flex_attention mask_mod: context of the same sequence strictly before the anchor and the
-        own block, bidirectionally or (`causal`) up to the query; with a window, q_pos - k_pos < window
-        (and k_pos - q_pos < window when bidirectional)."""
+        own block, bidirectionally or (`causal`) up to the query; with a sliding window,
+        q_pos - k_pos < sliding_window (and k_pos - q_pos < sliding_window when bidirectional)."""
         anchors, starts, b = self.anchors, self.starts, self.block_size
+        # the closure reads it as `window`: under the name `sliding_window` inductor's C++ flex
+        # template for the CPU emits code that does not compile (torch 2.13: `cur_kvSplitSize4`
+        # undeclared)
+        window = sliding_window
         # first key column of each block's own keys, as a tensor: a compiled kernel then does not
         # specialise on the batch's token count
         block0 = self.total + torch.arange(anchors.shape[0], device=anchors.device) * b  # [A]
@@ -83,7 +89,8 @@ class BlockLayout:
 
         return visible
 
-    def row_intervals(self, window: int | None, causal: bool = False) -> tuple[torch.Tensor, ...]:
+    def row_intervals(self, sliding_window: int | None,
+                      causal: bool = False) -> tuple[torch.Tensor, ...]:
         """Per query row, the key columns it sees as two half-open intervals (context, block):
         (ctx_lo, ctx_hi, blk_lo, blk_hi), each [A*B]; the same set as `mask_mod`."""
         b = self.block_size
@@ -92,23 +99,26 @@ class BlockLayout:
         block0 = self.total + torch.arange(self.anchors.shape[0], device=k.device)[:, None] * b  # [A, 1]
         ctx_lo, ctx_hi = start.expand(-1, b), anchor.expand(-1, b)
         blk_lo, blk_hi = block0.expand(-1, b), (block0 + b).expand(-1, b)
-        if window is not None:
-            ctx_lo = torch.maximum(ctx_lo, anchor + k - window + 1)
-            blk_lo = block0 + (k - window + 1).clamp(min=0)
-            blk_hi = block0 + (k + window).clamp(max=b)
+        if sliding_window is not None:
+            ctx_lo = torch.maximum(ctx_lo, anchor + k - sliding_window + 1)
+            blk_lo = block0 + (k - sliding_window + 1).clamp(min=0)
+            blk_hi = block0 + (k + sliding_window).clamp(max=b)
         if causal:
             blk_hi = torch.minimum(blk_hi, block0 + k + 1)
         return tuple(x.flatten() for x in (ctx_lo, ctx_hi, blk_lo, blk_hi))
 
-    def block_mask(self, window: int | None, causal: bool = False, tile: int = FLEX_TILE) -> BlockMask:
+    def block_mask(self, sliding_window: int | None, causal: bool = False,
+                   tile: int = FLEX_TILE) -> BlockMask:
         """The sparse BlockMask, its tile tables computed from `row_intervals` in chunks of rows
         (no dense [Q, KV] mask is ever built)."""
         q_len = self.anchors.shape[0] * self.block_size
         kv_len = self.total + q_len
-        partial, full = _tile_tables(self.row_intervals(window, causal), q_len, kv_len, tile)
+        intervals = self.row_intervals(sliding_window, causal)
+        partial, full = _tile_tables(intervals, q_len, kv_len, tile)
         return BlockMask.from_kv_blocks(
             *_tables_to_indices(partial), *_tables_to_indices(full),
-            BLOCK_SIZE=tile, mask_mod=self.mask_mod(window, causal), seq_lengths=(q_len, kv_len),
+            BLOCK_SIZE=tile, mask_mod=self.mask_mod(sliding_window, causal),
+            seq_lengths=(q_len, kv_len),
         )
 
 
@@ -156,10 +166,9 @@ def _tables_to_indices(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 _compiled_flex: Callable | None = None
 # Always the main flex kernel: without grad and with fewer than 128 query rows (a few blocks, e.g. the
 # last rounds of a path-tau replay), inductor picks its flex-decoding kernel, which finds no valid
-# config for our BlockMask under dynamic shapes (NoValidChoicesError, torch 2.11 on an H200).
+# config for our BlockMask under dynamic shapes (it raises NoValidChoicesError).
 # Not ROWS_GUARANTEED_SAFE: the padding rows of the last query tile see no key, and without the
-# kernel's guard their NaNs reach every key's gradient (every drafter trained with it on an H200
-# had NaN loss from its first step).
+# kernel's guard their NaNs reach every key's gradient (the loss is NaN from the first step).
 _FLEX_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
@@ -245,13 +254,14 @@ def dense_attend(context_len: int, block_len: int, head_dim: int) -> Attend:
     whole context and block for full layers; for sliding layers, causally within the window."""
 
     def attend(q, k, v, mode):
-        (window, causal), mask = mode, None
-        if window is not None or causal:
+        (sliding_window, causal), mask = mode, None
+        if sliding_window is not None or causal:
             q_pos = context_len + torch.arange(block_len, device=q.device)[:, None]
             k_pos = torch.arange(context_len + block_len, device=q.device)[None, :]
             mask = torch.ones(block_len, context_len + block_len, dtype=torch.bool, device=q.device)  # [b, L+b]
-            if window is not None:
-                mask = (q_pos - k_pos < window) & (causal | (k_pos - q_pos < window))
+            if sliding_window is not None:
+                mask = ((q_pos - k_pos < sliding_window)
+                        & (causal | (k_pos - q_pos < sliding_window)))
             if causal:
                 mask = mask & (k_pos <= q_pos)
         out = F.scaled_dot_product_attention(

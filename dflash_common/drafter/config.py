@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
+from dflash_common.hf import text_fields
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ARCHITECTURE = "DFlashDraftModel"
 ARCHITECTURE_DFLASH2 = "DFlash2DraftModel"  # vLLM 0.32 and SGLang pick DFlash2's model by this name
@@ -66,6 +70,22 @@ class DFlash2Config:
         return cls(*(int(dflash[k]) for k in DFLASH2_KEYS),
                    output_multiplier=float(dflash.get("output_multiplier", 1.0)),
                    final_logit_softcapping=float(dflash.get("final_logit_softcapping") or 0.0))
+
+
+# Keys a config.json must hold (and dflash_config's target_layer_ids and mask_token_id, also read
+# top-level); every other key has a default, the released format's or the engines'.
+REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "vocab_size", "num_target_layers")
+
+
+class MissingKeyError(ConfigError):
+    """A config.json without a key it must hold: `keys` names each (dotted below dflash_config)."""
+
+    def __init__(self, keys: list[str]):
+        named = ", ".join(f"`{k}`" for k in keys)
+        super().__init__(f"config.json lacks {named}; add {'it' if len(keys) == 1 else 'them'} "
+                         "(see the released checkpoint format, docs/serving.md).")
+        self.keys = keys
 
 
 @dataclass(frozen=True)
@@ -149,7 +169,7 @@ class DrafterConfig:
         """K, the number of concatenated target layers fed to `fc`."""
         return len(self.target_layer_ids)
 
-    def window(self, layer: int) -> int | None:
+    def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of draft layer `layer`, None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
@@ -159,7 +179,7 @@ class DrafterConfig:
 
     def layer_mode(self, layer: int) -> tuple[int | None, bool]:
         """(sliding window or None, causal inside the block) of draft layer `layer`."""
-        return self.window(layer), self.causal(layer)
+        return self.layer_sliding_window(layer), self.causal(layer)
 
     def layer_causality(self) -> tuple[bool, ...]:
         """Per draft layer, the causality it trains and drafts with (what a loader must read back)."""
@@ -170,7 +190,7 @@ class DrafterConfig:
     @classmethod
     def from_target(
         cls,
-        target_config: Any,
+        target_config: PretrainedConfig | Mapping[str, Any],
         *,
         mask_token_id: int,
         depth: int = 5,
@@ -187,30 +207,15 @@ class DrafterConfig:
         """
         t = _target_text_config(target_config)
         n_target = int(t["num_hidden_layers"])
-        theta, scaling = rope_from_config_dict(t)
-        hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
         return cls(
-            hidden_size=hidden,
-            intermediate_size=int(t["intermediate_size"]),
+            **_model_fields(t),
             num_hidden_layers=depth,
-            num_attention_heads=heads,
-            num_key_value_heads=int(t.get("num_key_value_heads") or heads),
-            head_dim=int(t.get("head_dim") or hidden // heads),
-            vocab_size=int(t["vocab_size"]),
             num_target_layers=n_target,
             target_layer_ids=tuple(layer_ids if layer_ids is not None else default_layer_ids(n_target)),
             mask_token_id=mask_token_id,
             layer_types=tuple(layer_types if layer_types is not None else ["full_attention"] * depth),
             block_size=block_size,
             sliding_window=sliding_window,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(t.get("max_position_embeddings") or 40960),
-            rms_norm_eps=float(t.get("rms_norm_eps") or 1e-6),
-            initializer_range=float(t.get("initializer_range") or 0.02),
-            tie_word_embeddings=bool(t.get("tie_word_embeddings", False)),
-            bos_token_id=t.get("bos_token_id"),
-            eos_token_id=_as_id_or_ids(t.get("eos_token_id")),
             dflash2=dflash2,
         )
 
@@ -287,37 +292,23 @@ class DrafterConfig:
         def dflash_value(name: str):
             return dflash.get(name, data.get(name))
 
-        for name, value in (("target_layer_ids", dflash_value("target_layer_ids")),
-                            ("mask_token_id", dflash_value("mask_token_id")),
-                            ("num_target_layers", data.get("num_target_layers"))):
-            check(value is not None, f"config.json has no {name}; add it (see the released checkpoint format).")
+        missing = [k for k in REQUIRED_KEYS if data.get(k) is None]
+        missing += [f"dflash_config.{k}" for k in ("target_layer_ids", "mask_token_id")
+                    if dflash_value(k) is None]
+        if missing:
+            raise MissingKeyError(missing)
         depth = int(data["num_hidden_layers"])
         sliding = "sliding_attention" in (data.get("layer_types") or [])
         sliding_causal = _sliding_causal_from_config(data, sliding)
-        theta, scaling = rope_from_config_dict(data)
-        heads = int(data["num_attention_heads"])
         return cls(
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
+            **_model_fields(data),
             num_hidden_layers=depth,
-            num_attention_heads=heads,
-            num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-            head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-            vocab_size=int(data["vocab_size"]),
             num_target_layers=int(data["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash_value("target_layer_ids")),
             mask_token_id=int(dflash_value("mask_token_id")),
             layer_types=tuple(data.get("layer_types") or ["full_attention"] * depth),
             block_size=int(dflash_value("block_size") or 16),
             sliding_window=data.get("sliding_window") if sliding else None,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(data.get("max_position_embeddings") or 40960),
-            rms_norm_eps=float(data.get("rms_norm_eps") or 1e-6),
-            initializer_range=float(data.get("initializer_range") or 0.02),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-            bos_token_id=data.get("bos_token_id"),
-            eos_token_id=_as_id_or_ids(data.get("eos_token_id")),
             sliding_causal=sliding_causal,
             dflash2=dflash2,
         )
@@ -344,8 +335,7 @@ class DrafterConfig:
 
 def _target_text_config(target_config: Any) -> dict[str, Any]:
     data = target_config if isinstance(target_config, Mapping) else target_config.to_dict()
-    # multimodal targets keep the language model's fields under text_config
-    return dict(data.get("text_config") or data) if "hidden_size" not in data else dict(data)
+    return dict(data if "hidden_size" in data else text_fields(data))
 
 
 def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:
@@ -360,6 +350,29 @@ def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:
           "config.json asks for causal full_attention layers (is_causal / dflash_config.causal = true); "
           "full layers here are bidirectional inside the block, as the engines serve them.")
     return True if explicit is None or not sliding else bool(explicit)
+
+
+def _model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields a drafter takes from a Qwen3-style config dict, a target's or its own released
+    config.json, with the same defaults either way: sizes, vocabulary, RoPE, norm, special ids."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    theta, scaling = rope_from_config_dict(config)
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        vocab_size=int(config["vocab_size"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 40960),
+        rms_norm_eps=float(config.get("rms_norm_eps") or 1e-6),
+        initializer_range=float(config.get("initializer_range") or 0.02),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_id=_as_id_or_ids(config.get("eos_token_id")),
+    )
 
 
 def _as_id_or_ids(value: Any) -> int | tuple[int, ...] | None:

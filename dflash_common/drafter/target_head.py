@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_common.errors import UserError
+from dflash_common.hf import read_config_json, text_fields
 
 # Where causal LMs keep the input embedding, most common first (plain, multimodal, GPT-2 style).
 EMBED_NAMES = (
@@ -43,8 +44,8 @@ def load_target_head(
 ) -> TargetHead:
     """Read the target's embedding and lm_head ([V, H] each) from `target_dir`'s safetensors."""
     target_dir = Path(target_dir)
-    config = _read_config(target_dir)
-    text = config.get("text_config") or config
+    config = read_config_json(target_dir, "target")
+    text = text_fields(config)
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     where = _tensor_files(target_dir)
     embed_name = _first_present(EMBED_NAMES, where)
@@ -61,13 +62,6 @@ def load_target_head(
     if embed.shape != lm_head.shape:
         raise UserError(f"{target_dir}: embedding {tuple(embed.shape)} and lm_head {tuple(lm_head.shape)} differ.")
     return TargetHead(embed=embed, lm_head=lm_head, tied=head_name is None)
-
-
-def _read_config(target_dir: Path) -> dict:
-    path = target_dir / "config.json"
-    if not path.is_file():
-        raise UserError(f"{target_dir} has no config.json; pass the target's checkpoint directory.")
-    return json.loads(path.read_text())
 
 
 def _tensor_files(target_dir: Path) -> dict[str, Path]:

@@ -19,7 +19,8 @@ into caller-provided buffers (dflash_common/store/chunks.py); every chunk is che
 
 One module each: `format` (manifest, names, errors, version checks), `chunks` (data files and their
 crc32c), `quant` (the bf16 / fp8 e4m3 codec), `writer` (staging and publishing), `reader` (`Store`),
-`verify` (checksums, `dflash-store verify` / `info`) and `cli` (`dflash-store`).
+`contents` (the shards against the summary and the root manifest: missing shards, a hand-edited
+root), `verify` (checksums, `dflash-store verify` / `info`) and `cli` (`dflash-store`).
 """
 
 from dflash_common.store.format import (

@@ -1,10 +1,12 @@
 """`dflash-store`: look into a hidden-state store and check it.
 
-    dflash-store info STORE [--json]   format, layers, dtype, codec, shards, tokens, bytes per token
-    dflash-store verify STORE          every checksum and every shard's consistency
+    dflash-store info STORE [--json]   format, layers, dtype, codec, shards, tokens, bytes per
+                                       token, and whether it holds every shard its summary lists
+    dflash-store verify STORE          every checksum, every shard's consistency, no shard missing
 
-Exit codes: 0 clean; 1 `verify` found bad shards (their names are printed, one per line, on stdout);
-2 the path is not a store this dflash reads (one sentence on stderr).
+Exit codes: 0 clean (a store dflash-precompute has not finished is reported incomplete, not bad); 1
+`verify` found bad or missing shards (their names are printed, one per line, on stdout); 2 the path
+is not a store this dflash reads, or its root zarr.json was changed (one sentence on stderr).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_common.cli import setup_logging, user_errors_exit
+from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 from dflash_common.fsutil import human_bytes
 from dflash_common.store import Store
+from dflash_common.store.contents import (
+    StoreContents, incomplete_sentence, missing_sentence, refill_advice, store_contents,
+)
 from dflash_common.store.verify import store_info, verify_store
 
 EXIT_BAD_SHARDS = 1
@@ -37,9 +42,10 @@ def format_info(info: dict[str, Any]) -> str:
         ("hidden size", info["hidden_size"]),
         ("dtype", info["dtype"]),
         ("codec", info["codec"]),
-        ("shards", f"{info['shards']:,}"),
+        ("status", _status_row(info)),
+        ("shards", f"{info['shards']:,}" + _of_expected(info["shards"], info["expected_shards"])),
         ("sequences", f"{info['sequences']:,}"),
-        ("tokens", f"{info['tokens']:,}"),
+        ("tokens", f"{info['tokens']:,}" + _of_expected(info["tokens"], info["expected_tokens"])),
         ("arrays (decoded)", (f"{human_bytes(info['decoded_bytes'])}: {info['array_bytes_per_token'] or 0:,} "
                               "array bytes/token + 8 per sequence (offsets)")),
         ("on disk", f"{human_bytes(info['bytes_on_disk'])} ({info['bytes_on_disk']:,} B"
@@ -52,6 +58,24 @@ def format_info(info: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _status_row(info: dict[str, Any]) -> str:
+    missing = info["missing_shards"]
+    if info["status"] == "incomplete":
+        return ("incomplete: no summary yet (dflash-precompute is still writing it, or stopped "
+                "before the end)")
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        shown = ", ".join(missing[:3]) + more
+        return f"{len(missing):,} shard(s) missing ({shown}): {refill_advice(info['path'])}"
+    return "complete: every shard its summary lists"
+
+
+def _of_expected(present: int, expected: int | None) -> str:
+    if expected is None or expected == present:
+        return ""
+    return f" of the {expected:,} its summary lists"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with Store.open(args.store) as store:
         info = store_info(store)
@@ -62,19 +86,34 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     with Store.open(args.store) as store:
         report = verify_store(store)
+        contents = store_contents(store)
     for name, why in sorted(report.bad.items()):
         print(name)
         print(f"  {why}", file=sys.stderr)
+    _print_missing(args.store, contents)
     if report.staging:
         print(f"note: {len(report.staging)} unpublished staging dir(s) in {args.store}/.staging "
               f"(invisible to readers; the next writer removes dead ones)", file=sys.stderr)
-    verdict = "OK" if report.ok else f"{len(report.bad)} bad shard(s)"
+    problems = [f"{len(report.bad)} bad shard(s)"] if report.bad else []
+    problems += [f"{len(contents.missing)} missing shard(s)"] if contents.missing else []
+    incomplete = contents.status == "incomplete"
+    verdict = ", ".join(problems) or ("OK, but incomplete" if incomplete else "OK")
     print(f"verified {report.shards_checked} shard(s) of {args.store}: {verdict}", file=sys.stderr)
-    return 0 if report.ok else EXIT_BAD_SHARDS
+    return EXIT_BAD_SHARDS if problems else 0
+
+
+def _print_missing(path: str, contents: StoreContents) -> None:
+    """Missing shards as bad ones are printed: names on stdout, the sentence on stderr."""
+    if contents.status == "incomplete":
+        print(f"note: {incomplete_sentence(path)}.", file=sys.stderr)
+    for name in contents.missing:
+        print(name)
+    if contents.missing:
+        print(f"  {missing_sentence(path, contents)}.", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-store", description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(prog="dflash-store", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     sub = parser.add_subparsers(dest="command", required=True)

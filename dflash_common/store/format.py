@@ -161,6 +161,11 @@ def shard_unit(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def shard_glob(unit: int) -> str:
+    """The names shard_name gives work unit `unit`, as a shell pattern (`u00000004-*`)."""
+    return f"u{unit:08d}-*"
+
+
 def check_shard_name(name: str) -> None:
     if not _NAME_RE.match(name) or name == "zarr.json":
         raise ValueError(f"shard name {name!r} must be 1-128 of [A-Za-z0-9_.-], not starting with '.' "

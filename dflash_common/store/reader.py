@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dflash_common.store.chunks import ArrayFile, ChunkError
+from dflash_common.store.contents import root_metadata_problem
 from dflash_common.store.format import (
     BUFFER_ALIGN, FINAL_ARRAY, FINAL_SCALE_ARRAY, SHARDS_DIR, BufferSpec, ShardInfo, StoreCorruptError, StoreError, StoreManifest,
     StoreMismatchError, check_compatible, check_offsets, layer_array, read_json, read_root_attributes, scale_array,
@@ -78,7 +79,8 @@ class Store:
 
     @classmethod
     def open(cls, path: str | Path, *, read_threads: int = 4) -> Store:
-        """Open a store; refuses anything but a dflash store of a format version this code reads.
+        """Open a store; refuses anything but a dflash store of a format version this code reads,
+        and one whose root zarr.json no longer describes its shards (the sentence blames the root).
         `read_threads` decode chunks in parallel (reads and crc32c overlap; see docs/benchmarks.md)."""
         path = Path(path)
         if not path.exists():
@@ -88,7 +90,11 @@ class Store:
                              f"dflash-precompute wrote.")
         attrs = read_root_attributes(path)
         manifest = StoreManifest.from_json(attrs, where=f"store {path}")
-        return cls(path, manifest, attrs.get("summary"), max(1, read_threads))
+        store = cls(path, manifest, attrs.get("summary"), max(1, read_threads))
+        problem = root_metadata_problem(store)
+        if problem:
+            raise StoreError(problem)
+        return store
 
     def close(self) -> None:
         with self._lock:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dflash_common.cli import progress_bar
 from dflash_common.store.chunks import ArrayFile, ChunkError
+from dflash_common.store.contents import contents_info, disk_bytes
 from dflash_common.store.format import (
     FINAL_SCALE_ARRAY, FORMAT_NAME, SHARDS_DIR, STAGING_DIR, StoreCorruptError, check_offsets, layer_array, scale_array,
 )
@@ -105,23 +105,15 @@ def _check_small_arrays(small: dict[str, np.ndarray], num_tokens: int, layer_ids
         raise ValueError("the scales of the final state are not all finite and >= 0")
 
 
-def _disk_bytes(root: Path) -> int:
-    """Bytes of the published store: root metadata and everything under shards/ (staging excluded)."""
-    total = (root / "zarr.json").stat().st_size
-    for dirpath, dirnames, filenames in os.walk(root / SHARDS_DIR):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        total += sum(os.stat(os.path.join(dirpath, f)).st_size for f in filenames if not f.startswith("."))
-    return total
-
-
 def store_info(store: Store) -> dict[str, Any]:
-    """Totals from shard metadata and file sizes (no array is read)."""
+    """Totals from shard metadata and file sizes (no array is read), and what the summary says the
+    store should hold."""
     m = store.manifest
     shards = store.shards
     tokens = sum(s.num_tokens for s in shards)
     sequences = sum(s.num_sequences for s in shards)
     decoded = sum(spec.nbytes for s in shards for spec in store.buffer_specs(s).values())
-    disk = _disk_bytes(store.path)
+    disk = disk_bytes(store.path)
     # every array but the offsets holds one row per token: states (and fp8 scales), token ids, loss mask
     per_token = [sum(v.nbytes for k, v in store.buffer_specs(s).items() if k != "offsets") // s.num_tokens
                  for s in shards[:1] if s.num_tokens]
@@ -134,4 +126,5 @@ def store_info(store: Store) -> dict[str, Any]:
         "bytes_on_disk": disk, "bytes_per_token": disk / tokens if tokens else None,
         "compression_ratio": decoded / disk if disk else None,  # the text output shows it only for a codec
         "summary": store.summary,
+        **contents_info(store),  # against the summary: complete, incomplete, or what is missing
     }

@@ -14,7 +14,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from dflash_common.store.format import (
     read_json, read_root_attributes, scale_array, short_json,
 )
 from dflash_common.store.quant import LOGICAL_DTYPE_NAMES, EncodedStates, nonfinite_rows, storage_numpy_dtype
+from dflash_common.store.reader import Store
 
 
 def _publish_new_file(path: Path, data: bytes) -> bool:
@@ -52,15 +53,21 @@ def _publish_new_file(path: Path, data: bytes) -> bool:
     return True
 
 
-def _first_difference(old: Any, new: Any, key: str = "") -> tuple[str, Any, Any] | None:
-    """The first (dotted key, old value, new value) where two JSON trees differ."""
+def _differences(old: Any, new: Any, key: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """Every (dotted key, old value, new value) where two JSON trees differ, in key order."""
     if isinstance(old, dict) and isinstance(new, dict):
         for k in sorted(set(old) | set(new)):
-            diff = _first_difference(old.get(k), new.get(k), f"{key}.{k}" if key else k)
-            if diff:
-                return diff
-        return None
-    return None if old == new else (key, old, new)
+            yield from _differences(old.get(k), new.get(k), f"{key}.{k}" if key else k)
+    elif old != new:
+        yield key, old, new
+
+
+def _first_difference(old: Any, new: Any) -> tuple[str, Any, Any] | None:
+    """The difference a refusal names: the first of content, not of a name (copies of one target
+    differ in their directory's name; other weights under another name are refused by weights)."""
+    diffs = list(_differences(old, new))
+    content = [d for d in diffs if not d[0].endswith(".name")]
+    return (content or diffs or [None])[0]
 
 
 def _staging_owner_dead(entry: os.DirEntry, host: str, now: float) -> bool:
@@ -101,6 +108,20 @@ class WrittenShard(ShardInfo):
     published: bool = True
 
 
+def check_store_place(path: Path) -> None:
+    """A store goes into a new directory, an empty one, or a store: refuse a file and a directory
+    holding anything else, before any work (precompute checks this before it tokenizes)."""
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"store path {path} is a file; pass a directory (new or a dflash store).")
+    if not path.is_dir() or (path / "zarr.json").exists():
+        return
+    foreign = [p.name for p in path.iterdir()
+               if not p.name.startswith(".") and p.name not in ("zarr.json", SHARDS_DIR)]
+    if foreign:
+        raise StoreError(f"{path} is a non-empty directory that is not a dflash store (it holds "
+                         f"{foreign[0]!r}); pass a new or empty directory.")
+
+
 class StoreWriter:
     """Writes shards into one store; any number of processes (and threads) may write one store."""
 
@@ -114,19 +135,14 @@ class StoreWriter:
     def create_or_open(cls, path: str | Path, manifest: StoreManifest) -> StoreWriter:
         """Create the store, or open it if it holds the same manifest; refuse a different one."""
         path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise StoreError(f"store path {path} is a file; pass a directory (new or a dflash store).")
+        check_store_place(path)
         path.mkdir(parents=True, exist_ok=True)
         root_meta = path / "zarr.json"
         if not root_meta.exists():
-            foreign = [p.name for p in path.iterdir() if not p.name.startswith(".")
-                       and p.name not in ("zarr.json", SHARDS_DIR)]
-            if foreign:
-                raise StoreError(f"{path} is a non-empty directory that is not a dflash store (it holds "
-                                 f"{foreign[0]!r}); pass a new or empty directory.")
             _publish_new_file(root_meta, group_metadata(manifest.to_json()))
         attrs = read_root_attributes(path)
         StoreManifest.from_json(attrs, where=f"store {path}")  # refuses other formats and versions
+        Store.open(path).close()  # a hand-edited root zarr.json is named as such, not as settings
         stored = {k: v for k, v in attrs.items() if k != "summary"}
         diff = _first_difference(stored, manifest.to_json())
         if diff:

@@ -3,7 +3,8 @@ dflash-precompute reads.
 
     cli.py          the command line -> GenerateConfig
     config.py       GenerateConfig, the `[generate.*]` tables
-    job.py          run(cfg): settings, plan, the windows answered round by round, shards, manifest
+    job.py          run(cfg): settings, plan, the sort windows answered round by round, shards,
+                    manifest
     chats.py        input record -> the turns to generate -> output record
     decode.py       the decoders: transformers (batched, static KV cache) and vLLM
     attention.py    the decode steps' attention (packed GQA sdpa) and when a 4D mask is right

@@ -21,7 +21,8 @@ import hashlib
 import json
 from typing import Any
 
-from precompute.inputs import BadRecord, Conversation, RawRecord, parse_record, record_object
+from dflash_common.conversations import BadRecord
+from precompute.inputs import Conversation, RawRecord, parse_record, record_object
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

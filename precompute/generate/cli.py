@@ -2,9 +2,13 @@
 the target's own responses), writing JSONL shards that dflash-precompute reads.
 
     dflash-generate --config configs/tiny.toml --out demo/generated
-    dflash-generate --config FILE --dry-run                                   # the plan, nothing else
+    dflash-generate --config FILE --dry-run      # checks target, inputs and output; prints the plan
+    dflash-generate --config FILE --sampling.temperature=0.7 --sampling.max_new_tokens=4096
     torchrun --nproc_per_node=8 -m precompute.generate.cli --config FILE      # one process per GPU
 
+`--dry-run` reads the target's tokenizer and settings, the inputs and an existing output's
+manifest, checks that the output directory can be written, prints the plan (prompts, skips, tokens
+in, the most tokens out) and stops: it writes nothing and loads no weights.
 Rerunning the same command resumes: published shards are kept, the rest is generated.
 """
 
@@ -16,14 +20,15 @@ from typing import Sequence
 from dflash_common.cli import interrupt_says, parse_args, setup_logging, user_errors_exit
 from precompute.generate.config import GenerateConfig
 
-_FLAGS = {"--dry-run": "--run.dry_run=true"}
+_SWITCHES = {"dry-run": ("run.dry_run", "print the plan and stop; writes nothing, loads no model")}
 
 
 def parse(argv: Sequence[str] | None = None) -> GenerateConfig:
     """`--config FILE`, `--out DIR`, `--dry-run` and `--section.field=value` -> the config."""
-    args = [_FLAGS.get(a, a) for a in (sys.argv[1:] if argv is None else argv)]
-    cfg, _ = parse_args(GenerateConfig, args, prog="dflash-generate", description=__doc__.split("\n\n")[0]
-                        + " Flags: --dry-run (print the plan and stop).", shortcuts={"out": "output.dir"})
+    argv = sys.argv[1:] if argv is None else argv
+    intro, examples = __doc__.split("\n\n")[:2]
+    cfg, _ = parse_args(GenerateConfig, argv, prog="dflash-generate", description=intro,
+                        shortcuts={"out": "output.dir"}, switches=_SWITCHES, examples=examples)
     return cfg
 
 

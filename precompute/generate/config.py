@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 
 @dataclass(frozen=True)
-class GenTargetConfig:
+class TargetSection:
     path: str = option(
         "", "Local directory of the target checkpoint (config.json, weights, tokenizer, generation_config.json)."
     )
@@ -27,7 +27,7 @@ class GenTargetConfig:
 
 
 @dataclass(frozen=True)
-class GenDataConfig:
+class DataSection:
     inputs: list[str] = option(
         [],
         "Input files, globs or directories, as dflash-precompute reads them (OpenAI 'messages', ShareGPT "
@@ -53,7 +53,7 @@ class GenDataConfig:
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
+class SamplingSection:
     temperature: float | None = option(
         None, "Sampling temperature; 0 is greedy. Unset: the target's generation_config.json (greedy when it "
         "does not sample)."
@@ -75,7 +75,7 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
-class GenerateOptions:
+class GenerateSection:
     turns: Literal["all", "last"] = option(
         "all", "'all': every assistant turn is replaced by the target's answer given its own conversation so "
         "far; 'last': only the final assistant turn (a conversation ending with a user turn gets one answer)."
@@ -89,7 +89,8 @@ class GenerateOptions:
     )
     max_batch_size: int = option(256, "Most sequences decoded together.")
     sort_window_units: int = option(
-        4, "Prompts of this many consecutive work units are sorted by length together before batching."
+        4, "Prompts of this many consecutive work units (a sort window, answered whole by one "
+        "rank) are sorted by length together before batching."
     )
     backend: Literal["transformers", "vllm"] = option(
         "transformers", "'transformers' (batched, static KV cache, embedded) or 'vllm' (vllm.LLM offline, "
@@ -118,7 +119,7 @@ class GenerateOptions:
 
 
 @dataclass(frozen=True)
-class GenOutputConfig:
+class OutputSection:
     dir: str = option(
         "", "Output directory: one JSONL shard per work unit plus manifest.json; dflash-precompute reads it as "
         "data.inputs. A rerun resumes it."
@@ -126,27 +127,37 @@ class GenOutputConfig:
 
 
 @dataclass(frozen=True)
-class GenRunConfig:
+class RunSection:
     samples_per_unit: int = option(
         256, "Input records per work unit (= per output shard), counted before filtering, so units never "
         "depend on the number of ranks."
     )
     device: str = option("auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'.")
     progress: bool = option(True, "Progress bar on rank 0 (prompts/s, generated tok/s, ETA) when on a terminal.")
-    dry_run: bool = option(False, "Print the plan (prompts, skips, tokens in, max tokens out) and stop.")
+    dry_run: bool = option(
+        False, "Check the target, the inputs and the output directory, print the plan (prompts, "
+        "skips, tokens in, max tokens out) and stop; writes nothing and loads no weights."
+    )
 
     def __post_init__(self) -> None:
         check(self.samples_per_unit >= 1, f"run.samples_per_unit must be >= 1, got {self.samples_per_unit}.")
-        check(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-              f"run.device = {self.device!r} must be 'auto', 'cpu' or 'cuda[:N]'.")
+        check_device(self.device, "run.device")
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
     STAGE: ClassVar[str] = "generate"  # its table in a config file that holds several stages
-    target: GenTargetConfig = section(GenTargetConfig, "The target that answers.")
-    data: GenDataConfig = section(GenDataConfig, "Input conversations or prompts and the chat template.")
-    sampling: SamplingConfig = section(SamplingConfig, "Decoding: greedy or sampled, length of each turn.")
-    generate: GenerateOptions = section(GenerateOptions, "Which turns, cut turns, batching, backend.")
-    output: GenOutputConfig = section(GenOutputConfig, "Where the regenerated conversations are written.")
-    run: GenRunConfig = section(GenRunConfig, "Work units, devices, progress, dry run.")
+    target: TargetSection = section(TargetSection, "The target that answers.")
+    data: DataSection = section(
+        DataSection, "Input conversations or prompts and the chat template."
+    )
+    sampling: SamplingSection = section(
+        SamplingSection, "Decoding: greedy or sampled, length of each turn."
+    )
+    generate: GenerateSection = section(
+        GenerateSection, "Which turns, cut turns, batching, backend."
+    )
+    output: OutputSection = section(
+        OutputSection, "Where the regenerated conversations are written."
+    )
+    run: RunSection = section(RunSection, "Work units, devices, progress, dry run.")

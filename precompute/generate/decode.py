@@ -35,27 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
+from dflash_common.hf import dtype_name
+from dflash_common.sampling import Sampling, sampling_probs
 from precompute.generate.attention import decode_attention, static_steps_allowed
 from precompute.generate.cuda_graph import CudaGraph
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Resolved sampling settings (none unset)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    max_new_tokens: int
-    seed: int
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +57,15 @@ class Generated:
     finish_reason: str  # "stop" | "length"
 
 
-OnTokens = Callable[[int], None]  # called with the number of tokens generated since its last call
+OnTokens = Callable[[int], None]  # answer tokens (no end-of-turn token) since its last call
 SYNC_EVERY = 8  # decode steps between two looks of the host at the device (stop check, progress)
 
 
-def plan_batches(lengths: Sequence[int], max_new_tokens: int, token_budget: int, max_batch: int) -> list[list[int]]:
-    """Indices of requests grouped into batches, longest prompts first (sorted: little padding)."""
+def batch_requests(lengths: Sequence[int], max_new_tokens: int, token_budget: int,
+                   max_batch: int) -> list[list[int]]:
+    """Indices of requests (their prompt `lengths`) grouped into decode batches, longest prompts
+    first (sorted: little padding), each within `token_budget` counted as batch size x (longest
+    prompt + max_new_tokens), the KV cache it allocates, and `max_batch` requests."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     for i in order:
@@ -93,16 +83,8 @@ def sample_next(logits: torch.Tensor, s: Sampling, generators: list[torch.Genera
     """[B, V] logits -> [B] next token ids: argmax, or a draw per row from its own generator."""
     if s.greedy:
         return logits.argmax(-1)
-    logits = logits.float() / s.temperature
-    if 0 < s.top_k < logits.shape[-1]:
-        kth = logits.topk(s.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if s.top_p < 1:
-        sorted_p, idx = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > s.top_p  # keep the smallest prefix holding top_p
-        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
-    probs = probs.cpu()  # per-row CPU generators: a draw is the same on any device and in any batch
+    # per-row CPU generators: a draw is the same on any device and in any batch
+    probs = sampling_probs(logits, s).cpu()
     assert generators is not None
     return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
 
@@ -110,8 +92,9 @@ def sample_next(logits: torch.Tensor, s: Sampling, generators: list[torch.Genera
 class TransformersDecoder:
     """Batched decoding over a transformers causal LM with a static KV cache."""
 
-    def __init__(self, model: Any, stop_ids: set[int], pad_id: int, sampling: Sampling, token_budget: int,
-                 max_batch: int, compile: bool = False, cuda_graphs: bool = False):
+    def __init__(self, model: Any, stop_ids: Collection[int], pad_id: int, sampling: Sampling,
+                 token_budget: int, max_batch: int, compile: bool = False,
+                 cuda_graphs: bool = False):
         self.model = model
         self.stop_ids = sorted(stop_ids)
         self.pad_id = pad_id
@@ -132,7 +115,8 @@ class TransformersDecoder:
     def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
         out: list[Generated | None] = [None] * len(requests)
         lengths = [len(r.prompt) for r in requests]
-        for batch in plan_batches(lengths, self.sampling.max_new_tokens, self.token_budget, self.max_batch):
+        n_new = self.sampling.max_new_tokens
+        for batch in batch_requests(lengths, n_new, self.token_budget, self.max_batch):
             for i, g in zip(batch, self.decode_batch([requests[i] for i in batch], on_tokens)):
                 out[i] = g
         return out  # type: ignore[return-value]
@@ -169,8 +153,9 @@ class TransformersDecoder:
             nxt = sample_next(logits, self.sampling, gens).to(self.device)
             nxt = torch.where(done, self.pad_id, nxt)  # [B]; finished rows only pad
             tokens.append(nxt)
-            live += (~done).sum()
-            done = done | torch.isin(nxt, stop)
+            stopped = torch.isin(nxt, stop)
+            live += (~(done | stopped)).sum()  # answer tokens: no end-of-turn token (_finish)
+            done = done | stopped
             # the host looks at the device only every SYNC_EVERY steps: between two looks the CPU queues
             # the next steps' kernels while the GPU runs (finished rows decode a few pads meanwhile)
             if t == n_new - 1 or (t + 1) % SYNC_EVERY == 0:
@@ -228,16 +213,15 @@ class TransformersDecoder:
 class VllmDecoder:
     """`vllm.LLM` offline: the whole request list at once (vLLM batches and schedules itself)."""
 
-    def __init__(self, target_path: str, dtype: str, sampling: Sampling, stop_ids: set[int],
+    def __init__(self, target_path: str, dtype: str, sampling: Sampling, stop_ids: Collection[int],
                  tensor_parallel: int = 1):
         import vllm
 
         self.vllm = vllm
         self.sampling = sampling
         self.stop_ids = sorted(stop_ids)
-        dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-        self.llm = vllm.LLM(model=target_path, dtype=dtypes[dtype], tensor_parallel_size=tensor_parallel,
-                            seed=sampling.seed, enable_prefix_caching=True)
+        self.llm = vllm.LLM(model=target_path, dtype=dtype_name(dtype), seed=sampling.seed,
+                            tensor_parallel_size=tensor_parallel, enable_prefix_caching=True)
 
     def generate(self, requests: list[Request], on_tokens: OnTokens | None = None) -> list[Generated]:
         s = self.sampling
@@ -255,5 +239,5 @@ class VllmDecoder:
                 toks = toks[:-1]
             result.append(Generated(toks, "length" if c.finish_reason == "length" else "stop"))
             if on_tokens is not None:
-                on_tokens(len(c.token_ids))
+                on_tokens(len(toks))  # answer tokens, as the transformers decoder counts them
         return result

@@ -1,21 +1,26 @@
 """One `dflash-generate` job, on every rank: the target answers the input conversations again.
 
+    the output directory must be writable, the inputs must exist (each one sentence, before all)
     rank 0 resolves the sampling settings and fingerprints the target -> the output's key, checked
-      against an existing manifest.json (another target's answers are never mixed in), every rank agrees
-    every rank reads the whole input, parses the records of its windows of work units and renders
-      their first prompts -> the plan (prompts, skips, tokens in, max tokens out), printed by rank 0
-    every rank loads the target and runs its windows, round by round (turn 1 of every conversation of
-      the window, then turn 2 of those that have one, ...); each finished unit is written aside and
-      renamed into place as `u<unit:08d>-<16 hex>.jsonl`
+      against an existing manifest.json (another target's answers are never mixed in: the refusal
+      names the settings that differ), every rank agrees
+    every rank reads the whole input, parses the records of its sort windows of work units and
+      renders their first prompts -> the plan (prompts, skips, tokens in, max tokens out), printed
+      by rank 0; --dry-run stops here, having written nothing
+    rank 0 creates the output directory (or takes over one without answers) and its manifest
+    every rank loads the target and runs its sort windows, round by round (turn 1 of every
+      conversation of the sort window, then turn 2 of those that have one, ...); each finished
+      unit is written aside and renamed into place as `u<unit:08d>-<16 hex>.jsonl`
     a barrier -> rank 0 writes manifest.json: key, settings, counts, finish reasons, skips by reason
 
-Work units and windows are those of dflash-precompute (precompute/units.py): unit u holds input records
-[u*S, (u+1)*S), windows of `generate.sort_window_units` units go round-robin to the ranks, and a
-window is batched the same way whatever the number of ranks, so the output does not depend on it.
-A shard's name hashes the unit's records and the output's key (target, sampling, turns, template
-options), so a rerun finds the shards already published and skips them; a window is computed whole
-when any of its units is missing (the same batches as an uninterrupted run), its published units are
-not written again. Per-unit counts sit in `.units/<shard>.json`, written before the shard's rename.
+Work units and sort windows are those of dflash-precompute (precompute/units.py): unit u holds
+input records [u*S, (u+1)*S), sort windows of `generate.sort_window_units` units go round-robin to
+the ranks, and a sort window is batched the same way whatever the number of ranks, so the output
+does not depend on it. A shard's name hashes the unit's records and the output's key (target,
+sampling, turns, template options), so a rerun finds the shards already published and skips them; a
+sort window is computed whole when any of its units is missing (the same batches as an
+uninterrupted run), its published units are not written again. Per-unit counts sit in
+`.units/<shard>.json`, written before the shard's rename.
 
 dflash-precompute reads the directory as input (`data.inputs = [DIR]`: its *.jsonl files, never
 manifest.json nor hidden files).
@@ -28,22 +33,24 @@ import datetime
 import hashlib
 import json
 import logging
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash_common.chat import ChatMaskError, _guarded
-from dflash_common.cli import write_run_record
+from dflash_common.chat import ChatMaskError, run_template
+from dflash_common.cli import RateBar, write_run_record
+from dflash_common.conversations import BadRecord
+from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.fingerprint import target_fingerprint
-from dflash_common.fsutil import atomic_write_text, is_disk_full, os_reason
+from dflash_common.fsutil import atomic_write_text, check_writable
+from dflash_common.hf import generation_config, load_causal_lm, load_tokenizer, stop_token_ids
+from dflash_common.sampling import Sampling
 from precompute.generate.chats import Chat, parse_chat
 from precompute.generate.config import GenerateConfig
-from precompute.generate.decode import Request, Sampling, TransformersDecoder, VllmDecoder
-from precompute.inputs import BadRecord, RawRecord, SkipLog, iter_raw_records, resolve_inputs
-from precompute.job import Ranks, start_ranks
+from precompute.generate.decode import Request, TransformersDecoder, VllmDecoder
+from precompute.inputs import RawRecord, SkipLog, iter_raw_records, resolve_inputs
 from precompute.units import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
@@ -60,83 +67,55 @@ def run(cfg: GenerateConfig) -> Path:
         raise UserError("output.dir is not set; pass --out DIR (a new or an existing output directory).")
     if not cfg.target.path.strip():
         raise UserError("target.path is not set; pass --target.path=DIR, a local checkpoint directory.")
-    ranks = start_ranks(cfg.run.device)
-    try:
-        out = _run(cfg, ranks)
-        ranks.finished()
-        return out
-    except UserError:
-        raise
-    except Exception as e:
-        if not is_disk_full(e):
-            raise
-        raise UserError(f"the filesystem of {cfg.output.dir} is full ({os_reason(e)}); free space and rerun the "
-                        "same command: published shards are kept and the job resumes.") from e
-    finally:
-        ranks.close()
+    check_writable(cfg.output.dir, "output.dir", "pass --out a directory on a writable filesystem")
+    full = (lambda why: f"the filesystem of {cfg.output.dir} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes.")
+    with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks:
+        return _run(cfg, ranks)
 
 
 def _run(cfg: GenerateConfig, ranks: Ranks) -> Path:
+    """Everything a refusal or a dry run needs is read first; the output directory is written only
+    once the plan is made (a refused or dry run leaves nothing behind)."""
     started = time.perf_counter()
     out = Path(cfg.output.dir)
     tokenizer = load_tokenizer(cfg.target.path)
-    sampling, stop_ids = resolve_sampling(cfg, tokenizer)
-    settings = ranks.from_main(lambda: open_output(cfg, out, sampling))
     sources = resolve_inputs(cfg.data.inputs)
+    sampling, stop_ids = resolve_sampling(cfg, tokenizer)
+    settings = ranks.from_main(lambda: check_output(out, output_settings(cfg, sampling)))
     work = plan_work(cfg, ranks, sources, tokenizer, settings["key"])
     plan = gather_plan(ranks, work, sampling, cfg.run.samples_per_unit)
     if ranks.main:
         print(format_plan(plan, cfg), flush=True)
     if cfg.run.dry_run:
         return out
+    ranks.from_main(lambda: claim_output(out, settings))
     if ranks.main:
         write_run_record(out, cfg, name="generate.run")
     planned = time.perf_counter()
-    stats = generate_windows(cfg, ranks, work, tokenizer, sampling, stop_ids)
+    stats = generate_sort_windows(cfg, ranks, work, tokenizer, sampling, stop_ids)
     everyone = ranks.gather(stats)  # also the barrier: every rank's shards are published
     if ranks.main:
         manifest = write_manifest(out, settings, plan["names"], plan, everyone, time.perf_counter() - planned,
                                   time.perf_counter() - started, ranks.world)
-        print(format_summary(manifest), flush=True)
+        print(format_manifest(manifest), flush=True)
     return out
 
 
 # ---------------------------------------------------------------------------------------- settings
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    if not (Path(path) / "config.json").is_file():
-        raise UserError(f"target.path {path} has no config.json; point it at a local checkpoint directory.")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"target.path {path} has no usable tokenizer ({e}).") from e
-
-
-def _generation_config(path: str) -> dict[str, Any]:
-    file = Path(path) / "generation_config.json"
-    try:
-        return json.loads(file.read_text()) if file.is_file() else {}
-    except ValueError as e:
-        raise UserError(f"{file} is not valid JSON ({e}); fix or remove it.") from e
-
-
-def resolve_sampling(cfg: GenerateConfig, tokenizer: Any) -> tuple[Sampling, set[int]]:
+def resolve_sampling(cfg: GenerateConfig, tokenizer: Any) -> tuple[Sampling, frozenset[int]]:
     """Settings left unset come from the target's generation_config.json (greedy when it does not
     sample); the stop ids are the tokenizer's eos and generation_config's eos_token_id."""
-    gen, s = _generation_config(cfg.target.path), cfg.sampling
+    gen, s = generation_config(cfg.target.path), cfg.sampling
     samples = bool(gen.get("do_sample", False))
     temperature = s.temperature if s.temperature is not None else (float(gen.get("temperature", 1.0)) if samples
                                                                     else 0.0)
     top_p = s.top_p if s.top_p is not None else (float(gen.get("top_p", 1.0)) if samples else 1.0)
     top_k = s.top_k if s.top_k is not None else (int(gen.get("top_k", 0) or 0) if samples else 0)
     max_new = s.max_new_tokens or int(gen.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
-    eos = gen.get("eos_token_id")
-    stop = {int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
-    if tokenizer.eos_token_id is not None:
-        stop.add(int(tokenizer.eos_token_id))
+    stop = stop_token_ids(gen, tokenizer)
     if not stop:
         raise UserError(f"target.path {cfg.target.path} names no end-of-turn token (tokenizer eos or "
                         "generation_config.json eos_token_id); add one.")
@@ -161,23 +140,70 @@ def output_settings(cfg: GenerateConfig, sampling: Sampling) -> dict[str, Any]:
     return {"key": key, "settings": settings, "target_fingerprint": fp}
 
 
-def open_output(cfg: GenerateConfig, out: Path, sampling: Sampling) -> dict[str, Any]:
-    """Create the output directory (or check an existing one holds answers made the same way), remove
-    what writes cut by a kill left behind, and write the manifest's settings before any answer."""
-    settings = output_settings(cfg, sampling)
-    manifest = out / MANIFEST
-    if manifest.is_file():
-        old = json.loads(manifest.read_text())
-        if old.get("key") != settings["key"]:
-            raise UserError(f"output.dir {out} holds answers made with other settings or another target "
-                            f"(manifest key {str(old.get('key'))[:12]} != {settings['key'][:12]}); choose a new "
-                            "output.dir or rerun with the settings of its manifest.json.")
+def check_output(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Refuse an output directory whose answers were made otherwise, naming the settings that
+    differ; writes nothing. A directory without answers (only a manifest, e.g. of an older dry run)
+    is taken over by `claim_output`, whatever its manifest says."""
+    if not any(out.glob("u*.jsonl")):
         return settings
-    (out / UNIT_STATS).mkdir(parents=True, exist_ok=True)
-    if any(out.glob("u*.jsonl")):
+    manifest = out / MANIFEST
+    if not manifest.is_file():
         raise UserError(f"output.dir {out} holds shards but no {MANIFEST}; choose a new output.dir.")
-    atomic_write_text(manifest, json.dumps({**settings, "runs": []}, indent=2))
+    try:
+        old = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"output.dir {out} holds answers but its {MANIFEST} cannot be read ({e}); "
+                        "choose a new output.dir.") from e
+    if old.get("key") != settings["key"]:
+        differ = settings_that_differ(old.get("settings") or {}, settings["settings"])
+        keys = f"manifest key {str(old.get('key'))[:12]} != {settings['key'][:12]}"
+        raise UserError(f"output.dir {out} holds answers made with other settings: "
+                        f"{', '.join(differ) or keys}; choose a new output.dir, or rerun with the "
+                        f"settings of its {MANIFEST}.")
     return settings
+
+
+# The manifest's settings by the names a user sets them; the target's hashes stand for its files.
+_SETTING_NAMES = {"target.config_sha256": "the target's config_sha256",
+                  "target.weights_sha256": "the target's weights_sha256",
+                  "samples_per_unit": "run.samples_per_unit",
+                  "format": "the dflash-generate format"}
+
+
+def settings_that_differ(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`name (old -> new)` for each setting two manifests disagree on (hashes cut to 12 digits)."""
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        items: dict[str, Any] = {}
+        for key, value in tree.items():
+            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) and value
+                         else {prefix + key: value})
+        return items
+
+    def said(key: str, value: Any) -> str:
+        if value is None:
+            return "unset"
+        return str(value)[:12] if key.endswith("sha256") else json.dumps(value)
+
+    a, b = flat(old), flat(new)
+    keys = sorted(set(a) | set(b), key=lambda k: (not k.startswith("target."), k))
+    return [f"{_SETTING_NAMES.get(k, k)} ({said(k, a.get(k))} -> {said(k, b.get(k))})"
+            for k in keys if a.get(k) != b.get(k)]
+
+
+def claim_output(out: Path, settings: dict[str, Any]) -> None:
+    """Create the output directory (or take over one without answers), remove what writes cut by a
+    kill left behind, and write the manifest's settings before any answer."""
+    (out / UNIT_STATS).mkdir(parents=True, exist_ok=True)
+    manifest = out / MANIFEST
+    try:
+        same = json.loads(manifest.read_text()).get("key") == settings["key"]
+    except (OSError, ValueError):
+        same = False
+    if not same:  # new, or without answers (check_output): counts of absent shards go
+        for stale in (out / UNIT_STATS).glob("*.json"):
+            stale.unlink()
+        atomic_write_text(manifest, json.dumps({**settings, "runs": []}, indent=2))
+    remove_leftovers(out)
 
 
 def remove_leftovers(out: Path) -> None:
@@ -217,8 +243,9 @@ def unit_name(index: int, records: list[RawRecord], key: str) -> str:
 
 
 def plan_work(cfg: GenerateConfig, ranks: Ranks, sources, tokenizer: Any, key: str) -> RankWork:
-    """Name this rank's units, and parse the records of its windows that hold a unit still to write."""
-    reader_skips, window = SkipLog(cfg.data.report_first), cfg.generate.sort_window_units
+    """Name this rank's units, and parse the records of its sort windows that hold a unit still to
+    write."""
+    reader_skips, per_sort_window = SkipLog(cfg.data.report_first), cfg.generate.sort_window_units
     out, count = Path(cfg.output.dir), [0]
 
     def counted():
@@ -226,20 +253,19 @@ def plan_work(cfg: GenerateConfig, ranks: Ranks, sources, tokenizer: Any, key: s
             count[0] = r.index + 1
             yield r
 
-    grouped = list(iter_unit_records(counted(), cfg.run.samples_per_unit, ranks.rank, ranks.world, window))
+    grouped = list(iter_unit_records(counted(), cfg.run.samples_per_unit, ranks.rank, ranks.world,
+                                     per_sort_window))
     named = [(u, recs, unit_name(u, recs, key)) for u, recs in grouped]
-    todo_windows = {u // window for u, _, name in named if not (out / name).is_file()}
+    todo_sort_windows = {u // per_sort_window for u, _, name in named if not (out / name).is_file()}
     units = []
     for u, recs, name in named:
         skips, chats = SkipLog(cfg.data.report_first), []
-        if u // window in todo_windows:
+        if u // per_sort_window in todo_sort_windows:
             chats = [c for c in (_chat_or_skip(r, cfg, skips) for r in recs) if c is not None]
             for c in chats:
                 render_next(c, tokenizer, cfg, skips)
             chats = [c for c in chats if c.prompt is not None]
         units.append(Unit(u, name, (out / name).is_file(), len(recs), chats, skips))
-    if ranks.main:
-        remove_leftovers(out)
     return RankWork(units, count[0], reader_skips)
 
 
@@ -257,7 +283,7 @@ def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog)
     messages = chat.next_messages()
     extra = {"tools": chat.tools} if chat.tools else {}
     try:
-        text = _guarded(lambda: tokenizer.apply_chat_template(
+        text = run_template(lambda: tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **extra, **cfg.data.chat_template_kwargs))
     except ChatMaskError as e:
         skips.add(chat.source_id, e.reason, e.detail)
@@ -288,7 +314,7 @@ def gather_plan(ranks: Ranks, work: RankWork, sampling: Sampling, samples_per_un
             skips.merge(SkipLog.from_dict(x["skips"]))
     skips.merge(work.reader_skips)
     todo = [x for x in units if not x["published"]]
-    turns = sum(x["turns"] for x in units if x["prompts"])  # of every window computed
+    turns = sum(x["turns"] for x in units if x["prompts"])  # of every sort window computed
     return {"records": work.records, "units": num_units(work.records, samples_per_unit),
             "published": len(units) - len(todo), "prompts": sum(x["prompts"] for x in todo),
             "prompts_run": sum(x["prompts"] for x in units), "turns": turns,
@@ -305,7 +331,7 @@ def format_plan(plan: dict[str, Any], cfg: GenerateConfig) -> str:
         f"in {cfg.output.dir})",
         f"  prompts to answer: {plan['prompts']:,}; skipped {plan['skips'].total:,} ({skipped})",
         f"  turns to generate: up to {plan['turns']:,} ({cfg.generate.turns} turns, {plan['prompts_run']:,} "
-        f"conversations in the windows run); tokens in (first prompts): {plan['tokens_in']:,}",
+        f"conversations in the sort windows run); tokens in (first prompts): {plan['tokens_in']:,}",
         f"  max tokens out: {plan['max_tokens_out']:,} ({s.max_new_tokens:,} per turn, {how}; backend "
         f"{cfg.generate.backend})",
     ]
@@ -326,7 +352,8 @@ class GenStats:
     seconds: float = 0.0
 
 
-def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling, stop_ids: set[int]):
+def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: Sampling,
+                  stop_ids: frozenset[int]):
     if cfg.generate.backend == "vllm":
         try:
             import vllm  # noqa: F401
@@ -334,58 +361,58 @@ def build_decoder(cfg: GenerateConfig, ranks: Ranks, tokenizer: Any, sampling: S
             raise UserError("generate.backend = 'vllm' but vllm is not installed here; install it or use "
                             "--generate.backend=transformers.") from None
         return VllmDecoder(cfg.target.path, cfg.target.dtype, sampling, stop_ids, cfg.generate.vllm_tensor_parallel)
-    from transformers import AutoModelForCausalLM
-
-    from precompute.target import DTYPES
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.target.path, dtype=DTYPES[cfg.target.dtype],
-                                                 attn_implementation=cfg.target.attn_implementation)
-    model = model.to(ranks.device).eval()
+    model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype,
+                           attn_implementation=cfg.target.attn_implementation, device=ranks.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     return TransformersDecoder(model, stop_ids, pad, sampling, cfg.generate.token_budget,
                                cfg.generate.max_batch_size, compile=cfg.generate.compile,
                                cuda_graphs=cfg.generate.cuda_graphs)
 
 
-def generate_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any, sampling: Sampling,
-                     stop_ids: set[int]) -> GenStats:
-    """Load the target and answer this rank's windows that hold a unit still to write."""
-    window = cfg.generate.sort_window_units
-    windows: dict[int, list[Unit]] = {}
+def generate_sort_windows(cfg: GenerateConfig, ranks: Ranks, work: RankWork, tokenizer: Any,
+                          sampling: Sampling, stop_ids: frozenset[int]) -> GenStats:
+    """Load the target and answer this rank's sort windows that hold a unit still to write."""
+    per_sort_window = cfg.generate.sort_window_units
+    sort_windows: dict[int, list[Unit]] = {}
     for u in work.units:
-        if any(not x.published for x in work.units if x.index // window == u.index // window):
-            windows.setdefault(u.index // window, []).append(u)
+        w = u.index // per_sort_window
+        if any(not x.published for x in work.units if x.index // per_sort_window == w):
+            sort_windows.setdefault(w, []).append(u)
     stats = GenStats()
-    todo = sum(len(c.segments) + 1 for us in windows.values() for u in us for c in u.chats)
-    log.info("%d windows to generate (%d turns at most); %d units of this rank already written",
-             len(windows), todo, sum(u.published for u in work.units))
-    if not windows:
+    todo = sum(len(c.segments) + 1 for us in sort_windows.values() for u in us for c in u.chats)
+    log.info("%d sort windows to generate (%d turns at most); %d units of this rank already "
+             "written", len(sort_windows), todo, sum(u.published for u in work.units))
+    if not sort_windows:
         return stats
     decoder = build_decoder(cfg, ranks, tokenizer, sampling, stop_ids)
     started = time.perf_counter()
-    with Progress(todo, ranks, cfg.run.progress) as progress:
-        for _, units in sorted(windows.items()):
-            answer_window([c for u in units for c in u.chats], decoder, tokenizer, cfg, sampling, progress, units)
+    bar = RateBar(todo, unit="prompt", desc=ranks.label("generate"), rate="generated tok/s",
+                  enabled=cfg.run.progress and ranks.main)
+    with bar as progress:
+        for _, units in sorted(sort_windows.items()):
+            chats = [c for u in units for c in u.chats]
+            answer_sort_window(chats, decoder, tokenizer, cfg, sampling, progress, units)
             for u in units:
                 if not u.published:
                     write_unit(Path(cfg.output.dir), u, cfg.generate.on_length)
                     stats.units_written += 1
-    stats.turns, stats.tokens_generated = progress.turns, progress.tokens
+    stats.turns, stats.tokens_generated = progress.done, progress.tokens
     stats.seconds = time.perf_counter() - started
     return stats
 
 
-def answer_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: GenerateConfig, sampling: Sampling,
-                  progress: "Progress", units: list[Unit]) -> None:
-    """Every turn of the window's conversations: one round per turn, each round batched together."""
+def answer_sort_window(chats: list[Chat], decoder: Any, tokenizer: Any, cfg: GenerateConfig,
+                       sampling: Sampling, progress: RateBar, units: list[Unit]) -> None:
+    """Every turn of the sort window's conversations: one round per turn, each round batched
+    together."""
     skips_of = {id(c): u.skips for u in units for c in u.chats}
     pending = [c for c in chats if c.prompt is not None]
     while pending:
         requests = [Request(c.prompt, c.request_seed(sampling.seed)) for c in pending]  # type: ignore[arg-type]
-        answers = decoder.generate(requests, progress.on_tokens)
+        answers = decoder.generate(requests, progress.add_tokens)
         for chat, ans in zip(pending, answers):
             chat.answer(tokenizer.decode(ans.tokens, skip_special_tokens=False), ans.finish_reason, len(ans.tokens))
-            progress.turn_done()
+            progress.update(1)
             if chat.pending:
                 render_next(chat, tokenizer, cfg, skips_of[id(chat)])
             else:
@@ -410,38 +437,6 @@ def write_unit(out: Path, unit: Unit, on_length: str) -> None:
              "skips": unit.skips.to_dict()}
     atomic_write_text(out / UNIT_STATS / f"{unit.name}.json", json.dumps(stats))
     atomic_write_text(out / unit.name, "".join(lines))
-
-
-class Progress:
-    """tqdm on rank 0 when on a terminal: turns answered, turns/s, generated tok/s, ETA."""
-
-    def __init__(self, total: int, ranks: Ranks, enabled: bool):
-        self.total, self.ranks = total, ranks
-        self.enabled = enabled and ranks.main and sys.stderr.isatty()
-        self.bar, self.turns, self.tokens = None, 0, 0
-        self.started = time.perf_counter()
-
-    def __enter__(self) -> "Progress":
-        if self.enabled:
-            from tqdm import tqdm
-
-            desc = "generate" if self.ranks.world == 1 else f"generate, rank 0 of {self.ranks.world}"
-            self.bar = tqdm(total=self.total, unit="prompt", desc=desc, dynamic_ncols=True)
-        return self
-
-    def on_tokens(self, n: int) -> None:
-        self.tokens += n
-
-    def turn_done(self) -> None:
-        self.turns += 1
-        if self.bar is not None:
-            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
-            self.bar.set_postfix_str(f"{rate:,.0f} generated tok/s", refresh=False)
-            self.bar.update(1)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------- manifest
@@ -477,7 +472,7 @@ def write_manifest(out: Path, settings: dict[str, Any], names: list[str], plan: 
     return manifest
 
 
-def format_summary(m: dict[str, Any]) -> str:
+def format_manifest(m: dict[str, Any]) -> str:
     run = m["runs"][-1]
     c = m["counts"]
     skips = ", ".join(f"{k} {v:,}" for k, v in m["skips"]["counts"].items()) or "none"
@@ -487,6 +482,7 @@ def format_summary(m: dict[str, Any]) -> str:
         f"{c.get('generated_tokens', 0):,} generated tokens) in {m['units']:,} shards; finish reasons: {reasons}",
         f"  skipped records: {skips}",
         f"  this run: {run['units_written']:,} shards written, {run['units_already_written']:,} already there; "
-        f"{run['tokens_generated']:,} tokens at {run['generated_tokens_per_s']:,.0f} tok/s on "
+        f"{run['tokens_generated']:,} tokens generated at "
+        f"{run['generated_tokens_per_s']:,.0f} tok/s on "
         f"{run['world_size']} rank(s) in {run['seconds']:.1f} s",
     ])

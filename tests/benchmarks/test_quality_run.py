@@ -27,6 +27,7 @@ def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
     run = _runner()
     args = run.parse(["--work", str(tmp_path), "--variants", ",".join(run.VARIANTS), "--seeds", "0,3"]
                      + (["--tiny"] if tiny else []))
+    assert args.train_prompts == (5000 if not tiny else args.train_prompts)
     for variant in run.VARIANTS:
         cmd = run.train_command(args, variant, 3)
         assert cmd[1:3] == ["-m", "train.cli"]
@@ -59,3 +60,26 @@ def test_eval_commands_parse_and_ask_for_float32_and_lossless(tmp_path):
 def test_unknown_variant_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         _runner().parse(["--work", str(tmp_path), "--variants", "nope"])
+
+
+def test_the_rich_regime_trains_about_one_pass_at_the_small_regimes_steps(tmp_path):
+    """rich: the same 450 steps of 16K tokens (max_steps), at most 2 epochs over ~5x the prompts."""
+    run = _runner()
+    args = run.parse(["--work", str(tmp_path), "--regime", "rich", "--variants", "dpace", "--seeds", "0"])
+    assert args.train_prompts == 24000 and run.settings(args)["regime"] == "rich"
+    cfg = load_config(TrainConfig, None, run.train_command(args, "dpace", 0)[3:])
+    assert (cfg.optim.max_steps, cfg.optim.epochs, cfg.data.batch_tokens) == (450, 2, 16384)
+    small = run.parse(["--work", str(tmp_path), "--variants", "dpace", "--seeds", "0"])
+    assert load_config(TrainConfig, None, run.train_command(small, "dpace", 0)[3:]).optim.max_steps is None
+
+
+def test_heldout_answers_and_the_table_say_how_dflash_eval_decodes(tmp_path):
+    """The held-out answers are made at the batch size dflash-eval picks on the stage's device (one
+    at a time on a CPU), and the table says where dflash-eval decoded."""
+    run = _runner()
+    assert run.heldout_batch_size(run.parse(["--work", str(tmp_path), "--device", "cpu"])) == 1
+    assert run.heldout_batch_size(run.parse(["--work", str(tmp_path), "--tiny"])) == 1
+    batched = run._decoded_on({"device": "cuda:0", "batch_size": 256})
+    assert batched == "cuda:0, batches of up to 256"
+    assert run._decoded_on({"device": "cpu", "batch_size": 1}) == "cpu, one at a time"
+    assert run._decoded_on({}) is None

@@ -38,6 +38,7 @@ def test_wall_times_skips_the_warmup_calls():
     ("levers.py", 10),  # the recipe and the nine variants of levers.VARIANTS
     ("drafter_step.py", 0),  # its own columns: ms, then lowest-highest
     ("precompute_batching.py", 4),  # four batch layouts
+    ("eval_batched.py", 2),  # batched and one at a time
 ])
 def test_step_benchmarks_print_median_and_spread(script, rows):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

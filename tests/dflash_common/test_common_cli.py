@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import sys
 from dataclasses import dataclass
 
 import pytest
 
-from dflash_common.cli import parse_args, progress_bar
+from dflash_common.cli import RateBar, parse_args, progress_bar
 from dflash_common.config import option, section
 
 
@@ -25,6 +26,23 @@ def test_a_progress_bar_draws_frames_on_a_terminal_and_nothing_elsewhere():
     off = _Terminal()
     list(progress_bar(range(3), enabled=False, file=off))
     assert off.getvalue() == ""
+
+
+def test_a_rate_bar_counts_and_shows_the_rate_and_its_note(monkeypatch):
+    tty = _Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)  # tqdm's stream
+    bar = RateBar(4, unit="turn", desc="generate", rate="generated tok/s", note=lambda: "1 MiB out")
+    with bar:
+        bar.add_tokens(100)
+        bar.update(1)
+        bar.update(3, tokens=50)
+    assert (bar.done, bar.tokens) == (4, 150)
+    assert "generate" in tty.getvalue() and "4/4" in tty.getvalue()
+    assert "generated tok/s, 1 MiB out" in tty.getvalue()
+    off = RateBar(2, unit="x", desc="x", enabled=False)  # not rank 0: counts, draws nothing
+    with off:
+        off.update(2, tokens=10)
+    assert off.bar is None and (off.done, off.tokens) == (2, 10)
 
 
 @dataclass(frozen=True)

@@ -110,10 +110,15 @@ def test_an_unknown_key_in_a_toml_file_names_the_file_and_the_line(tmp_path):
     inline.write_text('steps = 3\ninner = { lr = 1e-3, lrr = 2 }\n')
     section_typo = tmp_path / "typo.toml"
     section_typo.write_text('steps = 3\n\n[innr]\nlr = 1e-3\n')
-    cases = [(Staged, staged, f"Unknown config key 'lrr' in table [train.inner] of {staged}, line 7;"),
-             (Outer, plain, f"Unknown config key 'dtyp' in table [inner] of {plain}, line 3;"),
-             (Outer, inline, f"Unknown config key 'lrr' in table [inner] of {inline}, line 2;"),
-             (Outer, section_typo, f"Unknown config key 'innr' at the top level of {section_typo}, line 3;")]
+    hint = "(did you mean '{}'?);"
+    cases = [(Staged, staged, f"Unknown config key 'lrr' in table [train.inner] of {staged}, "
+              "line 7 " + hint.format("lr")),
+             (Outer, plain, f"Unknown config key 'dtyp' in table [inner] of {plain}, line 3 "
+              + hint.format("dtype")),
+             (Outer, inline, f"Unknown config key 'lrr' in table [inner] of {inline}, line 2 "
+              + hint.format("lr")),
+             (Outer, section_typo, f"Unknown config key 'innr' at the top level of {section_typo}, "
+              "line 3 " + hint.format("inner"))]
     for cls, path, start in cases:
         with pytest.raises(ConfigError) as caught:
             load_config(cls, path)
@@ -124,3 +129,23 @@ def test_an_unknown_key_in_a_toml_file_names_the_file_and_the_line(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(Outer, ok, ["--inner.lrx=1"])
     assert str(ok) not in str(caught.value) and "inner.lrx" in str(caught.value)
+
+
+def test_every_stage_takes_the_device_names_the_ranks_resolve():
+    from dflash_common.config import check_device
+    from precompute.config import PrecomputeConfig
+    from precompute.generate.config import GenerateConfig
+    from train.config import TrainConfig
+    from train.eval.config import EvalConfig
+
+    for device in ("auto", "cpu", "cuda", "cuda:1"):
+        check_device(device, "run.device")
+    for device in ("gpu", "cuda:", "cudax", "cuda:one"):
+        with pytest.raises(ConfigError, match=rf"^run.device = '{device}' must be 'auto', 'cpu'"):
+            check_device(device, "run.device")
+    with pytest.raises(ConfigError, match="must be 'auto', 'cpu' or 'cuda'.$"):
+        check_device("cuda:1", "run.device", index=False)  # train: each rank takes its own GPU
+    for cls, key in ((PrecomputeConfig, "run.device"), (GenerateConfig, "run.device"),
+                     (TrainConfig, "run.device"), (EvalConfig, "target.device")):
+        with pytest.raises(ConfigError, match=f"^{key} = 'gpu'"):
+            load_config(cls, None, [f"--{key}=gpu"])

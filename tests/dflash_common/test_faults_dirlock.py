@@ -76,3 +76,27 @@ def test_the_lock_dies_with_its_killed_holder_and_is_exclusive_within_a_process(
     with hold_directory(tmp_path, "run directory", "fix"):  # released on exit
         pass
     assert time.monotonic() - started < 5
+
+
+def test_a_lock_file_tidied_away_between_open_and_lock_is_not_held(tmp_path, monkeypatch):
+    """A refused job removes the lock file it made, under its lock; a job that opened the file just
+    before takes the lock on the removed file: it must see that and lock the file now named."""
+    import fcntl
+
+    import dflash_common.dirlock as dirlock
+
+    real, calls = fcntl.flock, []
+
+    def flock_after_a_tidy(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            (tmp_path / "run" / LOCK_FILE).unlink()  # another job's tidy, between open and lock
+        return real(fd, op)
+
+    monkeypatch.setattr(dirlock.fcntl, "flock", flock_after_a_tidy)
+    with hold_directory(tmp_path / "run", "run directory", "fix") as path:
+        assert len(calls) == 2 and path.is_file()  # the second try locked the file that is named
+        assert path.read_text().startswith(f"pid {os.getpid()} ")
+    with hold_directory(tmp_path / "new", "run directory", "fix", tidy=True):
+        pass
+    assert not (tmp_path / "new").exists()  # nothing written into it: tidied away

@@ -46,8 +46,9 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
 
 def _one_figure_one_value(out: str, store: Path) -> None:
     """The plan's sizes are the store's: the arrays (what a read returns) in the same figure in the plan
-    and in `dflash-store info`, which names its other size (files on disk, metadata included) apart;
-    binary units only; no compression ratio for codec none."""
+    and in `dflash-store info`, which names its other size (files on disk, metadata included) apart,
+    and precompute's last line gives that size too; binary units only; no compression ratio for
+    codec none."""
     import re
 
     from dflash_common.store.cli import format_info
@@ -58,8 +59,10 @@ def _one_figure_one_value(out: str, store: Path) -> None:
     assert re.search(rf"arrays \(decoded\)\s+{re.escape(planned)}: 645 array bytes/token \+ 8 per sequence",
                      info_text), (planned, info_text)
     assert "645 array bytes/token (5 x 2 x 64 + 5 for id and mask) + 8 per sequence" in out
-    assert re.search(r"on disk\s+[\d.,]+ [KMG]iB \([\d,]+ B, [\d.,]+ bytes/token\), incl\. shard indexes", info_text)
-    assert re.search(r"shards written \([\d.,]+ [KMG]iB on disk\)", out)
+    disk = re.search(r"on disk\s+([\d.,]+ [KMG]iB) \(([\d,]+ B), [\d.,]+ bytes/token\), "
+                     r"incl\. shard indexes", info_text)
+    assert disk, info_text
+    assert f"{disk.group(1)} on disk ({disk.group(2)}, as dflash-store info counts it)" in out, out
     assert "compression" not in info_text  # codec none
     assert not re.search(r"\d (KB|MB|GB|TB)\b", out + info_text)
 
@@ -82,6 +85,43 @@ def test_a_disk_too_small_is_refused_in_one_sentence(tiny_target, tmp_path, caps
     assert caught.value.code == 2 and err.count("\n") == 1 and "--run.force=true" in err and "Traceback" not in err
     assert not (tmp_path / "store").exists()
     main(_tiny_args(tiny_target, tmp_path / "store", "--force", "--dry-run"))  # forced: goes on
+
+
+def test_a_refused_run_leaves_nothing_it_created(tiny_target, tmp_path, capsys, monkeypatch):
+    """Refused after the plan (a disk too small) or before it (a directory holding other files): no
+    lock file in the user's directory, no token cache beside it, no store; the user's files stay."""
+    monkeypatch.setattr(P, "free_space", lambda path: 1_000_000)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir()
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep")
+    for out, says in [(mine, "--run.force=true"), (tmp_path / "new", "--run.force=true"),
+                      (theirs, "is a non-empty directory that is not a dflash store")]:
+        with pytest.raises(SystemExit) as caught:
+            main(_tiny_args(tiny_target, out))
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and says in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "theirs"]  # no <dir>.tokens/
+    assert list(mine.iterdir()) == [] and [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    cache = tmp_path / "cache"
+    cache.mkdir()  # run.cache_dir given: only what this run made in it goes
+    with pytest.raises(SystemExit):
+        main(_tiny_args(tiny_target, mine, f"--run.cache_dir={cache}"))
+    assert list(cache.iterdir()) == [] and list(mine.iterdir()) == []
+
+
+def test_out_naming_a_file_is_one_sentence(tiny_target, tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("keep")
+    cases = [(file, f"store.path {file} is a file, not a directory; pass --out a new directory"),
+             (file / "s", f"store.path {file / 's'} cannot be created: {file} is a file;")]
+    for out, says in cases:
+        for extra in ([], ["--dry-run"]):
+            with pytest.raises(SystemExit) as caught:
+                main(_tiny_args(tiny_target, out, *extra))
+            err = capsys.readouterr().err
+            assert caught.value.code == 2 and err.count("\n") == 1 and says in err, err
+    assert file.read_text() == "keep" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_a_missing_target_says_how_to_build_the_tiny_one(tmp_path, capsys):

@@ -55,7 +55,7 @@ def test_ctrl_c_in_training_start_up_is_one_sentence_and_exit_130(monkeypatch, t
     import train.loop
     from train.cli import main
 
-    def interrupted(cfg):
+    def interrupted(cfg, ranks):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train.loop, "setup", interrupted)  # Ctrl-C while the stores open, the target loads...

@@ -45,17 +45,19 @@ def _refused(capsys, args, store) -> str:
     return err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("change", ["target_weights", "store_dtype"])
+@pytest.mark.parametrize("change", ["target_weights", "target_weights_and_name", "store_dtype"])
 def test_a_store_of_another_target_is_refused_and_left_alone(made, tiny_target, tmp_path, capsys, change):
     inputs, made_store = made
     store = shutil.copytree(made_store, tmp_path / "store")
     target, dtype = tiny_target, "bf16"
     if change == "target_weights":  # the same architecture and tokenizer, other weights
         target = build_tiny_target(tmp_path / "other" / tiny_target.name, TinySpec(seed=5))  # even its name
+    elif change == "target_weights_and_name":  # refused by what differs (weights), not by the name
+        target = build_tiny_target(tmp_path / "other" / "a-finetune", TinySpec(seed=5))
     else:
         dtype = "fp8_e4m3"
     line = _refused(capsys, cli_args(target, inputs, store, dtype, samples_per_unit=6), store)
-    key = "target.weights_sha256" if change == "target_weights" else "dtype"
+    key = "target.weights_sha256" if change.startswith("target_weights") else "dtype"
     assert line.startswith(f"error: Store {store} was made with {key} = "), line
     assert line.endswith("; use a new store path, or the settings the store was made with."), line
 

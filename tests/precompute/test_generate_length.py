@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from precompute.config import DataConfig
+from precompute.config import DataSection
 from precompute.inputs import RawRecord
 from precompute.tokenizing import UnitTokenizer
 
@@ -23,7 +23,7 @@ def _record(i, finish_reason):
 @pytest.mark.parametrize("target", ["tiny_target", "tiny_target_2layer"])  # marked template, and not
 def test_the_end_of_turn_of_a_cut_answer_weighs_nothing(target, request):
     path = request.getfixturevalue(target)
-    tokenizer = UnitTokenizer.from_target(str(path), DataConfig(block_size=4, max_length=512))
+    tokenizer = UnitTokenizer.from_target(str(path), DataSection(block_size=4, max_length=512))
     stop = tokenizer(0, [_record(0, "stop")])
     cut = tokenizer(0, [_record(0, "length")])
     assert np.array_equal(stop.input_ids, cut.input_ids)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dflash_common.conversations import BadRecord
 from dflash_common.errors import UserError
 from precompute.inputs import (
-    BadRecord,
     Conversation,
     PreTokenized,
     SkipLog,

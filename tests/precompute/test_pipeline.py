@@ -20,7 +20,7 @@ from dflash_common.store.quant import FP8_ABS_ERROR, FP8_REL_ERROR
 from dflash_common.store.verify import verify_store
 from precompute import job
 from precompute.inputs import resolve_inputs
-from precompute.pipeline import STAGING_BUFFERS, Pipeline, window_batches
+from precompute.pipeline import STAGING_BUFFERS, Pipeline, sort_window_batches
 from precompute.target import CapturedTarget
 from precompute.tokenizing import TokenCache
 
@@ -61,9 +61,10 @@ def test_shards_hold_each_unit_in_input_order_with_the_full_models_states(tiny_t
     assert [s.name[:9] for s in store.shards] == ["u00000000", "u00000001", "u00000002", "u00000003"]
     assert store.manifest.layer_ids == (1, 2, 3, 4, 5) and store.manifest.dtype == dtype
     units = [cache.load(u) for u in range(4)]
-    batches = window_batches(units[:2], 400)
+    batches = sort_window_batches(units[:2], 400)
     order = [seq for batch in batches for seq in batch]
-    assert len(batches) > 1 and order != sorted(order)  # batching did reorder the sequences of the window
+    # batching did reorder the sequences of the sort window
+    assert len(batches) > 1 and order != sorted(order)
     _check_store(store, units, full_model, dtype)
     assert "sample" in json.dumps(store.summary) and store.summary["samples"] == 11
     assert store.summary["skips"]["counts"] == {"malformed_json": 1, "too_few_response_tokens": 1}

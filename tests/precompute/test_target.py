@@ -142,18 +142,6 @@ def test_composite_checkpoint_loads_its_text_tower_truncated(tiny_vlm):
         torch.testing.assert_close(states, want[layer_id + 1], rtol=1e-5, atol=1e-5)
 
 
-def test_devices_resolve_to_this_ranks_gpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert T.resolve_device("auto") == torch.device("cpu") and T.resolve_device("cpu") == torch.device("cpu")
-    with pytest.raises(UserError, match="no CUDA GPU"):
-        T.resolve_device("cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    # an index is always set: torch.cuda.set_device and streams refuse a bare 'cuda'
-    assert T.resolve_device("auto") == T.resolve_device("cuda") == torch.device("cuda", 3)
-    assert T.resolve_device("cuda:1") == torch.device("cuda", 1)
-
-
 def test_compiled_decoder_layers_give_the_eager_states(tiny_target):
     """target.compile's regional compilation (every decoder layer's children; the capture hooks stay on
     the eager layers), by inductor on the CPU: the same states, also for a second batch shape."""

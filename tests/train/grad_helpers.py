@@ -25,7 +25,7 @@ def setup(store, target, grad_accum: int, extra: tuple[str, ...] = ()):
                  "--data.holdout_sequences=0", "--data.gpu_prefetch=0", "--drafter.block_size=4",
                  "--objective.max_anchors=64", f"--optim.grad_accum={grad_accum}",
                  *extra])
-    stores = loop.open_stores(cfg)
+    stores = loop.open_train_stores(cfg)
     dcfg = loop.resolve_drafter(cfg, stores)
     drafter = loop.build_drafter(cfg, dcfg, torch.device("cpu"))
     data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=0, world=1, device=torch.device("cpu"))

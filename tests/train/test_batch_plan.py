@@ -18,7 +18,8 @@ def _shards(n_stores=1, per_store=6, seqs=10, seed=0):
 
 def _plan(shards, n_stores=1, min_response=0, holdout=0, **kw):
     split = holdout_split(shards, n_stores, holdout, 0.0, min_response)
-    args = dict(n_stores=n_stores, weights=None, seed=0, batch_tokens=100, window_shards=2, world=1, grad_accum=1)
+    args = dict(n_stores=n_stores, weights=None, seed=0, batch_tokens=100, shuffle_window_shards=2,
+                world=1, grad_accum=1)
     args.update(kw)
     return DataPlan(shards, split, **args)
 
@@ -43,8 +44,8 @@ def test_every_training_sequence_once_per_epoch_within_budget_and_deterministic(
     assert all(b[:, 2].sum() <= 100 for b in e0.batches)
     assert _seqs(_plan(shards, holdout=5, min_response=10).epoch(0, 0)) == _seqs(e0)
     assert _seqs(plan.epoch(1, 0)) != _seqs(e0) and sorted(_seqs(plan.epoch(1, 0))) == sorted(expected)
-    for b, w in zip(e0.batches, e0.batch_window):  # a batch reads only the shards of its window
-        assert set(b[:, 0].tolist()) <= set(e0.windows[w].tolist())
+    for b, w in zip(e0.batches, e0.batch_shuffle_window):  # a batch reads only its window's shards
+        assert set(b[:, 0].tolist()) <= set(e0.shuffle_windows[w].tolist())
 
 
 def test_ranks_read_disjoint_shards_and_step_together():
@@ -82,10 +83,11 @@ def test_holdout_is_fixed_by_names_not_the_seed_and_never_trained():
 def test_a_window_as_large_as_the_store_shuffles_every_sequence_with_every_other():
     # the full-shuffle setting (issue 17): data.window_shards >= a rank's shards, the cache holding them all
     shards = _shards(per_store=6, seqs=40)
-    full = _plan(shards, window_shards=1000, batch_tokens=400).epoch(0, 0)
-    assert len(full.windows) == 1 and sorted(full.windows[0].tolist()) == list(range(6))
-    first = _plan(shards, window_shards=1000, batch_tokens=400).epoch(0, 0).batches[:3]
+    full = _plan(shards, shuffle_window_shards=1000, batch_tokens=400).epoch(0, 0)
+    assert len(full.shuffle_windows) == 1
+    assert sorted(full.shuffle_windows[0].tolist()) == list(range(6))
+    first = _plan(shards, shuffle_window_shards=1000, batch_tokens=400).epoch(0, 0).batches[:3]
     assert len({s for b in first for s in b[:, 0].tolist()}) > 2  # early batches draw on many shards
-    narrow = _plan(shards, window_shards=1, batch_tokens=400).epoch(0, 0)
+    narrow = _plan(shards, shuffle_window_shards=1, batch_tokens=400).epoch(0, 0)
     assert all(len(set(b[:, 0].tolist())) == 1 for b in narrow.batches)  # one shard per batch
     assert sorted(_seqs(full)) == sorted(_seqs(narrow))  # the same sequences, once each, either way

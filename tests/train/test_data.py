@@ -124,7 +124,7 @@ def test_the_position_replays_the_same_batches_and_anchors(tiny_store):
 
 
 def test_anchors_are_redrawn_every_epoch_and_fixed_by_the_seed():
-    mask = torch.ones(400, dtype=torch.long)
+    mask = torch.ones(400, dtype=torch.bool)
     cu = torch.tensor([0, 150, 400])
 
     def anchors(seed, epoch):

@@ -5,6 +5,7 @@ a half-written one, and its losses from there on equal an uninterrupted run's bi
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -151,14 +152,27 @@ def test_a_metrics_line_cut_by_a_kill_does_not_stop_the_resume(tmp_path):
 def test_leftovers_of_a_killed_run_are_removed_and_never_resumed_from(tiny_store, tiny_target, tmp_path,
                                                                      monkeypatch):
     """A half save, a half final drafter, and a step dir whose marker a pruning removed before the kill."""
-    monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)  # drawing is not under test (and slow)
+    monkeypatch.setattr(loop, "save_report", lambda *a, **k: None)  # drawing: not under test, slow
     out = tmp_path / "run"
-    loop.run(parse(train_args(tiny_store, tiny_target, out, "--optim.max_steps=2", "--checkpoint.every_steps=1")))
+    args = train_args(tiny_store, tiny_target, out, "--optim.max_steps=4",
+                      "--checkpoint.every_steps=1")
+    real_step, calls = loop.train_step, []
+
+    def step_then_sigterm(*a, **k):  # stopped after step 2 (a resume may not change the schedule)
+        calls.append(real_step(*a, **k))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return calls[-1]
+
+    monkeypatch.setattr(loop, "train_step", step_then_sigterm)
+    loop.run(parse(args))
+    monkeypatch.setattr(loop, "train_step", real_step)
+    assert [s for s, _ in complete_checkpoints(out)] == [1, 2]
     leftovers = [".step-6.tmp-123-abcd1234", ".drafter.tmp-123-abcd1234", "step-3"]
     for name in leftovers:
         (out / name).mkdir()
         (out / name / "trainer.pt").write_bytes(b"half")
-    loop.run(parse(train_args(tiny_store, tiny_target, out, "--optim.max_steps=4", "--checkpoint.every_steps=1")))
+    loop.run(parse(args))
     assert not (out / leftovers[0]).exists() and not (out / leftovers[1]).exists()
     assert load_checkpoint(out / "step-3")[0]["step"] == 3  # written anew, whole
     assert [r["step"] for r in read_metrics(out) if r["kind"] == "train"] == [1, 2, 3, 4]

@@ -121,7 +121,7 @@ def test_a_checkpoint_of_another_drafter_is_refused_on_resume_and_as_init(tiny_s
                                                                           narrow_target, capsys, monkeypatch):
     import train.loop as loop
 
-    monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)  # drawing is not under test (and slow)
+    monkeypatch.setattr(loop, "save_report", lambda *a, **k: None)  # drawing: not under test, slow
     run = tmp_path / "run"
     train_main(train_args(tiny_store, tiny_target, run, "--optim.max_steps=2", "--drafter.depth=1"))
     capsys.readouterr()
@@ -148,13 +148,32 @@ def test_a_checkpoint_of_another_drafter_is_refused_on_resume_and_as_init(tiny_s
 
 def test_a_checkpoint_of_another_number_of_ranks_is_refused(tiny_store, tiny_target, tmp_path, monkeypatch):
     import train.loop as loop
+    from dflash_common.dist import Ranks
     from dflash_common.errors import UserError
 
-    monkeypatch.setattr(loop, "write_report", lambda *a, **k: None)
+    monkeypatch.setattr(loop, "save_report", lambda *a, **k: None)
     run = tmp_path / "run"
     train_main(train_args(tiny_store, tiny_target, run, "--optim.max_steps=1"))
-    two = loop.Dist(rank=0, world=2, device=torch.device("cpu"))  # as under torchrun --nproc-per-node=2
+    two = Ranks(rank=0, world=2, device=torch.device("cpu"))  # as under torchrun --nproc-per-node=2
     with pytest.raises(UserError) as e:
         loop.resume(run / "step-1", two, None, None, None)
     assert str(e.value) == (f"{run / 'step-1'} was written by 1 rank(s) but this run has 2; resume with 1, or start "
                             f"a new run directory (--out).")
+
+
+def test_a_refused_training_leaves_nothing_it_created(tiny_store, tiny_target, tmp_path, capsys,
+                                                      monkeypatch):
+    """No run directory holding only .dflash.lock, no ./runs/dflash/ of a run without arguments."""
+    nested = tmp_path / "new" / "deeper" / "run"
+    line = _fails(capsys, train_args(tiny_store, tiny_target, nested, "--drafter.layer_ids=[1,6]"))
+    assert "the drafter also reads [6]" in line
+    assert not (tmp_path / "new").exists()  # nor the parents it made
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _fails(capsys, train_args(tiny_store, tiny_target, empty, "--drafter.layer_ids=[1,6]"))
+    assert list(empty.iterdir()) == []  # the directory was the user's: kept, without a lock file
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert "No store given" in _fails(capsys, [])
+    assert list(cwd.iterdir()) == []  # no runs/dflash/

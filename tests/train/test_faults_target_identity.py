@@ -14,7 +14,7 @@ from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from dflash_common.fingerprint import head_fingerprint
 from train.config import TrainConfig
-from train.loop import check_stores, open_stores, resolve_drafter
+from train.loop import check_stores, open_train_stores, resolve_drafter
 
 from fault_helpers import copy_store
 
@@ -45,7 +45,7 @@ def _with_head_record(store, tiny_target):
 
 def _check(store, target) -> str:
     cfg = load_config(TrainConfig, None, [f"--data.stores={json.dumps([str(store)])}", f"--run.target={target}"])
-    stores = open_stores(cfg)
+    stores = open_train_stores(cfg)
     return check_stores(stores, resolve_drafter(cfg, stores), str(target))
 
 

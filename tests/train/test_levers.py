@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from grad_helpers import accumulate, setup
 
 import train.loop as loop
+from dflash_common.dist import start_ranks
 from dflash_common.drafter.loss import fused_lm_head_loss
 from dflash_common.drafter.objective import IGNORE_INDEX, block_labels, dpace_weights, sample_anchors, serving_path
 from train.objective import batch_objective
+from train.optim import build_optimizer
 from train.regularise import WeightAverage, add_feature_noise, noise_generator
 
 
@@ -123,7 +125,7 @@ def test_serving_path_equals_a_loop_over_the_positions(max_anchors):
         anchors = sample_anchors(mask, cu, block, max_anchors, g, "label" if trial % 2 else "block")
         accepted = torch.randint(0, block, (anchors.numel(),), generator=g)
         accepted = torch.where(torch.rand(anchors.numel(), generator=g) < 0.3, 0, accepted)  # many rejections at 1
-        got = serving_path(anchors, accepted, mask, cu.int())
+        got = serving_path(anchors, accepted, mask, cu)
         want = _path_by_loop(anchors, accepted, mask, cu)
         assert got.tolist() == want, trial
         on_off[0] += sum(want)
@@ -237,7 +239,7 @@ def test_noise_changes_training_steps_but_never_validation(tiny_store, tiny_targ
     figures = {}
     for noise in (0.0, 0.5):
         r = loop.setup(_cfg(*_args(tiny_store, tiny_target, tmp_path / f"n{noise}", "--optim.max_steps=1",
-                                   "--run.device=cpu", f"--regularise.noise={noise}")))
+                                   "--run.device=cpu", f"--regularise.noise={noise}")), start_ranks("cpu"))
         try:
             val = loop.validate(r, 0, None)
             sums = torch.zeros(loop._N + 1, dtype=torch.float64)
@@ -253,7 +255,7 @@ def test_noise_changes_training_steps_but_never_validation(tiny_store, tiny_targ
 def test_ema_equals_the_running_average_written_out(two_batches):
     cfg, drafter, batches = two_batches
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_accum=1))
-    optimizer, scheduler = loop.build_optimizer(cfg, drafter, total=10, device=torch.device("cpu"))
+    optimizer, scheduler = build_optimizer(cfg.optim, drafter, total=10, device=torch.device("cpu"))
     start = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     ema = WeightAverage(drafter, 0.8)
     want = dict(start)

@@ -5,19 +5,21 @@ from __future__ import annotations
 import json
 
 from train.metrics import MetricsWriter, format_train_line, read_metrics
-from train.report import write_report
+from train.report import draw_report, save_report
 
 
-def _train(step, loss=2.0):
-    return {"kind": "train", "step": step, "epoch": 0, "loss": loss, "acc": 0.4, "acc_by_pos": [0.8, 0.5, 0.25],
+def _train(step, loss=2.0, **extra):
+    return {"kind": "train", "step": step, "epoch": 1, "loss": loss, "acc": 0.4,
+            "acc_by_pos": [0.8, 0.5, 0.25],
             "tau": 2.1, "lr": 6e-4, "grad_norm": 0.7, "tok_s": 12345.0, "data_wait_ms": 1.5,
-            "cache_hit_rate": 0.97, "gpu_mem_gib": None}
+            "cache_hit_rate": 0.97, "gpu_mem_gib": None, **extra}
 
 
 def test_the_line_carries_every_field():
     line = format_train_line(_train(5), 100)
     for part in ("step 5/100", "loss 2.0000", "acc 0.400", "acc@k .80 .50 .25", "tau 2.10", "lr 6.0e-04",
-                 "gnorm 0.70", "12.3k tok/s", "wait 1.5 ms", "cache 97%", "mem -"):
+                 "gnorm 0.70", "12.3k tok/s", "wait 1.5 ms", "cache 97%",
+                 "mem n/a (no GPU)"):
         assert part in line, part
 
 
@@ -32,6 +34,51 @@ def test_jsonl_tensorboard_resume_truncation_and_report(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     MetricsWriter(tmp_path, 10, tensorboard=False, resume_step=4).close()  # resumed from step 4
     assert [r["step"] for r in read_metrics(tmp_path)] == [2, 4]
-    png = write_report(tmp_path)
+    png = save_report(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["loss"] == 2.8
+
+
+def test_the_line_says_a_shorter_window_the_epoch_from_one_and_a_unit():
+    """After a resume the first line means fewer steps than the others, and says so; epochs count
+    from 1 (the last step of a 4-epoch run is in epoch 4 of 4); memory has its unit or says why
+    not."""
+    line = format_train_line(_train(110, steps=5.0, epoch=4), 3000, epochs=4, every_steps=10,
+                             resumed_at=105)
+    assert line.startswith("step 110/3000 (mean of 5 steps since the resume) | ep 4/4 | ")
+    end = format_train_line(_train(3000, steps=1.0), 3000, every_steps=10, resumed_at=105)
+    assert end.startswith("step 3000/3000 (mean of 1 step) | ep 1 | ")  # the last, shorter window
+    full = format_train_line(_train(120, steps=10.0, gpu_mem_gib=12.34), 3000, every_steps=10,
+                             resumed_at=105)
+    assert full.startswith("step 120/3000 | ") and full.endswith("mem 12.3 GiB")
+
+
+def test_the_loss_panel_says_what_each_loss_weighs_and_steps_are_whole(tmp_path):
+    import tomli_w
+
+    from dflash_common.config import to_dict
+    from train.config import TrainConfig
+    from train.report import draw_report
+
+    w = MetricsWriter(tmp_path, 3, tensorboard=False, resume_step=0)
+    for step in (1, 2, 3):
+        w.write(_train(step, loss=3.0 - step / 10))
+    w.write({"kind": "val", "step": 3, "loss": 3.5, "acc": 0.3, "acc_by_pos": [0.6, 0.3, 0.1],
+             "tau": 1.8, "sequences": 8})
+    w.close()
+    (tmp_path / "run.toml").write_text(tomli_w.dumps(to_dict(TrainConfig())))  # the default: D-PACE
+    fig = draw_report(tmp_path)
+    fig.canvas.draw()
+    loss = fig.axes[0]
+    legend = [t.get_text() for t in loss.get_legend().get_texts()]
+    assert legend == ["train (objective: D-PACE weights)", "validation (gamma weights)"]
+    assert "weigh block positions differently" in loss.get_title()
+    for ax in fig.axes:  # steps (and block positions) are whole numbers: no 1.25, 1.5 ticks
+        assert all(float(t).is_integer() for t in ax.get_xticks()), ax.get_xticks()
+    cfg = to_dict(TrainConfig())
+    cfg["objective"]["weights"] = "gamma"
+    (tmp_path / "run.toml").write_text(tomli_w.dumps(cfg))
+    loss = draw_report(tmp_path).axes[0]
+    legend = [t.get_text() for t in loss.get_legend().get_texts()]
+    assert legend[0] == "train (objective: gamma weights)"
+    assert loss.get_title() == ""  # the same weights: one scale

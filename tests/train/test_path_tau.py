@@ -42,10 +42,10 @@ class Bf16Context:
 def greedy_records(model, tokenizer) -> list[dict]:
     """Demo prompts answered by the target alone (dflash-eval's baseline loop and stop tokens), as
     token records."""
-    from train.eval.load import stop_token_ids
+    from dflash_common.hf import stop_token_ids
     from train.eval.spec_decode import TargetRunner, target_generate
 
-    runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model, tokenizer)
+    runner, out, stops = TargetRunner(model, []), [], stop_token_ids(model.generation_config, tokenizer)
     for r in tiny_records(PROMPTS):
         prompt = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m]
         answer = target_generate(runner, prompt, max_new_tokens=MAX_NEW, stop_ids=stops).tokens
@@ -149,7 +149,8 @@ def test_path_tau_equals_real_greedy_decoding_cycle_for_cycle(greedy_setup, tiny
 def test_response_segments_split_turns_and_sequences():
     from train.path_tau import response_segments
 
-    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1])  # seq 0: 0..4 ends inside a run; seq 1: 5..10
+    # seq 0: 0..4 ends inside a run; seq 1: 5..10
+    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 1, 1, 0, 1]).bool()
     cu = torch.tensor([0, 5, 11])
     first, end, start = response_segments(mask, cu, None)
     assert first.tolist() == [1, 4, 5, 10] and end.tolist() == [3, 5, 9, 11] and start.tolist() == [0, 0, 5, 5]

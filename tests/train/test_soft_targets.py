@@ -46,9 +46,8 @@ def test_final_states_arrive_aligned_with_the_tokens(tiny_store_final, head):
     batch = next(data.start())
     assert batch.final.shape == (batch.tokens, 64) and batch.features.shape == (batch.tokens, 2 * 64)
     greedy = (batch.final.float() @ head.lm_head.T).argmax(-1)  # [T]: the target's next token
-    cu = batch.cu_seqlens.long()
     starts = torch.zeros(batch.tokens, dtype=torch.bool)
-    starts[cu[:-1]] = True
+    starts[batch.cu_seqlens[:-1]] = True
     response = batch.loss_mask & ~starts  # p is a response token whose state p - 1 is in its sequence
     predicted = greedy[:-1][response[1:]]
     assert response.sum() > 100 and (predicted == batch.input_ids[1:][response[1:]]).float().mean() > 0.97
@@ -58,7 +57,8 @@ def test_final_states_arrive_aligned_with_the_tokens(tiny_store_final, head):
 
 def test_block_labels_teacher_rows_and_prompt_labels():
     ids = torch.arange(100, 112)
-    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1])  # prompt, response, prompt, response
+    # prompt, response, prompt, response
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1]).bool()
     cu = torch.tensor([0, 12])
     anchors = torch.tensor([1, 4])
     labels, weights = block_labels(ids, torch.ones_like(mask), cu, anchors, BLOCK)

@@ -9,9 +9,10 @@ An entry is one JSON file, `<key>.json`, written aside and renamed into place (t
 the directory may both write an entry; the second rename replaces an identical file). The key hashes
 everything the decode depends on: the target (its fingerprint: config and weight bytes, as the store's
 manifest has it), the dtype and device it ran in, the prompt's token ids, the token limit, the
-sampling settings and seed, and the stop tokens. A changed target, prompt or setting is a miss, never
-a stale hit. The entry keeps the tokens and the prefill and decode times of the run that made it, so
-the baseline's tokens/s in a report built from the cache is that run's.
+sampling settings and seed, the stop tokens, and the batch size when prompts are decoded many at
+once (train/eval/batched.py: its times are per prompt at that batch size). A changed target, prompt
+or setting is a miss, never a stale hit. The entry keeps the tokens and the prefill and decode times
+of the run that made it, so the baseline's tokens/s in a report built from the cache is that run's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Sequence
 
 from dflash_common.fsutil import atomic_write_text
-from train.eval.spec_decode import Decoded, Sampling
+from dflash_common.sampling import Sampling
+from train.eval.spec_decode import Decoded
 
 FORMAT = "dflash-eval-baseline/1"
 
@@ -48,10 +50,12 @@ class BaselineCache:
         return cls(path, hashlib.sha256(identity.encode()).hexdigest())
 
     def key(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: Sampling, seed: int,
-            stop_ids: frozenset[int]) -> str:
+            stop_ids: frozenset[int], batch_size: int = 1) -> str:
         what = {"format": FORMAT, "target": self.target, "prompt": list(prompt_ids), "max_new_tokens": max_new_tokens,
                 "sampling": [sampling.temperature, sampling.top_p, sampling.top_k], "seed": seed,
                 "stop_ids": sorted(stop_ids)}
+        if batch_size > 1:  # batched decodes are timed per prompt at that size, and round as such
+            what["batch_size"] = batch_size
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()
 
     def get(self, key: str) -> Decoded | None:

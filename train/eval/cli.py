@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from dflash_common.cli import exit_with_error, parse_args, setup_logging, user_errors_exit
+from dflash_common.fsutil import check_writable
 from train.eval.config import EvalConfig
 from train.eval.run import LosslessError, run
 
@@ -19,6 +20,16 @@ the lossless check, tokens/s with and without the drafter and the speedup.
   dflash-eval --config FILE --drafter DIR [--report FILE.json]
   dflash-eval --offline --store PATH --drafter DIR --target.path=DIR
       (estimate from the store's held-out sequences: only the target's embedding and lm_head are read)"""
+
+
+def check_eval_outputs(cfg: EvalConfig) -> None:
+    """What the evaluation writes must be writable before it starts, not found out at its end."""
+    if cfg.report.path:
+        check_writable(cfg.report.path, "report.path",
+                       "pass --report a file path on a writable filesystem", directory=False)
+    if cfg.check.baseline and cfg.check.baseline_cache:
+        check_writable(cfg.check.baseline_cache, "check.baseline_cache",
+                       "pass a directory on a writable filesystem, or leave it empty")
 
 
 @user_errors_exit
@@ -32,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            switches={"offline": (None, ("estimate tau from a store's held-out sequences (--store); "
                                                         "the target does not run"))})
     setup_logging()
+    check_eval_outputs(cfg)
     if args.offline:
         # the store reader and the trainer's data path are imported for --offline only
         from train.eval.offline import run_offline

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from dflash_common.config import check, option, section
+from dflash_common.config import check, check_device, option, section
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -29,9 +29,13 @@ class TargetSection:
     )
     engine: Literal["transformers", "vllm"] = option(
         "transformers",
-        "Who decodes: 'transformers' (our own loop, one prompt at a time) or 'vllm' (the exported drafter "
-        "served by vLLM, greedy, float32, one prompt at a time; vLLM must be installed, e.g. .venv-vllm).",
+        "Who decodes: 'transformers' (our own loop, one prompt at a time or batched: "
+        "generation.batch_size) or 'vllm' (the exported drafter served by vLLM, greedy, float32, "
+        "one prompt at a time; vLLM must be installed, e.g. .venv-vllm).",
     )
+
+    def __post_init__(self):
+        check_device(self.device, "target.device")
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,23 @@ class GenerationSection:
     seed: int = option(0, "Seed of the sampling generator (temperature > 0).")
     ignore_eos: bool = option(False, "Do not stop at the end-of-sequence token(s); always decode max_new_tokens.")
     warmup: bool = option(True, "Decode a few tokens once before timing, so one-time setup is not timed.")
+    batch_size: int = option(
+        0,
+        "Prompts decoded at once (train/eval/batched.py; greedy, an 'sdpa' or 'eager' target): "
+        "1 decodes one prompt at a time; 0 picks 1 on a CPU and, on a GPU, up to 256 prompts, as "
+        "many as half the free memory holds. Every prompt's tokens and cycles are the same either "
+        "way in float32.",
+    )
 
     def __post_init__(self):
         check(self.max_new_tokens >= 1, f"generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         check(self.temperature >= 0, f"generation.temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"generation.top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, f"generation.top_k must be >= 0, got {self.top_k}")
+        check(self.batch_size >= 0, f"generation.batch_size must be >= 0, got {self.batch_size}")
+        check(self.batch_size <= 1 or self.temperature == 0,
+              f"generation.batch_size = {self.batch_size} decodes greedily only; set "
+              "generation.temperature = 0 or generation.batch_size = 1")
         check(
             self.block_size is None or self.block_size >= 2,
             f"generation.block_size must be >= 2 (one anchor and at least one draft), got {self.block_size}",

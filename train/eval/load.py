@@ -1,48 +1,14 @@
-"""The target, its tokenizer and the drafter of a `dflash-eval` run, loaded on their device and
-checked against each other: a drafter made for another target is refused in one sentence.
+"""The drafter of a `dflash-eval` run, loaded on the target's device and checked against it: a
+drafter made for another target is refused in one sentence. (The target and its tokenizer load
+through dflash_common/hf.py, as every stage's do.)
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
 from dflash_common.errors import UserError
 from train.eval.spec_decode import DFlashProposer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"target.device = {name!r} but no CUDA GPU is visible; use 'auto' or 'cpu'.")
-    return device
-
-
-def load_target(path: str, dtype: str, device: str, attn_implementation: str):
-    """The target causal LM, in eval mode on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
-    return model.to(resolve_device(device)).eval()
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    check_model_dir(path)
-    return AutoTokenizer.from_pretrained(path)
-
-
-def check_model_dir(path: str) -> None:
-    if not path or not (Path(path) / "config.json").is_file():
-        raise UserError(f"target.path {path!r} is not a model directory (no config.json); set --target.path=DIR.")
-
 
 def load_dflash(path: str, target_config, device: torch.device, dtype: torch.dtype):
     """The exported drafter at `path`, refused in one sentence unless it was made for this target."""
@@ -71,12 +37,3 @@ def load_proposer(path: str, model) -> DFlashProposer:
     """The exported drafter at `path` on the target's device and dtype, ready to propose."""
     weight = next(model.parameters())
     return attach_target(load_dflash(path, model.config, weight.device, weight.dtype), model)
-
-
-def stop_token_ids(model, tokenizer) -> frozenset[int]:
-    """End-of-sequence ids of the generation config and the tokenizer (Qwen3 chat ends at <|im_end|>)."""
-    ids = set()
-    for source in (getattr(model, "generation_config", None), tokenizer):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    return frozenset(ids)

@@ -14,21 +14,32 @@ shard names, not by any seed) and scores them with the trainer's own validation 
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
+from dflash_common.drafter.model import DFlashDrafter
+from dflash_common.dist import resolve_device
+from dflash_common.config import ConfigError, load_config
 from dflash_common.errors import UserError
+from dflash_common.hf import check_model_dir, load_text_config
 from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
-from train.data import make_feeder, scan_stores, shard_reader, slot_size, val_batches
+from train.config import TrainConfig
+from train.data import (
+    check_contents, make_feeder, scan_stores, shard_reader, slot_size, val_batches,
+)
 from train.eval.config import EvalConfig
-from train.eval.load import check_model_dir, load_dflash, resolve_device
+from train.eval.load import load_dflash
 from train.eval.report import format_offline, write_report
 from train.path_tau import path_counts, replay_batch, response_segments, summarize_path
 from train.plan import DataPlan, holdout_split
+from train.transfer import DeviceBatch
 from train.validate import evaluate_batches
+
+log = logging.getLogger("dflash")
 
 # What the offline estimate takes from the training run's run.toml: its held-out split, and how its
 # validation packed and weighted the blocks, so the estimate repeats the trainer's own validation.
@@ -39,15 +50,21 @@ _RUN_SETTINGS = {"holdout_sequences": ("data", "holdout_sequences"), "holdout_fr
 
 def _training_run_settings(drafter_path: str) -> dict:
     """Settings of the training run behind `drafter_path` (its run.toml, in a run or step-N directory
-    or beside a run's drafter/), by the keyword names of `evaluate_offline`; {} when there is none."""
-    import tomllib
-
+    or beside a run's drafter/, read by the config loader), by the keyword names of
+    `evaluate_offline`; {} when there is none."""
     here = Path(drafter_path)
     for candidate in (here / "run.toml", here.parent / "run.toml"):
         if candidate.is_file():
-            run = tomllib.loads(candidate.read_text())
-            return {key: run[sec][name] for key, (sec, name) in _RUN_SETTINGS.items()
-                    if run.get(sec, {}).get(name) is not None}
+            try:
+                run = load_config(TrainConfig, candidate)
+            except ConfigError as e:
+                log.warning("%s does not load (%s): the trainer's defaults stand for its "
+                            "held-out split and validation; set offline.holdout_sequences if the "
+                            "run held out others", candidate, e)
+                return {}
+            values = {key: getattr(getattr(run, sec), name)
+                      for key, (sec, name) in _RUN_SETTINGS.items()}
+            return {key: value for key, value in values.items() if value is not None}
     return {}
 
 
@@ -57,16 +74,15 @@ def run_offline(cfg: EvalConfig) -> dict:
     replayed from the stored responses with generation.block_size and generation.max_new_tokens
     (train/path_tau.py; what dflash-eval measures when the responses are the target's greedy output).
     The target never runs; only its embedding and lm_head are read from target.path."""
-    from transformers import AutoConfig
-
     from dflash_common.drafter.target_head import load_target_head
 
     if not cfg.offline.store:
         raise UserError("--offline needs a store: pass --store PATH (a store written by dflash-precompute).")
     check_model_dir(cfg.target.path)
-    device = resolve_device(cfg.target.device)
+    device = resolve_device(cfg.target.device, "target.device")
     bf16 = cfg.target.dtype == "bfloat16"  # the trainer's precision: fp32 weights, bf16 autocast
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), device, torch.float32)
+    text_config = load_text_config(cfg.target.path)
+    drafter = load_dflash(cfg.drafter.path, text_config, device, torch.float32)
     head = load_target_head(cfg.target.path, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
     drafter.attach_frozen(head.embed, head.lm_head)
     settings = _training_run_settings(cfg.drafter.path)
@@ -93,8 +109,9 @@ def run_offline(cfg: EvalConfig) -> dict:
 
 
 @torch.no_grad()
-def path_tau_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_size: int | None = None,
-                     max_new_tokens: int | None = None, autocast: str = "none") -> dict[str, Any]:
+def path_tau_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *,
+                     block_size: int | None = None, max_new_tokens: int | None = None,
+                     autocast: str = "none") -> dict[str, Any]:
     """Path tau alone (train/path_tau.py) over device batches, as dflash-eval would decode their
     responses with `block_size` and `max_new_tokens`; also each response's cycle lengths ("path_lengths",
     in batch order) and its prompt's last token ids ("path_prompt_tails"), to match responses to prompts."""
@@ -107,7 +124,7 @@ def path_tau_batches(drafter: torch.nn.Module, batches: Iterable[Any], *, block_
     return {**summarize_path(paths), "path_lengths": lengths, "path_prompt_tails": tails}
 
 
-def _prompt_tails(batch: Any, n: int = 16) -> list[list[int]]:
+def _prompt_tails(batch: DeviceBatch, n: int = 16) -> list[list[int]]:
     """The last `n` token ids before each response of a batch (in the order of response_segments)."""
     first, _, seq_start = response_segments(batch.loss_mask, batch.cu_seqlens, None)
     ids = batch.input_ids.tolist()
@@ -115,8 +132,8 @@ def _prompt_tails(batch: Any, n: int = 16) -> list[list[int]]:
 
 
 def evaluate_offline(
-    drafter: torch.nn.Module,
-    source: Iterable[Any] | str | Path,
+    drafter: DFlashDrafter,
+    source: Iterable[DeviceBatch] | str | Path,
     *,
     gamma: float | None = None,
     max_anchors: int = 512,
@@ -167,11 +184,12 @@ def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchor
     sequences with fewer than `min_response` response tokens, 2B by default, as training does)."""
     store = Store.open(store_path, read_threads=reader_threads)
     layer_ids = list(drafter_cfg.target_layer_ids)
+    check_contents([store])  # a shard missing from the store stops it, as it stops training
     shards = scan_stores([store], reader_threads, batch_tokens)
     min_response = 2 * drafter_cfg.block_size if min_response is None else min_response
     split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
     plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
-                    window_shards=1, world=1, grad_accum=1)
+                    shuffle_window_shards=1, world=1, grad_accum=1)
     nbytes, _ = slot_size([store], shards, layer_ids)
     cache = ShardCache(SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1)
     host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.block_size, max_anchors=max_anchors)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from dflash_common.conversations import BadRecord, conversation_format, conversation_messages
 from dflash_common.errors import UserError
 
 
@@ -24,29 +25,15 @@ class Prompt:
     turns: list[str] | None = None
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system", "chatgpt": "assistant"}
-
-
-def _messages(record: dict, where: str) -> list[dict] | None:
-    """A record's conversation as role/content messages, or None when it is not a conversation."""
-    if "messages" in record:
-        raw, role_key, content_key, roles = record["messages"], "role", "content", None
-    elif "conversations" in record:  # ShareGPT: {"from": "human", "value": "..."}
-        raw, role_key, content_key, roles = record["conversations"], "from", "value", _SHAREGPT_ROLES
-    else:
+def _conversation(record: dict, where: str) -> list[dict] | None:
+    """A record's conversation as role/content messages (dflash_common/conversations.py, the reader
+    of every stage), or None when it is not a conversation."""
+    if conversation_format(record) is None:
         return None
-    if not isinstance(raw, list):
-        raise UserError(f"{where}: '{'messages' if roles is None else 'conversations'}' must be a list of messages.")
-    out = []
-    for m in raw:
-        if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or not isinstance(m.get(content_key), str):
-            raise UserError(f"{where}: every message needs a string '{role_key}' and a string '{content_key}'.")
-        role = m[role_key] if roles is None else roles.get(m[role_key])
-        if role is None:
-            raise UserError(f"{where}: unknown ShareGPT role {m[role_key]!r}; use human, gpt or system.")
-        out.append({"role": role, "content": m[content_key]})
-    return out
+    try:
+        return conversation_messages(record, require_assistant=False)
+    except BadRecord as e:
+        raise UserError(f"{where}: {e.detail} ({e.reason}); fix the line.") from None
 
 
 def _record_to_prompt(record: Any, where: str, tokenizer, template_kwargs: dict) -> Prompt:
@@ -59,7 +46,7 @@ def _record_to_prompt(record: Any, where: str, tokenizer, template_kwargs: dict)
         if not record["turns"] or not all(isinstance(t, str) for t in record["turns"]):
             raise UserError(f"{where}: 'turns' must be a non-empty list of strings (the user's messages).")
         return Prompt(where, turns=list(record["turns"]))
-    messages = _messages(record, where)
+    messages = _conversation(record, where)
     if messages is None:
         raise UserError(f"{where}: found none of 'messages', 'conversations', 'turns' or 'prompt'; "
                         f"give each line one of them.")

@@ -6,10 +6,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from dflash_common.cli import run_record, write_run_record
 from dflash_common.fsutil import atomic_write_text
 from train.eval.config import EvalConfig
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or where one ends early); None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def mismatch_entry(prompt: str, prompt_tokens: int, index: int, speculative: Sequence[int],
+                   target: Sequence[int]) -> dict:
+    """The report's record of a prompt whose speculative output first differs from the target's
+    at new token `index` (`first_mismatch`); a side that ended before it has None there."""
+    at = lambda tokens: tokens[index] if index < len(tokens) else None  # noqa: E731
+    return {"prompt": prompt, "new_token_index": index, "position": prompt_tokens + index,
+            "speculative": at(speculative), "target": at(target)}
 
 
 def lossless_message(report: dict) -> str | None:
@@ -25,6 +43,12 @@ def lossless_message(report: dict) -> str | None:
 
 def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def _batch_words(batch_size: int) -> str:
+    if batch_size == 1:
+        return "batch 1"
+    return f"batches of up to {batch_size} prompts, tokens/s per prompt"
 
 
 def format_report(report: dict) -> str:
@@ -46,8 +70,8 @@ def format_report(report: dict) -> str:
         f"  {'tokens/s, speculative':<28}{_fmt(report['spec_tokens_per_s'], '.1f')}",
         f"  {'tokens/s, target alone':<28}{_fmt(report['target_tokens_per_s'], '.1f')}",
         f"  {'speedup':<28}{_fmt(report['speedup'], '.2f')}"
-        + ("" if report["speedup"] is None else "x (tokens/s speculative / target alone: same engine, batch 1, "
-           "decode after the prefill)"),
+        + ("" if report["speedup"] is None else "x (tokens/s speculative / target alone: same "
+           "engine, " + _batch_words(report.get("batch_size", 1)) + ", decode after the prefill)"),
         f"  {'lossless':<28}{verdict}",
     ]
     if report["num_prompts_without_cycles"]:

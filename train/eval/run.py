@@ -11,6 +11,14 @@ over the tokens each cycle adds to the output cut at the limit and the stop toke
 of a response differs; path tau, train/path_tau.py, reproduces it exactly from a store).
 Throughput also follows the reference: time per output token is the decode time (after the prefill)
 over the new tokens, averaged over prompts; tokens/s is its inverse; speedup is the ratio of the two.
+
+Prompts are decoded one at a time (`generation.batch_size = 1`, the CPU's default) or many at
+once (train/eval/batched.py, a GPU's default): then every prompt of a batch is decoded side by side,
+with the drafter and with the target alone, and a prompt's decode time is the batch's time until
+that prompt finished, so tokens/s is per prompt at that batch size (the report says which). Each
+prompt's tokens and cycles are the same either way in float32; the lossless check still compares
+prompt by prompt. Multi-turn prompts are decoded a turn at a time: every prompt's first turn, then
+every second turn (answered by the first turn's speculative output), and so on.
 """
 
 from __future__ import annotations
@@ -20,24 +28,33 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from dflash_common.cli import progress_bar
 
+from dflash_common.dist import resolve_device
 from dflash_common.errors import UserError
+from dflash_common.sampling import Sampling
+from dflash_common.hf import (
+    generation_config, load_causal_lm, load_text_config, load_tokenizer, stop_token_ids,
+    torch_dtype,
+)
 from dflash_common.drafter.layer_ids import check_layer_ids
 from train.eval.baseline_cache import BaselineCache
 from train.eval.config import EvalConfig, GenerationSection
-from train.eval.load import (
-    DTYPES, attach_target, load_dflash, load_target, load_tokenizer, resolve_device, stop_token_ids,
-)
+from train.eval.load import attach_target, load_dflash
 from train.eval.prompts import Prompt, load_prompts, render_chat
-from train.eval.report import format_report, lossless_message, write_report
-from train.eval.spec_decode import (
-    Decoded, Drafter, Sampling, TargetRunner, speculative_generate, target_generate,
+from train.eval.report import (
+    first_mismatch, format_report, lossless_message, mismatch_entry, write_report,
 )
+from train.eval.spec_decode import (
+    Decoded, Drafter, TargetRunner, speculative_generate, target_generate,
+)
+
+if TYPE_CHECKING:  # imported where used: it imports transformers, which the CLI need not load early
+    from train.eval import batched
 
 log = logging.getLogger("dflash")
 
@@ -80,38 +97,48 @@ class PromptResult:
 
 @dataclass(frozen=True)
 class Settings:
-    """How every prompt is decoded (resolved from the config and the drafter)."""
+    """How every prompt is decoded (resolved from the config and the drafter); prompt i draws with
+    a generator of seed `sampling.seed + i`."""
 
     block_size: int
-    max_new_tokens: int
-    sampling: Sampling
+    sampling: Sampling  # the distribution, the token limit and the seed
     stop_ids: frozenset[int]
-    seed: int
     baseline: bool  # also decode with the target alone
     check_lossless: bool  # greedy, with a baseline to compare against
     baseline_cache: BaselineCache | None = None  # the target-alone decodes of earlier evaluations
+    batch_size: int = 1  # prompts decoded at once (batched.py when > 1)
 
 
 def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, block_size: int,
-                  stop_ids: frozenset[int]) -> Settings:
-    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k)
+                  stop_ids: frozenset[int], batch_size: int = 1) -> Settings:
+    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k, gen.max_new_tokens, gen.seed)
     return Settings(
         block_size=gen.block_size or block_size,
-        max_new_tokens=gen.max_new_tokens,
         sampling=sampling,
         stop_ids=frozenset() if gen.ignore_eos else stop_ids,
-        seed=gen.seed,
         baseline=baseline,
         check_lossless=sampling.greedy and baseline and check_lossless != "off",
+        batch_size=batch_size,
     )
 
 
-def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (or where one ends early); None when equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def resolve_batch_size(gen: GenerationSection, model, drafter: Drafter,
+                       device: torch.device) -> int:
+    """generation.batch_size, with 0 resolved: 1 on a CPU or where batching cannot serve, else
+    AUTO_ROWS (each batch then capped by memory). An explicit size > 1 that cannot be served is
+    refused."""
+    from train.eval import batched
+
+    why = batched.batch_refusal(model)
+    if why is None and not batched.batchable(drafter):
+        why = f"the drafter ({type(drafter).__name__}) has no batched form"
+    if gen.batch_size == 0:
+        batchable = device.type == "cuda" and gen.temperature == 0 and why is None
+        return batched.AUTO_ROWS if batchable else 1
+    if gen.batch_size > 1 and why is not None:
+        raise UserError(
+            f"generation.batch_size = {gen.batch_size}: {why}; set generation.batch_size = 1.")
+    return gen.batch_size
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -121,20 +148,21 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int], s: Settings,
                index: int) -> PromptResult:
     """Speculative decoding of one prompt, then (optionally) the target alone, and the comparison."""
+    limit, seed = s.sampling.max_new_tokens, s.sampling.seed + index
     spec = speculative_generate(
-        target, drafter, ids, block_size=s.block_size, max_new_tokens=s.max_new_tokens,
-        stop_ids=s.stop_ids, sampling=s.sampling, generator=_generator(target.device, s.seed + index),
+        target, drafter, ids, block_size=s.block_size, max_new_tokens=limit, stop_ids=s.stop_ids,
+        sampling=s.sampling, generator=_generator(target.device, seed),
     )
     base = None
     if s.baseline:
         cache, key = s.baseline_cache, None
         if cache is not None:
-            key = cache.key(ids, s.max_new_tokens, s.sampling, s.seed + index, s.stop_ids)
+            key = cache.key(ids, limit, s.sampling, seed, s.stop_ids)
             base = cache.get(key)
         if base is None:
             base = target_generate(
-                target, ids, max_new_tokens=s.max_new_tokens, stop_ids=s.stop_ids, sampling=s.sampling,
-                generator=_generator(target.device, s.seed + index),
+                target, ids, max_new_tokens=limit, stop_ids=s.stop_ids, sampling=s.sampling,
+                generator=_generator(target.device, seed),
             )
             if cache is not None:
                 cache.put(key, base)
@@ -144,13 +172,17 @@ def decode_one(target: TargetRunner, drafter: Drafter, name: str, ids: list[int]
 
 def _warm_up(target: TargetRunner, drafter: Drafter, ids: list[int], s: Settings) -> None:
     """One short decode of each kind, untimed: kernels and allocators are set up before the clock runs."""
-    short = dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, 2 * s.block_size))
-    decode_one(target, drafter, "warm-up", ids, short, index=0)
+    limit = min(s.sampling.max_new_tokens, 2 * s.block_size)
+    short = dataclasses.replace(s.sampling, max_new_tokens=limit)
+    decode_one(target, drafter, "warm-up", ids, dataclasses.replace(s, sampling=short), index=0)
 
 
 def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt], s: Settings, *,
                    tokenizer=None, template_kwargs: dict | None = None, warmup: bool = True) -> list[PromptResult]:
     """Decode every prompt (each turn of a multi-turn prompt is a prompt of its own)."""
+    if s.batch_size > 1:
+        return decode_prompts_batched(target, drafter, prompts, s, tokenizer=tokenizer,
+                                      template_kwargs=template_kwargs, warmup=warmup)
     results: list[PromptResult] = []
     for prompt in progress_bar(prompts, enabled=len(prompts) > 1, desc="dflash-eval", unit="prompt"):
         if prompt.ids is not None:
@@ -171,6 +203,137 @@ def decode_prompts(target: TargetRunner, drafter: Drafter, prompts: Sequence[Pro
     return results
 
 
+# ---------------------------------------------------------------- decoding, batched
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One prompt (or one turn of one) to decode; `slot` is its place in decode_prompts' order,
+    which also offsets its seed as there."""
+
+    slot: int
+    name: str
+    ids: list[int]
+
+
+def decode_prompts_batched(target: TargetRunner, drafter: Drafter, prompts: Sequence[Prompt],
+                           s: Settings, *, tokenizer=None, template_kwargs: dict | None = None,
+                           warmup: bool = True) -> list[PromptResult]:
+    """`decode_prompts` in batches of up to s.batch_size prompts (batched.py): every prompt's first
+    turn, then every second turn, and so on; the results in decode_prompts' order. The bar counts
+    tokens: each prompt's limit, once with the drafter and once with the target alone."""
+    from train.eval import batched
+
+    engine = batched.BatchedTarget(target.model, target.layer_ids)
+    proposer = batched.as_batched(drafter)
+    turns = [1 if p.ids is not None else len(p.turns) for p in prompts]
+    first_slot = [sum(turns[:i]) for i in range(len(prompts))]
+    results: list[PromptResult | None] = [None] * sum(turns)
+    messages: list[list[dict]] = [[] for _ in prompts]
+    total = len(results) * s.sampling.max_new_tokens * (2 if s.baseline else 1)
+    with progress_bar(total=total, enabled=len(results) > 1, desc="dflash-eval", unit="tok") as bar:
+        for turn in range(max(turns, default=0)):
+            items = []
+            for i, prompt in enumerate(prompts):
+                if prompt.ids is not None and turn == 0:
+                    items.append(_Item(first_slot[i], prompt.name, prompt.ids))
+                elif prompt.ids is None and turn < turns[i]:
+                    messages[i].append({"role": "user", "content": prompt.turns[turn]})
+                    ids = render_chat(tokenizer, messages[i], template_kwargs or {}, prompt.name)
+                    items.append(_Item(first_slot[i] + turn, f"{prompt.name}#turn{turn + 1}", ids))
+            batches = _batches(items, s, target.model, proposer)
+            if warmup and turn == 0:  # untimed: kernels and allocators are set up before the clock
+                limit = min(s.sampling.max_new_tokens, 2 * s.block_size)
+                short = dataclasses.replace(
+                    s, sampling=dataclasses.replace(s.sampling, max_new_tokens=limit),
+                    baseline_cache=None)
+                decode_batch(engine, proposer, batches[0], short)
+            for batch in batches:
+                done = decode_batch(engine, proposer, batch, s, bar.update)
+                for item, result in zip(batch, done):
+                    results[item.slot] = result
+            for i, prompt in enumerate(prompts):
+                if prompt.ids is None and turn < turns[i]:
+                    spoken = results[first_slot[i] + turn].spec.tokens
+                    answer = tokenizer.decode(spoken, skip_special_tokens=True)
+                    messages[i].append({"role": "assistant", "content": answer})
+    return results
+
+
+def _batches(items: list[_Item], s: Settings, model, proposer) -> list[list[_Item]]:
+    """The items by prompt length, longest first (a batch pads to its longest prompt), in batches
+    of s.batch_size, fewer where the GPU's memory holds fewer rows of that length."""
+    from train.eval import batched
+
+    order = sorted(items, key=lambda item: -len(item.ids))
+    out, a = [], 0
+    while a < len(order):
+        length = len(order[a].ids) + s.sampling.max_new_tokens + 2 * s.block_size
+        rows = min(s.batch_size, batched.rows_that_fit(model, proposer, length, s.block_size))
+        out.append(order[a:a + rows])
+        a += rows
+    return out
+
+
+def decode_batch(engine: batched.BatchedTarget, proposer: batched.BatchedDrafter,
+                 items: list[_Item], s: Settings,
+                 on_tokens: batched.OnTokens | None = None) -> list[PromptResult]:
+    """One batch with the drafter, then the target alone (those the baseline cache lacks), and the
+    comparison, prompt by prompt."""
+    from train.eval import batched
+
+    prompts, limit = [item.ids for item in items], s.sampling.max_new_tokens
+    specs = batched.speculative_generate_batch(
+        engine, proposer, prompts, block_size=s.block_size, max_new_tokens=limit,
+        stop_ids=s.stop_ids, on_tokens=on_tokens)
+    bases: list[Decoded | None] = [None] * len(items)
+    if s.baseline:
+        cache = s.baseline_cache
+        keys = [None] * len(items) if cache is None else [
+            cache.key(item.ids, limit, s.sampling, s.sampling.seed + item.slot, s.stop_ids,
+                      s.batch_size) for item in items]
+        bases = [cache.get(key) if cache is not None else None for key in keys]
+        missing = [i for i, base in enumerate(bases) if base is None]
+        if on_tokens is not None and len(missing) < len(items):
+            on_tokens(limit * (len(items) - len(missing)))
+        made = batched.target_generate_batch(
+            engine, [prompts[i] for i in missing], max_new_tokens=limit,
+            stop_ids=s.stop_ids, on_tokens=on_tokens) if missing else []
+        for i, base in zip(missing, made):
+            bases[i] = base
+            if cache is not None:
+                cache.put(keys[i], base)
+    return [PromptResult(item.name, len(item.ids), spec, base,
+                         first_mismatch(spec.tokens, base.tokens) if s.check_lossless else None)
+            for item, spec, base in zip(items, specs, bases)]
+
+
+def target_answers(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                   stop_ids: frozenset[int], batch_size: int,
+                   block_size: int = 16) -> list[list[int]]:
+    """The target's own greedy answers, decoded as dflash-eval decodes its baseline (the reference
+    its lossless check compares with) at this batch size: one at a time, or in its batches (by
+    prompt length, longest first; where memory caps a batch, dflash-eval's also holds a drafter of
+    `block_size` and may split them elsewhere). Answers meant to be replayed against dflash-eval's
+    (path tau) are made here, on the device dflash-eval runs on."""
+    from train.eval import batched
+
+    target = TargetRunner(model, [])
+    if batch_size == 1:
+        return [target_generate(target, p, max_new_tokens=max_new_tokens, stop_ids=stop_ids).tokens
+                for p in prompts]
+    s = Settings(block_size, Sampling(max_new_tokens=max_new_tokens), stop_ids, True, True,
+                 batch_size=batch_size)
+    engine, answers = batched.BatchedTarget(model, []), [None] * len(prompts)
+    items = [_Item(i, str(i), list(p)) for i, p in enumerate(prompts)]
+    for batch in _batches(items, s, model, None):
+        made = batched.target_generate_batch(engine, [item.ids for item in batch],
+                                             max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        for item, decoded in zip(batch, made):
+            answers[item.slot] = decoded.tokens
+    return answers
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -185,11 +348,8 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
     counts = [lengths.count(n) for n in range(1, s.block_size + 1)]
     spec_tpot = _mean([r.spec.time_per_token for r in results])
     base_tpot = _mean([r.target.time_per_token for r in results]) if s.baseline else None
-    mismatches = [{"prompt": r.name, "new_token_index": r.first_mismatch,
-                   "position": r.prompt_tokens + r.first_mismatch,
-                   "speculative": _token_at(r.spec.tokens, r.first_mismatch),
-                   "target": _token_at(r.target.tokens, r.first_mismatch)}
-                  for r in results if r.first_mismatch is not None]
+    mismatches = [mismatch_entry(r.name, r.prompt_tokens, r.first_mismatch, r.spec.tokens,
+                                 r.target.tokens) for r in results if r.first_mismatch is not None]
     return {
         "tau": _mean(taus),
         # the figure engines log (vLLM: 1 + num_accepted_tokens / num_drafts): every cycle weighs the same
@@ -198,6 +358,7 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
         "tau_emitted": _mean([r.tau_emitted for r in results if r.tau_emitted is not None]),
         "tau_definition": TAU_DEFINITION,
         "block_size": s.block_size,
+        "batch_size": s.batch_size,  # prompts at once (1: one at a time); tokens/s are per prompt
         "num_prompts": len(results),
         "num_prompts_without_cycles": len(results) - len(taus),
         "num_cycles": len(lengths),
@@ -213,10 +374,6 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
                      "mismatches": mismatches},
         "prompts": [_prompt_entry(r) for r in results],
     }
-
-
-def _token_at(tokens: Sequence[int], i: int) -> int | None:
-    return tokens[i] if i < len(tokens) else None
 
 
 def _prompt_entry(r: PromptResult) -> dict:
@@ -239,9 +396,12 @@ def evaluate_drafter(model, tokenizer, drafter: Drafter, cfg: EvalConfig, prompt
     except ValueError as e:
         raise UserError(
             f"the drafter does not fit this target: {e}; evaluate it on the target it was trained for.") from e
-    s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
-                      stop_token_ids(model, tokenizer))
     target = TargetRunner(model, drafter.layer_ids)
+    s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
+                      stop_token_ids(model.generation_config, tokenizer),
+                      resolve_batch_size(cfg.generation, model, drafter, target.device))
+    log.info("decoding %d prompts %s", len(prompts),
+             "one at a time" if s.batch_size == 1 else f"in batches of up to {s.batch_size}")
     if cfg.check.baseline and cfg.check.baseline_cache:
         s = dataclasses.replace(s, baseline_cache=BaselineCache.open(
             cfg.check.baseline_cache, cfg.target.path, cfg.target.dtype, str(target.device)))
@@ -257,23 +417,23 @@ def run(cfg: EvalConfig) -> dict:
     """Load the target and the drafter, decode every prompt, write and print the report; a failed
     lossless check raises `LosslessError` after the report is written (`check.lossless = 'error'`)."""
     if cfg.target.engine == "vllm":
-        return finish(run_vllm(cfg), cfg)
+        return finish_report(run_vllm(cfg), cfg)
     tokenizer = load_tokenizer(cfg.target.path)  # prompts are checked before the model is loaded
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     # the drafter first: one that does not fit is refused before a large target is loaded
-    from transformers import AutoConfig
-
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path),
-                          resolve_device(cfg.target.device), DTYPES[cfg.target.dtype])
-    model = load_target(cfg.target.path, cfg.target.dtype, cfg.target.device, cfg.target.attn_implementation)
+    device = resolve_device(cfg.target.device, "target.device")
+    drafter = load_dflash(cfg.drafter.path, load_text_config(cfg.target.path), device,
+                          torch_dtype(cfg.target.dtype))
+    model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype, device=device,
+                           attn_implementation=cfg.target.attn_implementation)
     proposer = attach_target(drafter, model)
     log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
              cfg.generation.block_size or proposer.block_size)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
-    return finish(report, cfg)
+    return finish_report(report, cfg)
 
 
-def finish(report: dict, cfg: EvalConfig) -> dict:
+def finish_report(report: dict, cfg: EvalConfig) -> dict:
     """Write and print the report; raise `LosslessError` on a failed check (`check.lossless = 'error'`)."""
     report["drafter"] = cfg.drafter.path
     report["target"] = cfg.target.path
@@ -296,9 +456,6 @@ def run_vllm(cfg: EvalConfig) -> dict:
     """The report measured through vLLM (train/eval/vllm_engine.py): the exported drafter served with its
     target, and the target served alone for the lossless check and the baseline."""
     import tempfile
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, GenerationConfig
 
     from dflash_common.drafter.export import resolve_drafter_dir
     from train.eval import vllm_engine
@@ -313,15 +470,11 @@ def run_vllm(cfg: EvalConfig) -> dict:
     prompts = load_prompts(cfg.prompts.files, tokenizer, cfg.prompts.chat_template_kwargs, cfg.prompts.num_prompts)
     if any(p.ids is None for p in prompts):
         raise UserError("--engine vllm takes single-turn prompts; drop the 'turns' lines or use --engine transformers.")
-    drafter = load_dflash(cfg.drafter.path, AutoConfig.from_pretrained(cfg.target.path), torch.device("cpu"),
+    drafter = load_dflash(cfg.drafter.path, load_text_config(cfg.target.path), torch.device("cpu"),
                           torch.float32)  # refused here, in one sentence, unless made for this target
     block = cfg.generation.block_size or drafter.cfg.block_size
-    try:
-        generation = GenerationConfig.from_pretrained(cfg.target.path)
-    except OSError:
-        generation = None
-    stops = [] if cfg.generation.ignore_eos else sorted(stop_token_ids(SimpleNamespace(generation_config=generation),
-                                                                       tokenizer))
+    stops = sorted(stop_token_ids(generation_config(cfg.target.path), tokenizer))
+    stops = [] if cfg.generation.ignore_eos else stops
     request = {"target": str(Path(cfg.target.path).resolve()), "prompts": [p.ids for p in prompts],
                "max_new_tokens": cfg.generation.max_new_tokens, "stop_ids": stops,
                "max_model_len": max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block}

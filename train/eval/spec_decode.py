@@ -45,6 +45,7 @@ from typing import Protocol, Sequence
 import torch
 
 from dflash_common.drafter.layer_ids import hf_hidden_states_index
+from dflash_common.sampling import Sampling, sampling_probs
 
 
 class Drafter(Protocol):
@@ -60,17 +61,6 @@ class Drafter(Protocol):
         """`context` [n, K*H]: target features (layer outputs of `layer_ids`, concatenated) at positions
         start-n .. start-1, all committed and never handed over before. `anchor` is the token at
         `start`. Returns `num_drafts` token ids (long) for positions start+1 .. start+num_drafts."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 GREEDY = Sampling()
@@ -146,24 +136,14 @@ class TargetRunner:
             cache.crop(-remove)
 
     def clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return device_clock(self.device)
 
 
-def sampling_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """[n, V] logits -> [n, V] float32 probabilities after temperature, top-k, then top-p."""
-    scores = logits.float() / s.temperature
-    if 0 < s.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, s.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if s.top_p < 1:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < s.top_p  # the most likely token is always kept
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+def device_clock(device: torch.device) -> float:
+    """perf_counter once the device's queued work is done (a CUDA device's kernels run async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -321,4 +301,13 @@ class DFlashProposer:
         block = torch.full((num_drafts + 1,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
         block[0] = anchor
         hidden = self.drafter.draft(self.cache, context.to(dtype), block)  # [n+1, H]; cache: context only
-        return self.drafter.draft_tokens(hidden[None], block[:1])[0]  # [n]: argmax, or a walk
+        return self.draft(hidden[None], block[:1])[0]  # [n]
+
+    def draft(self, block_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The draft step: block hidden states [N, B, H] (after `norm`) and the tokens at the
+        anchors [N] -> drafted tokens [N, B-1], by the drafter's own rule (`draft_tokens`): DFlash
+        takes each position's argmax on its own (position 0 is the anchor, not a prediction),
+        DFlash2 walks its selector through each position's top-k candidates. A drafter that decodes
+        the positions in sequence (DSpark's Markov head) replaces this method; both loops, one
+        prompt at a time and batched (batched.py), draft through it."""
+        return self.drafter.draft_tokens(block_hidden, anchors)

@@ -159,15 +159,14 @@ def summarize_engine(spec: dict, base: dict | None, block_size: int, names: list
     new_tokens = sum(len(r["tokens"]) for r in rows)
     spec_s = sum(r["seconds"] for r in rows)
     base_s = sum(r["seconds"] for r in base["prompts"]) if base else None
+    # here, not at the top: the child process, in .venv-vllm, never needs the report's imports
+    from train.eval.report import first_mismatch, mismatch_entry
+
     mismatches = []
     for name, n, r, b in zip(names, prompt_lens, rows, base["prompts"] if base else []):
-        i = next((i for i, (x, y) in enumerate(zip(r["tokens"], b["tokens"])) if x != y), None)
-        if i is None and len(r["tokens"]) != len(b["tokens"]):
-            i = min(len(r["tokens"]), len(b["tokens"]))
+        i = first_mismatch(r["tokens"], b["tokens"])
         if i is not None:
-            at = [t[i] if i < len(t) else None for t in (r["tokens"], b["tokens"])]
-            mismatches.append({"prompt": name, "new_token_index": i, "position": n + i,
-                               "speculative": at[0], "target": at[1]})
+            mismatches.append(mismatch_entry(name, n, i, r["tokens"], b["tokens"]))
     return {
         "engine": "vllm", "tau": sum(taus) / len(taus) if taus else None,
         "tau_pooled": 1 + accepted / drafts if drafts else None, "block_size": block_size,

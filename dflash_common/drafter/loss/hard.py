@@ -1,6 +1,6 @@
 """Weighted cross-entropy through the target's frozen lm_head, never materialising [N, V] logits.
 
-    fused_lm_head_loss(hidden [N, H], lm_head_weight [V, H], labels [N], weights [N])
+    fused_lm_head_loss(hidden [N, H], lm_head_weight [V, H], labels int64 [N], weights [N])
         -> LossOutput(loss = sum_i w_i * CE(hidden_i @ W^T, label_i)  (float32 scalar, grad wrt hidden),
                       correct = argmax == label  [N] bool,
                       rows = w_i * CE_i  [N] float32, with grad wrt hidden)
@@ -41,7 +41,7 @@ of every block is such a row: 1/B of the work). Their `correct` is False.
 
 Memory: the stored gradient ([N, H], hidden's dtype) plus one logits chunk. The chunk height follows
 a byte budget, by default about the size of `hidden` itself (Liger's choice, so the peak matches it),
-in multiples of 512 rows, the heights at which cuBLAS ran fastest on an H200.
+in multiples of 512 rows, the heights at which cuBLAS runs fastest on an H200.
 
 Top-k (DFlash2's candidates): with `top_k` = K each kept row's K largest logits and their ids come
 back too (`top_values` float32, `top_ids`), taken from the chunk's logits before the kernel writes
@@ -250,7 +250,7 @@ def _chunk_loop(hidden, weight, labels, weights, backend, chunk_bytes, need_grad
     for r0 in range(0, m, step):
         rows = slice(r0, min(r0 + step, m)) if dense else kept[r0:r0 + step]
         chunk_out = tuple(o[rows] for o in out) if dense else out
-        d = chunk(hidden[rows].to(weight.dtype), labels[rows].long(), weights[rows].float(), chunk_out,
+        d = chunk(hidden[rows].to(weight.dtype), labels[rows], weights[rows].float(), chunk_out,
                   None if dense else rows)  # [c, V] (or None without a gradient)
         if need_grad and dense and grad.dtype == d.dtype:
             torch.mm(d, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary

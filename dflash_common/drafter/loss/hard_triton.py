@@ -9,12 +9,12 @@ w * (softmax - onehot) over the logits in their own dtype. All arithmetic is flo
 Memory traffic (measured on an H200 by benchmarks/loss.py --kernel-sweep, docs/benchmarks.md):
 - pass 1 walks the row from its end, where the logits matmul wrote last and L2 still holds it;
   pass 2 walks it from its start, which pass 1 read last. Both find part of the row in L2.
-- e**x is computed as 2**(x log2 e): one multiply and the hardware's ex2.approx. With tl.exp the
-  kernel ran 10% slower, memory-bound as it is (three passes over ~150 MB a chunk).
+- e**x is computed as 2**(x log2 e): one multiply and the hardware's ex2.approx; tl.exp makes the
+  kernel 10% slower, memory-bound as it is (three passes over ~150 MB a chunk).
 - 8192 columns a step over 32 warps: 8 values a lane, so the per-lane state needs no spills.
-Measured slower there (the kernel at f2e7ae6 has them as launch options): a fixed number of
-programs walking the rows, L2 eviction hints, per-tile instead of per-lane state, pass 2 from the
-row's end, software-pipeline stages.
+Slower there (docs/benchmarks.md, "Loss", has the measurements): a fixed number of programs walking
+the rows, L2 eviction hints, per-tile instead of per-lane state, pass 2 from the row's end,
+software-pipeline stages.
 
 Runs on the CPU under TRITON_INTERPRET=1 (the test suite does so).
 """

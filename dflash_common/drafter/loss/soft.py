@@ -1,7 +1,7 @@
 """Soft targets: the drafter's distribution matched to the target's, through the frozen lm_head, in
 row chunks that never materialise [N, V] logits (the soft twin of hard.py; same design and backends).
 
-    soft_lm_head_loss(hidden [N, H], lm_head [V, H], labels [N], weights [N],
+    soft_lm_head_loss(hidden [N, H], lm_head [V, H], labels int64 [N], weights [N],
                       teacher [M, H], teacher_index [N], kind, temperature)
         -> LossOutput(loss = sum_i w_i * loss_kind(row i)  (float32 scalar, grad wrt hidden),
                       correct = argmax == label  [N] bool,
@@ -60,15 +60,15 @@ def teacher_rows(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[A, B] packed positions of the final states that give the target's distribution of each block
     row: a + k - 1 for the token at a + k (k = 0 is never a prediction; clamped to stay in range)."""
     k = torch.arange(block_size, device=anchors.device)
-    return (anchors.long()[:, None] + k - 1).clamp(min=0)
+    return (anchors[:, None] + k - 1).clamp(min=0)
 
 
 def greedy_prompt_labels(labels: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """labels [A, B] (from block_labels with every position valid) -> the same, with every label
     outside the loss mask (prompt tokens) replaced by TARGET_ARGMAX: the target's own greedy token."""
     k = torch.arange(labels.shape[1], device=labels.device)
-    pos = (anchors.long()[:, None] + k).clamp(max=loss_mask.shape[0] - 1)  # [A, B]
-    prompt = (labels != IGNORE_INDEX) & ~loss_mask.bool()[pos]
+    pos = (anchors[:, None] + k).clamp(max=loss_mask.shape[0] - 1)  # [A, B]
+    prompt = (labels != IGNORE_INDEX) & ~loss_mask[pos]
     return torch.where(prompt, TARGET_ARGMAX, labels)
 
 
@@ -95,7 +95,7 @@ def soft_lm_head_loss(
                          f"{tuple(lm_head_weight.shape)} do not match")
     if labels.shape != (n,) or weights.shape != (n,) or teacher_index.shape != (n,):
         raise ValueError("labels, weights and teacher_index need one entry per row of hidden")
-    spec = _Spec(kind, float(temperature), resolve_backend(backend, hidden.device), chunk_bytes)
+    spec = _SoftSpec(kind, float(temperature), resolve_backend(backend, hidden.device), chunk_bytes)
     args = (hidden, lm_head_weight.detach(), labels, weights, teacher.detach(), teacher_index)
     if not (torch.is_grad_enabled() and hidden.requires_grad):
         rows, correct, ce, _ = _chunked_soft_loss(*args, spec, need_grad=False)
@@ -104,7 +104,7 @@ def soft_lm_head_loss(
     return LossOutput(rows.sum(), correct, rows, ce)
 
 
-class _Spec:
+class _SoftSpec:
     """What the chunks compute: kind, temperature, backend, chunk budget (one object through autograd)."""
 
     def __init__(self, kind: str, temperature: float, backend: str, chunk_bytes: int | None):
@@ -137,7 +137,8 @@ def soft_chunk_rows(n_rows: int, hidden: torch.Tensor, weight: torch.Tensor, bac
     return chunk_rows(n_rows, hidden.shape[1], weight.shape[0], per_value, hidden.element_size(), chunk_bytes)
 
 
-def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, spec: _Spec, need_grad: bool):
+def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, spec: _SoftSpec,
+                       need_grad: bool):
     n = hidden.shape[0]
     kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
     correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
@@ -149,7 +150,7 @@ def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, 
         rows = kept[r0:r0 + step]
         logits = hidden[rows].to(weight.dtype) @ weight.T  # [c, V]; becomes d loss / d logits in place
         target = teacher[teacher_index[rows]].to(weight.dtype) @ weight.T  # [c, V], the target's logits
-        row_loss, row_correct, row_ce = _soft_rows(spec, logits, target, labels[rows].long(),
+        row_loss, row_correct, row_ce = _soft_rows(spec, logits, target, labels[rows],
                                                    weights[rows].float(), need_grad)
         del target
         rows_loss[rows] = row_loss
@@ -161,7 +162,7 @@ def _chunked_soft_loss(hidden, weight, labels, weights, teacher, teacher_index, 
     return rows_loss, correct, rows_ce, grad
 
 
-def _soft_rows(spec: _Spec, logits, target, labels, weights, compute_grad):
+def _soft_rows(spec: _SoftSpec, logits, target, labels, weights, compute_grad):
     if spec.backend == "triton":
         from dflash_common.drafter.loss.soft_triton import soft_rows
 

@@ -24,8 +24,8 @@ LOG2_E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _exp(x):
-    """e**x as 2**(x log2 e): one multiply and the hardware's ex2.approx. On an H200 the soft losses
-    ran 0.5-2% faster so (benchmarks/soft_loss.py, docs/benchmarks.md)."""
+    """e**x as 2**(x log2 e): one multiply and the hardware's ex2.approx, which makes the soft
+    losses 0.5-2% faster on an H200 (benchmarks/soft_loss.py, docs/benchmarks.md)."""
     return tl.exp2(x * LOG2_E)
 
 

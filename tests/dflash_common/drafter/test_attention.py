@@ -123,7 +123,7 @@ def test_spec_decode_drafting_matches_the_engine_rule(tiny_target, types):
     mask = [TINY_MASK_ID] * (cfg.block_size - 1)
     with torch.no_grad():
         fused = _rms(drafter.fc(seq_ctx), drafter.hidden_norm.weight, cfg.rms_norm_eps)
-        windows = [cfg.window(i) for i in range(cfg.num_hidden_layers)]
+        windows = [cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)]
         cache, seen = drafter.new_cache(), 0
         for anchor in (3, 12):
             got = drafter.draft(cache, seq_ctx[seen:anchor], torch.tensor([int(seq_ids[anchor])] + mask))

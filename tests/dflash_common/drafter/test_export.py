@@ -64,7 +64,10 @@ def test_exported_names_shapes_and_dtypes_are_the_released_layout(drafter, tmp_p
     with safe_open(out / "model.safetensors", framework="pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
         dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
-        assert f.metadata() == {"format": "pt"}
+        metadata = f.metadata()
+    # format "pt" as transformers expects; the config it was saved with, which loaders of ours check
+    assert metadata.keys() == {"format", "dflash_config_json"} and metadata["format"] == "pt"
+    assert json.loads(metadata["dflash_config_json"]) == json.loads((out / "config.json").read_text())
     assert shapes == _expected_layout()
     assert dtypes == {"BF16"}
 

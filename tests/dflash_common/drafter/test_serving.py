@@ -62,7 +62,7 @@ def test_each_misreading_is_named(tiny_target):
 def test_sliding_window_and_its_sglang_reading(tiny_target):
     cfg = _cfg(tiny_target, "sliding")
     config = cfg.to_config_json()
-    assert serving.vllm_window(config, 0) == serving.sglang_window(config, 0) == 5
+    assert serving.vllm_sliding_window(config, 0) == serving.sglang_sliding_window(config, 0) == 5
     override = {**config, "dflash_config": {**config["dflash_config"], "swa_window_size": 7}}
     assert _errors(cfg, override) == ["vllm: would read sliding windows [7, 7], trained [5, 5]."]
 

@@ -16,10 +16,11 @@ import torch
 
 from dflash_common.errors import UserError
 from dflash_common.config import load_config
+from dflash_common.sampling import Sampling
 from precompute.generate import job
 from precompute.generate.chats import assistant_message, split_turns
 from precompute.generate.config import GenerateConfig
-from precompute.generate.decode import Request, Sampling, TransformersDecoder, plan_batches
+from precompute.generate.decode import Request, TransformersDecoder, batch_requests
 from precompute.inputs import resolve_inputs
 
 from precompute_helpers import ROOT, subprocess_env, write_jsonl
@@ -167,7 +168,7 @@ def test_sampled_answers_do_not_depend_on_the_batch(tiny_target):
 
 def test_batches_are_length_sorted_and_within_budget():
     lengths = [5, 50, 7, 49, 6]
-    batches = plan_batches(lengths, 10, token_budget=120, max_batch=8)
+    batches = batch_requests(lengths, 10, token_budget=120, max_batch=8)
     assert batches == [[1, 3], [2, 4, 0]]
     assert all(len(b) * (lengths[b[0]] + 10) <= 120 for b in batches)
 
@@ -277,6 +278,55 @@ def test_a_rerun_resumes_and_gives_the_same_files(chatty_target, inputs, one_ran
         job.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13"))
 
 
+def test_a_refusal_names_the_settings_that_differ(chatty_target, inputs, one_rank, tmp_path):
+    out = shutil.copytree(one_rank, tmp_path / "gen")
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(UserError) as caught:
+        job.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13",
+                     "generate.turns=last"))
+    assert str(caught.value) == (
+        f"output.dir {out} holds answers made with other settings: generate.turns "
+        '("all" -> "last"), sampling.max_new_tokens (12 -> 13); choose a new output.dir, or rerun '
+        "with the settings of its manifest.json.")
+    manifest = json.loads((out / "manifest.json").read_text())  # as if another target had answered
+    ours = manifest["settings"]["target"]["weights_sha256"]
+    manifest["settings"]["target"]["weights_sha256"], manifest["key"] = "f" * 64, "0" * 64
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as caught:
+        job.run(_cfg(chatty_target, inputs, out))
+    says = f"other settings: the target's weights_sha256 (ffffffffffff -> {ours[:12]}); "
+    assert says in str(caught.value)
+    before["manifest.json"] = (out / "manifest.json").read_bytes()
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_dry_run_writes_nothing_and_a_directory_without_answers_is_taken_over(
+        chatty_target, inputs, one_rank, tmp_path):
+    out = tmp_path / "gen"
+    job.run(_cfg(chatty_target, inputs, out, "run.dry_run=true"))
+    missing = inputs + [str(tmp_path / "missing.jsonl")]
+    with pytest.raises(UserError, match="matches no file"):  # refused, nothing written
+        job.run(_cfg(chatty_target, missing, out))
+    assert not out.exists()
+    out.mkdir()  # what a dry run used to leave: a manifest of its settings and no answers
+    (out / ".units").mkdir()
+    manifest = json.loads((one_rank / "manifest.json").read_text())
+    old = {"key": manifest["key"], "settings": manifest["settings"], "runs": []}
+    (out / "manifest.json").write_text(json.dumps(old))
+    job.run(_cfg(chatty_target, inputs, out, "sampling.max_new_tokens=13"))  # taken over
+    taken = json.loads((out / "manifest.json").read_text())
+    assert taken["settings"]["sampling"]["max_new_tokens"] == 13 and taken["key"] != manifest["key"]
+    assert len(_files(out)) == 5 and _files(out).keys().isdisjoint(_files(one_rank).keys())
+
+
+def test_the_summary_counts_each_generated_token_once(one_rank):
+    """The answers' tokens, as the shards hold them, and this run's tokens are one figure: the
+    end-of-turn token that stops an answer is in neither."""
+    manifest = json.loads((one_rank / "manifest.json").read_text())
+    assert manifest["finish_reasons"].get("stop", 0) >= 3  # answers ended by an end-of-turn token
+    assert manifest["counts"]["generated_tokens"] == manifest["runs"][0]["tokens_generated"] > 0
+
+
 def test_prompts_moved_elsewhere_resume_their_output(chatty_target, inputs, one_rank, tmp_path):
     # unit names and records' "source" name the prompt files without their paths
     moved = [str(shutil.copy(p, tmp_path / Path(p).name)) for p in inputs]
@@ -323,11 +373,16 @@ def test_the_cli_prints_the_plan_and_the_summary_and_precompute_reads_the_output
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "plan: 10 input records -> 5 work units (0 already in" in dry.stdout and "done:" not in dry.stdout
     assert "prompts to answer: 7; skipped 3 (blank_line 1, malformed_json 1, pre_tokenized 1)" in dry.stdout
-    assert "max tokens out: 96 (12 per turn, greedy" in dry.stdout and not list(out.glob("u*.jsonl"))
+    assert "max tokens out: 96 (12 per turn, greedy" in dry.stdout
+    assert not out.exists()  # a dry run writes nothing
     done = subprocess.run([sys.executable, "-m", "precompute.generate.cli", *base], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "done: 7 conversations (8 turns" in done.stdout and "5 shards written, 0 already there" in done.stdout
+    import re
+
+    in_shards = re.search(r"([\d,]+) generated tokens\) in 5 shards", done.stdout).group(1)
+    assert f"; {in_shards} tokens generated at " in done.stdout  # one figure for one count
     assert [s.path for s in resolve_inputs([str(out)])] == [str(p) for p in sorted(out.glob("u*.jsonl"))]
     bad = subprocess.run([sys.executable, "-m", "precompute.generate.cli", "--out", str(tmp_path / "x"),
                           "--target.path=/nonexistent", "--data.inputs=[\"a\"]"], cwd=ROOT, env=subprocess_env(),

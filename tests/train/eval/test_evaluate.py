@@ -19,10 +19,11 @@ from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from train.eval.config import EvalConfig
 from train.eval.prompts import Prompt, load_prompts
-from train.eval.report import format_report, lossless_message, write_report
-from train.eval.run import PromptResult, Settings, decode_prompts, evaluate_drafter, first_mismatch, summarize
+from train.eval.report import first_mismatch, format_report, lossless_message, write_report
+from train.eval.run import PromptResult, Settings, decode_prompts, evaluate_drafter, summarize
+from dflash_common.sampling import Sampling
 from train.eval.spec_decode import (
-    GREEDY, Decoded, Sampling, TargetRunner, accept_sampled, sampling_probs, speculative_generate, target_generate,
+    Decoded, TargetRunner, accept_sampled, speculative_generate, target_generate,
 )
 
 LAYER_IDS = [1, 2, 3, 4, 5]  # the DFlash default for the 8-layer tiny target
@@ -251,16 +252,6 @@ def test_accept_rule_with_a_greedy_draft_emits_the_target_distribution():
         assert abs(accepted_count / trials - float(p[0, draft])) < 0.02
 
 
-def test_sampling_probs_temperature_top_k_top_p():
-    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    torch.testing.assert_close(sampling_probs(logits, Sampling(1.0)), torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    torch.testing.assert_close(sampling_probs(logits, Sampling(1.0, top_k=2)), torch.tensor([[4 / 7, 3 / 7, 0, 0]]))
-    torch.testing.assert_close(sampling_probs(logits, Sampling(1.0, top_p=0.65)), torch.tensor([[4 / 7, 3 / 7, 0, 0]]))
-    torch.testing.assert_close(sampling_probs(logits, Sampling(1.0, top_p=0.3)), torch.tensor([[1.0, 0, 0, 0]]))
-    sharp = sampling_probs(logits, Sampling(0.5))
-    torch.testing.assert_close(sharp, torch.tensor([[16, 9, 4, 1]]) / 30)
-
-
 def _result(name, lengths, mismatch=None, prompt_tokens=10, emitted=None):
     spec = Decoded([1] * (1 + sum(lengths)), list(lengths), 0.0, 0.5, list(lengths if emitted is None else emitted))
     target = Decoded([1] * (1 + sum(lengths)), [], 0.0, 1.0)
@@ -268,7 +259,8 @@ def _result(name, lengths, mismatch=None, prompt_tokens=10, emitted=None):
 
 
 def _settings(block=4, greedy=True):
-    return Settings(block, 64, GREEDY if greedy else Sampling(1.0), frozenset(), 0, True, greedy)
+    sampling = Sampling(0.0 if greedy else 1.0, max_new_tokens=64)
+    return Settings(block, sampling, frozenset(), True, greedy)
 
 
 def test_tau_is_the_mean_over_prompts_of_the_per_prompt_mean():
@@ -329,10 +321,11 @@ def test_prompt_files_of_every_kind(tiny, tmp_path):
 @pytest.mark.parametrize(
     "line, fragment",
     [("not json", ":2 is not valid JSON"), ('{"text": "x"}', ":2: found none of"),
-     ('{"conversations": [{"from": "bot", "value": "x"}]}', "unknown ShareGPT role"),
+     ('{"conversations": [{"from": "bot", "value": "x"}]}', r"role 'bot' \(known: system, .*human"),
      ('{"messages": [{"role": "assistant", "content": "x"}]}', "no message before its reply"),
-     ('{"messages": [{"role": "user"}]}', "needs a string 'role' and a string 'content'"),
-     ('{"conversations": [{"from": "human", "content": "x"}]}', "needs a string 'from' and a string 'value'"),
+     ('{"messages": [{"role": "user"}]}', r"needs a string 'content' \(missing_field\); fix"),
+     ('{"conversations": [{"from": "human", "content": "x"}]}', "turn 0 needs a string 'value'"),
+     ('{"messages": [{"role": "wizard", "content": "x"}]}', "turn 0 has role 'wizard'"),
      ('[1, 2]', "must be a JSON object")],
 )
 def test_bad_prompt_lines_name_file_and_line(tiny, tmp_path, line, fragment):
@@ -381,7 +374,7 @@ def _learning_begin(oracle: OracleDrafter, runner: TargetRunner):
 def test_decode_prompts_warm_up_does_not_change_results(tiny, runner, prompts):
     block = 4
     oracle = OracleDrafter(greedy_continuations(runner, prompts[:2], 9), block, tiny[0].config.vocab_size)
-    s = Settings(block, 9, GREEDY, frozenset(), 0, True, True)
+    s = Settings(block, Sampling(max_new_tokens=9), frozenset(), True, True)
     items = [Prompt(str(i), ids=p) for i, p in enumerate(prompts[:2])]
     cold = decode_prompts(runner, oracle, items, s, warmup=False)
     warm = decode_prompts(runner, oracle, items, s, warmup=True)

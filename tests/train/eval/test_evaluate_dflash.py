@@ -12,12 +12,18 @@ from conftest import EVAL_BLOCK
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.errors import UserError
+from dflash_common.sampling import Sampling
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.tiny import MASK_TOKEN
+from train.eval.batched import BatchedDFlash, BatchedTarget, speculative_generate_batch
 from train.eval.cli import main
 from train.eval.load import load_proposer
-from train.eval.spec_decode import TargetRunner, speculative_generate, target_generate
+from train.eval.prompts import Prompt, load_prompts
+from train.eval.run import Settings, decode_prompts
+from train.eval.spec_decode import (
+    GREEDY, DFlashProposer, TargetRunner, speculative_generate, target_generate,
+)
 
 BLOCK = EVAL_BLOCK  # the block size of the drafter_dir fixture (conftest.py)
 
@@ -38,6 +44,15 @@ def prompt_ids(tiny_target):
             for t in texts], tok
 
 
+@pytest.fixture(scope="module")
+def trained(model, tiny_target):
+    """A depth-1 drafter briefly trained on the tiny target's own answers: some drafts accepted."""
+    from pathlib import Path
+
+    tok, root = AutoTokenizer.from_pretrained(tiny_target), Path(__file__).resolve().parents[3]
+    return _briefly_trained_drafter(model, tok, root)
+
+
 def test_proposer_drafts_what_the_training_forward_predicts(model, drafter_dir, prompt_ids):
     """The KV-cached draft, fed context in two pieces, equals the packed training forward with one
     anchor: same positions, no shift, context strictly before the anchor."""
@@ -54,7 +69,7 @@ def test_proposer_drafts_what_the_training_forward_predicts(model, drafter_dir, 
     proposer.propose(feats[:first], seq[first], first, BLOCK - 1)
     drafts = proposer.propose(feats[first:second], seq[second], second, BLOCK - 1)
     with torch.inference_mode():
-        cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+        cu = torch.tensor([0, len(seq)])
         hidden = drafter(feats, torch.tensor(seq), cu, torch.tensor([second]))  # [1, B, H]
         expected = drafter.logits(hidden[0, 1:]).argmax(-1)
     assert drafts.tolist() == expected.tolist()
@@ -122,6 +137,23 @@ def test_drafter_for_another_target_is_refused_in_one_sentence(tiny_target_2laye
     assert "Loading weights" not in err, "the target is not loaded for a drafter that does not fit"
 
 
+def test_a_drafter_with_a_hand_edited_config_is_refused_before_decoding(tiny_target, drafter_dir, tmp_path, capsys):
+    """A config.json whose block_size was removed would decode a block-4 drafter at 16: refused, naming it."""
+    import shutil
+
+    edited = shutil.copytree(drafter_dir, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    del config["block_size"]
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        main([f"--target.path={tiny_target}", "--drafter", str(edited), "--prompts.files=data/tiny-prompts.jsonl",
+              "--report", str(tmp_path / "eval.json")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "Traceback" not in err
+    assert f"lacks `block_size`, which reads as 16, where its weights were trained with {BLOCK}" in err
+    assert not (tmp_path / "eval.json").exists()
+
+
 def test_missing_drafter_is_one_sentence(tiny_target, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([f"--target.path={tiny_target}", "--drafter", str(tmp_path / "nope"),
@@ -147,8 +179,8 @@ def _briefly_trained_drafter(model, tok, root, steps=60):
     for step in range(steps):
         pick = torch.randperm(len(records), generator=gen)[:8].tolist()
         ids = torch.tensor(sum((records[i]["input_ids"] for i in pick), []))
-        mask = torch.tensor(sum((records[i]["loss_mask"] for i in pick), []))
-        cu = torch.tensor([0] + [len(records[i]["input_ids"]) for i in pick]).cumsum(0).int()
+        mask = torch.tensor(sum((records[i]["loss_mask"] for i in pick), [])).bool()
+        cu = torch.tensor([0] + [len(records[i]["input_ids"]) for i in pick]).cumsum(0)
         pos = torch.arange(len(ids))
         end = cu[torch.searchsorted(cu, pos, right=True)]  # [T] end of each position's sequence
         # anchors: a third of the response positions with a whole block left (the rest next steps)
@@ -169,17 +201,14 @@ def _layers(model, ids, layer_ids):
     return [states[i + 1][0] for i in layer_ids]
 
 
-def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_target):
+def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_target, trained):
     """No training/serving mismatch: with a briefly trained drafter, each cycle's acceptance length is
     the leading run of the training forward's correct predictions at that cycle's anchor."""
     from pathlib import Path
 
-    from train.eval.prompts import load_prompts
-    from train.eval.spec_decode import DFlashProposer
-
     root = Path(__file__).resolve().parents[3]
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    proposer = DFlashProposer(_briefly_trained_drafter(model, tok, root))
+    proposer = DFlashProposer(trained)
     target = TargetRunner(model, proposer.layer_ids)
     max_new, seen = 40, []
     for prompt in load_prompts([str(root / "data" / "tiny-prompts.jsonl")], tok, {}):
@@ -189,7 +218,7 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
         anchors = (len(prompt.ids) + torch.tensor([0] + out.acceptance_lengths[:-1]).cumsum(0)).tolist()
         with torch.inference_mode():
             feats = torch.cat(_layers(model, seq, proposer.layer_ids), -1)
-            cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+            cu = torch.tensor([0, len(seq)])
             hidden = proposer.drafter(feats, torch.tensor(seq), cu, torch.tensor(anchors))
             predicted = proposer.drafter.logits(hidden[:, 1:]).argmax(-1)  # [cycles, B-1]
         for a, n, row in zip(anchors, out.acceptance_lengths, predicted.tolist()):
@@ -199,3 +228,115 @@ def test_every_cycle_accepts_what_the_training_forward_predicts(model, tiny_targ
             assert n == run + 1, f"{prompt.name}: cycle at {a}"  # counted uncut, as the authors' loop
             seen.append(n)
     assert max(seen) >= 3 and len(seen) > 50, "the drafter should get drafts accepted for the check to bite"
+
+
+def test_batched_decoding_has_the_one_at_a_time_cycles(model, tiny_target, trained):
+    """float32, the briefly trained drafter: through the batched loop every prompt's tokens and
+    cycles (accepted lengths, cycle for cycle) are the one-at-a-time loop's, and the output is the
+    target's own."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    prompts = [p.ids for p in load_prompts([str(root / "data" / "tiny-prompts.jsonl")], tok, {})]
+    proposer = DFlashProposer(trained)
+    target, max_new = TargetRunner(model, proposer.layer_ids), 40
+    together = speculative_generate_batch(
+        BatchedTarget(model, proposer.layer_ids), BatchedDFlash(proposer), prompts,
+        block_size=BLOCK, max_new_tokens=max_new)
+    seen = []
+    for ids, b in zip(prompts, together):
+        a = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=max_new)
+        assert b.acceptance_lengths == a.acceptance_lengths
+        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
+        seen += b.acceptance_lengths
+    assert max(seen) >= 3, "the drafter should get drafts accepted for the check to bite"
+
+
+def test_batched_drafter_blocks_equal_one_block_at_a_time(model, prompt_ids):
+    """Sliding (causal, window 5) and full draft layers: the batched drafter's block hidden states
+    and drafts, for rows of different lengths, each fed context past its anchor as the batched loop
+    feeds it, equal the one-at-a-time drafter's."""
+    texts, tok = prompt_ids
+    block = 6
+    cfg = DrafterConfig.from_target(
+        model.config, mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN), depth=2,
+        block_size=block, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    proposer = DFlashProposer(drafter)
+    prompts = [tok.encode(t) for t in texts]
+    alone = TargetRunner(model, [])
+    seqs = [p + target_generate(alone, p, max_new_tokens=20).tokens for p in prompts]
+    with torch.inference_mode():
+        feats = [torch.cat(_layers(model, q, cfg.target_layer_ids), -1) for q in seqs]  # [S, K*H]
+    steps = [3, 6, 1]  # each row's second anchor: accepted lengths of a first cycle
+    batch = BatchedDFlash(proposer)
+    batch.start(prompts, max(map(len, seqs)) + 2 * block)
+    width = max(map(len, prompts))
+    padded = torch.stack([torch.cat([f[:len(p)], f.new_zeros(width - len(p), f.shape[1])])
+                          for f, p in zip(feats, prompts)])
+    batch.extend(padded, torch.zeros(len(prompts), dtype=torch.long))
+    starts = torch.tensor([len(p) for p in prompts])
+    first = batch.block_hidden(torch.tensor([q[len(p)] for q, p in zip(seqs, prompts)]), starts,
+                               block)
+    # a whole block of context, as after a verify forward: past each second anchor it is stale
+    batch.extend(torch.stack([f[len(p):len(p) + block] for f, p in zip(feats, prompts)]), starts)
+    second_starts = starts + torch.tensor(steps)
+    anchors = torch.tensor([q[s] for q, s in zip(seqs, second_starts.tolist())])
+    second = batch.block_hidden(anchors, second_starts, block)
+    drafts = batch.propose_block(anchors, second_starts, block - 1)
+    for i, (p, q, f) in enumerate(zip(prompts, seqs, feats)):
+        cache, n, m = drafter.new_cache(), len(p), len(p) + steps[i]
+
+        def ids(token):
+            return torch.tensor([token] + [cfg.mask_token_id] * (block - 1))
+
+        one = drafter.draft(cache, f[:n], ids(q[n]))
+        torch.testing.assert_close(first[i], one, atol=2e-5, rtol=1e-4)
+        one = drafter.draft(cache, f[n:m], ids(q[m]))
+        torch.testing.assert_close(second[i], one, atol=2e-5, rtol=1e-4)
+        proposer.begin(p)
+        proposer.propose(f[:n], q[n], n, block - 1)
+        assert drafts[i].tolist() == proposer.propose(f[n:m], q[m], m, block - 1).tolist()
+
+
+def test_decode_prompts_batched_equals_one_at_a_time_with_multi_turn_prompts(model, drafter_dir,
+                                                                              prompt_ids):
+    """run.py's batched path: turns decoded a wave at a time, answered by the speculative output,
+    the results in the one-at-a-time order, every prompt's tokens and cycles the same, lossless."""
+    texts, tok = prompt_ids
+    proposer = load_proposer(str(drafter_dir), model)
+    target = TargetRunner(model, proposer.layer_ids)
+    items = [Prompt("a", ids=tok.encode(texts[0])),
+             Prompt("b", turns=["Tell me about bees.", "And wasps?"]),
+             Prompt("c", ids=tok.encode(texts[2]))]
+    one = Settings(BLOCK, Sampling(max_new_tokens=17), frozenset(), True, True)
+    alone = decode_prompts(target, proposer, items, one, tokenizer=tok, warmup=False)
+    two = Settings(BLOCK, Sampling(max_new_tokens=17), frozenset(), True, True, batch_size=2)
+    together = decode_prompts(target, proposer, items, two, tokenizer=tok, warmup=True)
+    assert [r.name for r in together] == [r.name for r in alone] == ["a", "b#turn1", "b#turn2", "c"]
+    for a, b in zip(alone, together):
+        assert b.spec.tokens == a.spec.tokens
+        assert b.spec.acceptance_lengths == a.spec.acceptance_lengths
+        assert b.spec.emitted == a.spec.emitted and b.prompt_tokens == a.prompt_tokens
+        assert b.target.tokens == a.target.tokens and b.first_mismatch is None
+
+
+def test_cli_batched(tiny_target, drafter_dir, tmp_path, capsys):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    report = tmp_path / "eval.json"
+    main(["--config", str(root / "configs" / "tiny.toml"), "--drafter", str(drafter_dir),
+          "--report", str(report), f"--target.path={tiny_target}", "--generation.batch_size=4",
+          f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}", "--prompts.num_prompts=5",
+          "--generation.max_new_tokens=20", "--generation.warmup=false"])
+    out = json.loads(report.read_text())
+    assert out["batch_size"] == 4 and out["num_prompts"] == 5
+    assert out["lossless"] == {"checked": True, "ok": True, "mismatches": []}
+    assert out["spec_tokens_per_s"] > 0 and out["target_tokens_per_s"] > 0
+    captured = capsys.readouterr()
+    assert "batches of up to 4 prompts, tokens/s per prompt" in captured.out
+    assert "\r" not in captured.err and "tok/s" not in captured.err  # no terminal: no bar frames

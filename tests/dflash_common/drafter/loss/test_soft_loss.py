@@ -149,3 +149,35 @@ def test_triton_on_the_gpu_matches_the_torch_backend_in_bf16(kind):
         hidden.grad = None
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-2)
     torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
+
+
+def _fit(kind: str, temperature: float, steps: int = 250) -> float:
+    """Trains a linear "drafter" (features -> hidden, through the frozen head) on rows whose teacher has
+    a clear argmax and a real tail (entropy ~1.5 nats), with `kind`; returns the share of rows whose
+    argmax is the teacher's. Labels are the teacher's argmax, as the store's greedy answers are."""
+    g = torch.Generator().manual_seed(7)
+    n, f, h, v = 256, 32, 16, 64
+    feats = torch.randn(n, f, generator=g)
+    weight = torch.randn(v, h, generator=g) / h**0.5
+    teacher = feats @ torch.randn(f, h, generator=g) * 0.6  # a function of the features: learnable
+    labels = (teacher @ weight.T).argmax(-1)
+    proj = torch.zeros(f, h, requires_grad=True)
+    opt = torch.optim.Adam([proj], lr=3e-2)
+    for _ in range(steps):
+        out = soft_lm_head_loss(feats @ proj, weight, labels, torch.ones(n), teacher, torch.arange(n), kind,
+                                temperature, backend="torch")
+        opt.zero_grad()
+        (out.loss / n).backward()
+        opt.step()
+    return ((feats @ proj.detach() @ weight.T).argmax(-1) == labels).float().mean().item()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_a_kl_trained_drafter_reaches_the_argmax_a_ce_trained_one_does(temperature):
+    """Forward KL's 0.83x tau on the quality benchmark is not a fault of the teacher rows or the
+    temperature: where the drafter can represent the target, KL to the teacher's distribution ends on
+    the same argmax as CE to its greedy token (both near every row). What KL costs a drafter that
+    cannot represent the target is capacity spent on the tail, which this case leaves out."""
+    ce, kl = _fit("ce", temperature), _fit("kl", temperature)
+    assert ce >= 0.97 and kl >= 0.97, (ce, kl)
+    assert _fit("kl", temperature, steps=1) < 0.5  # the fit is learnt, not given
