@@ -172,7 +172,7 @@ def test_the_proposer_drafts_the_walk_of_the_training_forward(trained, tiny_targ
     proposer.propose(feats[:first], seq[first], first, 3)
     drafts = proposer.propose(feats[first:second], seq[second], second, 3)
     with torch.inference_mode():
-        cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+        cu = torch.tensor([0, len(seq)])
         hidden = drafter(feats, torch.tensor(seq), cu, torch.tensor([second]))  # [1, B, H]
         expected = drafter.draft_tokens(hidden, torch.tensor([seq[second]]))[0]
     assert drafts.tolist() == expected.tolist()

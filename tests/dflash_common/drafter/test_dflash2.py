@@ -317,7 +317,7 @@ def test_a_dflash2_step_on_the_gpu_under_autocast_is_finite_and_reaches_every_we
     batch = SimpleNamespace(
         features=context,
         input_ids=input_ids,
-        loss_mask=torch.ones_like(input_ids),
+        loss_mask=torch.ones_like(input_ids, dtype=torch.bool),
         cu_seqlens=cu,
         anchors=torch.tensor(ANCHORS, device="cuda"),
     )

@@ -86,8 +86,8 @@ def test_the_bilinear_term_and_its_gradients_are_the_gathered_einsums():
 def _batch(cfg, seed=0):
     context, input_ids, cu = packed_batch(cfg, seed=seed)
     input_ids = input_ids % 6  # tokens the head below favours: labels inside and outside the top-k
-    mask = torch.ones_like(input_ids)
-    mask[[2, 3, 15]] = 0
+    mask = torch.ones_like(input_ids, dtype=torch.bool)
+    mask[[2, 3, 15]] = False
     anchors = torch.tensor([0, 3, 6, 7, 11, 12, 18, 27])
     return SimpleNamespace(
         features=context, input_ids=input_ids, loss_mask=mask, cu_seqlens=cu, anchors=anchors
