@@ -148,7 +148,8 @@ def parse(argv=None):
 
 def setup(args):
     """(target runner, proposer, prompts, stop ids, device name)."""
-    from train.eval.load import DTYPES, load_proposer, stop_token_ids
+    from dflash_common.hf import DTYPES, stop_token_ids
+    from train.eval.load import load_proposer
     from train.eval.prompts import load_prompts
     from train.eval.spec_decode import TargetRunner
 
@@ -163,7 +164,7 @@ def setup(args):
         if args.prompts:
             tok = AutoTokenizer.from_pretrained(args.target)
             prompts = [p.ids for p in load_prompts([args.prompts], tok, {}, args.num_prompts)]
-            stops = stop_token_ids(model, tok)
+            stops = stop_token_ids(model.generation_config, tok)
     else:
         model = build_target(args.shape, device, dtype)
     proposer = (
@@ -181,18 +182,15 @@ def main(argv=None) -> None:
     from train.eval import batched
     from train.eval.prompts import Prompt
     from train.eval.run import Settings
-    from train.eval.spec_decode import GREEDY
+    from dflash_common.sampling import Sampling
 
     args = parse(argv)
     target, proposer, ids, stops, device = setup(args)
     items = [Prompt(f"p{i}", ids=p) for i, p in enumerate(ids)]
     rows = args.batch_size or (batched.AUTO_ROWS if target.device.type == "cuda" else len(items))
-    batch = Settings(
-        args.block_size, args.max_new_tokens, GREEDY, stops, 0, True, True, batch_size=rows
-    )
-    single = Settings(
-        args.block_size, args.max_new_tokens, GREEDY, stops, 0, True, True, batch_size=1
-    )
+    greedy = Sampling(max_new_tokens=args.max_new_tokens)
+    batch = Settings(args.block_size, greedy, stops, True, True, batch_size=rows)
+    single = Settings(args.block_size, greedy, stops, True, True, batch_size=1)
     params = sum(p.numel() for p in target.model.parameters())
     print(
         f"{device}, {args.dtype}, target {params / 1e6:.1f}M parameters, {len(items)} prompts x "
@@ -206,10 +204,8 @@ def main(argv=None) -> None:
         items[: min(len(items), rows)],
         Settings(  # warm-up, untimed
             args.block_size,
-            min(args.max_new_tokens, 2 * args.block_size),
-            GREEDY,
+            Sampling(max_new_tokens=min(args.max_new_tokens, 2 * args.block_size)),
             stops,
-            0,
             True,
             True,
             batch_size=rows,
