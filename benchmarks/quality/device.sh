@@ -18,6 +18,7 @@
 #                    after `eval` also every run's reports, the held-out answers, results.md/.json
 # With data/heldout.jsonl carried in (heldout.tgz.part-*) and no `eval`, every finished run's path
 # tau on those answers comes back too (offline_heldout.json).
+# PACK_DRAFTERS=0 leaves the drafters out of runs.tgz (an eval stage judged them already).
 # Unpack here with: cat OUT/base.tgz.part-* | tar xz -C WORK (the same for runs.tgz.part-*).
 # The machine has no network and lacks zarr, numcodecs, torchdata, crc32c, google-crc32c (zarr's crc32c
 # codec imports it), donfig and tomli-w: they travel as Python 3.12 wheels in .whl/ (docs/benchmarks.md).
@@ -44,9 +45,10 @@ for name in base heldout runs; do  # artefacts of earlier calls
     cat .carry/$name.tgz.part-* | tar xz -C "$W" && touch "$W/.unpacked-$name"
   fi
 done
+mkdir -p "$W/logs"  # the machine's description travels in the runs pack (the tool returns 8 files)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  nproc; } > "$OUT/machine.txt" 2>&1
+  nproc; } > "$W/logs/machine.txt" 2>&1
 # QUALITY_EXTRA=--tiny and TARGET_ARGS= run this script's plumbing on a CPU in minutes
 COMMON=(--work "$W" --regime "$REGIME" ${TRAIN_PROMPTS:+--train-prompts "$TRAIN_PROMPTS"} --eval-prompts 200
         --max-new-tokens 128 ${QUALITY_EXTRA:-})
@@ -102,10 +104,10 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
     log "pack runs"
     # this call's runs only (a warm machine keeps earlier ones): finished drafters, and every run's
     # log, metrics, run record (how far it got) and reports
-    FILES=()
+    FILES=(); DRAFTER=drafter; [ "${PACK_DRAFTERS:-1}" = 0 ] && DRAFTER=metrics.jsonl  # evaluated here
     for v in ${VARIANTS//,/ }; do for s in ${SEEDS//,/ }; do
       for f in runs/$v/{train,eval,offline_heldout,offline_train}-seed-$s.log \
-          runs/$v/seed-$s/{drafter,metrics.jsonl,run.toml,run.json,bench_manifest.json} \
+          runs/$v/seed-$s/{$DRAFTER,metrics.jsonl,run.toml,run.json,bench_manifest.json} \
           runs/$v/seed-$s/{eval,offline_heldout,offline_train}.json \
           runs/$v/seed-$s/eval.run.toml; do
         [ -e "$W/$f" ] && FILES+=("$f")
