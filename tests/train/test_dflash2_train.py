@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import train.loop as loop
 from dflash_common.drafter import serving
 from dflash_common.drafter.export import export, load_drafter
+from dflash_common.drafter.record import read_drafter_config
+from dflash_common.errors import UserError
 from dflash_common.drafter.target_head import load_target_head
 from train.checkpoint import complete_checkpoints
 from train.cli import main, parse
@@ -155,6 +157,11 @@ def test_the_export_lints_clean_and_dflash_eval_decodes_it_losslessly(
             spec.tokens == target_generate(runner, ids, max_new_tokens=30).tokens
         )  # lossless, float32
         assert all(1 <= n <= 4 for n in spec.acceptance_lengths)
+    config = json.loads((out / "config.json").read_text())  # a hand edit of the selector's top-k
+    config["dflash_config"]["selector_top_k"] = 3
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match='`dflash_config` = .*"selector_top_k": 3.* trained with'):
+        read_drafter_config(out)
 
 
 def test_the_proposer_drafts_the_walk_of_the_training_forward(trained, tiny_target):
