@@ -15,9 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_common.drafter.config import DFlash2Config
 from dflash_common.drafter.dflash2 import DFlash2Drafter
 from train.eval import batched
-from train.eval.batched import BatchedDFlash, BatchedTarget, speculative_generate_batch
+from train.eval.batched import BatchedTarget, speculative_generate_batch
 from train.eval.prompts import load_prompts
-from train.eval.spec_decode import DFlashProposer, TargetRunner, speculative_generate, target_generate
+from train.eval.spec_decode import (
+    DFlashProposer, TargetRunner, speculative_generate, target_generate,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
