@@ -32,7 +32,6 @@ the median over every step). The difference is the host's work that back-to-back
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -43,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.timing import Spread, wall_times  # noqa: E402
 from dflash_common.drafter.attention import BlockLayout  # noqa: E402
-from dflash_common.drafter.config import DFlash2Config, DrafterConfig  # noqa: E402
+from dflash_common.drafter.arch import as_arch, new_drafter  # noqa: E402
+from dflash_common.drafter.config import DrafterConfig  # noqa: E402
 from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
 from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
 from dflash_common.drafter.loss.selector import block_selector_loss  # noqa: E402
-from dflash_common.drafter.build import new_drafter  # noqa: E402
 from dflash_common.drafter.objective import block_labels, sample_anchors  # noqa: E402
 from train.loop import clip_and_step  # noqa: E402
 
@@ -102,7 +101,7 @@ def step_flops(cfg: DrafterConfig, cu, anchors, total: int, n_loss: int) -> floa
 
 def train_step(drafter, optimizer, batch, autocast_dtype):
     context, input_ids, cu, anchors, labels, weights = batch
-    top_k = drafter.cfg.dflash2.selector_top_k if drafter.cfg.dflash2 is not None else 0
+    top_k = drafter.cfg.selector_top_k if drafter.cfg.arch == "dflash2" else 0
     autocast = torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     with autocast:
         hidden = drafter(context, input_ids, cu, anchors)  # [A, B, H]
@@ -169,7 +168,7 @@ def main() -> None:
     n_loss = int((batch[5] != 0).sum())
     variants = {}
     for name in args.variants.split(","):
-        shape = dataclasses.replace(cfg, dflash2=DFlash2Config()) if name.startswith("dflash2") else cfg
+        shape = as_arch(cfg, "dflash2") if name.startswith("dflash2") else cfg
         drafter, optimizer = build(shape, device, cuda, compiled=name.endswith("compiled") and cuda)
 
         def step(drafter=drafter, optimizer=optimizer):

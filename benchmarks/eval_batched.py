@@ -148,13 +148,13 @@ def parse(argv=None):
 
 def setup(args):
     """(target runner, proposer, prompts, stop ids, device name)."""
-    from dflash_common.hf import DTYPES, stop_token_ids
+    from dflash_common.hf import stop_token_ids, torch_dtype
     from train.eval.load import load_proposer
     from train.eval.prompts import load_prompts
     from train.eval.spec_decode import TargetRunner
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    dtype, stops, prompts = DTYPES[args.dtype], frozenset(), None
+    dtype, stops, prompts = torch_dtype(args.dtype), frozenset(), None
     if args.quick:
         model, path = tiny_target(device, dtype)
     elif args.target:

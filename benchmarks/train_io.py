@@ -46,6 +46,7 @@ from dflash_common.drafter.config import DrafterConfig  # noqa: E402
 from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_common.store import ShardPayload, Store, StoreManifest, StoreWriter, encode_states, shard_name  # noqa: E402
 from dflash_common.fsutil import human_bytes  # noqa: E402
+from dflash_common.store.quant import STORAGE_DTYPES, token_bytes  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import TrainData  # noqa: E402
 from train.loop import _N, _TOKENS, _WAIT, train_step  # noqa: E402
@@ -67,7 +68,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test that runs on a CPU in seconds")
     p.add_argument("--workdir", default=None, help="where to write the synthetic store (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic store (reused by a later run)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8_e4m3"], help="storage dtype of the store")
+    p.add_argument("--dtype", default="bf16", choices=list(STORAGE_DTYPES), help="storage dtype of the store")
     p.add_argument("--store-gb", type=float, help="size of the synthetic store")
     p.add_argument("--cache-fraction", type=float, default=0.5, help="shard cache size / store size (< 1)")
     p.add_argument("--steps", type=int, help="timed optimiser steps per phase")
@@ -89,7 +90,7 @@ def write_store(path: Path, s: dict, dtype: str, device: torch.device) -> Store:
                              chat_template_sha256=None, layer_ids=tuple(s["layer_ids"]), hidden_size=s["hidden"],
                              dtype=dtype)
     writer = StoreWriter.create_or_open(path, manifest)
-    per_token = len(s["layer_ids"]) * s["hidden"] * (2 if dtype == "bf16" else 1)
+    per_token = len(s["layer_ids"]) * token_bytes(dtype, s["hidden"])
     n_shards = max(4, int(s["store_gb"] * 1e9 / (per_token * s["shard_tokens"])))
     g = torch.Generator().manual_seed(0)
     for unit in range(n_shards):

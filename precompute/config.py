@@ -92,9 +92,10 @@ class DataSection:
 @dataclass(frozen=True)
 class StoreSection:
     path: str = option("", "Directory of the hidden-state store (created; a rerun resumes it).")
-    dtype: Literal["bf16", "fp8_e4m3"] = option(
-        "bf16", "Element type on disk: bf16 (2 bytes per value) or fp8 e4m3 with a float32 scale per token "
-        "(half the disk)."
+    dtype: Literal["bf16", "fp8_e4m3", "q4_hadamard"] = option(
+        "bf16", "Element type on disk: bf16 (2 bytes per value), fp8 e4m3 with a float32 scale per token "
+        "(half the disk), or q4_hadamard: 4-bit codes after a Hadamard rotation, a scale byte per 16 "
+        "values and a float32 per token (0.28x the disk of bf16; docs/store-format.md)."
     )
     codec: Literal["none", "zstd", "blosc-lz4-bitshuffle"] = option(
         "none", "Compression of the state arrays; hidden states compress little, so 'none' is fastest."

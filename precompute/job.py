@@ -43,6 +43,7 @@ from dflash_common.hf import load_text_config
 from dflash_common.store import Store, StoreManifest, StoreWriter, published_shard_names, shard_unit
 from dflash_common.store.contents import disk_bytes, precompute_record
 from dflash_common.store.format import read_root_attributes
+from dflash_common.store.quant import check_hidden_size
 from dflash_common.store.writer import check_store_place
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog, Source, resolve_inputs
@@ -171,6 +172,10 @@ def build_manifest(cfg: PrecomputeConfig, sources: list[Source], layer_ids: list
                    hidden_size: int) -> StoreManifest:
     """The store's manifest: fingerprints and the settings that shape its content. Nothing in it
     depends on paths, the number of ranks or the clock, so every rank and every rerun agrees."""
+    try:
+        check_hidden_size(cfg.store.dtype, hidden_size)
+    except ValueError as e:
+        raise UserError(f"{e} (the target's hidden size is {hidden_size}).") from None
     tokenizer = tokenizer_identity(cfg.target.path)
     inputs = list(dict.fromkeys(s.path for s in sources))  # a dataset's splits share one directory
     return StoreManifest(

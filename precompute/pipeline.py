@@ -2,7 +2,8 @@
 waits for the disk.
 
     main thread       forward(batch) -> gather the real tokens and encode them on the GPU (bf16 bit
-                      patterns, or fp8 e4m3 + a scale per token: half the bytes to copy) -> next
+                      patterns, fp8 e4m3 + a scale per token: half the bytes to copy, or q4_hadamard:
+                      0.28x) in the store's integer dtypes (dflash_common/store/quant.py) -> next
                       batch's forward -> copy the batch before into a staging buffer on the copy
                       stream, record an event
     collector thread  waits for the event, copies each sequence's rows into its unit's host buffers
@@ -57,7 +58,9 @@ import torch
 from dflash_common.errors import UserError
 from dflash_common.fsutil import is_disk_full, os_reason
 from dflash_common.store import SHARDS_DIR, NonFiniteStatesError, ShardPayload, StoreWriter
-from dflash_common.store.quant import EncodedStates, encode_states, storage_numpy_dtype
+from dflash_common.store.quant import (
+    EncodedStates, encode_states, has_scale, row_size, storage_numpy_dtype, storage_torch_dtype,
+)
 from precompute.batching import pad_right, plan_batches
 from precompute.target import FINAL
 from precompute.tokenizing import TokenizedUnit
@@ -106,12 +109,12 @@ class PipelineStats:
 
 @dataclasses.dataclass
 class _Staging:
-    """One host buffer a batch's encoded states are copied into: K x [capacity, H] (+ K scales)."""
+    """One host buffer a batch's encoded states are copied into: K x [capacity, row] (+ K scales)."""
 
     raw: torch.Tensor  # uint8, page aligned
-    data: list[np.ndarray]  # K x [capacity, H] uint16 | uint8 (views of raw)
+    data: list[np.ndarray]  # K x [capacity, row] uint16 | uint8 (views of raw)
     data_t: list[torch.Tensor]  # the same views as tensors (copy targets)
-    scales: list[np.ndarray] | None  # K x float32 [capacity] (fp8 only)
+    scales: list[np.ndarray] | None  # K x float32 [capacity] (scaled dtypes only)
     scales_t: list[torch.Tensor] | None
     event: torch.cuda.Event | None  # recorded after the copies into this buffer (GPU only)
     pinned: bool = False
@@ -135,8 +138,8 @@ class _Assembly:
     def __init__(self, work: UnitWork, layers: dict[int, np.ndarray], scales: dict[int, np.ndarray] | None,
                  dtype: str):
         self.work = work
-        self.layers = layers  # layer id (or FINAL: the final normed state) -> [T, H] stored bits
-        self.scales = scales  # layer id -> float32 [T] (fp8 only)
+        self.layers = layers  # layer id (or FINAL: the final normed state) -> [T, row] stored bits
+        self.scales = scales  # layer id -> float32 [T] (scaled dtypes only)
         self.dtype = dtype
         self.missing = work.unit.num_samples
 
@@ -248,8 +251,8 @@ class Pipeline:
     def assembly(self, work: UnitWork) -> _Assembly:
         """Host buffers for a unit to write (pages are touched only when states land in them)."""
         t, np_dtype = work.unit.num_tokens, storage_numpy_dtype(self.dtype)
-        layers = {i: np.empty((t, self.hidden), np_dtype) for i in self.layer_ids}
-        scales = {i: np.empty(t, np.float32) for i in self.layer_ids} if self.dtype == "fp8_e4m3" else None
+        layers = {i: np.empty((t, row_size(self.dtype, self.hidden)), np_dtype) for i in self.layer_ids}
+        scales = {i: np.empty(t, np.float32) for i in self.layer_ids} if has_scale(self.dtype) else None
         with self._lock:
             self._in_memory += 1
             self.stats.max_units_in_memory = max(self.stats.max_units_in_memory, self._in_memory)
@@ -458,24 +461,24 @@ def _tree_bytes(path: os.PathLike) -> int:
 
 def _allocate_staging(layers: int, hidden: int, dtype: str, capacity: int, pin: bool,
                       device: torch.device) -> _Staging:
-    """One page-aligned host buffer: per layer [capacity, H] stored bits (+ float32 [capacity] scales)."""
-    item = storage_numpy_dtype(dtype)
-    fp8 = dtype == "fp8_e4m3"
-    region = _page_aligned(capacity * hidden * item.itemsize)
-    scale_region = _page_aligned(capacity * 4) if fp8 else 0
+    """One page-aligned host buffer: per layer [capacity, row] stored bits (+ float32 [capacity] scales)."""
+    item, row = storage_numpy_dtype(dtype), row_size(dtype, hidden)
+    scaled = has_scale(dtype)
+    region = _page_aligned(capacity * row * item.itemsize)
+    scale_region = _page_aligned(capacity * 4) if scaled else 0
     total = layers * (region + scale_region)
     backing = torch.empty(total + _PAGE, dtype=torch.uint8)
     start = -backing.data_ptr() % _PAGE  # malloc aligns to 64 bytes, registration pins whole pages
     raw = backing[start: start + total]
-    torch_item = torch.uint16 if item.itemsize == 2 else torch.uint8
     data_t, scales_t = [], []
     for k in range(layers):
         base = k * (region + scale_region)
-        data_t.append(raw[base: base + capacity * hidden * item.itemsize].view(torch_item).view(capacity, hidden))
-        if fp8:
+        data_t.append(raw[base: base + capacity * row * item.itemsize].view(storage_torch_dtype(dtype))
+                      .view(capacity, row))
+        if scaled:
             scales_t.append(raw[base + region: base + region + capacity * 4].view(torch.float32))
-    staging = _Staging(raw, [t.numpy() for t in data_t], data_t, [t.numpy() for t in scales_t] if fp8 else None,
-                       scales_t if fp8 else None, _event(device))
+    staging = _Staging(raw, [t.numpy() for t in data_t], data_t, [t.numpy() for t in scales_t] if scaled else None,
+                       scales_t if scaled else None, _event(device))
     if pin:
         torch.cuda.set_device(device)  # this is a pool thread: its CUDA calls go to GPU 0 otherwise
         err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), total, _CUDA_HOST_REGISTER_PORTABLE))

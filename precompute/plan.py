@@ -9,6 +9,7 @@ shards the store already has.
 Disk plan. Bytes per token on disk (H = hidden size, K = number of captured layers):
     bf16:      K * 2H            (2 bytes per value)
     fp8_e4m3:  K * (H + 4)       (1 byte per value + a float32 scale per token and layer)
+    q4_hadamard: K * (9H/16 + 4) (4 bits per value, a scale byte per 16 values, a float32 per token)
     + 5                          (int32 token id + uint8 loss mask)
 plus 8 bytes per sample (offsets), before compression (a projection, so an upper bound). The plan
 refuses to start when the bytes still to write, plus a margin, exceed the free space on the store's
@@ -28,6 +29,7 @@ from typing import Any, Collection
 from dflash_common.errors import UserError
 from dflash_common.fsutil import human_bytes
 from dflash_common.store import shard_name
+from dflash_common.store.quant import token_bytes, token_bytes_formula
 from precompute.config import PrecomputeConfig
 from precompute.inputs import SkipLog
 from precompute.tokenizing import UnitSummary
@@ -65,8 +67,7 @@ def unit_shard_name(unit: int, content_digest: str, state: str) -> str:
 
 
 def bytes_per_token(hidden_size: int, num_layers: int, store_dtype: str) -> int:
-    per_layer = 2 * hidden_size if store_dtype == "bf16" else hidden_size + 4
-    return num_layers * per_layer + _ID_MASK_BYTES
+    return num_layers * token_bytes(store_dtype, hidden_size) + _ID_MASK_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +106,7 @@ class Plan:
     def format(self) -> str:
         skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(self.skips.counts.items())) or "none"
         per = bytes_per_token(self.hidden_size, self.state_arrays, self.store_dtype)
-        formula = (f"{self.state_arrays} x 2 x {self.hidden_size}" if self.store_dtype == "bf16"
-                   else f"{self.state_arrays} x ({self.hidden_size} + 4)")
+        formula = f"{self.state_arrays} x {token_bytes_formula(self.store_dtype, self.hidden_size)}"
         lines = [
             f"plan: {self.records:,} input records -> {self.units:,} work units "
             f"({self.committed_units:,} already in the store, {len(self.empty_units):,} without a sequence)",

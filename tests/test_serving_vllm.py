@@ -283,3 +283,298 @@ def test_the_export_lint_passes_what_vllm_serves(trained):
 
     assert serving.errors(serving.lint_drafter_dir(trained[1])) == []
     assert dataclasses.is_dataclass(serving.Finding)
+
+
+# ---------------------------------------------------------------- DSpark
+# A DSpark drafter trained by our CLIs from the same store (--drafter.arch=dspark, B = 7: the
+# verified block of 8 the DFlash drafter above has) and exported: vLLM's own DSpark model code,
+# built on the CPU in a child process (tests/vllm_dspark_model.py), drafts every cycle our engine
+# drafts, prompt for prompt; its loader refuses, or loads silently wrong, what our export lint
+# refuses; and vLLM's V2 runner serves the export for real through the Triton interpreter
+# (train/eval/vllm_engine.py), lossless, with our cycles.
+DSPARK_BLOCK, DSPARK_PROMPTS, DSPARK_SERVED, DSPARK_NEW = 7, 8, 6, 24
+
+
+@pytest.fixture(scope="module")
+def dspark_trained(trained, tmp_path_factory):
+    """(exported DSpark drafter dir, run dir) trained from the DFlash check's store."""
+    target, _, run, _ = trained
+    work = tmp_path_factory.mktemp("dspark")
+    store = run.parent / "store"
+    _cli(
+        "train.cli",
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        f"--run.target={target}",
+        f"--store={store}",
+        f"--out={work / 'run'}",
+        "--optim.epochs=10",
+        "--drafter.arch=dspark",
+        f"--drafter.block_size={DSPARK_BLOCK}",
+        "--drafter.markov_rank=64",
+    )
+    _cli(
+        "dflash_common.drafter.export", str(work / "run"), str(work / "drafter"), "--dtype", "fp32"
+    )
+    return work / "drafter", work / "run"
+
+
+class _Recording:
+    """Our proposer, recording each cycle: (all context features so far, anchor, our drafts)."""
+
+    def __init__(self, proposer):
+        self.proposer, self.block_size, self.layer_ids = (
+            proposer,
+            proposer.block_size,
+            proposer.layer_ids,
+        )
+        self.cycles: list[tuple] = []
+
+    def begin(self, prompt_ids):
+        self.proposer.begin(prompt_ids)
+        self.context = []
+
+    def propose(self, context, anchor, start, num_drafts):
+        import torch
+
+        self.context.append(context)
+        drafts = self.proposer.propose(context, anchor, start, num_drafts)
+        self.cycles.append((torch.cat(self.context), anchor, drafts.clone()))
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def dspark_ours(trained, dspark_trained) -> dict:
+    """Our engine on the trained checkpoint (float32, greedy): per prompt its cycles and counters,
+    and every cycle's context, anchor, drafts, confidences and base logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_common.drafter.export import load_drafter
+    from train.eval.spec_decode import DFlashProposer, TargetRunner, speculative_generate
+    from train.eval.vllm_engine import expected_counters
+
+    target, _, _, prompts = trained
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    d, _ = load_drafter(dspark_trained[1])
+    d.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    proposer = _Recording(DFlashProposer(d))
+    runner, stop = TargetRunner(model, proposer.layer_ids), frozenset([model.config.eos_token_id])
+    counters, accepted = [], []
+    for p in prompts[:DSPARK_PROMPTS]:
+        first = len(proposer.cycles)
+        out = speculative_generate(
+            runner,
+            proposer,
+            p,
+            block_size=proposer.block_size,
+            max_new_tokens=MAX_NEW,
+            stop_ids=stop,
+        )
+        counters.append(
+            expected_counters(
+                out.acceptance_lengths, out.tokens[0], proposer.block_size, DSPARK_NEW, stop
+            )
+        )
+        seq = list(p) + out.tokens
+        for (ctx, anchor, _), n in zip(proposer.cycles[first:], out.acceptance_lengths):
+            accepted.append((seq[ctx.shape[0] + 1 : ctx.shape[0] + 1 + DSPARK_BLOCK], n - 1))
+    rows = []
+    with torch.no_grad():
+        for ctx, anchor, drafts in proposer.cycles:
+            hidden = d.draft(
+                d.new_cache(),
+                ctx,
+                torch.tensor([anchor] + [d.cfg.mask_token_id] * (DSPARK_BLOCK - 1)),
+            )
+            first = torch.tensor([anchor])
+            ours = d.greedy_drafts(hidden[None], first)
+            assert torch.equal(ours[0], drafts)
+            rows.append(
+                {
+                    "drafts": drafts,
+                    "confidences": d.draft_confidences(hidden[None], first, ours)[0],
+                    "base_logits": d.logits(hidden).float(),
+                }
+            )
+    return {"cycles": proposer.cycles, "rows": rows, "accepted": accepted, "counters": counters}
+
+
+def _vllm_dspark(target: Path, drafter: Path, cases, probes, work: Path) -> dict:
+    import torch
+
+    request, result = work / "vllm-dspark.request.pt", work / "vllm-dspark.result.pt"
+    torch.save(
+        {
+            "target": str(target),
+            "drafter": str(drafter),
+            "cases": cases,
+            "probes": [str(p) for p in probes],
+        },
+        request,
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm_dspark_model.py"), str(request), str(result)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0 and result.is_file(), proc.stderr[-3000:]
+    return torch.load(result, weights_only=False)
+
+
+def _broken_dspark(drafter: Path, out: Path, kind: str) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(drafter, out)
+    config = json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / "model.safetensors"))
+    if kind == "no-markov-weights":
+        weights = {k: v for k, v in weights.items() if not k.startswith("markov_head.")}
+    elif kind == "markov-w2-transposed":
+        weights["markov_head.markov_w2.weight"] = weights[
+            "markov_head.markov_w2.weight"
+        ].T.contiguous()
+    elif kind == "no-confidence-flag":
+        config.pop("enable_confidence_head")
+    elif kind == "unknown-weight":
+        weights["markov_head.gate_proj.weight"] = weights["markov_head.markov_w1.weight"][
+            :4
+        ].clone()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+# vLLM's loader on each broken export (its 0.32 behaviour), and what our lint says of it
+DSPARK_BROKEN = {
+    "no-markov-weights": ("loads (confidence head kept)", "without these weights"),
+    "markov-w2-transposed": ("refused: AssertionError", "wrong shape"),
+    "no-confidence-flag": (
+        "loads (confidence head dropped)",
+        "enable_confidence_head must be written",
+    ),
+    "unknown-weight": ("refused: ValueError", "refuses unknown weights"),
+}
+
+
+def test_vllms_dspark_model_drafts_as_ours_prompt_for_prompt(
+    trained, dspark_trained, dspark_ours, tmp_path
+):
+    """vLLM's model and Markov loop on our export: the same drafts in every cycle of every prompt,
+    the same base logits and confidences (float32), hence the same accepted drafts; its loader
+    refuses or silently mis-loads each broken export our lint refuses."""
+    import torch
+
+    from dflash_common.drafter import serving
+
+    target, drafter = trained[0], dspark_trained[0]
+    probes = {kind: _broken_dspark(drafter, tmp_path / kind, kind) for kind in DSPARK_BROKEN}
+    cases = [(ctx, anchor) for ctx, anchor, _ in dspark_ours["cycles"]]
+    got = _vllm_dspark(target, drafter, cases, [drafter, *probes.values()], tmp_path)
+    apart = [
+        i
+        for i, (v, o) in enumerate(zip(got["cycles"], dspark_ours["rows"]))
+        if not torch.equal(v["drafts"], o["drafts"])
+    ]
+    assert not apart, (
+        f"vLLM drafts otherwise in {len(apart)} of {len(cases)} cycles, e.g. {apart[:3]}"
+    )
+    logits = max(
+        float((v["base_logits"] - o["base_logits"]).abs().max())
+        for v, o in zip(got["cycles"], dspark_ours["rows"])
+    )
+    conf = max(
+        float((v["confidences"] - o["confidences"]).abs().max())
+        for v, o in zip(got["cycles"], dspark_ours["rows"])
+    )
+    assert logits < 1e-3 and conf < 1e-4, (logits, conf)
+    for v, (following, ours) in zip(got["cycles"], dspark_ours["accepted"]):
+        if (
+            len(following) == DSPARK_BLOCK
+        ):  # the target's greedy tokens after the anchor, none cut off
+            accepted = next(
+                (k for k, (a, b) in enumerate(zip(v["drafts"].tolist(), following)) if a != b),
+                DSPARK_BLOCK,
+            )
+            # greedy verification of vLLM's drafts accepts what it accepted of ours
+            assert accepted == ours
+    assert sum(n for _, n in dspark_ours["accepted"]) > 0, (
+        "the drafter must accept drafts for the test to mean anything"
+    )
+    print(
+        f"vLLM DSpark model: {len(cases)} cycles drafted as ours, max |logits diff| {logits:.2e}, "
+        f"max |confidence diff| {conf:.2e}"
+    )
+    assert (
+        got["probes"][0] == "loads (confidence head kept)"
+        and serving.errors(serving.lint_drafter_dir(drafter)) == []
+    )
+    for (kind, (vllm_does, lint_says)), did in zip(DSPARK_BROKEN.items(), got["probes"][1:]):
+        assert did.startswith(vllm_does), f"{kind}: vLLM {did}"
+        found = [str(f) for f in serving.errors(serving.lint_drafter_dir(probes[kind]))]
+        assert any(lint_says in f for f in found), f"{kind}: our lint says {found}"
+
+
+def test_vllm_serves_our_dspark_export_lossless_with_our_cycles(
+    trained, dspark_trained, dspark_ours, tmp_path
+):
+    """vLLM 0.32's V2 runner (Triton kernels interpreted) serves the export: lossless against the
+    target served alone by the same runner, and per prompt the same draft-verify counters as our
+    engine."""
+    from train.eval.vllm_engine import run_engine
+
+    target, _, _, prompts = trained
+    request = {
+        **_request(target, prompts[:DSPARK_SERVED]),
+        "max_new_tokens": DSPARK_NEW,
+        "triton_interpreter": True,
+    }
+    base = run_engine(request, tmp_path, "dspark-target")
+    spec = run_engine(
+        {
+            **request,
+            "drafter": str(dspark_trained[0]),
+            "method": "dspark",
+            "num_speculative_tokens": DSPARK_BLOCK,
+        },
+        tmp_path,
+        "dspark-spec",
+    )
+    lossless = [b["tokens"] == s["tokens"] for b, s in zip(base["prompts"], spec["prompts"])]
+    ours = dspark_ours["counters"][:DSPARK_SERVED]
+    same = [_cycles(s) == o for s, o in zip(spec["prompts"], ours)]
+    print(
+        f"serve-check DSpark: lossless {sum(lossless)}/{len(lossless)}, "
+        f"cycles as ours {sum(same)}/{len(same)}, "
+        f"pooled tau vLLM {_pooled_tau(spec['prompts']):.3f} ours {_pooled_tau(ours):.3f}"
+    )
+    assert all(lossless)
+    assert sum(same) >= len(same) - 1, [(_cycles(s), o) for s, o in zip(spec["prompts"], ours)]
+    assert _pooled_tau(spec["prompts"]) > 1.0
+
+
+def test_our_dspark_config_rules_are_vllms():
+    """Our reading of the target layers and the mask token against vLLM's own functions, on the
+    config.json our export writes and on DeepSpec's layout (top-level ids only)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    from dflash_common.drafter import serving
+    from dflash_common.drafter.arch import config_class
+
+    target = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 320,
+              "rope_theta": 500.0}
+    ours = config_class("dspark").from_target(target, mask_token_id=259).to_config_json()
+    deepspec = {k: v for k, v in ours.items() if k != "dflash_config"}
+    for config in (ours, deepspec, {**deepspec, "dspark_target_layer_ids": [0, 2]}):
+        hf = SimpleNamespace(**config)
+        spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
+        assert serving.vllm_target_layer_ids(config) == [
+            i - 1 for i in get_eagle3_aux_layers_from_config(spec)
+        ]
+        assert serving.vllm_mask_token_id(config) == get_parallel_drafting_token_id(hf)

@@ -69,14 +69,13 @@ def pair(tmp_path_factory):
     sys.path.insert(0, str(ROOT / "tests" / "dflash_common" / "drafter"))
     from drafter_testlib import randomise_dflash2
 
-    from dflash_common.drafter.config import DFlash2Config, DrafterConfig
+    from dflash_common.drafter.arch import config_class, new_drafter
     from dflash_common.drafter.export import export, save_drafter
-    from dflash_common.drafter.build import new_drafter
     from dflash_common.tiny import TinySpec, build_tiny_target
 
     work = tmp_path_factory.mktemp("dflash2-vllm")
     target = build_tiny_target(work / "target", TinySpec(**SPEC))
-    cfg = DrafterConfig.from_target(
+    cfg = config_class("dflash2").from_target(
         json.loads((target / "config.json").read_text()),
         mask_token_id=259,
         depth=2,
@@ -84,7 +83,8 @@ def pair(tmp_path_factory):
         layer_ids=[0, 2],
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=7,
-        dflash2=DFlash2Config(selector_rank=16, selector_top_k=5),
+        selector_rank=16,
+        selector_top_k=5,
     )
     torch.manual_seed(0)
     drafter = randomise_dflash2(new_drafter(cfg))
@@ -148,7 +148,7 @@ def _ours(drafter_dir: Path, target: Path, contexts, anchors) -> dict:
         scores = drafter.candidate_selector.edge_scores(
             hidden[:, 1:], ids, unary, torch.tensor(anchors)
         )
-        path = drafter.draft_tokens(hidden, torch.tensor(anchors))
+        path = drafter.greedy_drafts(hidden, torch.tensor(anchors))
     assert torch.equal(path, walk(ids, scores))
     return {
         "hidden": hidden.flatten(0, 1),

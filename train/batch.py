@@ -19,13 +19,11 @@ class ShardSlot:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
     offsets: np.ndarray  # int64 [N+1]
-    states: list[torch.Tensor]  # K (+1: the final state, last) x [T, H] raw bits (int16 for bf16, uint8 for fp8)
-    scales: list[torch.Tensor] | None  # K x float32 [T] (fp8)
-
-
-def raw_dtype(storage: str) -> torch.dtype:
-    """The dtype the bits travel in: int16 (copy_ supports it everywhere) for bf16, uint8 for fp8."""
-    return torch.int16 if storage == "bf16" else torch.uint8
+    # K (+1: the final state, last) x [T, row] stored bits in the storage integer dtype (uint16 for
+    # bf16, uint8 otherwise: the dtype flow of dflash_common/store/quant.py)
+    states: list[torch.Tensor]
+    scales: list[torch.Tensor] | None  # K (+1) x float32 [T] (scaled dtypes)
+    dtype: str = "bf16"  # the store's storage dtype
 
 
 @dataclasses.dataclass

@@ -12,9 +12,10 @@ decay (`objective.weights`), which reach a higher tau on the quality benchmark (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from dflash_common.config import check, check_device, option, section
+from dflash_common.drafter.config import Arch
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,14 @@ class DataSection:
 
 @dataclass(frozen=True)
 class DrafterSection:
-    arch: Literal["dflash", "dflash2"] = option(
-        "dflash", "The drafter: 'dflash' (DFlash), or 'dflash2' (DFlash2: DFlash plus grouped "
-        "convolutions over block positions around every attention and MLP, and a candidate "
-        "selector over each position's top-k; the conv_* and selector_* fields shape it)."
+    arch: Arch = option(
+        "dflash", "The drafter, by what sits on the DFlash backbone: 'dflash' (nothing: block "
+        "position k predicts the token at anchor+k, B-1 drafts a cycle); 'dspark' (DSpark, arXiv "
+        "2607.05147: a Markov head over the block and a confidence head; every block position "
+        "predicts the next token, the anchor's included, B drafts a cycle; the markov_* and "
+        "confidence_* fields shape it); 'dflash2' (DFlash2: grouped convolutions over block "
+        "positions around every attention and MLP, and a candidate selector over each position's "
+        "top-k; the conv_* and selector_* fields shape it)."
     )
     depth: int = option(5, "Draft layers (5 for Qwen3/Llama drafters, 8 for Qwen3-Coder).")
     block_size: int = option(16, "Tokens per block: the anchor plus block_size-1 masked predictions.")
@@ -99,6 +104,7 @@ class DrafterSection:
         None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
         "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ."
     )
+    # DFlash2's layers and selector (arch = dflash2)
     conv_kernel_size: int = option(
         2, "DFlash2: taps of each grouped convolution (a block row mixes in the "
         "conv_kernel_size - 1 rows before it).")
@@ -109,10 +115,23 @@ class DrafterSection:
         256, "DFlash2: rank of the selector's predecessor/successor codebooks [V, rank].")
     selector_top_k: int = option(
         16, "DFlash2: candidates per block position the selector chooses among (the served top-k).")
+    # DSpark's heads (arch = dspark)
+    markov_rank: int = option(
+        256, "DSpark: rank r of the Markov head (markov_w1 [V, r], markov_w2 [V, r]).")
+    confidence_head: bool = option(
+        True, "DSpark: train a confidence head (each draft's chance of acceptance once the drafts "
+        "before it are), which vLLM's adaptive verification schedules with; drafts do not depend "
+        "on it."
+    )
+    confidence_head_with_markov: bool = option(
+        True, "DSpark: the confidence head also reads the previous token's Markov embedding "
+        "(DeepSpec's default)."
+    )
 
     def __post_init__(self):
-        check(self.arch in ("dflash", "dflash2"),
-              f"drafter.arch must be dflash or dflash2, got {self.arch!r}.")
+        check(self.arch in get_args(Arch),
+              f"drafter.arch must be one of {', '.join(get_args(Arch))}, got {self.arch!r}.")
+        check(self.markov_rank >= 1, f"drafter.markov_rank must be >= 1, got {self.markov_rank}.")
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             value = getattr(self, name)
             check(value >= 1, f"drafter.{name} must be >= 1, got {value}.")
@@ -162,6 +181,7 @@ class ObjectiveSection:
         "them so too (weights, or blocks under normalise = anchors). 0 = off; validation is unchanged."
     )
 
+    # DFlash2's selector (drafter.arch = dflash2)
     selector_weight: float = option(
         1.0, "DFlash2: weight of the selector loss (teacher-forced K-way CE over each position's "
         "top-k, with the label's predecessor; loss/selector.py) added to the per-position CE, "
@@ -182,6 +202,23 @@ class ObjectiveSection:
         "the top-k, 0 off them); 'unary' = the per-position softmax's, also for DFlash2."
     )
 
+    # DSpark's confidence head (drafter.arch = dspark, drafter.confidence_head = true)
+    confidence_weight: float = option(
+        1.0, "DSpark: weight of the confidence head's loss, a BCE per block position weighted as "
+        "its CE (DeepSpec: 1)."
+    )
+    confidence_label: Literal["match", "tv"] = option(
+        "match", "DSpark: what the confidence head learns to predict at each block position, given "
+        "the previous tokens right (teacher forcing: the drafts before it accepted): 'match' = "
+        "whether its greedy draft is the data's token (greedy verification's acceptance; no "
+        "final states needed); 'tv' = 1 - TV(drafter, target), the acceptance chance of a "
+        "*sampled* draft (DeepSpec's label; needs targets.soft = tv or dspark)."
+    )
+    confidence_detach: bool = option(
+        True, "DSpark: the confidence loss trains the confidence head only, not the backbone or "
+        "the Markov head (DeepSpec trains them all with it): the drafts then do not depend on it."
+    )
+
     def __post_init__(self):
         check(self.max_anchors >= 1, f"objective.max_anchors must be >= 1, got {self.max_anchors}.")
         check(self.selector_weight >= 0,
@@ -191,6 +228,11 @@ class ObjectiveSection:
               f"{self.selector_candidates!r}.")
         check(self.dpace_confidence in ("served", "unary"),
               f"objective.dpace_confidence must be served or unary, got {self.dpace_confidence!r}.")
+        check(self.confidence_weight > 0,
+              f"objective.confidence_weight must be > 0, got {self.confidence_weight} (to train "
+              "without a confidence head, set drafter.confidence_head=false).")
+        check(self.confidence_label in ("match", "tv"),
+              f"objective.confidence_label must be match or tv, got {self.confidence_label!r}.")
         check(self.gamma is None or self.gamma > 0, f"objective.gamma must be > 0, got {self.gamma}.")
         check(self.anchors in ("block", "label"), f"objective.anchors must be block or label, got {self.anchors!r}.")
         check(self.weights in ("gamma", "dpace"), f"objective.weights must be gamma or dpace, got {self.weights!r}.")
@@ -370,3 +412,17 @@ class TrainConfig:
         check(self.objective.path_weight == 0 or not t.needs_final_state,
               f"{what} cannot be combined with objective.path_weight (the serving path is weighted on the hard "
               "loss of the stored tokens only); set --objective.path_weight=0")
+        if self.drafter.arch == "dspark":
+            self._check_dspark()
+
+    def _check_dspark(self) -> None:
+        o, t = self.objective, self.targets
+        check(o.path_weight == 0,
+              "objective.path_weight is not implemented for drafter.arch = dspark (its loss forms "
+              "the weights a chunk of blocks at a time); set --objective.path_weight=0.")
+        check(not t.prompt_anchors,
+              "targets.prompt_anchors is not implemented for drafter.arch = dspark (its Markov "
+              "head is taught the true previous token); set --targets.prompt_anchors=false.")
+        check(o.confidence_label != "tv" or (t.soft in ("tv", "dspark") and t.temperature == 1.0),
+              "objective.confidence_label = 'tv' reads the total variation of the soft loss; set "
+              "--targets.soft=tv or dspark (temperature 1), or --objective.confidence_label=match.")

@@ -36,7 +36,8 @@ from dflash_common.errors import UserError
 from dflash_common.drafter.objective import sample_anchors
 from dflash_common.store import Store, StoreCorruptError, StoreError, carve_buffers
 from dflash_common.store.contents import incomplete_sentence, missing_sentence, store_contents
-from train.batch import HostBatch, ShardSlot, raw_dtype
+from dflash_common.store.quant import has_scale
+from train.batch import HostBatch, ShardSlot
 from train.cache import Handle, ShardCache, SlotSlab
 from train.config import TrainConfig
 from train.plan import DataPlan, EpochPlan, ShardMeta, holdout_split, rng
@@ -142,12 +143,11 @@ def shard_reader(stores: Sequence[Store], shards: Sequence[ShardMeta], layer_ids
         store = stores[meta.store]
         specs = store.buffer_specs(meta.name, layer_ids, final)
         data = store.read_shard(meta.name, layer_ids, out=carve_buffers(specs, views[0]), final=final)
-        raw = raw_dtype(store.manifest.dtype)
         bits = [data.layers[i] for i in layer_ids] + ([data.final] if final else [])
-        states = [torch.from_numpy(b).view(raw) for b in bits]
+        states = [torch.from_numpy(b) for b in bits]  # the stored dtype, as the rule says: no reinterpretation
         scale_arrays = [data.scales.get(i) for i in layer_ids] + ([data.final_scale] if final else [])
-        scales = [torch.from_numpy(x) for x in scale_arrays] if store.manifest.dtype == "fp8_e4m3" else None
-        slot = ShardSlot(data.input_ids, data.loss_mask, data.offsets, states, scales)
+        scales = [torch.from_numpy(x) for x in scale_arrays] if has_scale(data.dtype) else None
+        slot = ShardSlot(data.input_ids, data.loss_mask, data.offsets, states, scales, data.dtype)
         return slot, sum(s.nbytes for s in specs.values())
 
     return read
@@ -383,19 +383,12 @@ def feature_dtype(autocast: str) -> torch.dtype:
 
 def make_feeder(source, position, stores: Sequence[Store], layer_ids: Sequence[int], *, device: torch.device,
                 batch_tokens: int, autocast: str, prefetch: int, final: bool = False):
-    from dflash_common.store.quant import decode_states
     from train.transfer import DeviceFeeder
 
-    storage = stores[0].manifest.dtype
-
-    def decode(raw: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        bits = raw.view(torch.uint16) if storage == "bf16" else raw
-        return decode_states(bits, scale, storage, out_dtype=dtype)
-
+    dtypes = sorted({s.manifest.dtype for s in stores})  # stores of several dtypes mix in one batch
     return DeviceFeeder(source, position, device=device, layers=len(layer_ids) + (1 if final else 0), final=final,
-                        hidden=stores[0].manifest.hidden_size, raw_dtype=raw_dtype(storage),
-                        scaled=storage == "fp8_e4m3", batch_tokens=batch_tokens,
-                        feature_dtype=feature_dtype(autocast), decode=decode, prefetch=prefetch)
+                        hidden=stores[0].manifest.hidden_size, dtypes=dtypes, batch_tokens=batch_tokens,
+                        feature_dtype=feature_dtype(autocast), prefetch=prefetch)
 
 
 def check_final_states(stores: Sequence[Store]) -> None:
@@ -410,16 +403,16 @@ def check_final_states(stores: Sequence[Store]) -> None:
 
 
 def check_stores_agree(stores: Sequence[Store]) -> None:
-    """Batches mix stores, so their states must share one hidden size and one storage dtype."""
+    """Batches mix stores, so their states must share one hidden size (storage dtypes may differ:
+    each is decoded on the device into the same features)."""
     from dflash_common.errors import UserError
 
     first = stores[0].manifest
     for store in stores[1:]:
         m = store.manifest
-        if (m.hidden_size, m.dtype) != (first.hidden_size, first.dtype):
-            raise UserError(f"store {store.path} holds {m.dtype} states of hidden size {m.hidden_size} but "
-                            f"{stores[0].path} holds {first.dtype} of {first.hidden_size}; mix only stores of "
-                            f"one target and one dtype.")
+        if m.hidden_size != first.hidden_size:
+            raise UserError(f"store {store.path} holds states of hidden size {m.hidden_size} but "
+                            f"{stores[0].path} holds {first.hidden_size}; mix only stores of one target.")
 
 
 class TrainData:
@@ -440,9 +433,13 @@ class TrainData:
 
     @classmethod
     def build(cls, cfg: TrainConfig, stores: Sequence[Store], layer_ids: Sequence[int], *,
-              rank: int, world: int, device: torch.device) -> "TrainData":
-        """`layer_ids`: the drafter's target_layer_ids (their order is kept)."""
+              rank: int, world: int, device: torch.device,
+              block_size: int | None = None) -> "TrainData":
+        """`layer_ids`: the drafter's target_layer_ids (their order is kept); `block_size` the
+        verified block's tokens (DrafterConfig.verify_block_size: a DSpark block's labels reach one
+        token further), by default drafter.block_size."""
         d = cfg.data
+        block_size = block_size or cfg.drafter.block_size
         check_stores_agree(stores)
         final = cfg.targets.needs_final_state
         if final:
@@ -452,7 +449,7 @@ class TrainData:
         bad = BadShards(d.on_bad_shard, hint=', or set data.on_bad_shard = "skip" to train without it')
         shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
         split = holdout_split(shards, len(stores), d.holdout_sequences, d.holdout_fraction,
-                              2 * cfg.drafter.block_size)  # sequences with < 2B response tokens are dropped
+                              2 * block_size)  # sequences with < 2B response tokens are dropped
         plan = DataPlan(shards, split, n_stores=len(stores), weights=d.weights, seed=cfg.run.seed,
                         batch_tokens=d.batch_tokens, shuffle_window_shards=d.window_shards,
                         world=world,
@@ -466,7 +463,7 @@ class TrainData:
             log.info("validation shard cache: %d slot(s) for the %d shard(s) holding held-out sequences", n, val_shards)
             val_cache = ShardCache(SlotSlab.allocate(n, cache.slab.slot_bytes), 1,
                                    shard_reader(stores, shards, layer_ids, final), threads=1)
-        node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=cfg.drafter.block_size,
+        node = BatchNode(plan, cache, rank=rank, seed=cfg.run.seed, block_size=block_size,
                          max_anchors=cfg.objective.max_anchors, bad=bad, anchor_rule=cfg.objective.anchors,
                          prompt_anchors=cfg.targets.prompt_anchors)
         loader = build_loader(node, d.host_prefetch)

@@ -32,9 +32,9 @@ from dflash_common.cli import progress_bar, write_run_record
 from dflash_common.dist import Ranks, run_on_ranks
 from dflash_common.errors import UserError
 from dflash_common.config import ConfigError
-from dflash_common.drafter.config import DFlash2Config, DrafterConfig
+from dflash_common.drafter.arch import config_class, new_drafter
+from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
-from dflash_common.drafter.build import new_drafter
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dirlock import hold_directory
 from dflash_common.drafter.target_head import load_target_head
@@ -71,16 +71,18 @@ def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     layer_ids = shape.layer_ids
     if layer_ids is None:
         layer_ids = list(stores[0].manifest.layer_ids)
-    dflash2 = None
-    if shape.arch == "dflash2":
-        dflash2 = DFlash2Config(shape.conv_kernel_size, shape.conv_group_size,
-                                shape.selector_rank, shape.selector_top_k)
+    own = {  # the arch's own fields (drafter/arch.py)
+        "dflash": (),
+        "dspark": ("markov_rank", "confidence_head", "confidence_head_with_markov"),
+        "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+    }[shape.arch]
     try:
-        return DrafterConfig.from_target(
+        return config_class(shape.arch).from_target(
             target_config(cfg.run.target),
             mask_token_id=mask_token_id(cfg.run.target, shape.mask_token_id),
             depth=shape.depth, block_size=shape.block_size, layer_ids=layer_ids,
-            layer_types=shape.layer_types, sliding_window=shape.sliding_window, dflash2=dflash2)
+            layer_types=shape.layer_types, sliding_window=shape.sliding_window,
+            **{name: getattr(shape, name) for name in own})
     except ConfigError as e:  # e.g. a group size that does not divide the target's hidden size
         raise UserError(f"[drafter] does not fit the target {cfg.run.target}: {e}") from e
 
@@ -220,10 +222,7 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
                 autocast=cfg.precision.autocast, weights=objective.weights,
                 dpace_alpha=objective.dpace_alpha, normalise=objective.normalise,
                 targets=cfg.targets, path_weight=objective.path_weight,
-                loss_method=cfg.precision.loss_method, selector_weight=objective.selector_weight,
-                selector_candidates=objective.selector_candidates,
-                selector_stop_gradient=objective.selector_stop_gradient,
-                dpace_confidence=objective.dpace_confidence)
+                loss_method=cfg.precision.loss_method, objective=objective)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
@@ -318,7 +317,8 @@ def setup(cfg: TrainConfig, proc: Ranks) -> Run:
     if proc.main:
         log.info("%s", verdict)
     drafter = build_drafter(cfg, dcfg, proc.device)
-    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=proc.rank, world=proc.world, device=proc.device)
+    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=proc.rank, world=proc.world,
+                           device=proc.device, block_size=dcfg.verify_block_size)
     total = total_steps(cfg, data)
     optimizer, scheduler = build_optimizer(cfg.optim, drafter, total, proc.device)
     ema = WeightAverage(drafter, cfg.regularise.ema) if cfg.regularise.ema > 0 else None
@@ -406,7 +406,8 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
     if r.data.val_cache is None:
         return None
     with r.ema.swapped_in() if r.ema is not None else contextlib.nullcontext():  # validate what is exported
-        result = evaluate_batches(r.drafter, r.data.val_batches(), block_size=r.drafter.cfg.block_size,
+        result = evaluate_batches(r.drafter, r.data.val_batches(),
+                                  block_size=r.drafter.cfg.verify_block_size,
                                   gamma=r.cfg.objective.gamma, autocast=r.cfg.precision.autocast, reduce=True,
                                   targets=dataclasses.replace(r.cfg.targets, prompt_anchors=False))  # response anchors
     record = {"kind": "val", "step": step, **result}
@@ -461,7 +462,7 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     cfg, main = r.cfg, r.ranks.main
-    interval = LogInterval(r.ranks.device, r.drafter.cfg.block_size)
+    interval = LogInterval(r.ranks.device, r.drafter.cfg.verify_block_size)
     feeder = r.data.start(r.position)
     saved, stopped = r.start, None
     bar = progress_bar(total=r.total, initial=r.start, enabled=main and cfg.log.progress,

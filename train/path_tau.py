@@ -89,15 +89,16 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
     return first, end, seq_start
 
 
-def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor,
-                   first_tokens: torch.Tensor) -> torch.Tensor:
-    """Block hidden states [n, b, H] of blocks starting with `first_tokens` [n] -> the drafts served
-    [n, b-1] (position 0 is the anchor): the drafter's own rule (`draft_tokens`)."""
+def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor, first_tokens: torch.Tensor,
+                   num_drafts: int) -> torch.Tensor:
+    """Block hidden states [n, b, H], the anchors' tokens [n] -> greedy drafts [n, num_drafts]
+    (drafter.greedy_drafts: b-1, position 0 being the anchor; a DSpark drafter's b; DFlash2's
+    selector walk)."""
     n, b, _ = hidden.shape
-    rows = max(1, _LOGIT_ELEMENTS // max(1, (b - 1) * drafter.cfg.vocab_size))
-    if n == 0:
-        return hidden.new_zeros((0, b - 1), dtype=torch.long)
-    return torch.cat([drafter.draft_tokens(hidden[i:i + rows], first_tokens[i:i + rows])
+    rows = max(1, _LOGIT_ELEMENTS // max(1, b * drafter.cfg.vocab_size))
+    if not n:
+        return hidden.new_zeros((0, num_drafts), dtype=torch.long)
+    return torch.cat([drafter.greedy_drafts(hidden[i:i + rows], first_tokens[i:i + rows])
                       for i in range(0, n, rows)])
 
 
@@ -108,10 +109,11 @@ def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int 
     cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
     emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""
     b = block_size or drafter.cfg.block_size
+    num_drafts = b - 1 + drafter.cfg.verify_block_size - drafter.cfg.block_size  # DSpark: b
     first, end, _ = response_segments(batch.loss_mask, batch.cu_seqlens, max_new_tokens)
     ids, t = batch.input_ids, batch.input_ids.shape[0]
     device = ids.device
-    steps = torch.arange(1, b, device=device)
+    steps = torch.arange(1, num_drafts + 1, device=device)
     rounds: list[torch.Tensor] = []
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast == "bf16"):
         positions = BlockLayout.build(batch.cu_seqlens, first[:0], t, b).positions  # [T] within sequences
@@ -123,8 +125,9 @@ def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int 
                 break
             a = anchor[live]
             layout = BlockLayout.build(batch.cu_seqlens, a, t, b)  # whole blocks, as the real loop drafts
-            drafts = _greedy_drafts(drafter, drafter.blocks(kv, ids, layout), ids[a])  # [n, b-1]
-            pos = a[:, None] + steps  # [n, b-1] positions the drafts are for
+            hidden = drafter.blocks(kv, ids, layout)  # [n, b, H]
+            drafts = _greedy_drafts(drafter, hidden, ids[a], num_drafts)  # [n, drafts]
+            pos = a[:, None] + steps  # [n, drafts] positions the drafts are for
             hit = (drafts == ids[pos.clamp(max=t - 1)]) & (pos < end[live][:, None])
             accepted = hit.long().cumprod(1).sum(1)
             emitted = torch.zeros_like(anchor)

@@ -88,11 +88,13 @@ def checkpoint_to_resume(
         path / "drafter", fix=f"delete {path} to resume from an older checkpoint"
     )
     differ = [
-        f.name for f in dataclasses.fields(dcfg) if getattr(saved, f.name) != getattr(dcfg, f.name)
+        # (a config of another arch has other fields: None there)
+        f.name for f in dataclasses.fields(dcfg)
+        if getattr(saved, f.name, None) != getattr(dcfg, f.name)
     ]
     if differ:
         detail = ", ".join(
-            f"{f} = {getattr(saved, f)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3]
+            f"{f} = {getattr(saved, f, None)!r} there vs {getattr(dcfg, f)!r} here" for f in differ[:3]
         )
         raise UserError(
             f"cannot resume from {path}: it holds another drafter ({detail}); resume with the "

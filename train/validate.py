@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import AcceptanceCounts
-from train.config import SoftTargetsSection
+from train.config import ObjectiveSection, SoftTargetsSection
 from train.objective import batch_objective
 from train.path_tau import path_counts, replay_batch, summarize_path
 from train.transfer import DeviceBatch
@@ -54,7 +54,7 @@ def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, 
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, weight, sequences
     counts = torch.zeros(2 * block_size + 2, dtype=torch.float64, device=device)
     paths = torch.zeros(5, dtype=torch.float64, device=device)  # train/path_tau.py path_counts
-    dflash2 = getattr(drafter.cfg, "dflash2", None) is not None
+    dflash2 = drafter.cfg.arch == "dflash2"
     extra = torch.zeros(2 * block_size + 5 if dflash2 else 0, dtype=torch.float64, device=device)
     for batch in batches:
         if batch.anchors.numel() == 0:
@@ -62,7 +62,8 @@ def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, 
         found: dict[str, torch.Tensor] = {}
         loss, weight, batch_counts = batch_objective(
             drafter, drafter, batch, block_size=block_size, gamma=gamma, autocast=autocast,
-            targets=targets, extras=found, selector_weight=0.0)  # the loss stays DFlash's
+            targets=targets, extras=found,
+            objective=ObjectiveSection(selector_weight=0.0))  # the loss stays DFlash's
         if dflash2:
             extra += torch.cat([found["unary"], found["selector"]])
         sums += torch.stack([loss.double(), weight.double(), torch.tensor(batch.cu_seqlens.numel() - 1.0,

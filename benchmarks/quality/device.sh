@@ -69,7 +69,9 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
   fi
   if [[ ,$STAGES, == *,data,* ]]; then
     log "data"
-    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage data --generate-timeout-s 150 || exit 1
+    # the variants' own stores (another dtype: dpace+q4) are precomputed beside stores/train
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage data --variants "$VARIANTS" \
+      --generate-timeout-s 150 || exit 1
     if [ ! -f "$W/.unpacked-base" ]; then  # new here: send it back
       log "pack base"
       pack base target data
@@ -85,14 +87,14 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
       --deadline-s "$LEFT"
     if [ "$EVAL" = 0 ] && [ -f "$W/data/heldout.jsonl" ]; then  # answers carried in as heldout.tgz
       log "path tau of every finished run on the held-out answers"
-      python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout
+      python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout --variants "$VARIANTS"
       python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --evals offline_heldout \
         --variants "$VARIANTS" --seeds "$SEEDS" --deadline-s $(( DEADLINE - $(elapsed) ))
     fi
   fi
   if [ "$EVAL" = 1 ]; then
     log "eval: held-out answers by the batched target loop, dflash-eval, offline reports, table"
-    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout || exit 1
+    python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout --variants "$VARIANTS" || exit 1
     # a few processes side by side: each decodes its 200 prompts in one batch, host-bound
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --variants "$VARIANTS" \
       --seeds "$SEEDS" --parallel "${EVAL_PARALLEL:-4}" \

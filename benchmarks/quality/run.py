@@ -15,14 +15,17 @@ Stages and what they leave in --work (a stage whose output has a matching manife
 2. data/: the target's greedy answers to the training prompts by dflash-generate (data/generated/, text
    conversations that precompute tokenises; batched HF generate into train.jsonl token records is the
    fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as messages for
-   dflash-eval); then dflash-precompute writes stores/train (float32 target, bf16 states, final states).
+   dflash-eval); then dflash-precompute writes stores/train (float32 target, the regime's storage dtype,
+   final states) and, side by side with it, the chosen variants' own stores (STORES below: another
+   storage dtype, or every target layer captured) from the same answers: stores/train-<dtype>[-all].
 3. data/heldout.jsonl: the held-out prompts answered by dflash-eval's own baseline loop (float32)
    on this stage's device, as token records, so path tau replays exactly what dflash-eval's target
    emits there: on a GPU its batched loop in its batches (train/eval/batched.py), on a CPU one
    prompt at a time (`target_generate`); answers made the other way are made again. Then
    stores/heldout.
 4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
-   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below). At the
+   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below), and
+   maybe a store of its own (made here if the data stage did not: variants added since). At the
    deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same command resumes it.
 5. per run: eval.json (dflash-eval, float32, lossless required; batched on a GPU, one prompt at a
    time on a CPU: generation.batch_size's default), offline_heldout.json and
@@ -44,10 +47,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # One line per variant: name -> dflash-train overrides on top of RECIPE.
+DSPARK = ["--drafter.arch=dspark", "--drafter.block_size={dspark_block}",
+          "--drafter.markov_rank=64"]
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
     "label": ["--objective.anchors=label"],  # every anchor with one valid label (SpecForge HEAD's rule)
@@ -78,9 +84,25 @@ VARIANTS: dict[str, list[str]] = {
     "dpace+prompt96": ["--objective.weights=dpace", "--targets.prompt_anchors=true", "--objective.max_anchors=96"],
     "dpace+prompt64": ["--objective.weights=dpace", "--targets.prompt_anchors=true", "--objective.max_anchors=64"],
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
-    "dspark": ["--targets.soft=dspark"],  # 0.1 CE + 0.9 L1 to the target's distribution
+    # DSpark's loss mix alone on a DFlash drafter: 0.1 CE + 0.9 L1 to the target's distribution
+    # (named `dspark` before DSpark drafters had that name)
+    "dspark_mix": ["--targets.soft=dspark"],
     "dpace+tv": ["--objective.weights=dpace", "--targets.soft=tv"],  # total variation to the target's distribution
-    "label+dspark+prompt": ["--objective.anchors=label", "--targets.soft=dspark", "--targets.prompt_anchors=true"],
+    "label+dspark_mix+prompt": ["--objective.anchors=label", "--targets.soft=dspark",
+                                "--targets.prompt_anchors=true"],
+    # DSpark drafters (Markov head + confidence head), against `dpace`: a block one shorter than the
+    # recipe's drafts as many tokens a cycle ({dspark_block} = the recipe's block - 1, 15), so both
+    # verify equal blocks; Markov rank 64 (V x 64 over this target's 8,192 tokens; DeepSpec uses 256
+    # over 151,936)
+    # - our objective (the default): CE under D-PACE, the confidence head taught greedy matches on
+    #   detached features
+    "dspark": [*DSPARK, "--objective.weights=dpace"],
+    # - the same, the confidence loss also training the backbone and the Markov head (DeepSpec's)
+    "dspark+joint": [*DSPARK, "--objective.weights=dpace", "--objective.confidence_detach=false"],
+    # - DeepSpec's objective: 0.1 CE + 0.9 L1 to the target's softmax, gamma decay, the confidence
+    #   taught 1 - TV, jointly
+    "dspark+soft": [*DSPARK, "--objective.weights=gamma", "--targets.soft=dspark",
+                    "--objective.confidence_label=tv", "--objective.confidence_detach=false"],
     # not at equal steps: 4x the optimiser steps over the same data (a recipe knob, reported apart)
     "batch4k": ["--data.batch_tokens=4096"],
     # DFlash2 (convolutions around every sublayer, a candidate selector over each position's top-16), at
@@ -93,6 +115,38 @@ VARIANTS: dict[str, list[str]] = {
                        "--objective.selector_candidates=strict"],
     "dflash2+unary_dpace": ["--drafter.arch=dflash2", "--objective.weights=dpace",
                             "--objective.dpace_confidence=unary"],
+    # the recipe from a store of the same answers in another storage dtype (STORES): tau per codec
+    "fp8": [],
+    "q4": [],
+    "dpace+q4": ["--objective.weights=dpace"],  # against dpace: the codec alone changes
+    # every target layer captured and read by the drafter (its fc grows to N*H): at 4 bits they cost less
+    # than DFlash's K layers in fp8 (benchmarks/store_codecs.py's bytes table); all_layers is the bf16 twin
+    "q4+all_layers": [],
+    "all_layers": [],
+}
+
+
+class StoreSpec(NamedTuple):
+    """What a training store holds: its storage dtype (None: the regime's, REGIMES) and its layers
+    (DFlash's K, or every layer)."""
+
+    dtype: str | None = None
+    all_layers: bool = False
+
+    def name(self, split: str) -> str:
+        """stores/<split>[-<dtype>][-all]: 'train' and 'heldout' for the default."""
+        return split + (f"-{self.dtype}" if self.dtype else "") + ("-all" if self.all_layers else "")
+
+
+DEFAULT_STORE = StoreSpec()  # stores/train: the regime's dtype, DFlash's layer ids, final states (soft targets)
+# Variants that train from another store than stores/train (a dtype equal to the regime's is stores/train
+# itself: `store_spec`); the held-out store they are evaluated on is the regime's dtype with the same layers.
+STORES: dict[str, StoreSpec] = {
+    "fp8": StoreSpec("fp8_e4m3"),
+    "q4": StoreSpec("q4_hadamard"),
+    "dpace+q4": StoreSpec("q4_hadamard"),
+    "q4+all_layers": StoreSpec("q4_hadamard", all_layers=True),
+    "all_layers": StoreSpec("bf16", all_layers=True),
 }
 
 # The published DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's),
@@ -301,13 +355,26 @@ def load_target(args):
     return model, tok, stop_token_ids(model.generation_config, tok), ChatTemplate(tok, {})
 
 
-def precompute(args, records: Path, store: Path) -> subprocess.Popen:
+def target_layers(args) -> list[int]:
+    """Every decoder layer of the target: the layer ids of an all-layers store and drafter."""
+    config = json.loads((args.work / "target" / "config.json").read_text())
+    return list(range(config.get("text_config", config)["num_hidden_layers"]))
+
+
+def precompute_command(args, records: Path, store: Path, spec: StoreSpec = DEFAULT_STORE) -> list[str]:
     cmd = [sys.executable, "-m", "precompute.cli", "--out", str(store), f"--target.path={args.work / 'target'}",
            f"--store.final_state={'true' if store.name == 'train' else 'false'}",  # soft-target variants
            f"--data.inputs={json.dumps([str(records)])}", "--target.dtype=fp32",
-           f"--store.dtype={'bf16' if args.tiny else REGIMES[args.regime]['store_dtype']}",
+           f"--store.dtype={spec.dtype or base_dtype(args)}",
            "--data.block_size=2", "--data.max_length=4096", "--run.progress=false",
            f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}"]
+    if spec.all_layers:
+        cmd.append(f"--target.layer_ids={json.dumps(target_layers(args))}")
+    return cmd
+
+
+def precompute(args, records: Path, store: Path, spec: StoreSpec = DEFAULT_STORE) -> subprocess.Popen:
+    cmd = precompute_command(args, records, store, spec)
     if args.tiny:
         cmd += ["--run.samples_per_unit=16", "--batching.token_budget=4096", "--run.writer_threads=1"]
     return launch(cmd, args.work / "logs" / f"precompute-{store.name}.log")
@@ -318,15 +385,46 @@ def data_settings(args) -> dict:
     return {**settings(args), "target": hashlib.sha256(target_manifest).hexdigest()}
 
 
-def build_store(args, name: str, records: Path, want: dict) -> None:
-    store = args.work / "stores" / name
-    if not matches(store / "bench_manifest.json", want):
-        wait_all([(precompute(args, records, store), args.work / "logs" / f"precompute-{name}.log")])
-        write_manifest(store / "bench_manifest.json", want)
+def base_dtype(args) -> str:
+    """The storage dtype of stores/train and stores/heldout: the regime's (bf16 when tiny)."""
+    return "bf16" if args.tiny else REGIMES[args.regime]["store_dtype"]
+
+
+def store_spec(args, variant: str) -> StoreSpec:
+    """The training store of a variant; a dtype equal to the regime's is the default store's."""
+    spec = STORES.get(variant, DEFAULT_STORE)
+    return spec._replace(dtype=None) if spec.dtype == base_dtype(args) else spec
+
+
+def build_stores(args, records: Path, want: dict, specs: list[tuple[str, StoreSpec]]) -> None:
+    """Precompute the stores (name, spec) not yet made with these settings, side by side: each is
+    one process on the one device, reading the same answers (a small target's forward leaves the
+    device mostly idle, so two stores take about the time of one)."""
+    todo = []
+    for name, spec in specs:
+        store = args.work / "stores" / name
+        store_want = want if spec == DEFAULT_STORE else {**want, "store": spec._asdict()}
+        if not matches(store / "bench_manifest.json", store_want):
+            todo.append((precompute(args, records, store, spec), store, store_want))
+    wait_all([(p, args.work / "logs" / f"precompute-{store.name}.log") for p, store, _ in todo])
+    for _, store, store_want in todo:
+        write_manifest(store / "bench_manifest.json", store_want)
+
+
+def variant_stores(args) -> list[StoreSpec]:
+    """The stores of the chosen variants other than the default, each once."""
+    specs = (store_spec(args, v) for v in args.variants)
+    return list(dict.fromkeys(s for s in specs if s != DEFAULT_STORE))
+
+
+def training_stores(args) -> list[tuple[str, StoreSpec]]:
+    """stores/train and the chosen variants' own training stores."""
+    return [("train", DEFAULT_STORE)] + [(spec.name("train"), spec) for spec in variant_stores(args)]
 
 
 def stage_data(args) -> None:
-    """The target answers the training prompts (dflash-generate), then the training store."""
+    """The target answers the training prompts (dflash-generate), then the training stores: the
+    default one and the chosen variants' own (another dtype, every layer), precomputed side by side."""
     data, want = args.work / "data", data_settings(args)
     if matches(data / "manifest.json", want):
         print(f"{data}: data with these settings is there; skipping")
@@ -336,7 +434,8 @@ def stage_data(args) -> None:
         train_input = train_answers(args, data)
         write_manifest(data / "manifest.json", want, generate_s=round(time.perf_counter() - t0, 1),
                        train_input=train_input)
-    build_store(args, "train", data / json.loads((data / "manifest.json").read_text())["train_input"], want)
+    records = data / json.loads((data / "manifest.json").read_text())["train_input"]
+    build_stores(args, records, want, training_stores(args))
 
 
 def heldout_batch_size(args) -> int:
@@ -374,7 +473,8 @@ def stage_heldout(args) -> None:
     else:
         made = json.loads((data / "heldout_manifest.json").read_text()).get("device_name")
         print(f"{data / 'heldout.jsonl'}: held-out answers made on {made} are there; keeping them")
-    build_store(args, "heldout", data / "heldout.jsonl", want)
+    specs = dict.fromkeys([DEFAULT_STORE] + [heldout_spec(args, v) for v in args.variants])  # the runs' layers
+    build_stores(args, data / "heldout.jsonl", want, [(spec.name("heldout"), spec) for spec in specs])
 
 
 # ---------------------------------------------------------------- 3. drafters
@@ -384,15 +484,32 @@ def run_dir(args, variant: str, seed: int) -> Path:
     return args.work / "runs" / variant / f"seed-{seed}"
 
 
+def train_store(args, variant: str) -> Path:
+    return args.work / "stores" / store_spec(args, variant).name("train")
+
+
+def heldout_spec(args, variant: str) -> StoreSpec:
+    """The held-out store a variant is evaluated on: the regime's dtype (every variant's offline
+    figures on the same states), the layers its drafter reads."""
+    return StoreSpec(None, store_spec(args, variant).all_layers)
+
+
 def train_command(args, variant: str, seed: int) -> list[str]:
     out = run_dir(args, variant, seed)
-    return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(args.work / 'stores' / 'train')])}",
+    recipe = TINY_RECIPE if args.tiny else RECIPE + REGIMES[args.regime]["recipe"]
+    block = int(next(a for a in recipe if a.startswith("--drafter.block_size=")).split("=")[1])
+    layers = ([f"--drafter.layer_ids={json.dumps(target_layers(args))}"]
+              if store_spec(args, variant).all_layers else [])
+    return [sys.executable, "-m", "train.cli", f"--data.stores={json.dumps([str(train_store(args, variant))])}",
             f"--run.target={args.work / 'target'}", f"--run.out_dir={out}", f"--run.seed={seed}",
             f"--run.device={'cpu' if args.device == 'cpu' else 'auto'}",
-            *(TINY_RECIPE if args.tiny else RECIPE + REGIMES[args.regime]["recipe"]), *VARIANTS[variant]]
+            *recipe, *layers, *(a.format(dspark_block=block - 1) for a in VARIANTS[variant])]
 
 
 def stage_drafters(args) -> None:
+    data = args.work / "data"  # the training stores (the data stage makes them; here for variants added since)
+    records = data / json.loads((data / "manifest.json").read_text())["train_input"]
+    build_stores(args, records, data_settings(args), training_stores(args))
     procs = []
     for variant in args.variants:
         for seed in args.seeds:
@@ -412,7 +529,13 @@ def stage_drafters(args) -> None:
 # ---------------------------------------------------------------- 4. eval
 
 
+def heldout_store(args, out: Path) -> Path:
+    return args.work / "stores" / heldout_spec(args, out.parent.name).name("heldout")
+
+
 def eval_commands(args, out: Path) -> dict[str, list[str]]:
+    """The reports of one run (out = runs/VARIANT/seed-S): offline_train reads the run's own training
+    store (its trainer's held-out split), offline_heldout the held-out store of its layers."""
     target, data = args.work / "target", args.work / "data"
     common = [sys.executable, "-m", "train.eval.cli", "--drafter", str(out / "drafter"),
               f"--target.path={target}", f"--generation.max_new_tokens={args.max_new_tokens}",
@@ -422,10 +545,10 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
                           "--target.dtype=float32", "--check.lossless=error", "--report", str(out / "eval.json"),
                           # every run is evaluated on the same target and prompts: decode the target alone once
                           f"--check.baseline_cache={args.work / 'baseline-cache'}"],
-        "offline_heldout": common + ["--offline", "--store", str(args.work / "stores" / "heldout"),
+        "offline_heldout": common + ["--offline", "--store", str(heldout_store(args, out)),
                                      "--offline.holdout_sequences=100000000", "--report",
                                      str(out / "offline_heldout.json")],
-        "offline_train": common + ["--offline", "--store", str(args.work / "stores" / "train"), "--report",
+        "offline_train": common + ["--offline", "--store", str(train_store(args, out.parent.name)), "--report",
                                    str(out / "offline_train.json")],
     }
 
@@ -437,7 +560,7 @@ def stage_eval(args) -> None:
         for variant in args.variants:
             for seed in args.seeds:
                 out = run_dir(args, variant, seed)
-                if name == "offline_heldout" and not (args.work / "stores" / "heldout").is_dir():
+                if name == "offline_heldout" and not heldout_store(args, out).is_dir():
                     continue  # no heldout stage yet
                 if (out / "drafter").is_dir() and not (out / f"{name}.json").is_file():
                     todo.append((eval_commands(args, out)[name], out.parent / f"{name}-seed-{seed}.log"))

@@ -1,14 +1,13 @@
 """The DFlash drafter's config, one to one with the released `config.json`: built from a target's
 config (`from_target`), written and read as config.json (`to_config_json`, `from_config_json`, also
 z-lab's layout), and as the transformers Qwen3Config whose RoPE code the drafter uses (`to_hf_config`).
-A DFlash2 drafter is the same config with `dflash2` set (`DFlash2Config`: convolutions, selector).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
@@ -18,60 +17,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ARCHITECTURE = "DFlashDraftModel"
-ARCHITECTURE_DFLASH2 = "DFlash2DraftModel"  # vLLM 0.32 and SGLang pick DFlash2's model by this name
+# What sits on the DFlash backbone (the trainer's drafter.arch; drafter/arch.py maps each to its
+# config and drafter classes)
+Arch = Literal["dflash", "dspark", "dflash2"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# dflash_config keys of DFlash2 that vLLM 0.32 requires (qwen3_dflash2.py reads them with [])
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
-@dataclass(frozen=True)
-class DFlash2Config:
-    """What DFlash2 adds to a DFlash drafter (vLLM 0.32 `qwen3_dflash2.py`, z-lab's release): in
-    every draft layer a grouped dynamic convolution over block positions around the attention and
-    one around the MLP, and a candidate selector over each position's top-k tokens. Defaults are
-    the released geometry (z-lab's config, SpecForge's and speculators' trainers)."""
-
-    conv_kernel_size: int = 2  # taps: a block row mixes in the rows up to taps-1 before it
-    conv_group_size: int = 16  # channels sharing one per-row dynamic coefficient
-    selector_rank: int = 256  # rank r of the predecessor/successor codebooks [V, r]
-    selector_top_k: int = 16  # candidates per block position the selector chooses among
-    # The served unary scores are top-k values * output_multiplier, then tanh-capped when the cap is
-    # > 0 (both monotonic: the candidates are the top-k of the raw logits). Read from released
-    # checkpoints; a drafter trained here keeps 1 and no cap.
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float = 0.0
-
-    def check(self, hidden_size: int, vocab_size: int) -> None:
-        check(self.conv_kernel_size >= 1,
-              f"conv_kernel_size = {self.conv_kernel_size} must be >= 1.")
-        check(self.conv_group_size >= 1 and hidden_size % self.conv_group_size == 0,
-              f"conv_group_size = {self.conv_group_size} must divide hidden_size = {hidden_size} "
-              f"(vLLM and SGLang refuse it otherwise); e.g. 16.")
-        check(self.selector_rank >= 1, f"selector_rank = {self.selector_rank} must be >= 1.")
-        check(1 <= self.selector_top_k <= vocab_size,
-              f"selector_top_k = {self.selector_top_k} must be in 1..vocab_size ({vocab_size}).")
-        check(self.output_multiplier > 0,
-              f"output_multiplier = {self.output_multiplier} must be > 0 (vLLM's top-k refuses "
-              "it otherwise).")
-        check(self.final_logit_softcapping >= 0,
-              f"final_logit_softcapping = {self.final_logit_softcapping} must be >= 0 (0 = none).")
-
-    def to_dflash_config(self) -> dict[str, Any]:
-        """The keys DFlash2 adds to config.json's dflash_config."""
-        names = (*DFLASH2_KEYS, "output_multiplier", "final_logit_softcapping")
-        return {name: getattr(self, name) for name in names}
-
-    @classmethod
-    def from_dflash_config(cls, dflash: Mapping[str, Any]) -> "DFlash2Config":
-        missing = [k for k in DFLASH2_KEYS if dflash.get(k) is None]
-        check(not missing, f"config.json's dflash_config has no {', '.join(missing)}; a DFlash2 "
-                           f"drafter needs all of {', '.join(DFLASH2_KEYS)} (vLLM fails to load it "
-                           "without them).")
-        return cls(*(int(dflash[k]) for k in DFLASH2_KEYS),
-                   output_multiplier=float(dflash.get("output_multiplier", 1.0)),
-                   final_logit_softcapping=float(dflash.get("final_logit_softcapping") or 0.0))
-
-
 # Keys a config.json must hold (and dflash_config's target_layer_ids and mask_token_id, also read
 # top-level); every other key has a default, the released format's or the engines'.
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -90,8 +39,15 @@ class MissingKeyError(ConfigError):
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """A DFlash drafter, field for field what the released `config.json` says (see `to_config_json`)."""
+    """A DFlash drafter, field for field what the released `config.json` says (see
+    `to_config_json`). Drafters built on the DFlash backbone subclass it (drafter/arch.py lists
+    them)."""
 
+    ARCHITECTURE: ClassVar[str] = ARCHITECTURE  # config.json's architectures entry
+    KIND: ClassVar[str] = "DFlash"  # the drafter's name in messages
+    VLLM_METHOD: ClassVar[str] = "dflash"  # vLLM's speculative_config method
+    # only vLLM's V2 model runner drafts it (on a CPU: Triton interpreted, vllm_triton_cpu.py)
+    V2_RUNNER: ClassVar[bool] = False
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int  # draft depth
@@ -116,11 +72,14 @@ class DrafterConfig:
     # Sliding layers see their own block causally, as vLLM and SGLang serve them. False only reads
     # old checkpoints that trained them bidirectionally; SGLang cannot serve those (export refuses).
     sliding_causal: bool = True
-    dflash2: DFlash2Config | None = None  # set: a DFlash2 drafter (convolutions and selector)
+    # What sits on the backbone: "dflash" (nothing), or a subclass's parts (drafter/arch.py).
+    arch: Arch = "dflash"
 
     def __post_init__(self):
         for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        check(self.arch == type(self).arch, f"arch = {self.arch!r} in a {type(self).__name__}; "
+                                            "build it with drafter/arch.py's config_class.")
         check(self.num_hidden_layers >= 1, f"num_hidden_layers = {self.num_hidden_layers} must be >= 1.")
         check(self.block_size >= 2, f"block_size = {self.block_size} must be >= 2 (anchor + predictions).")
         check(
@@ -137,8 +96,6 @@ class DrafterConfig:
         except ValueError as e:
             raise ConfigError(f"target_layer_ids: {e}.") from e
         self._check_layer_types()
-        if self.dflash2 is not None:
-            self.dflash2.check(self.hidden_size, self.vocab_size)
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
         check(kind != "dynamic", "rope_scaling type 'dynamic' depends on the sequence length; it is not supported.")
 
@@ -160,9 +117,16 @@ class DrafterConfig:
         )
 
     @property
-    def architecture(self) -> str:
-        """config.json's `architectures` entry: the name serving engines pick the model class by."""
-        return ARCHITECTURE_DFLASH2 if self.dflash2 is not None else ARCHITECTURE
+    def verify_block_size(self) -> int:
+        """Tokens of the block the target verifies, [anchor, drafts]: B for DFlash (block position
+        0 is the given anchor, B-1 drafts), B+1 for drafters whose anchor row predicts too (DSpark:
+        B drafts). A cycle emits at most this many tokens; tau lies in [1, verify_block_size]."""
+        return self.block_size
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per cycle (vLLM's num_speculative_tokens)."""
+        return self.verify_block_size - 1
 
     @property
     def num_context_layers(self) -> int:
@@ -198,12 +162,13 @@ class DrafterConfig:
         layer_ids: list[int] | None = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
-        dflash2: DFlash2Config | None = None,
+        **extra: Any,
     ) -> "DrafterConfig":
         """A drafter for `target_config` (an HF config object or its config.json as a dict).
 
         Sizes, vocabulary, RoPE and norm epsilon come from the target; `layer_ids` defaults to the
         DFlash rule (K=5 evenly from layer 1 to N-3); `layer_types` defaults to all full attention.
+        `extra`: a subclass's own fields (its heads).
         """
         t = _target_text_config(target_config)
         n_target = int(t["num_hidden_layers"])
@@ -216,7 +181,7 @@ class DrafterConfig:
             layer_types=tuple(layer_types if layer_types is not None else ["full_attention"] * depth),
             block_size=block_size,
             sliding_window=sliding_window,
-            dflash2=dflash2,
+            **extra,
         )
 
     # -- config.json ------------------------------------------------------------------------------
@@ -230,9 +195,6 @@ class DrafterConfig:
         rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         rope_parameters.pop("type", None)
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
-        if self.dflash2 is not None:
-            # block_size too: SGLang's conv block when --speculative-num-draft-tokens is not given
-            dflash |= {"block_size": self.block_size, **self.dflash2.to_dflash_config()}
         sliding = "sliding_attention" in self.layer_types
         causal = set(self.layer_causality())
         if len(causal) == 1:
@@ -241,7 +203,7 @@ class DrafterConfig:
             # relies on the layer_types rule of vLLM and SGLang (sliding causal, full bidirectional)
             dflash["causal"] = causal.pop()
         config = {
-            "architectures": [self.architecture],
+            "architectures": [self.ARCHITECTURE],
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
@@ -283,11 +245,10 @@ class DrafterConfig:
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
         """Read a released `config.json` (ours, or one following z-lab's layout)."""
         arch = data.get("architectures") or []
-        check(ARCHITECTURE in arch or ARCHITECTURE_DFLASH2 in arch,
-              f"config.json architectures = {arch} is neither [{ARCHITECTURE!r}] nor "
-              f"[{ARCHITECTURE_DFLASH2!r}]; not a DFlash drafter.")
+        check(cls.ARCHITECTURE in arch,
+              f"config.json architectures = {arch} is not [{cls.ARCHITECTURE!r}]; "
+              f"not a {cls.KIND} drafter.")
         dflash = data.get("dflash_config") or {}
-        dflash2 = DFlash2Config.from_dflash_config(dflash) if ARCHITECTURE_DFLASH2 in arch else None
 
         def dflash_value(name: str):
             return dflash.get(name, data.get(name))
@@ -310,8 +271,13 @@ class DrafterConfig:
             block_size=int(dflash_value("block_size") or 16),
             sliding_window=data.get("sliding_window") if sliding else None,
             sliding_causal=sliding_causal,
-            dflash2=dflash2,
+            **cls._own_fields_from_config_json(data),
         )
+
+    @classmethod
+    def _own_fields_from_config_json(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """A subclass's own fields (its heads) from its config.json; DFlash has none."""
+        return {}
 
     def to_hf_config(self):
         """A transformers Qwen3Config with this drafter's shapes and RoPE (for transformers' RoPE code)."""

@@ -37,19 +37,95 @@ the CPU (`grouped_conv_torch`, also the reference the kernels are tested against
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_common.drafter.config import DrafterConfig
+from dflash_common.config import check
+from dflash_common.drafter.config import Arch, DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter, DraftLayer
+
+ARCHITECTURE = "DFlash2DraftModel"  # vLLM 0.32 and SGLang pick DFlash2's model by this name
+# dflash_config keys of DFlash2 that vLLM 0.32 requires (qwen3_dflash2.py reads them with [])
+REQUIRED_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 ConvBackend = Literal["auto", "triton", "torch"]
 CONV_BACKEND: ConvBackend = (
     "auto"  # tests set "triton" to run the kernels on a CPU (TRITON_INTERPRET=1)
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# The config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DFlash2Config(DrafterConfig):
+    """A DFlash2 drafter: the DFlash fields plus what DFlash2 adds (vLLM 0.32 `qwen3_dflash2.py`,
+    z-lab's release), written in config.json's dflash_config under the same names: in every draft
+    layer a grouped dynamic convolution over block positions around the attention and one around
+    the MLP, and a candidate selector over each position's top-k tokens. Defaults are the released
+    geometry (z-lab's config, SpecForge's and speculators' trainers)."""
+
+    ARCHITECTURE: ClassVar[str] = ARCHITECTURE
+    KIND: ClassVar[str] = "DFlash2"
+    VLLM_METHOD: ClassVar[str] = "dflash"  # vLLM picks its DFlash2 speculator by the architecture
+    V2_RUNNER: ClassVar[bool] = True  # the V1 runner refuses "DFlash candidate-head drafts"
+
+    arch: Arch = "dflash2"
+    conv_kernel_size: int = 2  # taps: a block row mixes in the rows up to taps-1 before it
+    conv_group_size: int = 16  # channels sharing one per-row dynamic coefficient
+    selector_rank: int = 256  # rank r of the predecessor/successor codebooks [V, r]
+    selector_top_k: int = 16  # candidates per block position the selector chooses among
+    # The served unary scores are top-k values * output_multiplier, then tanh-capped when the cap is
+    # > 0 (both monotonic: the candidates are the top-k of the raw logits). Read from released
+    # checkpoints; a drafter trained here keeps 1 and no cap.
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.conv_kernel_size >= 1,
+              f"conv_kernel_size = {self.conv_kernel_size} must be >= 1.")
+        check(self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+              f"conv_group_size = {self.conv_group_size} must divide hidden_size = "
+              f"{self.hidden_size} (vLLM and SGLang refuse it otherwise); e.g. 16.")
+        check(self.selector_rank >= 1, f"selector_rank = {self.selector_rank} must be >= 1.")
+        check(1 <= self.selector_top_k <= self.vocab_size,
+              f"selector_top_k = {self.selector_top_k} must be in 1..vocab_size "
+              f"({self.vocab_size}).")
+        check(self.output_multiplier > 0,
+              f"output_multiplier = {self.output_multiplier} must be > 0 (vLLM's top-k refuses "
+              "it otherwise).")
+        check(self.final_logit_softcapping >= 0,
+              f"final_logit_softcapping = {self.final_logit_softcapping} must be >= 0 (0 = none).")
+
+    def own_dflash_config(self) -> dict[str, Any]:
+        """The keys DFlash2 adds to config.json's dflash_config (block_size too: SGLang's conv
+        block when --speculative-num-draft-tokens is not given)."""
+        names = ("block_size", *REQUIRED_KEYS, "output_multiplier", "final_logit_softcapping")
+        return {name: getattr(self, name) for name in names}
+
+    def to_config_json(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        """DFlash's config.json with DFlash2's keys in its dflash_config."""
+        config = super().to_config_json(dtype)
+        config["dflash_config"].update(self.own_dflash_config())
+        return config
+
+    @classmethod
+    def _own_fields_from_config_json(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        dflash = data.get("dflash_config") or {}
+        missing = [k for k in REQUIRED_KEYS if dflash.get(k) is None]
+        check(not missing, f"config.json's dflash_config has no {', '.join(missing)}; a DFlash2 "
+                           f"drafter needs all of {', '.join(REQUIRED_KEYS)} (vLLM fails to load it "
+                           "without them).")
+        return {**{k: int(dflash[k]) for k in REQUIRED_KEYS},
+                "output_multiplier": float(dflash.get("output_multiplier", 1.0)),
+                "final_logit_softcapping": float(dflash.get("final_logit_softcapping") or 0.0)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,11 +218,10 @@ class GroupedConv(nn.Module):
 class DFlash2Layer(DraftLayer):
     """A DFlash draft layer with a grouped convolution around its attention and around its MLP."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)
-        d2 = cfg.dflash2
-        self.attention_conv = GroupedConv(cfg.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
-        self.mlp_conv = GroupedConv(cfg.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
+        self.attention_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(self, x, ctx_k, ctx_v, rope, attend, mode, block: int) -> torch.Tensor:
         h, delta = self.attention_conv.prepare(self.input_layernorm(x), block)
@@ -239,17 +314,15 @@ def walk(candidates: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 
 class DFlash2Drafter(DFlashDrafter):
-    """DFlash's drafter with DFlash2 layers and a candidate selector (cfg.dflash2 set)."""
+    """DFlash's drafter with DFlash2 layers and a candidate selector."""
 
+    cfg: DFlash2Config
     layer_class = DFlash2Layer
 
-    def __init__(self, cfg: DrafterConfig):
-        if cfg.dflash2 is None:
-            raise ValueError("a DFlash2 drafter needs cfg.dflash2 (DFlash2Config)")
+    def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)
-        d2 = cfg.dflash2
         self.candidate_selector = CandidateSelector(
-            cfg.hidden_size, cfg.vocab_size, d2.selector_rank, cfg.initializer_range
+            cfg.hidden_size, cfg.vocab_size, cfg.selector_rank, cfg.initializer_range
         )
 
     @torch.no_grad()
@@ -268,11 +341,12 @@ class DFlash2Drafter(DFlashDrafter):
         """Prediction rows [..., H] -> (top-k token ids [..., K] sorted by logit, unary scores
         [..., K] float32), as vLLM's `compute_candidates` (logits in the head's dtype,
         torch.topk)."""
-        d2 = self.cfg.dflash2
-        values, ids = torch.topk(self.logits(hidden), d2.selector_top_k, dim=-1)
-        return ids, unary_scores(values, d2.output_multiplier, d2.final_logit_softcapping)
+        cfg = self.cfg
+        values, ids = torch.topk(self.logits(hidden), cfg.selector_top_k, dim=-1)
+        return ids, unary_scores(values, cfg.output_multiplier, cfg.final_logit_softcapping)
 
-    def draft_tokens(self, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def greedy_drafts(self, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
         """Block hidden states [n, b, H] -> the walked path [n, b-1] (module docstring)."""
         rows = hidden[:, 1:]  # [n, N, H]: position 0 is the given token
         ids, unary = self.candidates(rows)

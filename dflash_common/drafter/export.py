@@ -36,8 +36,8 @@ from safetensors.torch import save_file
 from dflash_common.cli import ArgumentParser, setup_logging, user_errors_exit
 
 from dflash_common.errors import UserError
+from dflash_common.drafter.arch import new_drafter
 from dflash_common.drafter.config import DrafterConfig
-from dflash_common.drafter.build import new_drafter
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.record import CONFIG_FILE, RECORD_KEY, WEIGHTS_FILE, read_drafter_config
 from dflash_common.fsutil import check_writable, fsync_tree, publish_dir, temp_sibling
@@ -176,7 +176,7 @@ def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: s
         hint = ("; DFlash2's codebooks are bare parameters: rename *_codebook.weight to *_codebook"
                 if any(n.endswith("_codebook.weight") for n in unknown) else "")
         raise UserError(
-            f"{where}: weights do not match the released DFlash layout"
+            f"{where}: weights do not match the released {cfg.KIND} layout"
             + (f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}" if unknown else "")
             + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
             + hint + ". Nothing was loaded."

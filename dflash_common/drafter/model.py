@@ -319,15 +319,17 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def greedy_draft(self, cache: DraftCache, new_context: torch.Tensor, last_token: int,
                      length: int | None = None) -> torch.Tensor:
-        """The drafted tokens [length - 1] after `last_token` (greedy, as served even when the target
-        samples); `length` defaults to the block size (shorter near a length limit)."""
+        """The drafted tokens after `last_token` (greedy, as served even when the target samples)
+        from a block of `length` rows (default: the block size; shorter near a length limit):
+        length - 1 of them (DSpark: length; `greedy_drafts`)."""
         first = torch.tensor([last_token], device=new_context.device)
         ids = self._block_ids(first, length or self.cfg.block_size)
         hidden = self.draft(cache, new_context, ids[0])  # [b, H]
-        return self.draft_tokens(hidden[None], first)[0]
+        return self.greedy_drafts(hidden[None], first)[0]
 
-    def draft_tokens(self, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
-        """The tokens served from block hidden states [n, b, H] whose blocks start with
-        `first_tokens` [n]: [n, b-1], greedy (the argmax of each prediction; position 0 is the
-        given token, not a prediction). DFlash2 walks its candidates instead."""
+    @torch.no_grad()
+    def greedy_drafts(self, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+        """Block hidden states [n, b, H] -> the drafts served [n, b - 1]: the argmax of each
+        prediction (position 0 is the given anchor, not a prediction). `first_tokens` [n], the
+        anchors, are for drafters that read them: DSpark's Markov head, DFlash2's selector walk."""
         return self.logits(hidden[:, 1:]).argmax(-1)

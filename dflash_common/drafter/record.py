@@ -17,6 +17,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from dflash_common.config import ConfigError
+from dflash_common.drafter.arch import config_from_json
 from dflash_common.drafter.config import DrafterConfig, MissingKeyError
 from dflash_common.errors import UserError
 
@@ -40,7 +41,7 @@ def read_drafter_config(directory: str | Path, fix: str | None = None) -> Drafte
         raise UserError(f"{path} is not a readable JSON file ({e}); {fix}.") from e
     record = trained_record(directory)
     try:
-        cfg = DrafterConfig.from_config_json(raw)
+        cfg = config_from_json(raw)
     except MissingKeyError as e:
         if record is None:
             them = "it" if len(e.keys) == 1 else "them"
@@ -50,7 +51,7 @@ def read_drafter_config(directory: str | Path, fix: str | None = None) -> Drafte
         raise UserError(f"{path} lacks {_keys(e.keys)}; put back {values} (saved with its "
                         f"weights), or {fix}.") from e
     except (ConfigError, KeyError, ValueError, TypeError) as e:
-        raise UserError(f"{path} is not a valid DFlash drafter config: {e}") from e
+        raise UserError(f"{path} is not a valid drafter config: {e}") from e
     if record is not None:
         _check_against_record(path, raw, cfg, record, fix)
     return cfg
@@ -66,7 +67,10 @@ _JSON_KEYS = {"target_layer_ids": ("dflash_config.target_layer_ids", "target_lay
               "block_size": ("block_size", "dflash_config.block_size"),
               "sliding_causal": ("is_causal", "dflash_config.causal"),
               "rope_theta": ("rope_theta", "rope_parameters.rope_theta"),
-              "dflash2": ("dflash_config",)}
+              "confidence_head": ("enable_confidence_head",),  # DSpark
+              **{name: (f"dflash_config.{name}",)  # DFlash2
+                 for name in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                              "selector_top_k", "output_multiplier", "final_logit_softcapping")}}
 
 
 def trained_record(directory: str | Path) -> dict | None:
@@ -82,7 +86,10 @@ def trained_record(directory: str | Path) -> dict | None:
 
 def _check_against_record(path: Path, raw: dict, cfg: DrafterConfig, record: dict,
                           fix: str) -> None:
-    trained = DrafterConfig.from_config_json(record)
+    trained = config_from_json(record)
+    if type(trained) is not type(cfg):  # architectures edited: fields of another drafter
+        raise UserError(f"{path} says architectures = {raw.get('architectures')} where its weights "
+                        f"were trained as {trained.ARCHITECTURE!r}; put it back, or {fix}.")
     differ = [f for f in (f.name for f in dataclasses.fields(cfg))
               if f not in _INFORMATIONAL and getattr(cfg, f) != getattr(trained, f)]
     if not differ:
@@ -108,8 +115,6 @@ def _value(data: dict, dotted: str):
 
 
 def _as_json(value) -> str:
-    if dataclasses.is_dataclass(value):  # DFlash2's part: the dflash_config keys it writes
-        return json.dumps(value.to_dflash_config())
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 

@@ -22,9 +22,9 @@ Each loader's rules are written here as read from its code (docs/serving.md says
   the draft depth; RoPE from top-level `rope_theta`/`rope_scaling`; `speculative_num_draft_tokens`
   is B. Weights: unknown names are skipped silently (a `model.` prefix is stripped), only
   `fc.weight`'s shape is checked, missing weights stay uninitialised.
-
-DFlash2 drafters add their own rules (serving_dflash2.py): the architecture, the four dflash_config
-keys vLLM requires, bare codebook names, and the convolution's [2, T, H] layout.
+- DSpark drafters (vLLM 0.32 only): the section at the end of this module.
+- DFlash2 drafters add their own rules to DFlash's (serving_dflash2.py): the architecture, the four
+  dflash_config keys vLLM requires, bare codebook names, and the convolution's [2, T, H] layout.
 """
 
 from __future__ import annotations
@@ -90,12 +90,34 @@ def sglang_sliding_window(config: Mapping[str, Any], layer: int) -> int | None:
 
 
 def vllm_target_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
-    """As layer-output ids (vLLM adds 1 to dflash_config's; eagle_aux_... is in its own +1 units)."""
+    """As layer-output ids, in vLLM's order (`get_eagle3_aux_layers_from_config`): eagle_aux_... (in
+    its own +1 units), dflash_config.target_layer_ids, dspark_target_layer_ids, top-level
+    target_layer_ids (vLLM adds 1 to these three), dflash_config / eagle_config.layer_ids (+1
+    units)."""
     aux = config.get("eagle_aux_hidden_state_layer_ids")
     if aux:
         return [int(i) - 1 for i in aux]
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids")
-    return [int(i) for i in ids] if ids else None
+    dflash_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    for ids in (dflash_ids, config.get("dspark_target_layer_ids"), config.get("target_layer_ids")):
+        if ids:
+            return [int(i) for i in ids]
+    for name in ("dflash_config", "eagle_config"):
+        ids = (config.get(name) or {}).get("layer_ids")
+        if ids:
+            return [int(i) - 1 for i in ids]
+    return None
+
+
+def vllm_mask_token_id(config: Mapping[str, Any]) -> int | None:
+    """vLLM's `get_parallel_drafting_token_id` order: dflash_config.mask_token_id, mask_token_id,
+    dspark_noise_token_id, pard_token, ptd_token_id."""
+    dflash = config.get("dflash_config") or {}
+    if "mask_token_id" in dflash:
+        return int(dflash["mask_token_id"])
+    for name in ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id"):
+        if config.get(name) is not None:
+            return int(config[name])
+    return None
 
 
 def sglang_target_layer_ids(config: Mapping[str, Any]) -> list[int]:
@@ -120,10 +142,12 @@ def sglang_block_size(config: Mapping[str, Any]) -> int:
 def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     """Every way vLLM or SGLang would read `config` (the config.json dict) differently from the
     drafter `cfg` that was trained, plus what a user must know to serve it."""
+    if cfg.arch == "dspark":
+        return lint_dspark_config(cfg, config)
     found = (_causality_findings(cfg, config) + _sliding_window_findings(cfg, config)
              + _id_findings(cfg, config))
     found += _rope_findings(cfg, config)
-    if cfg.dflash2 is not None:
+    if cfg.arch == "dflash2":
         from dflash_common.drafter import serving_dflash2
 
         found += [Finding(*f) for f in serving_dflash2.config_findings(cfg, config)]
@@ -199,10 +223,6 @@ def lint_weights(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tu
     bad = [n for n in set(expected) & set(found) if tuple(expected[n]) != tuple(found[n]) and n != "fc.weight"]
     if bad:
         out.append(Finding("both", "error", f"weights of the wrong shape: {', '.join(sorted(bad)[:6])}"))
-    if any(n.startswith("candidate_selector.") for n in expected):  # DFlash2
-        from dflash_common.drafter import serving_dflash2
-
-        out += [Finding(*f) for f in serving_dflash2.weight_findings(found)]
     return out
 
 
@@ -215,9 +235,11 @@ def errors(findings: Iterable[Finding]) -> list[Finding]:
 
 def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str = "TARGET") -> dict[str, str]:
     """The vLLM and SGLang command lines that serve this drafter with its target."""
+    if cfg.arch == "dspark":
+        return dspark_serve_commands(cfg, drafter_dir, target)
     spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": cfg.block_size - 1})
     # mixed sliding/full layers and DFlash2's selector run only in vLLM's V2 model runner
-    v2 = len(set(cfg.layer_types)) > 1 or cfg.dflash2 is not None
+    v2 = len(set(cfg.layer_types)) > 1 or cfg.V2_RUNNER
     env = "VLLM_USE_V2_MODEL_RUNNER=1 " if v2 else ""
     return {
         "vllm": f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
@@ -248,7 +270,7 @@ def lint_drafter_dir(path) -> list[Finding]:
     import torch
     from safetensors import safe_open
 
-    from dflash_common.drafter.build import new_drafter
+    from dflash_common.drafter.arch import config_from_json, new_drafter
     from dflash_common.drafter.record import read_drafter_config, trained_record
 
     path = Path(path)
@@ -262,12 +284,159 @@ def lint_drafter_dir(path) -> list[Finding]:
     except UserError as e:
         own.append(Finding("both", "error", str(e)))
     record = trained_record(path)  # what was trained, as the weights say; else config.json's word
-    cfg = DrafterConfig.from_config_json(record if record is not None else config)
+    cfg = config_from_json(record if record is not None else config)
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in new_drafter(cfg).state_dict().items()}
+    if cfg.arch == "dspark":
+        return own + lint_config(cfg, config) + lint_dspark_weights(expected, found)
     found_all = own + lint_config(cfg, config) + lint_weights(expected, found)
-    if cfg.dflash2 is not None:
+    if cfg.arch == "dflash2":
         from dflash_common.drafter import serving_dflash2
 
+        found_all += [Finding(*f) for f in serving_dflash2.weight_findings(found)]
         found_all += [Finding(*f) for f in serving_dflash2.conv_layout_findings(base_kernels)]
     return found_all
+
+
+# ---------------------------------------------------------------- DSpark (vLLM 0.32 only)
+# vLLM 0.32 (`model_executor/models/qwen3_dspark.py`, `config/speculative.py`,
+# `v1/worker/gpu/spec_decode/ dspark/`): architectures ["Qwen3DSparkModel"] selects method "dspark"
+# and the model; its backbone is the DFlash one (causality, windows, RoPE, target layers and mask
+# token as above, in vLLM's order);
+# `markov_rank` is required; `enable_confidence_head` and `confidence_head_with_markov` default to
+# false (a head under a missing flag is dropped, or its [1, H+r] weight refused);
+# `sample_from_anchor` (top level, default true) must not be false, nor set inside dflash_config
+# (DFlashSpeculator refuses it);
+# `block_size` is the default num_speculative_tokens (B: the anchor row predicts). Weights: an
+# unknown name or a wrong shape fails the load; missing ones, the Markov head's included, load
+# uninitialised and silently; without confidence_head.* the head is dropped silently. SGLang is not
+# checked for DSpark.
+
+
+def lint_dspark_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
+    """How vLLM 0.32 would read a DSpark drafter's config.json, against the drafter `cfg`
+    trained."""
+    found = [
+        f
+        for f in _causality_findings(cfg, config)
+        + _sliding_window_findings(cfg, config)
+        + _rope_findings(cfg, config)
+        if f.loader in ("vllm", "both")
+    ]
+    arch = config.get("architectures") or []
+    if arch != ["Qwen3DSparkModel"] or config.get("model_type") != "qwen3":
+        found.append(
+            _vllm(
+                f"architectures {arch} / model_type {config.get('model_type')!r} are not "
+                "['Qwen3DSparkModel'] / 'qwen3': vLLM would not pick its Qwen3 DSpark model."
+            )
+        )
+    if vllm_target_layer_ids(config) != list(cfg.target_layer_ids):
+        found.append(
+            _vllm(
+                f"would feed target layers {vllm_target_layer_ids(config)}, trained on "
+                f"{list(cfg.target_layer_ids)}."
+            )
+        )
+    if vllm_mask_token_id(config) != cfg.mask_token_id:
+        found.append(
+            _vllm(
+                f"would read mask token {vllm_mask_token_id(config)}, trained {cfg.mask_token_id}."
+            )
+        )
+    for key, trained in (
+        ("target_layer_ids", list(cfg.target_layer_ids)),
+        ("mask_token_id", cfg.mask_token_id),
+    ):
+        if (
+            key in config and config[key] != trained
+        ):  # DeepSpec's place, read by loaders without dflash_config
+            found.append(
+                Finding(
+                    "both",
+                    "error",
+                    f"top-level {key} reads {config[key]}, trained {trained} "
+                    "(vLLM reads dflash_config's first; other loaders this one).",
+                )
+            )
+    if config.get("markov_rank") != cfg.markov_rank:
+        found.append(
+            _vllm(
+                f"markov_rank reads {config.get('markov_rank')}, trained {cfg.markov_rank} (vLLM "
+                "fails without it)."
+            )
+        )
+    if config.get("markov_head_type", "vanilla") != "vanilla":
+        found.append(
+            _vllm(f"markov_head_type {config.get('markov_head_type')!r}: only 'vanilla' is served.")
+        )
+    for key, trained in (
+        ("enable_confidence_head", cfg.confidence_head),
+        ("confidence_head_with_markov", cfg.confidence_head_with_markov),
+    ):
+        if config.get(key) is not trained:
+            found.append(
+                _vllm(
+                    f"{key} must be written as {str(trained).lower()} (vLLM reads a missing one as "
+                    "false: the head is dropped, or its weight refused)."
+                )
+            )
+    if config.get("sample_from_anchor") is False or "sample_from_anchor" in (
+        config.get("dflash_config") or {}
+    ):
+        found.append(
+            _vllm(
+                "sample_from_anchor must be absent or true, at the top level only (false is the "
+                "1+N layout this drafter did not train; inside dflash_config vLLM refuses it)."
+            )
+        )
+    if config.get("block_size") != cfg.block_size:
+        found.append(
+            _vllm(
+                f"block_size reads {config.get('block_size')}, trained {cfg.block_size} (vLLM's "
+                "default num_speculative_tokens)."
+            )
+        )
+    return found
+
+
+def lint_dspark_weights(
+    expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]
+) -> list[Finding]:
+    """What vLLM 0.32's DSpark loader refuses (unknown names, wrong shapes) or loads silently wrong
+    (missing weights: uninitialised, the Markov head's included; a missing confidence head:
+    dropped)."""
+    out = []
+    unknown, missing = sorted(set(found) - set(expected)), sorted(set(expected) - set(found))
+    if unknown:
+        out.append(_vllm(f"refuses unknown weights: {', '.join(unknown[:6])}"))
+    if missing:
+        out.append(
+            _vllm(
+                "would load without these weights, silently (uninitialised, or the confidence "
+                f"head dropped): {', '.join(missing[:6])}"
+            )
+        )
+    bad = sorted(n for n in set(expected) & set(found) if tuple(expected[n]) != tuple(found[n]))
+    if bad:
+        out.append(
+            _vllm(f"refuses weights of the wrong shape: {', '.join(bad[:6])} (markov_w2 is [V, r])")
+        )
+    return out
+
+
+def dspark_serve_commands(
+    cfg: DrafterConfig, drafter_dir: str, target: str = "TARGET"
+) -> dict[str, str]:
+    """vLLM's command line (DSpark runs in its V2 model runner only; B drafts a cycle)."""
+    spec = json.dumps(
+        {"method": "dspark", "model": str(drafter_dir), "num_speculative_tokens": cfg.num_drafts}
+    )
+    return {
+        "vllm": f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {shlex.quote(target)} --speculative-config "
+        f"{shlex.quote(spec)}"
+    }
+
+
+def _vllm(message: str) -> Finding:
+    return Finding("vllm", "error", message)

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from dflash_common.drafter.config import ARCHITECTURE_DFLASH2, DFLASH2_KEYS, DrafterConfig
+from dflash_common.drafter.dflash2 import ARCHITECTURE, REQUIRED_KEYS, DFlash2Config
 
 # (loader, severity, message): serving.py makes each a Finding
 Found = tuple[str, str, str]
@@ -43,19 +43,19 @@ def _finding(loader: str, severity: str, message: str) -> Found:
     return loader, severity, message
 
 
-def config_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Found]:
+def config_findings(cfg: DFlash2Config, config: Mapping[str, Any]) -> list[Found]:
     """The DFlash2 keys of config.json against the drafter `cfg` that was trained."""
-    d2, dflash, out = cfg.dflash2, config.get("dflash_config") or {}, []
-    if (config.get("architectures") or []) != [ARCHITECTURE_DFLASH2]:
+    d2, dflash, out = cfg, config.get("dflash_config") or {}, []
+    if (config.get("architectures") or []) != [ARCHITECTURE]:
         out.append(
             _finding(
                 "both",
                 "error",
-                f"architectures must be [{ARCHITECTURE_DFLASH2!r}] (vLLM and SGLang "
+                f"architectures must be [{ARCHITECTURE!r}] (vLLM and SGLang "
                 f"pick DFlash2 by it), not {config.get('architectures')}.",
             )
         )
-    for key in DFLASH2_KEYS:
+    for key in REQUIRED_KEYS:
         if dflash.get(key) is None:
             out.append(
                 _finding(

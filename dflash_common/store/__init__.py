@@ -8,8 +8,9 @@ is the written spec).
       shards/<name>/input_ids        int32 [T]
       shards/<name>/loss_mask        uint8 [T]
       shards/<name>/offsets          int64 [N+1]
-      shards/<name>/layer_<id>       uint16 [T, H] (bf16 bits) or uint8 [T, H] (fp8 e4m3 bits)
-      shards/<name>/layer_<id>_scale float32 [T] (fp8 only)
+      shards/<name>/layer_<id>       uint16 [T, H] (bf16 bits), uint8 [T, H] (fp8 e4m3 bits) or
+                                     uint8 [T, 9H/16] (q4_hadamard codes and group scales)
+      shards/<name>/layer_<id>_scale float32 [T] (fp8_e4m3 and q4_hadamard)
       .staging/                      shards being written (hidden: readers never look here)
 
 Writers (many processes at once, no locks) build a shard under `.staging/`, fsync it and publish it
@@ -18,9 +19,9 @@ wins and a rerun skips it. Readers list `shards/`, skip hidden names, and read c
 into caller-provided buffers (dflash_common/store/chunks.py); every chunk is checked against its crc32c.
 
 One module each: `format` (manifest, names, errors, version checks), `chunks` (data files and their
-crc32c), `quant` (the bf16 / fp8 e4m3 codec), `writer` (staging and publishing), `reader` (`Store`),
-`contents` (the shards against the summary and the root manifest: missing shards, a hand-edited
-root), `verify` (checksums, `dflash-store verify` / `info`) and `cli` (`dflash-store`).
+crc32c), `quant` (the bf16 / fp8_e4m3 / q4_hadamard encodings), `writer` (staging and publishing),
+`reader` (`Store`), `contents` (the shards against the summary and the root manifest: missing shards,
+a hand-edited root), `verify` (checksums, `dflash-store verify` / `info`) and `cli` (`dflash-store`).
 """
 
 from dflash_common.store.format import (

@@ -16,10 +16,14 @@ import numpy as np
 
 from dflash_common.errors import UserError
 from dflash_common.store.chunks import check_codec
-from dflash_common.store.quant import EncodedStates, check_storage_dtype
+from dflash_common.store.quant import EncodedStates, check_hidden_size
 
 FORMAT_NAME = "dflash-hidden-states"
-FORMAT_VERSION = 1  # bump on any change a version-1 reader would misread; readers refuse others
+# A store carries the lowest version that reads it whole, so a reader that predates a feature refuses
+# exactly the stores that use it: 1 = bf16 / fp8_e4m3 states, 2 = q4_hadamard states (a version-1
+# reader would misread their 9H/16-byte rows). Readers refuse versions they do not know.
+FORMAT_VERSION = 2  # the newest version this code writes and reads
+READ_VERSIONS = (1, 2)
 SHARDS_DIR = "shards"
 STAGING_DIR = ".staging"
 STALE_STAGING_S = 24 * 3600  # a shard write takes minutes; a day-old staging dir is a dead writer's
@@ -63,7 +67,7 @@ class StoreManifest:
     chat_template_sha256: str | None  # fingerprint.chat_template_sha256(...)
     layer_ids: tuple[int, ...]  # outputs of these decoder layers (HF hidden_states[i + 1])
     hidden_size: int
-    dtype: str = "bf16"  # storage dtype: bf16 | fp8_e4m3 (dflash_common/store/quant.py)
+    dtype: str = "bf16"  # storage dtype: bf16 | fp8_e4m3 | q4_hadamard (dflash_common/store/quant.py)
     codec: str = "none"  # none | zstd | blosc-lz4-bitshuffle (dflash_common/store/chunks.py)
     chunk_tokens: int = 1024  # max rows per inner chunk: 8 MiB at H=4096 bf16 (benchmarks/store_io.py)
     dataset: dict[str, Any] = dataclasses.field(default_factory=dict)  # fingerprint.dataset_fingerprint
@@ -71,7 +75,7 @@ class StoreManifest:
     # fingerprint.head_fingerprint: the target's embedding/lm_head and drafter-copied config fields;
     # {} in stores written before it was recorded (the trainer then compares `target` as a whole)
     target_head: dict[str, Any] = dataclasses.field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int | None = None  # None: the version the dtype needs (`format_version_for`)
     # shards also hold the target's final normed hidden state (the lm_head's input), array "final";
     # written only when true, so stores without it keep the exact manifest they were made with
     final_state: bool = False
@@ -81,10 +85,15 @@ class StoreManifest:
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"layer_ids {list(self.layer_ids)} must be distinct non-negative ids")
         object.__setattr__(self, "layer_ids", tuple(sorted(ids)))  # a set of layers: one canonical order
-        check_storage_dtype(self.dtype)
-        check_codec(self.codec)
         if self.hidden_size < 1 or self.chunk_tokens < 1:
             raise ValueError("hidden_size and chunk_tokens must be positive")
+        check_hidden_size(self.dtype, self.hidden_size)
+        check_codec(self.codec)
+        need = format_version_for(self.dtype)
+        if self.format_version is None:
+            object.__setattr__(self, "format_version", need)
+        elif self.format_version < need:
+            raise ValueError(f"format version {self.format_version} has no {self.dtype} states")
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -101,14 +110,20 @@ class StoreManifest:
             raise StoreError(f"{where} is not a dflash hidden-state store (its zarr.json has no "
                              f"'format: {FORMAT_NAME}'); pass the directory dflash-precompute wrote.")
         version = attrs.get("format_version")
-        if version != FORMAT_VERSION:
-            raise StoreError(f"{where} has store format version {version!r}, but this dflash reads only "
-                             f"version {FORMAT_VERSION}; use the dflash version that wrote it.")
+        if version not in READ_VERSIONS:
+            raise StoreError(f"{where} has store format version {version!r}, but this dflash reads "
+                             f"versions {', '.join(map(str, READ_VERSIONS))}; use the dflash version "
+                             f"that wrote it.")
         names = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in attrs.items() if k in names})
         except (TypeError, ValueError) as e:
             raise StoreError(f"{where} has a malformed manifest ({e}); the store is damaged.") from e
+
+
+def format_version_for(dtype: str) -> int:
+    """The lowest store format version that holds states of `dtype` (see FORMAT_VERSION)."""
+    return 2 if dtype == "q4_hadamard" else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +132,7 @@ class ShardPayload:
 
     input_ids int32 [T], loss_mask bool/uint8 [T], offsets int64 [N+1] (sequence i is tokens
     offsets[i]:offsets[i+1]), sample_ids N strings such as 'data.jsonl:17', and one EncodedStates
-    [T, H] per captured layer id (from quant.encode_states), plus the final state when the store
+    [T, row] per captured layer id (from quant.encode_states), plus the final state when the store
     holds final states."""
 
     input_ids: Any
@@ -125,7 +140,7 @@ class ShardPayload:
     offsets: Any
     sample_ids: Sequence[str]
     layers: Mapping[int, EncodedStates]
-    final: EncodedStates | None = None  # the final normed state [T, H]; exactly when the manifest says so
+    final: EncodedStates | None = None  # the final normed state [T, row]; exactly when the manifest says so
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dflash_common.store.format import (
     StoreMismatchError, check_compatible, check_offsets, layer_array, read_json, read_root_attributes, scale_array,
     short_json,
 )
-from dflash_common.store.quant import decode_states, storage_numpy_dtype
+from dflash_common.store.quant import decode_states, has_scale, row_size, storage_numpy_dtype
 
 
 @dataclasses.dataclass
@@ -34,10 +34,10 @@ class ShardData:
     loss_mask: np.ndarray  # uint8 [T]
     offsets: np.ndarray  # int64 [N+1]
     sample_ids: list[str]
-    layers: dict[int, np.ndarray]  # layer id -> uint16 | uint8 [T, H]
-    scales: dict[int, np.ndarray]  # layer id -> float32 [T] (fp8 only)
-    final: np.ndarray | None = None  # the final normed state's bits [T, H], when read
-    final_scale: np.ndarray | None = None  # float32 [T] (fp8 only)
+    layers: dict[int, np.ndarray]  # layer id -> stored rows [T, row]: uint16 (bf16) | uint8
+    scales: dict[int, np.ndarray]  # layer id -> float32 [T] (scaled dtypes only)
+    final: np.ndarray | None = None  # the final normed state's rows [T, row], when read
+    final_scale: np.ndarray | None = None  # float32 [T] (scaled dtypes only)
 
     def states(self, layer_id: int | None, *, device: torch.device | str | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -162,14 +162,16 @@ class Store:
         specs = {"input_ids": BufferSpec((t,), np.dtype(np.int32)),
                  "loss_mask": BufferSpec((t,), np.dtype(np.uint8)),
                  "offsets": BufferSpec((n + 1,), np.dtype(np.int64))}
+        rows = BufferSpec((t, row_size(m.dtype, m.hidden_size)), storage_numpy_dtype(m.dtype))
+        scales = BufferSpec((t,), np.dtype(np.float32))
         for layer_id in self._layer_ids(layer_ids):
-            specs[layer_array(layer_id)] = BufferSpec((t, m.hidden_size), storage_numpy_dtype(m.dtype))
-            if m.dtype == "fp8_e4m3":
-                specs[scale_array(layer_id)] = BufferSpec((t,), np.dtype(np.float32))
+            specs[layer_array(layer_id)] = rows
+            if has_scale(m.dtype):
+                specs[scale_array(layer_id)] = scales
         if self._wants_final(layer_ids, final):
-            specs[FINAL_ARRAY] = BufferSpec((t, m.hidden_size), storage_numpy_dtype(m.dtype))
-            if m.dtype == "fp8_e4m3":
-                specs[FINAL_SCALE_ARRAY] = BufferSpec((t,), np.dtype(np.float32))
+            specs[FINAL_ARRAY] = rows
+            if has_scale(m.dtype):
+                specs[FINAL_SCALE_ARRAY] = scales
         return specs
 
     def _wants_final(self, layer_ids: Sequence[int] | None, final: bool | None) -> bool:

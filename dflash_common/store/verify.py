@@ -1,7 +1,7 @@
 """`verify` and `info` of a store: every checksum, every shard's consistency, and the totals.
 
 verify reads every byte of every shard: the index and each chunk of every array are checked against
-their crc32c; the small arrays (token ids, loss mask, offsets, fp8 scales) are decoded and checked
+their crc32c; the small arrays (token ids, loss mask, offsets, per-token scales) are decoded and checked
 for consistency (offsets rise from 0 to T, masks are 0/1, scales finite); the shard's layer set,
 dtype and array shapes must match the manifest. State chunks are not decompressed: their crc32c
 covers the stored bytes, and NaN/Inf were refused when they were written.

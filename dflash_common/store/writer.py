@@ -26,11 +26,13 @@ from zarr.storage import LocalStore
 from dflash_common.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, publish_dir
 from dflash_common.store.chunks import balanced_chunk_rows, create_array, write_data
 from dflash_common.store.format import (
-    FINAL_ARRAY, FINAL_SCALE_ARRAY, FORMAT_NAME, FORMAT_VERSION, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError, ShardInfo,
+    FINAL_ARRAY, FINAL_SCALE_ARRAY, FORMAT_NAME, SHARDS_DIR, STAGING_DIR, STALE_STAGING_S, NonFiniteStatesError, ShardInfo,
     ShardPayload, StoreError, StoreManifest, StoreMismatchError, check_shard_name, group_metadata, layer_array,
     read_json, read_root_attributes, scale_array, short_json,
 )
-from dflash_common.store.quant import LOGICAL_DTYPE_NAMES, EncodedStates, nonfinite_rows, storage_numpy_dtype
+from dflash_common.store.quant import (
+    LOGICAL_DTYPE_NAMES, EncodedStates, has_scale, nonfinite_rows, row_size, storage_numpy_dtype,
+)
 from dflash_common.store.reader import Store
 
 
@@ -231,7 +233,7 @@ class StoreWriter:
                              f"{'holds' if m.final_state else 'does not hold'} final states")
         if m.final_state:
             arrays.update(self._final_arrays(name, payload.final, t, offsets, sample_ids, rows))
-        attrs = {"format": FORMAT_NAME + "/shard", "format_version": FORMAT_VERSION, "num_tokens": t,
+        attrs = {"format": FORMAT_NAME + "/shard", "format_version": m.format_version, "num_tokens": t,
                  "num_sequences": len(sample_ids), "layer_ids": list(m.layer_ids), "dtype": m.dtype,
                  "sample_ids": sample_ids}
         if m.final_state:
@@ -239,7 +241,7 @@ class StoreWriter:
         return dict(sorted(arrays.items())), attrs
 
     def _final_arrays(self, name, enc: EncodedStates, t, offsets, sample_ids, rows):
-        """The final state's array (+ fp8 scale), encoded and checked like a layer's."""
+        """The final state's array (+ its scale), encoded and checked like a layer's."""
         data, scale = self._states(name, "the final state", enc, t, offsets, sample_ids)
         attrs = {"final_state": True, "logical_dtype": LOGICAL_DTYPE_NAMES[self.manifest.dtype]}
         arrays = {FINAL_ARRAY: (data, attrs, ("token", "hidden"), rows)}
@@ -254,12 +256,13 @@ class StoreWriter:
         if enc.dtype != m.dtype:
             raise ValueError(f"shard {name} {what} is encoded as {enc.dtype}, the store as {m.dtype}")
         data = _numpy(enc.data, what, storage_numpy_dtype(m.dtype), 2, exact=True)
-        if data.shape != (t, m.hidden_size):
-            raise ValueError(f"shard {name} {what} has shape {data.shape}, expected {(t, m.hidden_size)}")
+        shape = (t, row_size(m.dtype, m.hidden_size))
+        if data.shape != shape:
+            raise ValueError(f"shard {name} {what} has shape {data.shape}, expected {shape}")
         scale = None
-        if m.dtype == "fp8_e4m3":
+        if has_scale(m.dtype):
             if enc.scale is None:
-                raise ValueError(f"shard {name} {what}: fp8 states need their scale")
+                raise ValueError(f"shard {name} {what}: {m.dtype} states need their scale")
             scale = _numpy(enc.scale, f"{what} scale", np.float32, 1, exact=True)
             if len(scale) != t:
                 raise ValueError(f"shard {name} {what} has {len(scale)} scales for {t} tokens")

@@ -3,12 +3,15 @@ dflash-eval command parse into the stage's config, so a GPU run does not fail on
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
 from dflash_common.config import load_config
+from precompute.config import PrecomputeConfig
 from train.config import TrainConfig
 from train.eval.config import EvalConfig
 
@@ -25,6 +28,8 @@ def _runner():
 @pytest.mark.parametrize("tiny", [False, True])
 def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
     run = _runner()
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
     args = run.parse(["--work", str(tmp_path), "--variants", ",".join(run.VARIANTS), "--seeds", "0,3"]
                      + (["--tiny"] if tiny else []))
     assert args.train_prompts == (5000 if not tiny else args.train_prompts)
@@ -33,6 +38,11 @@ def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
         assert cmd[1:3] == ["-m", "train.cli"]
         cfg = load_config(TrainConfig, None, cmd[3:])
         assert cfg.run.seed == 3 and cfg.run.out_dir == str(tmp_path / "runs" / variant / "seed-3")
+        spec = run.store_spec(args, variant)
+        assert cfg.data.stores == [str(tmp_path / "stores" / spec.name("train"))]
+        if spec.all_layers:  # the drafter reads every layer its store captured
+            assert cfg.drafter.layer_ids == list(range(8))
+            continue
         if not tiny:  # the recipe of the issue, but for what the variant itself changes
             recipe = {"drafter.block_size": 16, "drafter.depth": 3, "optim.epochs": 6, "optim.lr": 6e-4}
             changed = {o.split("=")[0].removeprefix("--") for o in run.VARIANTS[variant]}
@@ -40,6 +50,53 @@ def test_every_variant_command_parses_into_a_train_config(tmp_path, tiny):
                 section, field = key.split(".")
                 assert key in changed or getattr(getattr(cfg, section), field) == value, (variant, key)
             assert cfg.drafter.layer_ids is None  # the store's: the DFlash rule
+
+
+def test_variants_of_other_stores_train_and_are_evaluated_on_their_own_stores(tmp_path):
+    run = _runner()
+    args = run.parse(["--work", str(tmp_path), "--variants", "baseline,q4,q4+all_layers,all_layers,fp8"])
+    assert [s.name("train") for s in run.variant_stores(args)] == [
+        "train-q4_hadamard", "train-q4_hadamard-all", "train-all", "train-fp8_e4m3"]
+    stores = tmp_path / "stores"
+    for variant, train, heldout in (("baseline", "train", "heldout"), ("q4", "train-q4_hadamard", "heldout"),
+                                    ("q4+all_layers", "train-q4_hadamard-all", "heldout-all")):
+        cmds = run.eval_commands(args, tmp_path / "runs" / variant / "seed-0")
+        assert cmds["offline_train"][cmds["offline_train"].index("--store") + 1] == str(stores / train)
+        assert cmds["offline_heldout"][cmds["offline_heldout"].index("--store") + 1] == str(stores / heldout)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 4}}))
+    spec = run.STORES["q4+all_layers"]
+    cmd = run.precompute_command(args, tmp_path / "data" / "train.jsonl", stores / spec.name("train"), spec)
+    assert cmd[1:3] == ["-m", "precompute.cli"]
+    cfg = load_config(PrecomputeConfig, None, [a for a in cmd[3:] if a.startswith("--") and "=" in a])
+    assert cfg.store.dtype == "q4_hadamard" and cfg.target.layer_ids == [0, 1, 2, 3]
+    assert not cfg.store.final_state  # only stores/train keeps final states (soft-target variants)
+
+
+def test_the_q4_variant_has_a_store_of_its_own_in_both_regimes(tmp_path):
+    """dpace+q4 trains from a q4_hadamard store of the same answers, made in the data stage beside
+    stores/train (bf16 in the small regime, fp8 in the rich one), and is evaluated on the held-out
+    store every variant shares; a variant whose dtype is the regime's reads stores/train itself."""
+    run = _runner()
+    stores = tmp_path / "stores"
+    for regime, base in (("small", "bf16"), ("rich", "fp8_e4m3")):
+        args = run.parse(["--work", str(tmp_path), "--regime", regime, "--variants", "dpace,dpace+q4,fp8"])
+        q4 = run.STORES["dpace+q4"]
+        assert run.training_stores(args) == [("train", run.DEFAULT_STORE), ("train-q4_hadamard", q4)] + (
+            [("train-fp8_e4m3", run.STORES["fp8"])] if regime == "small" else [])
+        for spec, dtype in ((run.DEFAULT_STORE, base), (q4, "q4_hadamard")):
+            cmd = run.precompute_command(args, tmp_path / "train.jsonl", stores / spec.name("train"), spec)
+            cfg = load_config(PrecomputeConfig, None, [a for a in cmd[3:] if a.startswith("--") and "=" in a])
+            assert cfg.store.dtype == dtype
+        dpace = load_config(TrainConfig, None, run.train_command(args, "dpace", 0)[3:])
+        cfg = load_config(TrainConfig, None, run.train_command(args, "dpace+q4", 0)[3:])
+        assert cfg.data.stores == [str(stores / "train-q4_hadamard")]
+        assert dataclasses.replace(cfg.data, stores=dpace.data.stores) == dpace.data
+        assert (cfg.objective, cfg.optim, cfg.drafter) == (dpace.objective, dpace.optim, dpace.drafter)
+        heldout = run.eval_commands(args, tmp_path / "runs" / "dpace+q4" / "seed-0")["offline_heldout"]
+        assert heldout[heldout.index("--store") + 1] == str(stores / "heldout")
+        fp8 = load_config(TrainConfig, None, run.train_command(args, "fp8", 0)[3:])
+        assert fp8.data.stores == [str(stores / ("train" if regime == "rich" else "train-fp8_e4m3"))]
 
 
 def test_eval_commands_parse_and_ask_for_float32_and_lossless(tmp_path):

@@ -36,13 +36,15 @@ def test_wall_times_skips_the_warmup_calls():
 
 @pytest.mark.parametrize("script, rows", [
     ("levers.py", 10),  # the recipe and the nine variants of levers.VARIANTS
+    ("levers.py --dspark", 6),  # the recipe, D-PACE and the four DSpark variants
     ("drafter_step.py", 0),  # its own columns: ms, then lowest-highest
     ("precompute_batching.py", 4),  # four batch layouts
     ("eval_batched.py", 2),  # batched and one at a time
 ])
 def test_step_benchmarks_print_median_and_spread(script, rows):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, f"benchmarks/{script}", "--quick"], cwd=ROOT, env=env,
+    command = [sys.executable, *f"benchmarks/{script}".split(), "--quick"]
+    out = subprocess.run(command, cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     cells = [m for line in out.stdout.splitlines() if (m := CELL.search(line))]

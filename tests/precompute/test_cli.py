@@ -77,6 +77,24 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_target, tmp_path, capsy
     assert parse(["--config", TINY, "--dry-run"]).run.dry_run and parse(["--config", TINY, "--force"]).run.force
 
 
+def test_the_plan_of_a_q4_store_counts_its_bytes(tiny_target, tmp_path, capsys):
+    main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run", "--store.dtype=q4_hadamard"))
+    out = capsys.readouterr().out
+    # per layer: 32 bytes of 4-bit codes + 4 group scale bytes + a float32 token scale (0.31x of 645 here)
+    assert "205 array bytes/token (5 x (36 + 4) + 5 for id and mask) + 8 per sequence" in out, out
+
+
+def test_q4_on_a_hidden_size_of_no_whole_groups_is_one_sentence(tmp_path, capsys):
+    from dflash_common.tiny import TinySpec, build_tiny_target
+
+    target = build_tiny_target(tmp_path / "h40", TinySpec(hidden_size=40, head_dim=10))
+    with pytest.raises(SystemExit) as caught:
+        main(_tiny_args(target, tmp_path / "store", "--dry-run", "--store.dtype=q4_hadamard"))
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and err.count("\n") == 1, err
+    assert "q4_hadamard needs a hidden size that is a multiple of 16, not 40; choose bf16 or fp8_e4m3" in err
+
+
 def test_a_disk_too_small_is_refused_in_one_sentence(tiny_target, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(P, "free_space", lambda path: 1_000_000)
     with pytest.raises(SystemExit) as caught:
@@ -184,3 +202,23 @@ def test_no_progress_frames_when_stderr_is_not_a_terminal(tiny_target, tmp_path,
     for text in (captured.err, captured.out):
         assert "\r" not in text and "sample/s" not in text and "step/s" not in text and "shard/s" not in text
     assert "done: 16 samples" in captured.out and "OK" in captured.err and "done: 3 steps" in captured.err
+
+
+def test_a_q4_store_that_lost_shards_is_refilled_to_the_same_bytes(tiny_target, tmp_path, capsys):
+    """Resume holds for q4_hadamard: a rerun of the command writes only the missing shards, bit for
+    bit those of the first run (the encoding is deterministic), and the store verifies."""
+    import shutil
+
+    from precompute_helpers import cli_args, demo_inputs, published, store_files
+
+    inputs, store = demo_inputs(tmp_path), tmp_path / "store"
+    main(cli_args(tiny_target, inputs, store, "q4_hadamard"))
+    whole = store_files(store)
+    lost = published(store)[3:5]
+    for name in lost:
+        shutil.rmtree(store / "shards" / name)
+    main(cli_args(tiny_target, inputs, store, "q4_hadamard"))
+    capsys.readouterr()
+    s = Store.open(store)
+    assert store_files(store) == whole and s.summary["runs"][-1]["units_written"] == len(lost) == 2
+    assert s.manifest.format_version == 2 and verify_store(s).ok

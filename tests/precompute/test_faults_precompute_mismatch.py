@@ -83,9 +83,9 @@ def test_a_store_this_dflash_cannot_read_is_refused_and_left_alone(made, tiny_ta
     root = store / "zarr.json"
     if damage == "format_version":
         meta = json.loads(root.read_text())
-        meta["attributes"]["format_version"] = 2
+        meta["attributes"]["format_version"] = 3
         root.write_text(json.dumps(meta))
-        want = f"store {store} has store format version 2, but this dflash reads only version 1"
+        want = f"store {store} has store format version 3, but this dflash reads versions 1, 2"
     else:
         root.write_text(root.read_text()[:200])
         want = f"store {store} has an unreadable zarr.json"

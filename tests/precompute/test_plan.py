@@ -33,6 +33,9 @@ def test_shard_names_follow_content_and_state_settings(tiny_target_2layer, mixed
 def test_bytes_per_token_formula():
     assert P.bytes_per_token(4096, 5, "bf16") == 5 * 8192 + 5
     assert P.bytes_per_token(4096, 5, "fp8_e4m3") == 5 * 4100 + 5
+    # q4_hadamard: 2048 bytes of 4-bit codes + 256 group scale bytes + a float32 per token and layer
+    assert P.bytes_per_token(4096, 5, "q4_hadamard") == 5 * (2048 + 256 + 4) + 5
+    assert P.bytes_per_token(5120, 5, "q4_hadamard") / P.bytes_per_token(5120, 5, "bf16") < 0.30
 
 
 def _summary(index, tokens, samples):

@@ -30,6 +30,13 @@ def tiny_store_fp8(tiny_target, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_store_q4(tiny_target, tmp_path_factory):
+    """tiny_store's 6 shards x 8 conversations as q4_hadamard states: the same shard names and
+    sequences, so a run from it draws the same batches and anchors as one from tiny_store."""
+    return write_tiny_store(tmp_path_factory.mktemp("stores") / "tiny-q4", tiny_target, dtype="q4_hadamard")
+
+
+@pytest.fixture(scope="session")
 def tiny_store_final(tiny_target, tmp_path_factory):
     """4 shards x 8 conversations, bf16 states of layers 1-5 and the final normed state."""
     return write_tiny_store(tmp_path_factory.mktemp("stores") / "tiny-final", tiny_target, n_shards=4,

@@ -1,8 +1,11 @@
 """The data path on real stores: slots filled straight from zarr with only the chosen layers, device
-batches equal to the store's states in the drafter's layer order (bf16 and fp8), a checkpointable
-position that replays the same batches and anchors, and several stores mixed."""
+batches equal to the store's states in the drafter's layer order (bf16, fp8 and q4_hadamard), a
+checkpointable position that replays the same batches and anchors, and several stores mixed (also of
+different storage dtypes in one batch)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -24,24 +27,30 @@ def _cfg(store, *overrides):
     return load_config(TrainConfig, None, [f"--data.stores=[\"{store}\"]", *base, *overrides])
 
 
-def _check_batches(store: Store, data: TrainData, feeder, layer_ids, n: int) -> None:
-    """n device batches equal the store's states read the plain way (whole shard, decode, slice)."""
+def _check_batches(store: Store | list[Store], data: TrainData, feeder, layer_ids, n: int) -> set[frozenset]:
+    """n device batches equal the stores' states read the plain way (whole shard, decode, slice);
+    returns the sets of storage dtypes the batches held."""
+    stores = store if isinstance(store, list) else [store]
+    seen = set()
     for _ in range(n):
         batch = next(feeder)
         rows = data.plan.epoch(batch.epoch, 0).batches[batch.index]  # [n, 3] (shard, sequence, tokens)
         expected, ids = [], []
+        seen.add(frozenset(stores[data.plan.shards[shard].store].manifest.dtype for shard in rows[:, 0].tolist()))
         for shard, seq, k in rows.tolist():
-            d = store.read_shard(data.plan.shards[shard].name)
+            meta = data.plan.shards[shard]
+            d = stores[meta.store].read_shard(meta.name)
             src = int(d.offsets[seq])
             expected.append(torch.cat([d.states(i, out_dtype=torch.float32)[src:src + k] for i in layer_ids], -1))
             ids.append(torch.from_numpy(d.input_ids[src:src + k].astype(np.int64)))
         assert torch.equal(batch.features.float().cpu(), torch.cat(expected))  # [T, K*H], bit for bit
         assert torch.equal(batch.input_ids.cpu(), torch.cat(ids))
-        assert batch.features.shape[1] == len(layer_ids) * store.manifest.hidden_size
+        assert batch.features.shape[1] == len(layer_ids) * stores[0].manifest.hidden_size
         assert batch.anchors.numel() > 0 and batch.cu_seqlens[-1] == batch.tokens
+    return seen
 
 
-@pytest.mark.parametrize("fixture", ["tiny_store", "tiny_store_fp8"])
+@pytest.mark.parametrize("fixture", ["tiny_store", "tiny_store_fp8", "tiny_store_q4"])
 def test_device_batches_equal_the_stores_states_in_layer_order(fixture, request):
     path = request.getfixturevalue(fixture)
     layer_ids = [5, 1, 3]  # not sorted: the drafter's order must be kept
@@ -152,6 +161,22 @@ def test_stores_are_mixed_and_held_out_sequences_never_trained(tiny_store, tiny_
     assert not held & trained
     val = list(data.val_batches())
     assert sum(b.cu_seqlens.numel() - 1 for b in val) == 6
+    data.close()
+    for s in stores:
+        s.close()
+
+
+def test_stores_of_different_dtypes_share_batches_and_decode_each_in_place(tiny_store_fp8, tiny_store_q4, tiny_store):
+    """bf16, fp8 and q4_hadamard shards in one batch: each row is decoded by its own store's dtype and
+    lands at its place in the batch."""
+    paths = [tiny_store, tiny_store_fp8, tiny_store_q4]
+    stores = [Store.open(p) for p in paths]
+    cfg = load_config(TrainConfig, None, [
+        f"--data.stores={json.dumps([str(p) for p in paths])}", "--data.cache_gb=0.05", "--data.batch_tokens=900",
+        "--data.window_shards=4", "--data.holdout_sequences=0", "--drafter.block_size=4", "--precision.autocast=none"])
+    data = TrainData.build(cfg, stores, [4, 2], rank=0, world=1, device=torch.device("cpu"))
+    seen = _check_batches(stores, data, data.start(), [4, 2], 8)
+    assert max(len(s) for s in seen) >= 2, seen  # some batch mixed dtypes
     data.close()
     for s in stores:
         s.close()

@@ -73,18 +73,18 @@ def test_a_store_of_another_tokenizer(tiny_store, tiny_target, tmp_path, capsys)
 
 
 def test_a_store_of_an_unknown_format_version(tiny_store, tiny_target, tmp_path, capsys):
-    store = copy_store(tiny_store, tmp_path / "v2")
+    store = copy_store(tiny_store, tmp_path / "v3")
     meta = json.loads((store / "zarr.json").read_text())
-    meta["attributes"]["format_version"] = 2
+    meta["attributes"]["format_version"] = 3
     (store / "zarr.json").write_text(json.dumps(meta))
-    want = f"store {store} has store format version 2, but this dflash reads only version 1"
+    want = f"store {store} has store format version 3, but this dflash reads versions 1, 2"
     assert want in _fails(capsys, train_args(store, tiny_target, tmp_path / "run"))
     for cmd in ("info", "verify"):
         assert want in _fails(capsys, [cmd, str(store)], main=store_main)
     manifest = json.loads((tiny_store / "zarr.json").read_text())["attributes"]
     from dflash_common.store import StoreError, StoreManifest
 
-    with pytest.raises(StoreError, match="format version 2"):  # a writer refuses to add shards to it
+    with pytest.raises(StoreError, match="format version 3"):  # a writer refuses to add shards to it
         StoreWriter.create_or_open(store, StoreManifest.from_json(manifest))
 
 

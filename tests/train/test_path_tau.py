@@ -175,3 +175,87 @@ def test_the_cut_rule_is_spec_decodes_emitted_rule():
     cut = cycle_length(torch.tensor(uncut) - 1, torch.tensor(starts), torch.tensor(end)).tolist()
     assert emitted_lengths(starts, uncut, end) == cut == [4, 2, 4, 1]
     assert emitted_lengths(starts, uncut, 21) == [4, 2, 4]  # the anchor at 20 is the last token: dropped
+
+
+@pytest.fixture(scope="module")
+def dspark_run(greedy_setup, tiny_target):
+    """A DSpark drafter (B = BLOCK - 1: the same verified block) trained a little on the same
+    store."""
+    from dflash_common.config import load_config
+    from train.config import TrainConfig
+    from train.loop import run as train
+
+    _, _, store, run, _ = greedy_setup
+    return train(
+        load_config(
+            TrainConfig,
+            ROOT / "configs" / "tiny.toml",
+            [
+                f"--data.stores={json.dumps([str(store)])}",
+                f"--run.target={tiny_target}",
+                f"--run.out_dir={run.parent / 'dspark-run'}",
+                "--drafter.arch=dspark",
+                f"--drafter.block_size={BLOCK - 1}",
+                "--drafter.markov_rank=16",
+                "--data.holdout_sequences=4",
+                "--optim.max_steps=60",
+                "--validation.every_steps=60",
+                "--checkpoint.every_steps=60",
+                "--log.tensorboard=false",
+                "--log.progress=false",
+                "--objective.max_anchors=64",
+            ],
+        )
+    )
+
+
+@pytest.mark.slow
+def test_dspark_path_tau_equals_real_greedy_decoding_cycle_for_cycle(
+    greedy_setup, dspark_run, tiny_target
+):
+    """The replay drafts DSpark's blocks as dflash-eval does (B drafts, the Markov chain from the
+    anchor)."""
+    from transformers import AutoTokenizer
+
+    from dflash_common.config import load_config
+    from dflash_common.drafter.export import load_drafter
+    from train.eval.config import EvalConfig
+    from train.eval.load import attach_target
+    from train.eval.offline import path_tau_offline
+    from train.eval.prompts import Prompt
+    from train.eval.run import evaluate_drafter
+
+    model, records, store, _, _ = greedy_setup
+    drafter, _ = load_drafter(dspark_run / "drafter", dtype=torch.float32)
+    proposer = attach_target(drafter, model)
+    assert proposer.block_size == BLOCK
+    cfg = load_config(
+        EvalConfig,
+        None,
+        [
+            f"--target.path={tiny_target}",
+            f"--generation.max_new_tokens={MAX_NEW}",
+            "--generation.warmup=false",
+            "--target.device=cpu",
+        ],
+    )
+    prompts = [
+        Prompt(f"p{i}", ids=[t for t, m in zip(r["input_ids"], r["loss_mask"]) if not m])
+        for i, r in enumerate(records)
+    ]
+    real = evaluate_drafter(
+        model, AutoTokenizer.from_pretrained(tiny_target), Bf16Context(proposer), cfg, prompts
+    )
+    assert real["lossless"]["ok"]
+    path = path_tau_offline(
+        drafter, store, max_new_tokens=MAX_NEW, holdout_sequences=10**6, batch_tokens=4096
+    )
+    by_tail = {
+        tuple(t): lengths for t, lengths in zip(path["path_prompt_tails"], path["path_lengths"])
+    }
+    replayed = [by_tail[tuple(p.ids[-16:])] for p in prompts]
+    assert replayed == [e["emitted"] for e in real["prompts"]]
+    assert max(max(x) for x in replayed) > 2, (
+        "the drafter must accept drafts for the test to mean anything"
+    )
+    assert path["path_tau"] == pytest.approx(real["tau_emitted"], rel=1e-12, abs=0)

@@ -553,22 +553,32 @@ class BatchedDFlash:
     def propose_block(
         self, anchors: torch.Tensor, starts: torch.Tensor, num_drafts: int
     ) -> torch.Tensor:
-        return self.proposer.draft(self.block_hidden(anchors, starts, num_drafts + 1), anchors)
+        # the block's rows: DFlash's anchor row is no prediction (B rows, B-1 drafts), DSpark's is
+        rows = num_drafts + 1 - self.proposer.anchor_predicts
+        return self.proposer.draft(self.block_hidden(anchors, starts, rows), anchors)
 
 
 def as_batched(drafter) -> BatchedDrafter:
     """A drafter's batched form: itself if it is one; the DFlash family's via `BatchedDFlash`."""
     if hasattr(drafter, "propose_block"):
         return drafter
-    if isinstance(drafter, DFlashProposer):
-        return BatchedDFlash(drafter)
-    raise TypeError(
-        f"{type(drafter).__name__} has no batched form; decode with generation.batch_size = 1"
-    )
+    why = drafter_refusal(drafter)
+    if why is not None:
+        raise TypeError(f"{why}; decode with generation.batch_size = 1")
+    return BatchedDFlash(drafter)
 
 
 def batchable(drafter) -> bool:
-    return hasattr(drafter, "propose_block") or isinstance(drafter, DFlashProposer)
+    return drafter_refusal(drafter) is None
+
+
+def drafter_refusal(drafter) -> str | None:
+    """Why `drafter` has no batched form (None when it has)."""
+    if hasattr(drafter, "propose_block"):
+        return None
+    if isinstance(drafter, DFlashProposer):
+        return drafter.batch_refusal()
+    return f"the drafter ({type(drafter).__name__}) has no batched form"
 
 
 # Rows a batch takes when generation.batch_size is 0 (auto) on a GPU, if memory allows.

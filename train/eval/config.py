@@ -63,7 +63,14 @@ class GenerationSection:
     temperature: float = option(0.0, "0 decodes greedily; > 0 samples with the speculative accept/resample rule.")
     top_p: float = option(1.0, "Nucleus sampling threshold (temperature > 0 only); 1 keeps all tokens.")
     top_k: int = option(0, "Keep the k most likely tokens (temperature > 0 only); 0 keeps all.")
-    block_size: int | None = option(None, "Draft block size B (B-1 drafts per cycle); none uses the drafter's.")
+    block_size: int | None = option(
+        None, "Draft block size B (B-1 drafts per cycle; a DSpark drafter drafts B); none uses the "
+        "drafter's.")
+    confidence_threshold: float = option(
+        0.0, "DSpark drafters with a confidence head: verify only the drafts before the first "
+        "whose confidence is below this (DeepSpec's eval rule); 0 verifies every draft, as vLLM "
+        "0.32 does unless its adaptive verification is on (whose cost-model schedule is not "
+        "reproduced here). A threshold decodes one prompt at a time (generation.batch_size 1).")
     seed: int = option(0, "Seed of the sampling generator (temperature > 0).")
     ignore_eos: bool = option(False, "Do not stop at the end-of-sequence token(s); always decode max_new_tokens.")
     warmup: bool = option(True, "Decode a few tokens once before timing, so one-time setup is not timed.")
@@ -80,6 +87,8 @@ class GenerationSection:
         check(self.temperature >= 0, f"generation.temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"generation.top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k >= 0, f"generation.top_k must be >= 0, got {self.top_k}")
+        check(0 <= self.confidence_threshold < 1,
+              f"generation.confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         check(self.batch_size >= 0, f"generation.batch_size must be >= 0, got {self.batch_size}")
         check(self.batch_size <= 1 or self.temperature == 0,
               f"generation.batch_size = {self.batch_size} decodes greedily only; set "

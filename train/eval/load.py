@@ -26,11 +26,15 @@ def load_dflash(path: str, target_config, device: torch.device, dtype: torch.dty
     return drafter.eval()
 
 
-def attach_target(drafter, model) -> DFlashProposer:
+def attach_target(drafter, model, block_size: int | None = None,
+                  confidence_threshold: float = 0.0) -> DFlashProposer:
     """The drafter behind the engine's protocol, with the loaded target's embedding and lm_head
     attached (shared, not read again)."""
     drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    return DFlashProposer(drafter)
+    if confidence_threshold > 0 and getattr(drafter, "confidence_head", None) is None:
+        raise UserError("generation.confidence_threshold needs a DSpark drafter with a confidence "
+                        "head; set it to 0.")
+    return DFlashProposer(drafter, block_size, confidence_threshold)
 
 
 def load_proposer(path: str, model) -> DFlashProposer:

@@ -152,7 +152,7 @@ def evaluate_offline(
     Returns {"loss", "acc", "acc_by_pos" (k = 1..B-1), "tau", "blocks", "sequences"} and, with `path`,
     the path tau of those sequences (see `evaluate_batches`).
     """
-    block_size = drafter.cfg.block_size
+    block_size = drafter.cfg.verify_block_size  # [anchor, drafts]: DSpark's labels reach further
     if not isinstance(source, (str, Path)):
         return evaluate_batches(drafter, source, block_size=block_size, gamma=gamma, autocast=autocast, path=path)
     with heldout_batches(source, drafter.cfg, device=next(drafter.parameters()).device,
@@ -186,13 +186,14 @@ def heldout_batches(store_path, drafter_cfg, *, device: torch.device, max_anchor
     layer_ids = list(drafter_cfg.target_layer_ids)
     check_contents([store])  # a shard missing from the store stops it, as it stops training
     shards = scan_stores([store], reader_threads, batch_tokens)
-    min_response = 2 * drafter_cfg.block_size if min_response is None else min_response
+    min_response = 2 * drafter_cfg.verify_block_size if min_response is None else min_response
     split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
     plan = DataPlan(shards, split, n_stores=1, weights=None, seed=0, batch_tokens=batch_tokens,
                     shuffle_window_shards=1, world=1, grad_accum=1)
     nbytes, _ = slot_size([store], shards, layer_ids)
     cache = ShardCache(SlotSlab.allocate(2, nbytes), 1, shard_reader([store], shards, layer_ids), threads=1)
-    host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.block_size, max_anchors=max_anchors)
+    host = val_batches(plan, cache, rank=0, block_size=drafter_cfg.verify_block_size,
+                       max_anchors=max_anchors)
     feeder = make_feeder(host, dict, [store], layer_ids, device=device, batch_tokens=batch_tokens,
                          autocast=autocast, prefetch=0)
     try:

@@ -110,10 +110,13 @@ class Settings:
 
 
 def settings_from(gen: GenerationSection, check_lossless: str, baseline: bool, block_size: int,
-                  stop_ids: frozenset[int], batch_size: int = 1) -> Settings:
+                  stop_ids: frozenset[int], batch_size: int = 1, anchor_predicts: int = 0) -> Settings:
+    """`block_size`: the drafter's verified block [anchor, drafts]; generation.block_size is a
+    drafter's block B, which a DSpark drafter (`anchor_predicts` 1) verifies with its anchor:
+    B + 1."""
     sampling = Sampling(gen.temperature, gen.top_p, gen.top_k, gen.max_new_tokens, gen.seed)
     return Settings(
-        block_size=gen.block_size or block_size,
+        block_size=gen.block_size + anchor_predicts if gen.block_size else block_size,
         sampling=sampling,
         stop_ids=frozenset() if gen.ignore_eos else stop_ids,
         baseline=baseline,
@@ -130,8 +133,8 @@ def resolve_batch_size(gen: GenerationSection, model, drafter: Drafter,
     from train.eval import batched
 
     why = batched.batch_refusal(model)
-    if why is None and not batched.batchable(drafter):
-        why = f"the drafter ({type(drafter).__name__}) has no batched form"
+    if why is None:
+        why = batched.drafter_refusal(drafter)
     if gen.batch_size == 0:
         batchable = device.type == "cuda" and gen.temperature == 0 and why is None
         return batched.AUTO_ROWS if batchable else 1
@@ -399,7 +402,8 @@ def evaluate_drafter(model, tokenizer, drafter: Drafter, cfg: EvalConfig, prompt
     target = TargetRunner(model, drafter.layer_ids)
     s = settings_from(cfg.generation, cfg.check.lossless, cfg.check.baseline, drafter.block_size,
                       stop_token_ids(model.generation_config, tokenizer),
-                      resolve_batch_size(cfg.generation, model, drafter, target.device))
+                      resolve_batch_size(cfg.generation, model, drafter, target.device),
+                      getattr(drafter, "anchor_predicts", 0))
     log.info("decoding %d prompts %s", len(prompts),
              "one at a time" if s.batch_size == 1 else f"in batches of up to {s.batch_size}")
     if cfg.check.baseline and cfg.check.baseline_cache:
@@ -426,9 +430,10 @@ def run(cfg: EvalConfig) -> dict:
                           torch_dtype(cfg.target.dtype))
     model = load_causal_lm(cfg.target.path, dtype=cfg.target.dtype, device=device,
                            attn_implementation=cfg.target.attn_implementation)
-    proposer = attach_target(drafter, model)
-    log.info("evaluating %s on %s: %d prompts, block size %d", cfg.drafter.path, cfg.target.path, len(prompts),
-             cfg.generation.block_size or proposer.block_size)
+    proposer = attach_target(drafter, model, cfg.generation.block_size,
+                             cfg.generation.confidence_threshold)
+    log.info("evaluating %s on %s: %d prompts, %d drafts a cycle", cfg.drafter.path,
+             cfg.target.path, len(prompts), proposer.block_size - 1)
     report = evaluate_drafter(model, tokenizer, proposer, cfg, prompts)
     return finish_report(report, cfg)
 
@@ -473,18 +478,27 @@ def run_vllm(cfg: EvalConfig) -> dict:
     drafter = load_dflash(cfg.drafter.path, load_text_config(cfg.target.path), torch.device("cpu"),
                           torch.float32)  # refused here, in one sentence, unless made for this target
     block = cfg.generation.block_size or drafter.cfg.block_size
+    # the verified block [anchor, drafts]: a DSpark drafter drafts B
+    verify = block + drafter.cfg.verify_block_size - drafter.cfg.block_size
     stops = sorted(stop_token_ids(generation_config(cfg.target.path), tokenizer))
     stops = [] if cfg.generation.ignore_eos else stops
     request = {"target": str(Path(cfg.target.path).resolve()), "prompts": [p.ids for p in prompts],
                "max_new_tokens": cfg.generation.max_new_tokens, "stop_ids": stops,
-               "max_model_len": max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block}
+               "max_model_len": (max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens
+                                 + block + 1),
+               # DSpark and DFlash2 need vLLM's V2 runner, so Triton: on a CPU its interpreter
+               # (vllm_engine.py)
+               "triton_interpreter": drafter.cfg.V2_RUNNER and not torch.cuda.is_available()}
     workdir = Path(cfg.report.path).parent if cfg.report.path else Path(tempfile.mkdtemp(prefix="dflash-eval-"))
     try:
         base = vllm_engine.run_engine(request, workdir, "vllm-target") if cfg.check.baseline else None
         spec = vllm_engine.run_engine({**request, "drafter": str(resolve_drafter_dir(cfg.drafter.path).resolve()),
-                                       "num_speculative_tokens": block - 1}, workdir, "vllm-spec")
+                                       "num_speculative_tokens": verify - 1,
+                                       "method": drafter.cfg.VLLM_METHOD},
+                                      workdir, "vllm-spec")
     except RuntimeError as e:
         raise UserError(str(e)) from e
-    report = vllm_engine.summarize_engine(spec, base, block, [p.name for p in prompts], [len(p.ids) for p in prompts])
+    report = vllm_engine.summarize_engine(spec, base, verify, [p.name for p in prompts],
+                                          [len(p.ids) for p in prompts])
     report["lossless"]["checked"] = report["lossless"]["checked"] and cfg.check.lossless != "off"
     return {**report, "tau_definition": TAU_DEFINITION, "dtype": "float32", "device": "cpu (vLLM)"}

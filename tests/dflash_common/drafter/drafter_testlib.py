@@ -7,21 +7,21 @@ from pathlib import Path
 
 import torch
 
+from dflash_common.drafter.arch import config_class, new_drafter
 from dflash_common.drafter.config import DrafterConfig
-from dflash_common.drafter.build import new_drafter
 from dflash_common.drafter.model import DFlashDrafter
 
 ANCHORS = [0, 3, 6, 7, 11, 12, 18, 27]  # seq 0 = [0, 11), seq 1 = [11, 31); includes both starts
 TINY_MASK_ID = 259  # <|mask|> of the tiny tokenizer (256 bytes + 3 chat tokens before it)
 
 
-def tiny_config(target_dir: Path, **overrides) -> DrafterConfig:
+def tiny_config(target_dir: Path, arch: str = "dflash", **overrides) -> DrafterConfig:
     """A 2-layer drafter over the tiny target, its first layer sliding with a window short enough
-    to matter on 20-token sequences."""
+    to matter on 20-token sequences; `arch`'s own fields among `overrides`."""
     options = dict(mask_token_id=TINY_MASK_ID, depth=2, block_size=4,
                    layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     options.update(overrides)
-    return DrafterConfig.from_target(json.loads((Path(target_dir) / "config.json").read_text()), **options)
+    return config_class(arch).from_target(json.loads((Path(target_dir) / "config.json").read_text()), **options)
 
 
 def tiny_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:

@@ -13,9 +13,9 @@ import torch
 
 import dflash_common.drafter.dflash2 as dflash2
 from dflash_common.config import ConfigError
-from dflash_common.drafter.config import DFlash2Config, DrafterConfig
+from dflash_common.drafter.arch import config_from_json, new_drafter
+from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.dflash2 import DFlash2Drafter, grouped_conv, grouped_conv_torch, walk
-from dflash_common.drafter.build import new_drafter
 from dflash_common.drafter.model import DFlashDrafter
 
 from drafter_testlib import (
@@ -27,11 +27,11 @@ from drafter_testlib import (
     tiny_drafter,
 )
 
-D2 = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+D2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
 def _cfg(tiny_target, **d2) -> DrafterConfig:
-    return tiny_config(tiny_target, dflash2=DFlash2Config(**{**D2.__dict__, **d2}))
+    return tiny_config(tiny_target, arch="dflash2", **{**D2, **d2})
 
 
 # -- config and weights: the released layout ------------------------------------------------------
@@ -49,12 +49,12 @@ def test_config_json_names_dflash2_and_its_four_keys_and_reads_back(tiny_target)
     assert (
         dc["block_size"] == cfg.block_size
     )  # SGLang's conv block when the command line gives none
-    assert DrafterConfig.from_config_json(json.loads(json.dumps(data))) == cfg
+    assert config_from_json(json.loads(json.dumps(data))) == cfg
     assert "dflash_config" in tiny_config(tiny_target).to_config_json()
     assert tiny_config(tiny_target).to_config_json()["architectures"] == ["DFlashDraftModel"]
     dc.pop("selector_top_k")
     with pytest.raises(ConfigError, match="selector_top_k"):
-        DrafterConfig.from_config_json(data)
+        config_from_json(data)
 
 
 def test_z_labs_released_geometry_reads_with_its_multiplier_and_cap(tiny_target):
@@ -63,7 +63,7 @@ def test_z_labs_released_geometry_reads_with_its_multiplier_and_cap(tiny_target)
         "output_multiplier": 0.19611613513818404,
         "final_logit_softcapping": 20.0,
     }
-    d2 = DrafterConfig.from_config_json(data).dflash2
+    d2 = config_from_json(data)
     assert (d2.output_multiplier, d2.final_logit_softcapping) == (0.19611613513818404, 20.0)
 
 
@@ -129,7 +129,7 @@ def test_a_fresh_dflash2_drafter_drafts_as_the_dflash_drafter_with_its_weights(t
         h2, h1 = d2(context, input_ids, cu, anchors), d1(context, input_ids, cu, anchors)
         torch.testing.assert_close(h2, h1, rtol=0, atol=0)
         first = input_ids[anchors]
-        assert torch.equal(d2.draft_tokens(h2, first), d1.draft_tokens(h1, first))
+        assert torch.equal(d2.greedy_drafts(h2, first), d1.greedy_drafts(h1, first))
     assert d2.candidate_selector.successor_codebook.abs().sum() == 0
 
 
@@ -235,14 +235,14 @@ def test_drafting_with_the_cache_equals_the_training_forward(tiny_target):
         torch.testing.assert_close(first, want[0], rtol=1e-4, atol=1e-4)
         second = drafter.draft(cache, context[13:23], torch.tensor([int(input_ids[23])] + mask))
         torch.testing.assert_close(second, want[1], rtol=1e-4, atol=1e-4)
-        tokens = drafter.draft_tokens(want, input_ids[anchors])
-        assert torch.equal(tokens[1], drafter.draft_tokens(second[None], input_ids[23:24])[0])
+        tokens = drafter.greedy_drafts(want, input_ids[anchors])
+        assert torch.equal(tokens[1], drafter.greedy_drafts(second[None], input_ids[23:24])[0])
 
 
 def _walk_reference(drafter, hidden, first):
     """The served path written out: top-k of each prediction row's logits, each step's scores from
     the previous choice (the first token at step 1), argmax with the lowest index on ties."""
-    sel, k = drafter.candidate_selector, drafter.cfg.dflash2.selector_top_k
+    sel, k = drafter.candidate_selector, drafter.cfg.selector_top_k
     out = []
     for block, tok in zip(hidden, first.tolist()):
         path, prev = [], tok
@@ -264,7 +264,7 @@ def test_the_served_tokens_are_the_greedy_walk_through_the_candidates(tiny_targe
     anchors = torch.tensor(ANCHORS)
     with torch.no_grad():
         hidden = drafter(context, input_ids, cu, anchors)
-        got = drafter.draft_tokens(hidden, input_ids[anchors])
+        got = drafter.greedy_drafts(hidden, input_ids[anchors])
         unary = drafter.logits(hidden[:, 1:]).argmax(-1)
     assert torch.equal(got, _walk_reference(drafter, hidden, input_ids[anchors]))
     assert not torch.equal(got, unary)  # the selector changed something: the walk is not the argmax

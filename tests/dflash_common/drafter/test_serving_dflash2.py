@@ -12,20 +12,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_common.drafter import serving
-from dflash_common.drafter.config import DFlash2Config
 from dflash_common.drafter.export import export, load_drafter, save_drafter
 from dflash_common.errors import UserError
 
 from drafter_testlib import randomise_dflash2, tiny_config, tiny_drafter
 
-D2 = DFlash2Config(selector_rank=8, selector_top_k=4)
+D2 = dict(selector_rank=8, selector_top_k=4)
 
 
 @pytest.fixture()
 def exported(tiny_target, tmp_path):
     """A DFlash2 drafter as a run's checkpoint holds it (float32), exported by dflash-export."""
     cfg = tiny_config(
-        tiny_target, layer_types=["full_attention"] * 2, sliding_window=None, dflash2=D2
+        tiny_target, arch="dflash2", layer_types=["full_attention"] * 2, sliding_window=None, **D2
     )
     drafter = randomise_dflash2(tiny_drafter(cfg))  # trained-like: tap 0 dominant on both sides
     save_drafter(drafter, tmp_path / "run-drafter", dtype=torch.float32)

@@ -1,4 +1,5 @@
-"""Storage encodings: bf16 bit-exact, fp8 e4m3 within the documented bound, NaN/Inf seen in the bits."""
+"""Storage encodings: bf16 bit-exact, fp8 e4m3 and q4_hadamard within their documented bounds, NaN/Inf
+seen in the bits."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_common.store import quant
 from dflash_common.store.quant import (
-    FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR, decode_states, encode_states, nonfinite_rows,
+    FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR, Q4_GROUP, Q4_LARGEST_GAP, Q4_LEVELS, decode_states, encode_states,
+    hadamard, hadamard_by_matmul, nonfinite_rows, row_size,
 )
 
 
@@ -79,6 +82,8 @@ def test_nonfinite_rows_are_found_in_the_stored_bits():
     assert nonfinite_rows(bf.data.numpy(), None, "bf16").tolist() == [2, 5, 6]
     f8 = encode_states(x, "fp8_e4m3")
     assert nonfinite_rows(f8.data.numpy(), f8.scale.numpy(), "fp8_e4m3").tolist() == [2, 5, 6]
+    q4 = encode_states(x, "q4_hadamard")
+    assert nonfinite_rows(q4.data.numpy(), q4.scale.numpy(), "q4_hadamard").tolist() == [2, 5, 6]
     clean = encode_states(torch.randn(8, 16) * 1e4, "bf16")
     assert len(nonfinite_rows(clean.data.numpy(), None, "bf16")) == 0
 
@@ -94,6 +99,107 @@ def test_nonfinite_scan_matches_torch_on_random_bit_patterns(dtype):
     want = np.flatnonzero((~torch.from_numpy(data).view(logical).float().isfinite()).any(dim=1).numpy())
     assert 0 < len(want) < len(data) / 10
     assert nonfinite_rows(data, None, dtype).tolist() == want.tolist()
+
+
+def test_a_nan_group_scale_byte_is_found_and_codes_never_count():
+    """A q4 row's 4-bit codes are all finite levels (every byte value is valid there); only its group
+    scale bytes can hold the e4m3 NaN."""
+    enc = encode_states(torch.randn(6, 64), "q4_hadamard")
+    data, scale = enc.data.numpy().copy(), enc.scale.numpy()
+    data[:, :32] = 0xFF  # code bytes: levels 15 and 15, not a NaN
+    assert len(nonfinite_rows(data, scale, "q4_hadamard")) == 0
+    data[4, 32 + 2] = 0x7F  # a group scale byte of row 4
+    assert nonfinite_rows(data, scale, "q4_hadamard").tolist() == [4]
+
+
+def _sylvester64(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while len(h) < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+def _rotate64(x: torch.Tensor) -> torch.Tensor:
+    """R x in float64 from the spec's words: a Sylvester Hadamard / sqrt(B) on each block of B values,
+    B the largest power of two dividing H."""
+    h = x.shape[1]
+    block = h & -h
+    return (x.double().reshape(-1, block) @ _sylvester64(block).T).reshape(x.shape)
+
+
+@pytest.mark.parametrize("h", [64, 96, 256])  # 96: blocks of 32 (H not a power of two)
+def test_hadamard_is_the_blockwise_sylvester_transform_and_its_own_inverse(h):
+    x = torch.randn(50, h)
+    want = _rotate64(x)
+    assert torch.allclose(hadamard(x).double(), want, atol=1e-5)
+    assert torch.allclose(hadamard_by_matmul(x).double(), want, atol=1e-5)
+    assert torch.allclose(hadamard(hadamard(x)), x, atol=1e-5)
+
+
+@pytest.mark.parametrize("h", [96, 256])
+def test_q4_round_trip_within_the_stated_bound(h):
+    """Per group of the rotated vector: ||error|| <= sqrt(16) * (largest gap / 2) * d_up, d_up the
+    no-clip step ((1 + 2^-3) a_g / L + 2^-9 S) (quant.py's docstring)."""
+    x = _states(300, h).float()
+    enc = encode_states(x, "q4_hadamard")
+    assert enc.data.dtype == torch.uint8 and enc.data.shape == (300, row_size("q4_hadamard", h)) == (300, 9 * h // 16)
+    assert enc.scale.dtype == torch.float32 and enc.scale.shape == (300,)
+    back = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
+    y, y_back = _rotate64(x), _rotate64(back)  # errors keep their size through the rotation
+    groups = y.view(300, h // Q4_GROUP, Q4_GROUP)
+    a = groups.abs().amax(dim=2)  # [T, n]
+    top = max(Q4_LEVELS)
+    s = a.amax(dim=1, keepdim=True) / (top * FP8_E4M3_MAX)
+    assert torch.allclose(enc.scale.double(), s[:, 0], rtol=1e-6)
+    d_up = (1 + 2**-3) * a / top + 2**-9 * s
+    err = (y_back - y).view(groups.shape).norm(dim=2)
+    bound = Q4_GROUP**0.5 * Q4_LARGEST_GAP / 2 * d_up
+    assert (err <= bound * (1 + 1e-5) + 1e-9).all(), (err / bound.clamp_min(1e-30)).max()
+    assert (err / bound.clamp_min(1e-30)).max() > 0.3  # not vacuous
+    assert torch.equal(back[5], torch.zeros_like(back[5])) and enc.scale[5] == 0  # the all-zero token
+    gauss = torch.randn(300, h, generator=torch.Generator().manual_seed(1))
+    enc = encode_states(gauss, "q4_hadamard")
+    back = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
+    rel = ((back - gauss).norm(dim=1) / gauss.norm(dim=1)).mean()
+    assert 0.06 < rel < 0.08, rel  # 4 bits on normal vectors: ~0.072 (fp8: ~0.026)
+
+
+def test_q4_decoding_follows_the_spec_for_every_code():
+    """Hand-made rows: code bytes (low nibble = the even value), e4m3 group scale bytes, a float32
+    token scale, then the rotation; checked against the spec's words in float64."""
+    g = torch.Generator().manual_seed(3)
+    t, h = 20, 96
+    codes = torch.randint(0, 16, (t, h), generator=g)
+    codes[0, :16] = torch.arange(16)
+    gscale = torch.randint(0, 0x7F, (t, h // Q4_GROUP), generator=g).to(torch.uint8)  # every non-NaN code
+    scale = torch.rand(t, generator=g) * 3
+    data = torch.cat([(codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8), gscale], dim=1)
+    got = decode_states(data, scale, "q4_hadamard", out_dtype=torch.float32)
+    values = [_e4m3_value(int(c)) for c in gscale.flatten()]
+    step = torch.tensor(values, dtype=torch.float64).view(t, -1) * scale.double()[:, None]
+    y = torch.tensor(Q4_LEVELS, dtype=torch.float64)[codes] * step.repeat_interleave(Q4_GROUP, dim=1)
+    want = _rotate64(y)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * want.abs().max())
+
+
+def test_q4_chooses_the_better_of_two_scales_and_encodes_in_slices_alike(monkeypatch):
+    x = _states(64, 128).float()
+    whole = encode_states(x, "q4_hadamard")
+    monkeypatch.setattr(quant, "_Q4_ROWS", 128 * 5)  # 5 rows a slice
+    sliced = encode_states(x, "q4_hadamard")
+    assert torch.equal(whole.data, sliced.data) and torch.equal(whole.scale, sliced.scale)
+    # both scale codes are taken somewhere: the search is real
+    y = _rotate64(x).view(64, 8, Q4_GROUP)
+    ratio = y.abs().amax(dim=2) / (max(Q4_LEVELS) * whole.scale.double()[:, None])
+    chosen = torch.tensor([_e4m3_value(int(c)) for c in whole.data[:, 64:].flatten()]).view(64, 8)
+    nonzero = ratio > 0
+    below = (chosen < ratio.float() * (1 - 1e-6)) & nonzero
+    assert below.any() and (~below & nonzero).any()
+
+
+def test_q4_needs_a_hidden_size_of_whole_groups():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        encode_states(torch.randn(4, 40), "q4_hadamard")
 
 
 def test_decode_refuses_wrong_storage_dtype_and_missing_scale():
@@ -114,9 +220,10 @@ def test_numpy_and_torch_inputs_decode_alike():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
-def test_encoding_on_the_gpu_matches_the_cpu(dtype):
-    x = _states(1024, 256).float()
+@pytest.mark.parametrize("dtype,h", [("bf16", 256), ("fp8_e4m3", 256), ("q4_hadamard", 256),
+                                     ("q4_hadamard", 4096), ("q4_hadamard", 5120)])
+def test_encoding_on_the_gpu_matches_the_cpu(dtype, h):
+    x = _states(1024, h).float()
     cpu = encode_states(x, dtype)
     gpu = encode_states(x.cuda(), dtype)
     diff = (gpu.data.cpu() != cpu.data).nonzero()
@@ -126,7 +233,9 @@ def test_encoding_on_the_gpu_matches_the_cpu(dtype):
         f"scale gpu {gpu.scale.cpu()[diff[0, 0]].item() if gpu.scale is not None else None!r} "
         f"cpu {cpu.scale[diff[0, 0]].item() if cpu.scale is not None else None!r}"
     )
-    if dtype == "fp8_e4m3":
+    if dtype != "bf16":
         assert torch.equal(gpu.scale.cpu(), cpu.scale)
         back = decode_states(gpu.data, gpu.scale, dtype, out_dtype=torch.float32)
         assert back.is_cuda
+        want = decode_states(cpu.data, cpu.scale, dtype, out_dtype=torch.float32)
+        assert torch.allclose(back.cpu(), want, rtol=1e-5, atol=1e-5 * want.abs().max())

@@ -17,7 +17,7 @@ from dflash_common.store import (
     carve_buffers, check_compatible, open_stores, shard_name,
 )
 from dflash_common.store.chunks import CODECS
-from dflash_common.store.quant import FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR
+from dflash_common.store.quant import FP8_ABS_ERROR, FP8_E4M3_MAX, FP8_REL_ERROR, decode_states
 from dflash_common.store.verify import verify_store
 
 T = 203  # not a multiple of chunk_tokens=64: four chunks of 51 rows, the last one padded
@@ -52,21 +52,44 @@ def test_fp8_round_trip_within_the_bound(tmp_path, codec):
             assert (err <= (FP8_REL_ERROR * x.abs() + FP8_ABS_ERROR * s) * (1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("dtype,codec", [("bf16", "blosc-lz4-bitshuffle"), ("fp8_e4m3", "zstd")])
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_q4_round_trip_decodes_what_was_encoded(tmp_path, codec):
+    """The store keeps q4_hadamard's rows and scales exactly: a read decodes to the bits the encoder's
+    own output decodes to, and the error stays 4-bit sized. The store is format version 2."""
+    m = manifest("q4_hadamard", codec)
+    assert m.format_version == 2 and manifest("fp8_e4m3").format_version == 1
+    p, states = payload(4, T, m)
+    write_units(tmp_path / "s", m, [], T).write_shard("u4", p)
+    with Store.open(tmp_path / "s") as store:
+        assert store.manifest.format_version == 2
+        d = store.read_shard("u4")
+        for layer_id, x in states.items():
+            enc = p.layers[layer_id]
+            assert d.layers[layer_id].shape == (T, 36) and d.layers[layer_id].dtype == np.uint8  # 9H/16
+            want = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32)
+            got = d.states(layer_id, out_dtype=torch.float32)
+            assert torch.equal(got, want)
+            assert ((got - x).norm(dim=1) / x.norm(dim=1)).mean() < 0.08
+        assert verify_store(store, progress=False).ok
+
+
+@pytest.mark.parametrize("dtype,codec", [("bf16", "blosc-lz4-bitshuffle"), ("fp8_e4m3", "zstd"),
+                                         ("q4_hadamard", "zstd")])
 def test_zarr_reads_what_the_store_wrote(tmp_path, dtype, codec):
     """The data files follow zarr's sharding format: zarr itself decodes the same arrays."""
     m = manifest(dtype, codec)
     p, _ = payload(1, T, m)
     write_units(tmp_path / "s", m, [], T).write_shard("u1", p)
     root = zarr.open_group(tmp_path / "s", mode="r")
-    assert root.attrs["layer_ids"] == list(LAYER_IDS) and root.attrs["format_version"] == 1
+    version = 2 if dtype == "q4_hadamard" else 1
+    assert root.attrs["layer_ids"] == list(LAYER_IDS) and root.attrs["format_version"] == version
     g = root["shards"]["u1"]
     assert g.attrs["num_tokens"] == T and g.attrs["sample_ids"] == list(p.sample_ids)
     assert np.array_equal(g["input_ids"][:], p.input_ids.numpy())
     assert np.array_equal(g["offsets"][:], p.offsets)
     for layer_id, enc in p.layers.items():
         assert np.array_equal(g[f"layer_{layer_id}"][:], enc.data.numpy())
-        if dtype == "fp8_e4m3":
+        if dtype != "bf16":
             assert np.array_equal(g[f"layer_{layer_id}_scale"][:], enc.scale.numpy())
 
 
@@ -144,15 +167,32 @@ def test_a_directory_that_is_not_a_store_is_refused(tmp_path):
 def test_unknown_format_version_is_refused(tmp_path):
     write_units(tmp_path / "s", manifest(), [0], 50)
     meta = json.loads((tmp_path / "s/zarr.json").read_text())
-    meta["attributes"]["format_version"] = 2
+    meta["attributes"]["format_version"] = 3
     (tmp_path / "s/zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(StoreError, match="format version 2.*reads only version 1"):
+    with pytest.raises(StoreError, match="format version 3.*reads versions 1, 2"):
         Store.open(tmp_path / "s")
-    with pytest.raises(StoreError, match="format version 2"):
+    with pytest.raises(StoreError, match="format version 3"):
         StoreWriter.create_or_open(tmp_path / "s", manifest())
 
 
-@pytest.mark.parametrize("dtype,bad", [("bf16", float("nan")), ("fp8_e4m3", float("inf")), ("fp8_e4m3", float("nan"))])
+def test_a_reader_of_version_1_only_refuses_a_q4_store(tmp_path, monkeypatch):
+    """What a dflash from before q4_hadamard says of such a store: one sentence, nothing misread."""
+    from dflash_common.store import format as store_format
+
+    write_units(tmp_path / "s", manifest("q4_hadamard"), [0], 50)
+    monkeypatch.setattr(store_format, "READ_VERSIONS", (1,))
+    with pytest.raises(StoreError, match=r"has store format version 2, but this dflash reads versions 1; use"):
+        Store.open(tmp_path / "s")
+    monkeypatch.undo()
+    meta = json.loads((tmp_path / "s/zarr.json").read_text())
+    meta["attributes"]["format_version"] = 1  # a manifest claiming version 1 with q4 states is malformed
+    (tmp_path / "s/zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match="malformed manifest.*format version 1 has no q4_hadamard states"):
+        Store.open(tmp_path / "s")
+
+
+@pytest.mark.parametrize("dtype,bad", [("bf16", float("nan")), ("fp8_e4m3", float("inf")), ("fp8_e4m3", float("nan")),
+                                       ("q4_hadamard", float("nan")), ("q4_hadamard", -float("inf"))])
 def test_nonfinite_states_are_refused_naming_the_sample(tmp_path, dtype, bad):
     m = manifest(dtype)
     w = StoreWriter.create_or_open(tmp_path / "s", m)
@@ -286,8 +326,9 @@ def test_open_stores_refuses_stores_of_different_targets(tmp_path):
     write_units(tmp_path / "a", manifest(), [0], 50)
     write_units(tmp_path / "b", manifest("fp8_e4m3", layer_ids=(1, 3)), [0], 50)  # mixable
     write_units(tmp_path / "c", manifest(tokenizer={"sha256": "11" * 32}), [0], 50)
-    stores = open_stores([tmp_path / "a", tmp_path / "b"])
-    assert [s.manifest.dtype for s in stores] == ["bf16", "fp8_e4m3"]
+    write_units(tmp_path / "d", manifest("q4_hadamard"), [0], 50)  # mixable
+    stores = open_stores([tmp_path / "a", tmp_path / "b", tmp_path / "d"])
+    assert [s.manifest.dtype for s in stores] == ["bf16", "fp8_e4m3", "q4_hadamard"]
     with pytest.raises(StoreMismatchError, match="differ in tokenizer.sha256"):
         open_stores([tmp_path / "a", tmp_path / "c"])
 

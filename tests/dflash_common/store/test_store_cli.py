@@ -54,6 +54,26 @@ def test_info_verify_and_exit_codes(tmp_path):
     assert bad.stdout.split() == [unit_name(2)] and "crc32c" in bad.stderr
 
 
+def test_info_and_verify_of_a_q4_store(tmp_path):
+    store = tmp_path / "s"
+    write_units(store, manifest("q4_hadamard"), [0, 1], 100)
+    data = json.loads(_cli("info", store, "--json").stdout)
+    assert data["dtype"] == "q4_hadamard" and data["format_version"] == 2
+    # 3 layers x (36 B: 32 of 4-bit codes + 4 group scale bytes, + a 4 B token scale) + 5 B id and mask
+    assert data["array_bytes_per_token"] == 3 * (36 + 4) + 5
+    rows = dict(line.split(None, 1) if not line.startswith("format") else ("format", line.split()[-1])
+                for line in _cli("info", store).stdout.splitlines())
+    assert rows["format"] == "2" and rows["dtype"].strip() == "q4_hadamard"
+    ok = _cli("verify", store)
+    assert ok.returncode == 0 and "2 shard(s)" in ok.stderr and "OK" in ok.stderr
+    scale = store / "shards" / unit_name(1) / "layer_5_scale/c/0"  # a flipped bit in a token scale
+    raw = bytearray(scale.read_bytes())
+    raw[8] ^= 1
+    scale.write_bytes(bytes(raw))
+    bad = _cli("verify", store)
+    assert bad.returncode == 1 and bad.stdout.split() == [unit_name(1)] and "crc32c" in bad.stderr
+
+
 def test_a_path_that_is_not_a_store_is_one_line_and_exit_2(tmp_path):
     for cmd in ("info", "verify"):
         r = _cli(cmd, tmp_path)

@@ -4,7 +4,6 @@ so every prompt's tokens and cycles are the one-at-a-time loop's (float32), and 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from test_evaluate_dflash import BLOCK, _briefly_trained_drafter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_common.drafter.config import DFlash2Config
+from dflash_common.drafter.arch import as_arch
 from dflash_common.drafter.dflash2 import DFlash2Drafter
 from train.eval import batched
 from train.eval.batched import BatchedTarget, speculative_generate_batch
@@ -38,9 +37,8 @@ def dflash2(model, tiny_target):
     positions: drafts still accepted, and a wrong block length or walk would change them."""
     tok = AutoTokenizer.from_pretrained(tiny_target)
     base = _briefly_trained_drafter(model, tok, ROOT, steps=30)
-    cfg = dataclasses.replace(base.cfg, dflash2=DFlash2Config(conv_kernel_size=3,
-                                                             conv_group_size=16,
-                                                             selector_rank=8, selector_top_k=4))
+    cfg = as_arch(base.cfg, "dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                  selector_top_k=4)
     torch.manual_seed(1)
     drafter = DFlash2Drafter(cfg)
     _, unexpected = drafter.load_state_dict(base.state_dict(), strict=False)

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_common.drafter.config import DFlash2Config
 from dflash_common.drafter.loss.hard import fused_lm_head_loss
 from dflash_common.drafter.loss.selector import candidate_dot, top_k_logits
 from dflash_common.drafter.objective import (
@@ -95,7 +94,7 @@ def _batch(cfg, seed=0):
 
 
 def _drafter(tiny_target, seed=0):
-    cfg = tiny_config(tiny_target, dflash2=DFlash2Config(selector_rank=8, selector_top_k=K))
+    cfg = tiny_config(tiny_target, arch="dflash2", selector_rank=8, selector_top_k=K)
     drafter = randomise_dflash2(tiny_drafter(cfg, seed=seed), seed=seed)
     with torch.no_grad():  # six tokens with large head rows fill most top-k lists
         drafter.lm_head_weight[:6].mul_(20.0)

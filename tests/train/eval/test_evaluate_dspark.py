@@ -1,0 +1,242 @@
+"""dflash-eval with a DSpark drafter trained by dflash-train (--drafter.arch=dspark) and exported: B
+drafts a cycle drafted left to right through the Markov head, lossless in float32, every cycle
+accepting exactly the leading run of what the training forward's Markov chain predicts at its
+anchor, tau in [1, B+1] both ways, the confidence schedule as an option, and the offline
+estimate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_common.drafter.export import export
+from train.eval.cli import main
+from train.eval.load import load_proposer
+from train.eval.prompts import load_prompts
+from train.eval.spec_decode import TargetRunner, speculative_generate, target_generate
+
+ROOT = Path(__file__).resolve().parents[3]
+BLOCK, RANK = 4, 16
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def dspark_dir(tiny_store, tiny_target, tmp_path_factory):
+    """A DSpark drafter trained 60 steps by dflash-train on the tiny store, exported in float32."""
+    import train.loop as loop
+    from train.cli import parse
+
+    tmp = tmp_path_factory.mktemp("dspark-eval")
+    loop.run(
+        parse(
+            [
+                "--config",
+                str(ROOT / "configs" / "tiny.toml"),
+                "--store",
+                str(tiny_store),
+                "--out",
+                str(tmp / "run"),
+                f"--run.target={tiny_target}",
+                "--drafter.arch=dspark",
+                f"--drafter.block_size={BLOCK}",
+                f"--drafter.markov_rank={RANK}",
+                "--data.holdout_sequences=4",
+                "--data.batch_tokens=1024",
+                "--optim.max_steps=60",
+                "--objective.max_anchors=32",
+                "--validation.every_steps=0",
+                "--log.progress=false",
+                "--log.tensorboard=false",
+            ]
+        )
+    )
+    return export(tmp / "run", tmp / "export", dtype=torch.float32)
+
+
+def _prompts(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    return load_prompts([str(ROOT / "data" / "tiny-prompts.jsonl")], tok, {})
+
+
+def test_every_cycle_is_lossless_and_accepts_what_the_training_forward_predicts(
+    model, dspark_dir, tiny_target
+):
+    """No training/serving mismatch: each cycle's acceptance length is 1 + the leading run of the
+    Markov chain's greedy drafts over the training forward's rows at that cycle's anchor."""
+    proposer = load_proposer(str(dspark_dir), model)
+    assert proposer.block_size == BLOCK + 1  # the verified block: the anchor and B drafts
+    target = TargetRunner(model, proposer.layer_ids)
+    max_new, seen = 40, []
+    for prompt in _prompts(tiny_target):
+        out = speculative_generate(
+            target, proposer, prompt.ids, block_size=proposer.block_size, max_new_tokens=max_new
+        )
+        assert out.tokens == target_generate(target, prompt.ids, max_new_tokens=max_new).tokens
+        assert all(1 <= n <= BLOCK + 1 for n in out.acceptance_lengths)
+        seq, max_len = prompt.ids + out.tokens, len(prompt.ids) + max_new
+        anchors = (
+            len(prompt.ids) + torch.tensor([0] + out.acceptance_lengths[:-1]).cumsum(0)
+        ).tolist()
+        drafter = proposer.drafter
+        with torch.inference_mode():
+            states = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+            feats = torch.cat([states[i + 1][0] for i in proposer.layer_ids], -1)
+            cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+            hidden = drafter(feats, torch.tensor(seq), cu, torch.tensor(anchors))  # [cycles, B, H]
+            predicted = drafter.greedy_drafts(hidden, torch.tensor(seq)[anchors])  # [cycles, B]
+        for a, n, row in zip(anchors, out.acceptance_lengths, predicted.tolist()):
+            if (
+                a + BLOCK + 1 > max_len
+            ):  # drafts past the output's end: nothing here to compare them with
+                continue
+            run = next((k for k in range(BLOCK) if row[k] != seq[a + 1 + k]), BLOCK)
+            assert n == run + 1, f"{prompt.name}: cycle at {a}"
+            seen.append(n)
+    assert max(seen) >= 3, "the drafter must accept drafts for the test to mean anything"
+
+
+def test_cli_reports_tau_both_ways_and_a_confidence_schedule_verifies_fewer(
+    tiny_target, dspark_dir, tmp_path
+):
+    reports = {}
+    for name, extra in (("all", []), ("schedule", ["--generation.confidence_threshold=0.5"])):
+        report = tmp_path / f"{name}.json"
+        main(
+            [
+                "--config",
+                str(ROOT / "configs" / "tiny.toml"),
+                "--drafter",
+                str(dspark_dir),
+                "--report",
+                str(report),
+                f"--target.path={tiny_target}",
+                f"--prompts.files={ROOT / 'data' / 'tiny-prompts.jsonl'}",
+                "--prompts.num_prompts=4",
+                "--generation.max_new_tokens=24",
+                "--generation.warmup=false",
+                *extra,
+            ]
+        )
+        reports[name] = json.loads(report.read_text())
+    every, schedule = reports["all"], reports["schedule"]
+    for out in (every, schedule):
+        assert out["lossless"] == {"checked": True, "ok": True, "mismatches": []}
+        assert out["block_size"] == BLOCK + 1 and 1 <= out["tau_pooled"] <= out["block_size"]
+        assert 1 <= out["tau"] <= BLOCK + 1 and set(out["histogram"]) == {
+            str(n) for n in range(1, BLOCK + 2)
+        }
+    # fewer drafts verified a cycle under the schedule: more cycles for the same tokens
+    assert (
+        schedule["num_cycles"] > every["num_cycles"]
+        and schedule["new_tokens"] == every["new_tokens"]
+    )
+
+
+def test_a_block_size_override_counts_its_drafts(tiny_target, dspark_dir, tmp_path):
+    report = tmp_path / "eval.json"
+    main(
+        [
+            "--config",
+            str(ROOT / "configs" / "tiny.toml"),
+            "--drafter",
+            str(dspark_dir),
+            "--report",
+            str(report),
+            f"--target.path={tiny_target}",
+            "--generation.block_size=2",
+            "--prompts.num_prompts=1",
+            f"--prompts.files={ROOT / 'data' / 'tiny-prompts.jsonl'}",
+            "--generation.max_new_tokens=12",
+            "--generation.warmup=false",
+        ]
+    )
+    out = json.loads(report.read_text())
+    assert out["block_size"] == 3 and all(n <= 3 for n in out["prompts"][0]["acceptance_lengths"])
+
+
+def test_offline_estimate_and_path_tau(tiny_target, dspark_dir, tiny_store, tmp_path):
+    report = tmp_path / "offline.json"
+    main(
+        [
+            "--offline",
+            "--store",
+            str(tiny_store),
+            "--drafter",
+            str(dspark_dir),
+            f"--target.path={tiny_target}",
+            "--offline.holdout_sequences=4",
+            "--target.device=cpu",
+            "--report",
+            str(report),
+        ]
+    )
+    out = json.loads(report.read_text())
+    assert len(out["acc_by_pos"]) == BLOCK and 1 <= out["tau"] <= BLOCK + 1
+    assert 1 <= out["path_tau"] <= BLOCK + 1 and out["path_cycles"] > 0
+
+
+def test_a_confidence_threshold_without_a_head_is_one_sentence(tiny_target, drafter_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "--config",
+                str(ROOT / "configs" / "tiny.toml"),
+                "--drafter",
+                str(drafter_dir),
+                f"--target.path={tiny_target}",
+                "--generation.confidence_threshold=0.5",
+            ]
+        )
+    assert e.value.code == 2 and "confidence head" in capsys.readouterr().err
+
+
+def test_batched_decoding_has_the_one_at_a_time_cycles(model, dspark_dir, tiny_target):
+    """float32: through the batched loop (train/eval/batched.py) every prompt's tokens and cycles
+    (accepted lengths, cycle for cycle) are the one-at-a-time loop's, the Markov head drafting
+    each row's B drafts left to right in both, and the output is the target's own."""
+    from train.eval import batched
+    from train.eval.batched import BatchedTarget, as_batched, speculative_generate_batch
+
+    proposer = load_proposer(str(dspark_dir), model)
+    assert batched.batchable(proposer)
+    prompts = [p.ids for p in _prompts(tiny_target)]
+    target, block, max_new = TargetRunner(model, proposer.layer_ids), proposer.block_size, 40
+    together = speculative_generate_batch(
+        BatchedTarget(model, proposer.layer_ids), as_batched(proposer), prompts,
+        block_size=block, max_new_tokens=max_new)
+    seen = []
+    for ids, b in zip(prompts, together):
+        a = speculative_generate(target, proposer, ids, block_size=block, max_new_tokens=max_new)
+        assert b.acceptance_lengths == a.acceptance_lengths
+        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
+        seen += b.acceptance_lengths
+    assert max(seen) >= 3, "the drafter must accept drafts for the test to mean anything"
+
+
+def test_a_confidence_schedule_decodes_one_prompt_at_a_time(model, dspark_dir):
+    """The schedule verifies a number of drafts of each prompt's own; the batched loop verifies
+    whole blocks: no batched form, said in one sentence when a batch is asked for."""
+    from dflash_common.config import load_config
+    from dflash_common.errors import UserError
+    from train.eval import batched
+    from train.eval.config import EvalConfig
+    from train.eval.load import attach_target
+    from train.eval.run import resolve_batch_size
+
+    scheduled = attach_target(load_proposer(str(dspark_dir), model).drafter, model, None, 0.5)
+    assert not batched.batchable(scheduled)
+    auto = load_config(EvalConfig, None, []).generation
+    assert resolve_batch_size(auto, model, scheduled, torch.device("cuda")) == 1
+    explicit = load_config(EvalConfig, None, ["--generation.batch_size=4"]).generation
+    with pytest.raises(UserError, match="confidence_threshold = 0.5 verifies a number of drafts"):
+        resolve_batch_size(explicit, model, scheduled, torch.device("cpu"))
