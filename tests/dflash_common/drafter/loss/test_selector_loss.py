@@ -20,6 +20,7 @@ from dflash_common.drafter.objective import (
     block_labels,
     dpace_weights,
 )
+from train.config import ObjectiveSection
 from train.objective import batch_objective
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -157,8 +158,7 @@ def test_the_step_objective_is_the_plain_one(tiny_target, candidates, weights, s
         gamma=None,
         autocast="none",
         weights=weights,
-        selector_candidates=candidates,
-        selector_stop_gradient=stop,
+        objective=ObjectiveSection(selector_candidates=candidates, selector_stop_gradient=stop),
     )
     grads = torch.autograd.grad(loss, list(drafter.parameters()), allow_unused=True)
     want, want_norm, correct, valid = _reference(drafter, batch, b, candidates, weights, stop=stop)
@@ -180,12 +180,14 @@ def test_the_selector_term_moves_the_gradient_and_unary_confidence_differs(tiny_
     cfg, drafter = _drafter(tiny_target)
     batch = _batch(cfg)
     args = dict(block_size=cfg.block_size, gamma=None, autocast="none")
-    base, _, _ = batch_objective(drafter, drafter, batch, **args, selector_weight=0.0)
+    base, _, _ = batch_objective(drafter, drafter, batch, **args,
+                                 objective=ObjectiveSection(selector_weight=0.0))
     full, _, _ = batch_objective(drafter, drafter, batch, **args)
     assert float(full) > float(base)
     served, _, _ = batch_objective(drafter, drafter, batch, **args, weights="dpace")
     unary, _, _ = batch_objective(
-        drafter, drafter, batch, **args, weights="dpace", dpace_confidence="unary"
+        drafter, drafter, batch, **args, weights="dpace",
+        objective=ObjectiveSection(dpace_confidence="unary"),
     )
     assert float(served) != float(unary)
     extras = {}
