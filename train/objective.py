@@ -104,7 +104,7 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
     row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
     if weights == "dpace":  # from the drafter's CE to the label (the soft loss's rows are another kind)
         ce = (out.rows if out.ce is None else out.ce).detach().view_as(labels)
-        if sel is not None and o.dpace_confidence == "served":  # the selector's: 0 off the candidates
+        if sel is not None and o.dpace_confidence == "served":  # the selector's: 0 off the top-k
             ce = torch.where(sel.in_top_k, sel.ce.detach(), torch.inf)
         w = dpace_weights(ce, valid, dpace_alpha)
         row_scale = w

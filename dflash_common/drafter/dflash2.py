@@ -120,9 +120,9 @@ class DFlash2Config(DrafterConfig):
     def _own_fields_from_config_json(cls, data: Mapping[str, Any]) -> dict[str, Any]:
         dflash = data.get("dflash_config") or {}
         missing = [k for k in REQUIRED_KEYS if dflash.get(k) is None]
-        check(not missing, f"config.json's dflash_config has no {', '.join(missing)}; a DFlash2 "
-                           f"drafter needs all of {', '.join(REQUIRED_KEYS)} (vLLM fails to load it "
-                           "without them).")
+        check(not missing,
+              f"config.json's dflash_config has no {', '.join(missing)}; a DFlash2 drafter needs "
+              f"all of {', '.join(REQUIRED_KEYS)} (vLLM fails to load it without them).")
         return {**{k: int(dflash[k]) for k in REQUIRED_KEYS},
                 "output_multiplier": float(dflash.get("output_multiplier", 1.0)),
                 "final_logit_softcapping": float(dflash.get("final_logit_softcapping") or 0.0)}
@@ -220,8 +220,9 @@ class DFlash2Layer(DraftLayer):
 
     def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)
-        self.attention_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-        self.mlp_conv = GroupedConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        shape = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.attention_conv = GroupedConv(*shape)
+        self.mlp_conv = GroupedConv(*shape)
 
     def forward(self, x, ctx_k, ctx_v, rope, attend, mode, block: int) -> torch.Tensor:
         h, delta = self.attention_conv.prepare(self.input_layernorm(x), block)

@@ -160,7 +160,8 @@ def test_the_export_lints_clean_and_dflash_eval_decodes_it_losslessly(
     config = json.loads((out / "config.json").read_text())  # a hand edit of the selector's top-k
     config["dflash_config"]["selector_top_k"] = 3
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="`dflash_config.selector_top_k` = 3 where .* trained with 4"):
+    with pytest.raises(UserError,
+                       match="`dflash_config.selector_top_k` = 3 where .* trained with 4"):
         read_drafter_config(out)
 
 

@@ -21,7 +21,8 @@ def tiny_config(target_dir: Path, arch: str = "dflash", **overrides) -> DrafterC
     options = dict(mask_token_id=TINY_MASK_ID, depth=2, block_size=4,
                    layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     options.update(overrides)
-    return config_class(arch).from_target(json.loads((Path(target_dir) / "config.json").read_text()), **options)
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    return config_class(arch).from_target(target, **options)
 
 
 def tiny_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
