@@ -71,13 +71,15 @@ def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     layer_ids = shape.layer_ids
     if layer_ids is None:
         layer_ids = list(stores[0].manifest.layer_ids)
-    own = {  # the arch's own fields (drafter/arch.py)
-        "dflash": (),
-        "dspark": ("markov_rank", "confidence_head", "confidence_head_with_markov"),
-        "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
-    }[shape.arch]
+    cls = config_class(shape.arch)
+    # the arch's own fields that [drafter] sets (its other ones, read from released configs, keep
+    # their defaults)
+    def names(c) -> set[str]:
+        return {f.name for f in dataclasses.fields(c)}
+
+    own = (names(cls) - names(DrafterConfig)) & names(shape)
     try:
-        return config_class(shape.arch).from_target(
+        return cls.from_target(
             target_config(cfg.run.target),
             mask_token_id=mask_token_id(cfg.run.target, shape.mask_token_id),
             depth=shape.depth, block_size=shape.block_size, layer_ids=layer_ids,
