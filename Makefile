@@ -47,6 +47,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 serve-check: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -m vllm -p no:cacheprovider --timeout=2400 tests/test_serving_vllm.py \
+		tests/test_serving_vllm_dflash2.py \
 		tests/precompute/generate/test_generate_vllm.py
 
 clean:

@@ -3,6 +3,12 @@ clip_and_step: a fused AdamW takes the clip factor as its grad_scale).
 
     PYTHONPATH=. python benchmarks/drafter_step.py           # GPU: Qwen3-8B-shaped drafter, bf16 autocast
     PYTHONPATH=. python benchmarks/drafter_step.py --quick   # CPU smoke run, tiny drafter
+    PYTHONPATH=. python benchmarks/drafter_step.py --variants eager,dflash2   # DFlash against DFlash2
+
+Variants: eager (the DFlash step, flex compiled, the rest eager), compiled (precision.compile), dflash2
+(the DFlash2 drafter of the same shape, released geometry: 2 taps, group 16, rank 256, top-16; its step
+adds the convolutions, the fused loss's top-k and the selector loss, as train/objective.py runs them)
+and dflash2-compiled. The FLOP count and MFU are DFlash's (the DFlash2 extras are not counted).
 
 Qwen3-8B shape: hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 12288, 5 layers,
 vocab 151936, K=5 target layers, B=16; per sequence of 3072 tokens, 512 anchors (all positions are
@@ -36,10 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.timing import Spread, wall_times  # noqa: E402
 from dflash_common.drafter.attention import BlockLayout  # noqa: E402
+from dflash_common.drafter.arch import as_arch, new_drafter  # noqa: E402
 from dflash_common.drafter.config import DrafterConfig  # noqa: E402
 from dflash_common.drafter.layer_ids import default_layer_ids  # noqa: E402
 from dflash_common.drafter.loss import fused_lm_head_loss  # noqa: E402
-from dflash_common.drafter.model import DFlashDrafter  # noqa: E402
+from dflash_common.drafter.loss.selector import block_selector_loss  # noqa: E402
 from dflash_common.drafter.objective import block_labels, sample_anchors  # noqa: E402
 from train.loop import clip_and_step  # noqa: E402
 
@@ -94,10 +101,19 @@ def step_flops(cfg: DrafterConfig, cu, anchors, total: int, n_loss: int) -> floa
 
 def train_step(drafter, optimizer, batch, autocast_dtype):
     context, input_ids, cu, anchors, labels, weights = batch
-    with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+    top_k = drafter.cfg.selector_top_k if drafter.cfg.arch == "dflash2" else 0
+    autocast = torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    with autocast:
         hidden = drafter(context, input_ids, cu, anchors)  # [A, B, H]
-    out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten())
-    (out.loss / weights.sum()).backward()
+    out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten(),
+                             top_k=top_k)
+    loss = out.loss
+    if top_k:  # DFlash2: the selector loss over the loss's top-k, under the same weights
+        with autocast:
+            sel = block_selector_loss(drafter, hidden, input_ids, anchors, labels, out.top_ids,
+                                      out.top_values)
+        loss = loss + (weights * sel.ce).sum()
+    (loss / weights.sum()).backward()
     clip_and_step(optimizer, list(drafter.parameters()), 1.0)  # the trainer's clip and AdamW step
     optimizer.zero_grad(set_to_none=True)
 
@@ -117,7 +133,7 @@ def round_time(fn, steps: int, cuda: bool) -> float:
 
 def build(cfg: DrafterConfig, device, cuda: bool, compiled: bool):
     torch.manual_seed(0)
-    drafter = DFlashDrafter(cfg).to(device)  # float32 master weights
+    drafter = new_drafter(cfg).to(device)  # float32 master weights
     v, h = cfg.vocab_size, cfg.hidden_size
     drafter.attach_frozen(torch.randn(v, h, device=device, dtype=torch.bfloat16),
                           torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5)
@@ -137,7 +153,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of --steps per variant, interleaved")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
     parser.add_argument("--variants", default="eager",
-                        help="comma list: eager (flex compiled, the rest eager), compiled (precision.compile)")
+                        help="comma list: eager (flex compiled, the rest eager), compiled (precision.compile), "
+                             "dflash2, dflash2-compiled")
     parser.add_argument("--profile", action="store_true", help="print each variant's kernels (torch.profiler)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     args = parser.parse_args()
@@ -151,7 +168,8 @@ def main() -> None:
     n_loss = int((batch[5] != 0).sum())
     variants = {}
     for name in args.variants.split(","):
-        drafter, optimizer = build(cfg, device, cuda, compiled=name == "compiled" and cuda)
+        shape = as_arch(cfg, "dflash2") if name.startswith("dflash2") else cfg
+        drafter, optimizer = build(shape, device, cuda, compiled=name.endswith("compiled") and cuda)
 
         def step(drafter=drafter, optimizer=optimizer):
             train_step(drafter, optimizer, batch, torch.bfloat16 if cuda else None)

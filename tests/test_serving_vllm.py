@@ -11,6 +11,9 @@ draft-verify cycles as our own engine (train/eval/spec_decode.py, dflash-eval --
 trained checkpoint: per prompt the same number of cycles and the same count of cycles accepting each
 draft position (so the same accepted tokens), in float32, greedy. A mean tau hides a drafter that is
 slightly wrong everywhere; its drafts part from ours on most prompts.
+A DFlash2 drafter trained by the same CLIs from the same store (--drafter.arch=dflash2) is served the
+same way on a few of the prompts: vLLM's CPU build drafts DFlash2 only in its V2 model runner, whose
+Triton kernels run here in Triton's interpreter (train/eval/vllm_triton_cpu.py), about a second a cycle.
 Skipped where vLLM is not importable (the main .venv).
 """
 
@@ -35,6 +38,7 @@ SPEC = dict(num_layers=8, hidden_size=128, intermediate_size=256, num_heads=2, n
 # rope_theta 500: far from the defaults a loader falls back to (vLLM 1e6, transformers 10000), so a lost theta shows
 TRAIN_SAMPLES, EVAL_PROMPTS, MAX_NEW = 192, 48, 48
 MAX_PROMPTS_APART = 2  # float32 near-ties between vLLM and us; measured 0 (good export), 23-31 (broken)
+DFLASH2_PROMPTS = 6  # DFlash2 is served with vLLM's Triton kernels interpreted: a few prompts only
 
 
 def _cli(*args: str) -> None:
@@ -116,6 +120,11 @@ def served_target(trained, tmp_path_factory) -> dict:
 def our_cycles(trained) -> list[dict]:
     """Per prompt, the counters vLLM must report if it drafts as our engine does with the trained
     checkpoint (not the export under test): train/eval/spec_decode.py, float32, greedy."""
+    target, _, run, prompts = trained
+    return _our_cycles(target, run, prompts)
+
+
+def _our_cycles(target: Path, run: Path, prompts: list[list[int]]) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +132,6 @@ def our_cycles(trained) -> list[dict]:
     from train.eval.spec_decode import DFlashProposer, TargetRunner, speculative_generate
     from train.eval.vllm_engine import expected_counters
 
-    target, _, run, prompts = trained
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     d, _ = load_drafter(run)
     d.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
@@ -148,11 +156,14 @@ def _pooled_tau(rows: list[dict]) -> float:
     return 1 + sum(r["accepted"] for r in rows) / drafts if drafts else 1.0
 
 
-def serving_failures(drafter: Path, trained, base: dict, ours: list[dict], work: Path) -> list[str]:
-    """What is wrong with serving `drafter` through vLLM; empty when the check passes."""
+def serving_failures(drafter: Path, trained, base: dict, ours: list[dict], work: Path,
+                     prompts: list[list[int]] | None = None) -> list[str]:
+    """What is wrong with serving `drafter` through vLLM (on `prompts`, default all); empty when the
+    check passes."""
     from train.eval.vllm_engine import run_engine, summarize_engine
 
-    target, _, _, prompts = trained
+    target, _, _, all_prompts = trained
+    prompts = prompts or all_prompts
     block = json.loads((drafter / "config.json").read_text())["block_size"]
     try:
         spec = run_engine({**_request(target, prompts), "drafter": str(drafter), "num_speculative_tokens": block - 1},
@@ -178,6 +189,31 @@ def serving_failures(drafter: Path, trained, base: dict, ours: list[dict], work:
 
 def test_exported_drafter_serves_lossless_accepted_and_drafts_as_ours(trained, served_target, our_cycles, tmp_path):
     assert serving_failures(trained[1], trained, served_target, our_cycles, tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def trained_dflash2(trained) -> tuple[Path, Path]:
+    """(run dir, exported drafter dir) of a DFlash2 drafter trained by our CLIs from the same store."""
+    target, _, run, _ = trained
+    work = run.parent
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    _cli("train.cli", "--config", tiny, f"--run.target={target}", f"--store={work / 'store'}",
+         f"--out={work / 'run-dflash2'}", "--optim.epochs=10", "--drafter.arch=dflash2")
+    _cli("dflash_common.drafter.export", str(work / "run-dflash2"), str(work / "drafter-dflash2"), "--dtype",
+         "fp32")
+    return work / "run-dflash2", work / "drafter-dflash2"
+
+
+def test_a_dflash2_drafter_serves_lossless_accepted_and_drafts_as_ours(trained, trained_dflash2,
+                                                                      served_target, tmp_path):
+    """vLLM's V2 runner with its DFlash2 speculator (candidate top-k, selector, walk kernel) on our
+    export: the target's greedy output, accepted drafts, and per prompt our engine's cycles."""
+    target, _, _, prompts = trained
+    run, drafter = trained_dflash2
+    prompts = prompts[:DFLASH2_PROMPTS]
+    base = {"prompts": served_target["prompts"][:DFLASH2_PROMPTS]}
+    ours = _our_cycles(target, run, prompts)
+    assert serving_failures(drafter, trained, base, ours, tmp_path, prompts) == []
 
 
 def _broken(drafter: Path, out: Path, kind: str) -> Path:

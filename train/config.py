@@ -12,9 +12,10 @@ decay (`objective.weights`), which reach a higher tau on the quality benchmark (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from dflash_common.config import check, check_device, option, section
+from dflash_common.drafter.config import Arch
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,15 @@ class DataSection:
 
 @dataclass(frozen=True)
 class DrafterSection:
+    arch: Arch = option(
+        "dflash", "The drafter, by what sits on the DFlash backbone: 'dflash' (nothing: block "
+        "position k predicts the token at anchor+k, B-1 drafts a cycle); 'dspark' (DSpark, arXiv "
+        "2607.05147: a Markov head over the block and a confidence head; every block position "
+        "predicts the next token, the anchor's included, B drafts a cycle; the markov_* and "
+        "confidence_* fields shape it); 'dflash2' (DFlash2: grouped convolutions over block "
+        "positions around every attention and MLP, and a candidate selector over each position's "
+        "top-k; the conv_* and selector_* fields shape it)."
+    )
     depth: int = option(5, "Draft layers (5 for Qwen3/Llama drafters, 8 for Qwen3-Coder).")
     block_size: int = option(16, "Tokens per block: the anchor plus block_size-1 masked predictions.")
     layer_ids: list[int] | None = option(
@@ -94,12 +104,17 @@ class DrafterSection:
         None, "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
         "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ."
     )
-    arch: Literal["dflash", "dspark"] = option(
-        "dflash", "What sits on the DFlash backbone: 'dflash' (nothing: block position k predicts "
-        "the token at anchor+k, B-1 drafts a cycle) or 'dspark' (DSpark, arXiv 2607.05147: a "
-        "Markov head over the block and a confidence head; every block position predicts the next "
-        "token, the anchor's included, B drafts a cycle)."
-    )
+    # DFlash2's layers and selector (arch = dflash2)
+    conv_kernel_size: int = option(
+        2, "DFlash2: taps of each grouped convolution (a block row mixes in the "
+        "conv_kernel_size - 1 rows before it).")
+    conv_group_size: int = option(
+        16, "DFlash2: channels per group of the convolutions' per-row coefficients; must divide "
+        "the hidden size.")
+    selector_rank: int = option(
+        256, "DFlash2: rank of the selector's predecessor/successor codebooks [V, rank].")
+    selector_top_k: int = option(
+        16, "DFlash2: candidates per block position the selector chooses among (the served top-k).")
     # DSpark's heads (arch = dspark)
     markov_rank: int = option(
         256, "DSpark: rank r of the Markov head (markov_w1 [V, r], markov_w2 [V, r]).")
@@ -114,10 +129,13 @@ class DrafterSection:
     )
 
     def __post_init__(self):
-        check(self.depth >= 1, f"drafter.depth must be >= 1, got {self.depth}.")
-        check(self.arch in ("dflash", "dspark"),
-              f"drafter.arch must be dflash or dspark, got {self.arch!r}.")
+        check(self.arch in get_args(Arch),
+              f"drafter.arch must be one of {', '.join(get_args(Arch))}, got {self.arch!r}.")
         check(self.markov_rank >= 1, f"drafter.markov_rank must be >= 1, got {self.markov_rank}.")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            check(value >= 1, f"drafter.{name} must be >= 1, got {value}.")
+        check(self.depth >= 1, f"drafter.depth must be >= 1, got {self.depth}.")
         check(self.block_size >= 2, f"drafter.block_size must be >= 2, got {self.block_size}.")
         check(self.layer_types is None or len(self.layer_types) == self.depth,
               f"drafter.layer_types has {len(self.layer_types or [])} entries for drafter.depth = {self.depth}.")
@@ -163,6 +181,27 @@ class ObjectiveSection:
         "them so too (weights, or blocks under normalise = anchors). 0 = off; validation is unchanged."
     )
 
+    # DFlash2's selector (drafter.arch = dflash2)
+    selector_weight: float = option(
+        1.0, "DFlash2: weight of the selector loss (teacher-forced K-way CE over each position's "
+        "top-k, with the label's predecessor; loss/selector.py) added to the per-position CE, "
+        "under the same position weights."
+    )
+    selector_candidates: Literal["gold", "strict"] = option(
+        "gold", "DFlash2: when the label is not among the top-k, 'gold' puts it in place of the "
+        "weakest candidate in the selector loss (speculators' trainer); 'strict' leaves the row "
+        "out of it (SpecForge's)."
+    )
+    selector_stop_gradient: bool = option(
+        False, "DFlash2: the selector loss trains only the selector (codebooks, projection), not "
+        "the drafter's logits and hidden states."
+    )
+    dpace_confidence: Literal["served", "unary"] = option(
+        "served", "D-PACE's per-position confidence (weights = dpace): 'served' = the probability "
+        "the served proposal gives the label (DFlash: its softmax; DFlash2: its selector's over "
+        "the top-k, 0 off them); 'unary' = the per-position softmax's, also for DFlash2."
+    )
+
     # DSpark's confidence head (drafter.arch = dspark, drafter.confidence_head = true)
     confidence_weight: float = option(
         1.0, "DSpark: weight of the confidence head's loss, a BCE per block position weighted as "
@@ -182,6 +221,13 @@ class ObjectiveSection:
 
     def __post_init__(self):
         check(self.max_anchors >= 1, f"objective.max_anchors must be >= 1, got {self.max_anchors}.")
+        check(self.selector_weight >= 0,
+              f"objective.selector_weight must be >= 0, got {self.selector_weight}.")
+        check(self.selector_candidates in ("gold", "strict"),
+              f"objective.selector_candidates must be gold or strict, got "
+              f"{self.selector_candidates!r}.")
+        check(self.dpace_confidence in ("served", "unary"),
+              f"objective.dpace_confidence must be served or unary, got {self.dpace_confidence!r}.")
         check(self.confidence_weight > 0,
               f"objective.confidence_weight must be > 0, got {self.confidence_weight} (to train "
               "without a confidence head, set drafter.confidence_head=false).")

@@ -31,6 +31,7 @@ from dflash_common.cli import progress_bar, write_run_record
 
 from dflash_common.dist import Ranks, run_on_ranks
 from dflash_common.errors import UserError
+from dflash_common.config import ConfigError
 from dflash_common.drafter.arch import config_class, new_drafter
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.export import load_weights_into, save_drafter
@@ -70,15 +71,22 @@ def resolve_drafter(cfg: TrainConfig, stores: list[Store]) -> DrafterConfig:
     layer_ids = shape.layer_ids
     if layer_ids is None:
         layer_ids = list(stores[0].manifest.layer_ids)
-    heads = {}  # the arch's own fields
-    if shape.arch == "dspark":
-        heads = {"markov_rank": shape.markov_rank, "confidence_head": shape.confidence_head,
-                 "confidence_head_with_markov": shape.confidence_head_with_markov}
-    return config_class(shape.arch).from_target(
-        target_config(cfg.run.target),
-        mask_token_id=mask_token_id(cfg.run.target, shape.mask_token_id),
-        depth=shape.depth, block_size=shape.block_size, layer_ids=layer_ids,
-        layer_types=shape.layer_types, sliding_window=shape.sliding_window, **heads)
+    cls = config_class(shape.arch)
+    # the arch's own fields that [drafter] sets (its other ones, read from released configs, keep
+    # their defaults)
+    def names(c) -> set[str]:
+        return {f.name for f in dataclasses.fields(c)}
+
+    own = (names(cls) - names(DrafterConfig)) & names(shape)
+    try:
+        return cls.from_target(
+            target_config(cfg.run.target),
+            mask_token_id=mask_token_id(cfg.run.target, shape.mask_token_id),
+            depth=shape.depth, block_size=shape.block_size, layer_ids=layer_ids,
+            layer_types=shape.layer_types, sliding_window=shape.sliding_window,
+            **{name: getattr(shape, name) for name in own})
+    except ConfigError as e:  # e.g. a group size that does not divide the target's hidden size
+        raise UserError(f"[drafter] does not fit the target {cfg.run.target}: {e}") from e
 
 
 def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
@@ -216,7 +224,7 @@ def _accumulate(model, drafter: DFlashDrafter, feeder, cfg: TrainConfig, sums: t
                 autocast=cfg.precision.autocast, weights=objective.weights,
                 dpace_alpha=objective.dpace_alpha, normalise=objective.normalise,
                 targets=cfg.targets, path_weight=objective.path_weight,
-                loss_method=cfg.precision.loss_method, confidence=objective)
+                loss_method=cfg.precision.loss_method, objective=objective)
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()

@@ -61,6 +61,8 @@ def format_val_line(r: dict[str, Any]) -> str:
     return (f"val  step {r['step']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
             f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f}"
             + (f" | path tau {r['path_tau']:.2f}" if r.get("path_tau") is not None else "")
+            + (f" | unary tau {r['tau_unary']:.2f} | top-k recall {r['top_k_recall']:.3f}"
+               if r.get("tau_unary") is not None else "")
             + f" | {r['sequences']} sequences")
 
 

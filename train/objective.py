@@ -1,6 +1,7 @@
 """The training step's objective: one packed batch through the drafter, its block labels and weights,
 and the fused LM-head loss; the trainer minimises it (train/loop.py) and validation reports it
-(train/validate.py).
+(train/validate.py). A DFlash2 drafter adds its selector loss (loss/selector.py) over the top-k the
+fused loss hands over, and its correctness is the served walk's.
 
     loss_sum, normaliser, counts = batch_objective(drafter, model, batch, block_size=B, gamma=7.0,
                                                    autocast="bf16")
@@ -18,6 +19,7 @@ from dflash_common.drafter.loss import (
     fused_lm_head_loss, greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows,
 )
 from dflash_common.drafter.loss.markov import Soft, markov_lm_head_loss
+from dflash_common.drafter.loss.selector import block_selector_loss, top_k_logits
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import (
     IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path,
@@ -40,7 +42,8 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
                     block_size: int, gamma: float | None, autocast: str, weights: str = "gamma",
                     dpace_alpha: float = 0.5, normalise: str = "weight",
                     targets: SoftTargetsSection | None = None, path_weight: float = 0.0,
-                    loss_method: str = "exact", confidence: ObjectiveSection | None = None,
+                    loss_method: str = "exact", objective: ObjectiveSection | None = None,
+                    extras: dict[str, torch.Tensor] | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
@@ -51,15 +54,27 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
     D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
     greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
     the hard loss's method (precision.loss_method; fused_lm_head_loss runs 'odds_epilogue' as 'odds' on a CPU).
+    `objective` (the train config's [objective]; its defaults when None) holds the options of the
+    drafters built on DFlash's backbone (drafter/arch.py); the arguments above are read from the
+    caller, which may override them (validation does).
+    A DFlash2 drafter adds selector_weight x its selector CE (`selector_candidates`,
+    `selector_stop_gradient`: loss/selector.py) under the same row weights; its counts are the
+    served walk's; D-PACE's confidence is the served proposal's probability of the label
+    (`dpace_confidence` = 'served': the selector's, 0 when the label is not a candidate) or the
+    unary softmax's ('unary'). `extras`, when given, receives DFlash2's diagnostics ('unary': counts
+    of the argmax, laid out as the counts; 'selector': [weighted selector CE, labels among the
+    candidates, prediction rows], float64). A DSpark drafter's objective is `dspark_objective`.
     Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
     of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
-    scalar, counts [2B+2]). `confidence` (the train config's ObjectiveSection) is DSpark's only.
+    scalar, counts [2B+2]).
     """
+    o = objective if objective is not None else ObjectiveSection()
     if drafter.cfg.arch == "dspark":
         return dspark_objective(drafter, model, batch, gamma=gamma, autocast=autocast,
                                 weights=weights, dpace_alpha=dpace_alpha, normalise=normalise,
-                                targets=targets, confidence=confidence)
+                                targets=targets, objective=o)
     device = batch.features.device
+    top_k = drafter.cfg.selector_top_k if drafter.cfg.arch == "dflash2" else 0
     prompt = targets is not None and targets.prompt_anchors
     mask = torch.ones_like(batch.loss_mask) if prompt else batch.loss_mask  # prompt labels count too
     labels, w = block_labels(batch.input_ids, mask, batch.cu_seqlens, batch.anchors,
@@ -77,12 +92,21 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
                                     soft_kind(targets.soft), targets.temperature)
         else:
             out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
-                                     method=loss_method)
-    correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
+                                     method=loss_method, top_k=top_k)
+        sel = None
+        if top_k:  # DFlash2: the selector over the loss's top-k (the soft loss has none: a pass)
+            tops = (out.top_ids, out.top_values) if out.top_ids is not None else \
+                top_k_logits(hidden.flatten(0, 1), drafter.lm_head_weight, top_k)
+            sel = block_selector_loss(drafter, hidden, batch.input_ids, batch.anchors, labels,
+                                      *tops, o.selector_candidates, o.selector_stop_gradient)
+    unary_correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
+    correct = unary_correct if sel is None else sel.correct & valid  # what is served
     row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
     if weights == "dpace":  # from the drafter's CE to the label (the soft loss's rows are another kind)
-        ce = out.rows if out.ce is None else out.ce
-        w = dpace_weights(ce.detach().view_as(labels), valid, dpace_alpha)
+        ce = (out.rows if out.ce is None else out.ce).detach().view_as(labels)
+        if sel is not None and o.dpace_confidence == "served":  # the selector's: 0 off the top-k
+            ce = torch.where(sel.in_top_k, sel.ce.detach(), torch.inf)
+        w = dpace_weights(ce, valid, dpace_alpha)
         row_scale = w
     block_w = None
     if path_weight:  # 0: the objective without serving-path weights, bit for bit
@@ -91,6 +115,13 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
         w = w * block_w[:, None]
         row_scale = w if weights == "dpace" else block_w[:, None].expand_as(w)
     loss = out.loss if row_scale is None else (row_scale.flatten() * out.rows).sum()
+    if sel is not None:
+        selector_sum = (w * sel.ce).sum()  # the same row weights (path weights included)
+        loss = loss + o.selector_weight * selector_sum
+        if extras is not None:
+            extras["unary"] = block_counts(unary_correct, valid)
+            extras["selector"] = torch.stack([selector_sum.detach(), (sel.in_top_k & valid).sum(),
+                                              valid[:, 1:].sum()]).double()
     has_label = valid[:, 1:].any(1).float()  # [A]
     blocks = has_label if block_w is None else has_label * block_w  # a block on the path counts 1 + path_weight
     norm = blocks.sum() if normalise == "anchors" else w.sum()
@@ -111,7 +142,7 @@ def dspark_objective(
     dpace_alpha: float = 0.5,
     normalise: str = "weight",
     targets: SoftTargetsSection | None = None,
-    confidence: ObjectiveSection | None = None,
+    objective: ObjectiveSection | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A DSpark drafter's objective on a packed batch, as `batch_objective` returns it (counts laid
     out over the verified block [anchor, B drafts]: 2(B+1)+2).
@@ -125,8 +156,8 @@ def dspark_objective(
       + confidence_weight * the same weights * BCE(confidence logit, label), the label being whether
       the row's greedy draft is its token ('match') or 1 - TV ('tv'), detached; the confidence head
       reads the block's hidden states and Markov embeddings, detached too under confidence_detach.
-    `confidence` holds confidence_weight, confidence_label, confidence_detach (ObjectiveSection);
-    None: 1.0, 'match', detached."""
+    `objective` holds confidence_weight, confidence_label, confidence_detach (its defaults when
+    None: 1.0, 'match', detached)."""
     b = drafter.cfg.block_size
     labels, w = block_labels(
         batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, b + 1, gamma
@@ -171,22 +202,19 @@ def dspark_objective(
         )
     w = out.weights.view_as(labels)
     correct = out.correct.view_as(labels)
-    loss = out.loss + _confidence_loss(drafter, hidden, embed, out, w, confidence)
+    o = objective if objective is not None else ObjectiveSection()
+    loss = out.loss + _confidence_loss(drafter, hidden, embed, out, w, o)
     norm = valid.any(1).float().sum() if normalise == "anchors" else w.sum()
     pad = valid.new_zeros(valid.shape[0], 1)  # the verified block's row 0: the anchor
     return loss, norm, block_counts(torch.cat([pad, correct], 1), torch.cat([pad, valid], 1))
 
 
-def _confidence_loss(drafter, hidden, embed, out, w, confidence) -> torch.Tensor:
+def _confidence_loss(drafter, hidden, embed, out, w, o: ObjectiveSection) -> torch.Tensor:
     """confidence_weight * sum of w * BCE(confidence logit, label) over the block rows (0 without a
     head)."""
     if drafter.confidence_head is None:
         return hidden.new_zeros((), dtype=torch.float32)
-    weight, label, detach = (
-        (confidence.confidence_weight, confidence.confidence_label, confidence.confidence_detach)
-        if confidence is not None
-        else (1.0, "match", True)
-    )
+    weight, label, detach = o.confidence_weight, o.confidence_label, o.confidence_detach
     if detach:
         hidden, embed = hidden.detach(), embed.detach()
     logit = drafter.confidence_logits(hidden, embed)  # [A, B] float32

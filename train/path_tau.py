@@ -92,7 +92,8 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
 def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor, first_tokens: torch.Tensor,
                    num_drafts: int) -> torch.Tensor:
     """Block hidden states [n, b, H], the anchors' tokens [n] -> greedy drafts [n, num_drafts]
-    (drafter.greedy_drafts: b-1, position 0 being the anchor; a DSpark drafter's b)."""
+    (drafter.greedy_drafts: b-1, position 0 being the anchor; a DSpark drafter's b; DFlash2's
+    selector walk)."""
     n, b, _ = hidden.shape
     rows = max(1, _LOGIT_ELEMENTS // max(1, b * drafter.cfg.vocab_size))
     if not n:

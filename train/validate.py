@@ -6,6 +6,10 @@ The trainer calls `evaluate_batches` every `validation.every_steps` on its held-
 
     metrics = evaluate_batches(drafter, device_batches, block_size=B)
     metrics["loss"], metrics["acc"], metrics["acc_by_pos"], metrics["tau"], metrics["path_tau"]
+
+A DFlash2 drafter's acc and tau are those of the path its selector walks (what is served); beside
+them `acc_unary` / `tau_unary` (each position's argmax, as DFlash serves), `top_k_recall` (labels
+among the selector's candidates) and `selector_loss` (its weighted CE per unit weight).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch.distributed as dist
 
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import AcceptanceCounts
-from train.config import SoftTargetsSection
+from train.config import ObjectiveSection, SoftTargetsSection
 from train.objective import batch_objective
 from train.path_tau import path_counts, replay_batch, summarize_path
 from train.transfer import DeviceBatch
@@ -50,24 +54,43 @@ def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, 
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, weight, sequences
     counts = torch.zeros(2 * block_size + 2, dtype=torch.float64, device=device)
     paths = torch.zeros(5, dtype=torch.float64, device=device)  # train/path_tau.py path_counts
+    dflash2 = drafter.cfg.arch == "dflash2"
+    extra = torch.zeros(2 * block_size + 5 if dflash2 else 0, dtype=torch.float64, device=device)
     for batch in batches:
         if batch.anchors.numel() == 0:
             continue
+        found: dict[str, torch.Tensor] = {}
         loss, weight, batch_counts = batch_objective(
             drafter, drafter, batch, block_size=block_size, gamma=gamma, autocast=autocast,
-            targets=targets)
+            targets=targets, extras=found,
+            objective=ObjectiveSection(selector_weight=0.0))  # the loss stays DFlash's
+        if dflash2:
+            extra += torch.cat([found["unary"], found["selector"]])
         sums += torch.stack([loss.double(), weight.double(), torch.tensor(batch.cu_seqlens.numel() - 1.0,
                                                                           dtype=torch.float64, device=device)])
         counts += batch_counts
         if path:
             paths += path_counts(replay_batch(drafter, batch, autocast=autocast)).to(device)
     if reduce and dist.is_initialized():
-        both = torch.cat([sums, counts, paths])
+        both = torch.cat([sums, counts, paths, extra])
         dist.all_reduce(both)
-        sums, counts, paths = both[:3], both[3:-5], both[-5:]
+        n = counts.numel()
+        sums, counts, paths, extra = both[:3], both[3:3 + n], both[3 + n:8 + n], both[8 + n:]
     drafter.train(was_training)
     out = summarize_sums(float(sums[0]), float(sums[1]), counts.cpu())
     out["sequences"] = int(sums[2])
+    if dflash2:
+        out.update(_dflash2_figures(extra.cpu(), float(sums[1])))
     if path:
         out.update(summarize_path(paths))
     return out
+
+
+def _dflash2_figures(extra: torch.Tensor, weight_sum: float) -> dict[str, Any]:
+    """DFlash2's diagnostics from the summed extras: [unary counts (2B+2), selector CE, labels
+    among the candidates, prediction rows]."""
+    unary = AcceptanceCounts.from_tensor(extra[:-3])
+    selector_sum, in_top_k, rows = extra[-3:].tolist()
+    return {"acc_unary": unary.accuracy, "tau_unary": unary.tau,
+            "top_k_recall": in_top_k / rows if rows else math.nan,
+            "selector_loss": selector_sum / weight_sum if weight_sum else math.nan}

@@ -105,6 +105,16 @@ VARIANTS: dict[str, list[str]] = {
                     "--objective.confidence_label=tv", "--objective.confidence_detach=false"],
     # not at equal steps: 4x the optimiser steps over the same data (a recipe knob, reported apart)
     "batch4k": ["--data.batch_tokens=4096"],
+    # DFlash2 (convolutions around every sublayer, a candidate selector over each position's top-16), at
+    # equal data and steps, against `dpace` (the issue's bar: tau >= 1.15x, step time <= 1.25x). Its
+    # objective: D-PACE CE per position + the selector's K-way CE with the label injected into the top-k
+    # when missing (speculators' trainer) or rows without it left out (+strict, SpecForge's); D-PACE's
+    # confidence from the selector's probability (served), or the unary softmax's (+unary_dpace)
+    "dflash2": ["--drafter.arch=dflash2", "--objective.weights=dpace"],
+    "dflash2+strict": ["--drafter.arch=dflash2", "--objective.weights=dpace",
+                       "--objective.selector_candidates=strict"],
+    "dflash2+unary_dpace": ["--drafter.arch=dflash2", "--objective.weights=dpace",
+                            "--objective.dpace_confidence=unary"],
     # the recipe from a store of the same answers in another storage dtype (STORES): tau per codec
     "fp8": [],
     "q4": [],

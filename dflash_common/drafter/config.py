@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
 
 from dflash_common.config import ConfigError, check
 from dflash_common.drafter.layer_ids import check_layer_ids, default_layer_ids
@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 ARCHITECTURE = "DFlashDraftModel"
+# What sits on the DFlash backbone (the trainer's drafter.arch; drafter/arch.py maps each to its
+# config and drafter classes)
+Arch = Literal["dflash", "dspark", "dflash2"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys a config.json must hold (and dflash_config's target_layer_ids and mask_token_id, also read
 # top-level); every other key has a default, the released format's or the engines'.
@@ -42,6 +45,9 @@ class DrafterConfig:
 
     ARCHITECTURE: ClassVar[str] = ARCHITECTURE  # config.json's architectures entry
     KIND: ClassVar[str] = "DFlash"  # the drafter's name in messages
+    VLLM_METHOD: ClassVar[str] = "dflash"  # vLLM's speculative_config method
+    # only vLLM's V2 model runner drafts it (on a CPU: Triton interpreted, vllm_triton_cpu.py)
+    V2_RUNNER: ClassVar[bool] = False
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int  # draft depth
@@ -66,8 +72,8 @@ class DrafterConfig:
     # Sliding layers see their own block causally, as vLLM and SGLang serve them. False only reads
     # old checkpoints that trained them bidirectionally; SGLang cannot serve those (export refuses).
     sliding_causal: bool = True
-    # What sits on the backbone: "dflash" (nothing), or the heads of a subclass (drafter/arch.py).
-    arch: str = "dflash"
+    # What sits on the backbone: "dflash" (nothing), or a subclass's parts (drafter/arch.py).
+    arch: Arch = "dflash"
 
     def __post_init__(self):
         for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable

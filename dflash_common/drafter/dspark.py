@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_common.config import check
-from dflash_common.drafter.config import DrafterConfig
+from dflash_common.drafter.config import Arch, DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 
 ARCHITECTURE = "Qwen3DSparkModel"  # vLLM 0.32's registry name for a Qwen3 DSpark drafter
@@ -44,8 +44,10 @@ class DSparkConfig(DrafterConfig):
 
     ARCHITECTURE: ClassVar[str] = ARCHITECTURE
     KIND: ClassVar[str] = "DSpark"
+    VLLM_METHOD: ClassVar[str] = "dspark"
+    V2_RUNNER: ClassVar[bool] = True
 
-    arch: str = "dspark"
+    arch: Arch = "dspark"
     markov_rank: int = 256  # DeepSpec's recipe for Qwen3 4B-14B
     confidence_head: bool = True
     # the confidence head also reads the previous token's Markov embedding

@@ -173,11 +173,13 @@ def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: s
     unknown = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unknown or missing:
+        hint = ("; DFlash2's codebooks are bare parameters: rename *_codebook.weight to *_codebook"
+                if any(n.endswith("_codebook.weight") for n in unknown) else "")
         raise UserError(
             f"{where}: weights do not match the released {cfg.KIND} layout"
             + (f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}" if unknown else "")
             + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
-            + ". Nothing was loaded."
+            + hint + ". Nothing was loaded."
         )
     bad = [f"{n} {tuple(t.shape)} (expected {expected[n]})"
            for n, t in tensors.items() if tuple(t.shape) != expected[n]]

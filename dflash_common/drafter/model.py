@@ -139,7 +139,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode) -> torch.Tensor:
+    def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode,
+                block: int) -> torch.Tensor:
+        """x [R, H]: whole blocks of `block` rows each (DFlash2's layers convolve along them)."""
         x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, rope, attend, mode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -162,13 +164,15 @@ class DraftCache:
 
 
 class DFlashDrafter(nn.Module):
+    layer_class: type[nn.Module] = DraftLayer  # DFlash2's layers add convolutions
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
         self.embed_weight: torch.Tensor | None = None  # [V, H], the target's, frozen, not state
@@ -278,7 +282,7 @@ class DFlashDrafter(nn.Module):
         modes = [self.cfg.layer_mode(i) for i in range(len(self.layers))]
         attend = block_attend(layout, set(modes), self.cfg.head_dim, x.device)
         for layer, mode, (ctx_k, ctx_v) in zip(self.layers, modes, context_kv):
-            x = layer(x, ctx_k, ctx_v, rope_blk, attend, mode)
+            x = layer(x, ctx_k, ctx_v, rope_blk, attend, mode, b)
         return self.norm(x).unflatten(0, (a, b))  # [A*B, H] -> [A, B, H]
 
     # -- speculative decoding ------------------------------------------------------------------
@@ -308,7 +312,8 @@ class DFlashDrafter(nn.Module):
             k_new, v_new = layer.self_attn.context_kv(ctx, rope_ctx)  # [n, nkv, D] each
             cache.keys[i] = torch.cat([cache.keys[i], k_new])
             cache.values[i] = torch.cat([cache.values[i], v_new])
-            x = layer(x, cache.keys[i], cache.values[i], rope_blk, attend, self.cfg.layer_mode(i))
+            mode = self.cfg.layer_mode(i)
+            x = layer(x, cache.keys[i], cache.values[i], rope_blk, attend, mode, nb)
         return self.norm(x)
 
     @torch.no_grad()
@@ -316,14 +321,15 @@ class DFlashDrafter(nn.Module):
                      length: int | None = None) -> torch.Tensor:
         """The drafted tokens after `last_token` (greedy, as served even when the target samples)
         from a block of `length` rows (default: the block size; shorter near a length limit):
-        length - 1 of them (DSpark: length, `greedy_drafts`)."""
-        ids = self._block_ids(torch.tensor([last_token], device=new_context.device), length or self.cfg.block_size)
+        length - 1 of them (DSpark: length; `greedy_drafts`)."""
+        first = torch.tensor([last_token], device=new_context.device)
+        ids = self._block_ids(first, length or self.cfg.block_size)
         hidden = self.draft(cache, new_context, ids[0])  # [b, H]
-        return self.greedy_drafts(hidden[None], ids[:, 0])[0]
+        return self.greedy_drafts(hidden[None], first)[0]
 
     @torch.no_grad()
     def greedy_drafts(self, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
-        """Block hidden states [n, b, H] -> greedy drafts [n, b - 1]: position 0 is the given
-        anchor, not a prediction (`first_tokens` [n], the anchors, are for drafters that read them:
-        DSpark)."""
+        """Block hidden states [n, b, H] -> the drafts served [n, b - 1]: the argmax of each
+        prediction (position 0 is the given anchor, not a prediction). `first_tokens` [n], the
+        anchors, are for drafters that read them: DSpark's Markov head, DFlash2's selector walk."""
         return self.logits(hidden[:, 1:]).argmax(-1)

@@ -66,7 +66,11 @@ _JSON_KEYS = {"target_layer_ids": ("dflash_config.target_layer_ids", "target_lay
               "mask_token_id": ("dflash_config.mask_token_id", "mask_token_id"),
               "block_size": ("block_size", "dflash_config.block_size"),
               "sliding_causal": ("is_causal", "dflash_config.causal"),
-              "rope_theta": ("rope_theta", "rope_parameters.rope_theta")}
+              "rope_theta": ("rope_theta", "rope_parameters.rope_theta"),
+              "confidence_head": ("enable_confidence_head",),  # DSpark
+              **{name: (f"dflash_config.{name}",)  # DFlash2
+                 for name in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                              "selector_top_k", "output_multiplier", "final_logit_softcapping")}}
 
 
 def trained_record(directory: str | Path) -> dict | None:

@@ -23,6 +23,8 @@ Each loader's rules are written here as read from its code (docs/serving.md says
   is B. Weights: unknown names are skipped silently (a `model.` prefix is stripped), only
   `fc.weight`'s shape is checked, missing weights stay uninitialised.
 - DSpark drafters (vLLM 0.32 only): the section at the end of this module.
+- DFlash2 drafters add their own rules to DFlash's (serving_dflash2.py): the architecture, the four
+  dflash_config keys vLLM requires, bare codebook names, and the convolution's [2, T, H] layout.
 """
 
 from __future__ import annotations
@@ -145,6 +147,10 @@ def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     found = (_causality_findings(cfg, config) + _sliding_window_findings(cfg, config)
              + _id_findings(cfg, config))
     found += _rope_findings(cfg, config)
+    if cfg.arch == "dflash2":
+        from dflash_common.drafter import serving_dflash2
+
+        found += [Finding(*f) for f in serving_dflash2.config_findings(cfg, config)]
     mixed = len(set(cfg.layer_types)) > 1
     if mixed:
         found.append(Finding("vllm", "warning", "mixed sliding/full layers need vLLM's V2 model runner: set "
@@ -232,7 +238,9 @@ def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str = "TARGET")
     if cfg.arch == "dspark":
         return dspark_serve_commands(cfg, drafter_dir, target)
     spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": cfg.block_size - 1})
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(set(cfg.layer_types)) > 1 else ""
+    # mixed sliding/full layers and DFlash2's selector run only in vLLM's V2 model runner
+    v2 = len(set(cfg.layer_types)) > 1 or cfg.V2_RUNNER
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if v2 else ""
     return {
         "vllm": f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
         "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
@@ -269,6 +277,7 @@ def lint_drafter_dir(path) -> list[Finding]:
     config = json.loads((path / "config.json").read_text())
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         found = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+        base_kernels = {n: f.get_tensor(n) for n in f.keys() if n.endswith(".base_kernel")}
     own = []
     try:  # config.json against the record saved with the weights (a hand edit), keys it lacks
         read_drafter_config(path)
@@ -280,7 +289,13 @@ def lint_drafter_dir(path) -> list[Finding]:
         expected = {n: tuple(p.shape) for n, p in new_drafter(cfg).state_dict().items()}
     if cfg.arch == "dspark":
         return own + lint_config(cfg, config) + lint_dspark_weights(expected, found)
-    return own + lint_config(cfg, config) + lint_weights(expected, found)
+    found_all = own + lint_config(cfg, config) + lint_weights(expected, found)
+    if cfg.arch == "dflash2":
+        from dflash_common.drafter import serving_dflash2
+
+        found_all += [Finding(*f) for f in serving_dflash2.weight_findings(found)]
+        found_all += [Finding(*f) for f in serving_dflash2.conv_layout_findings(base_kernels)]
+    return found_all
 
 
 # ---------------------------------------------------------------- DSpark (vLLM 0.32 only)

@@ -17,12 +17,14 @@ from train.cli import parse  # noqa: E402
 from train.data import TrainData  # noqa: E402
 
 
-def setup(store, target, grad_accum: int):
-    """-> (cfg, drafter, [batch A, batch B]): the first two batches of the plan of one rank."""
+def setup(store, target, grad_accum: int, extra: tuple[str, ...] = ()):
+    """-> (cfg, drafter, [batch A, batch B]): the first two batches of the plan of one rank;
+    `extra`: more config overrides."""
     cfg = parse(["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store), "--out", "unused",
                  f"--run.target={target}", "--run.device=cpu", "--data.batch_tokens=1024",
                  "--data.holdout_sequences=0", "--data.gpu_prefetch=0", "--drafter.block_size=4",
-                 "--objective.max_anchors=64", f"--optim.grad_accum={grad_accum}"])
+                 "--objective.max_anchors=64", f"--optim.grad_accum={grad_accum}",
+                 *extra])
     stores = loop.open_train_stores(cfg)
     dcfg = loop.resolve_drafter(cfg, stores)
     drafter = loop.build_drafter(cfg, dcfg, torch.device("cpu"))
@@ -44,14 +46,14 @@ def accumulate(model, drafter, cfg, batches) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node=2 grad_helpers.py STORE TARGET OUT
+if __name__ == "__main__":  # torchrun --nproc-per-node=2 grad_helpers.py STORE TARGET OUT [OPTIONS]
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    cfg, drafter, batches = setup(sys.argv[1], sys.argv[2], grad_accum=1)
+    cfg, drafter, batches = setup(sys.argv[1], sys.argv[2], grad_accum=1, extra=tuple(sys.argv[4:]))
     grads = accumulate(DDP(drafter), drafter, cfg, [batches[rank]])
     if rank == 0:
         torch.save(grads, sys.argv[3])

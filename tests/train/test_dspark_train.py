@@ -115,7 +115,7 @@ def test_objective_and_gradients_equal_a_reference(
         autocast="none",
         weights=weights,
         targets=cfg.targets,
-        confidence=cfg.objective,
+        objective=cfg.objective,
     )
     loss.backward()
     got = {n: p.grad.clone() for n, p in drafter.named_parameters()}

@@ -444,8 +444,9 @@ class BatchedDFlash:
     """A DFlash-family drafter behind `BatchedDrafter`: its context keys/values per draft layer in
     buffers [N, kv heads, length, D] indexed by position (the target's scheme), the block drafted
     for every row at once, and the draft step of the one-at-a-time proposer
-    (`DFlashProposer.draft`): block hidden states [N, B, H] and the anchors [N] -> drafts, which a
-    drafter with another draft step (DSpark, DFlash2) replaces there, for both loops.
+    (`DFlashProposer.draft`): block hidden states [N, B, H] and the anchors [N] -> drafts (DFlash2's
+    selector walk included), which a drafter with another draft step (DSpark) replaces there, for
+    both loops.
 
     The block's own keys/values are written at the block's positions too, past every committed slot:
     the next cycle's context overwrites them. A block query at position q sees slot j iff j lies
@@ -543,8 +544,9 @@ class BatchedDFlash:
         masks = self._masks(positions, starts + size)
         # no context keys/values: they are in the buffers
         empty = x.new_zeros(0, d.cfg.num_key_value_heads, d.cfg.head_dim)
-        for i, layer in enumerate(d.layers):
-            x = layer(x, empty, empty, rope, self._attend(i, positions, masks), d.cfg.layer_mode(i))
+        for i, layer in enumerate(d.layers):  # each row's block is whole: DFlash2 convolves in it
+            attend = self._attend(i, positions, masks)
+            x = layer(x, empty, empty, rope, attend, d.cfg.layer_mode(i), size)
         return d.norm(x).unflatten(0, (n, size))
 
     @torch.inference_mode()

@@ -675,8 +675,9 @@ def run_vllm(cfg: EvalConfig) -> dict:
         "max_model_len": (
             max(len(p.ids) for p in prompts) + cfg.generation.max_new_tokens + block + 1
         ),
-        # DSpark needs vLLM's V2 runner, so Triton: on a CPU its interpreter (vllm_engine.py)
-        "triton_interpreter": drafter.cfg.arch == "dspark" and not torch.cuda.is_available(),
+        # DSpark and DFlash2 need vLLM's V2 runner, so Triton: on a CPU its interpreter
+        # (vllm_engine.py)
+        "triton_interpreter": drafter.cfg.V2_RUNNER and not torch.cuda.is_available(),
     }
     workdir = (
         Path(cfg.report.path).parent
@@ -692,7 +693,7 @@ def run_vllm(cfg: EvalConfig) -> dict:
                 **request,
                 "drafter": str(resolve_drafter_dir(cfg.drafter.path).resolve()),
                 "num_speculative_tokens": verify - 1,
-                "method": drafter.cfg.arch,
+                "method": drafter.cfg.VLLM_METHOD,
             },
             workdir,
             "vllm-spec",

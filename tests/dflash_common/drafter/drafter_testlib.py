@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_common.drafter.arch import config_class, new_drafter
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 
@@ -14,19 +15,20 @@ ANCHORS = [0, 3, 6, 7, 11, 12, 18, 27]  # seq 0 = [0, 11), seq 1 = [11, 31); inc
 TINY_MASK_ID = 259  # <|mask|> of the tiny tokenizer (256 bytes + 3 chat tokens before it)
 
 
-def tiny_config(target_dir: Path, **overrides) -> DrafterConfig:
+def tiny_config(target_dir: Path, arch: str = "dflash", **overrides) -> DrafterConfig:
     """A 2-layer drafter over the tiny target, its first layer sliding with a window short enough
-    to matter on 20-token sequences."""
+    to matter on 20-token sequences; `arch`'s own fields among `overrides`."""
     options = dict(mask_token_id=TINY_MASK_ID, depth=2, block_size=4,
                    layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     options.update(overrides)
-    return DrafterConfig.from_target(json.loads((Path(target_dir) / "config.json").read_text()), **options)
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    return config_class(arch).from_target(target, **options)
 
 
 def tiny_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     """Random weights, norms perturbed away from 1 so a norm applied twice or skipped shows."""
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(cfg)
+    drafter = new_drafter(cfg)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
@@ -47,3 +49,14 @@ def packed_batch(cfg: DrafterConfig, lengths=(11, 20), seed: int = 0):
     input_ids = torch.randint(0, 256, (total,), generator=g)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     return context, input_ids, cu_seqlens
+
+
+@torch.no_grad()
+def randomise_dflash2(drafter, seed: int = 0):
+    """Move a DFlash2 drafter's convolutions and selector off their start (identity, zero successor
+    codebook), far enough that a wrong tap, group, side or predecessor shows."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in drafter.named_parameters():
+        if "_conv." in name or name.startswith("candidate_selector."):
+            p.add_(torch.randn(p.shape, generator=g) * (0.3 if "_conv." in name else 1.0))
+    return drafter
