@@ -55,18 +55,38 @@ H200_BF16_TFLOPS = 989.0  # dense, no sparsity
 
 def qwen3_8b_drafter() -> DrafterConfig:
     return DrafterConfig(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, num_target_layers=36,
-        target_layer_ids=tuple(default_layer_ids(36)), mask_token_id=151669, layer_types=("full_attention",) * 5,
-        block_size=16, rope_theta=1e6,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        num_target_layers=36,
+        target_layer_ids=tuple(default_layer_ids(36)),
+        mask_token_id=151669,
+        layer_types=("full_attention",) * 5,
+        block_size=16,
+        rope_theta=1e6,
     )
 
 
 def tiny_drafter() -> DrafterConfig:
     return DrafterConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=512, num_target_layers=8, target_layer_ids=(1, 2, 3, 4, 5), mask_token_id=500,
-        layer_types=("sliding_attention", "full_attention"), sliding_window=64, block_size=8, rope_theta=1e4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        num_target_layers=8,
+        target_layer_ids=(1, 2, 3, 4, 5),
+        mask_token_id=500,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=64,
+        block_size=8,
+        rope_theta=1e4,
     )
 
 
@@ -78,7 +98,9 @@ def make_batch(cfg: DrafterConfig, seqs: int, seq_len: int, anchors_per_seq: int
     input_ids = torch.randint(0, cfg.vocab_size, (total,), generator=g).to(device)
     cu = torch.arange(0, total + 1, seq_len, device=device)
     loss_mask = torch.ones(total, dtype=torch.bool, device=device)
-    anchors = sample_anchors(loss_mask.cpu(), cu.cpu(), cfg.block_size, anchors_per_seq, g).to(device)
+    anchors = sample_anchors(loss_mask.cpu(), cu.cpu(), cfg.block_size, anchors_per_seq, g).to(
+        device
+    )
     labels, weights = block_labels(input_ids, loss_mask, cu, anchors, cfg.block_size)
     return context, input_ids, cu, anchors, labels, weights
 
@@ -102,16 +124,24 @@ def step_flops(cfg: DrafterConfig, cu, anchors, total: int, n_loss: int) -> floa
 def train_step(drafter, optimizer, batch, autocast_dtype):
     context, input_ids, cu, anchors, labels, weights = batch
     top_k = drafter.cfg.selector_top_k if drafter.cfg.arch == "dflash2" else 0
-    autocast = torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    autocast = torch.autocast(
+        context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None
+    )
     with autocast:
         hidden = drafter(context, input_ids, cu, anchors)  # [A, B, H]
-    out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), weights.flatten(),
-                             top_k=top_k)
+    out = fused_lm_head_loss(
+        hidden.flatten(0, 1),
+        drafter.lm_head_weight,
+        labels.flatten(),
+        weights.flatten(),
+        top_k=top_k,
+    )
     loss = out.loss
     if top_k:  # DFlash2: the selector loss over the loss's top-k, under the same weights
         with autocast:
-            sel = block_selector_loss(drafter, hidden, input_ids, anchors, labels, out.top_ids,
-                                      out.top_values)
+            sel = block_selector_loss(
+                drafter, hidden, input_ids, anchors, labels, out.top_ids, out.top_values
+            )
         loss = loss + (weights * sel.ce).sum()
     (loss / weights.sum()).backward()
     clip_and_step(optimizer, list(drafter.parameters()), 1.0)  # the trainer's clip and AdamW step
@@ -135,8 +165,10 @@ def build(cfg: DrafterConfig, device, cuda: bool, compiled: bool):
     torch.manual_seed(0)
     drafter = new_drafter(cfg).to(device)  # float32 master weights
     v, h = cfg.vocab_size, cfg.hidden_size
-    drafter.attach_frozen(torch.randn(v, h, device=device, dtype=torch.bfloat16),
-                          torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5)
+    drafter.attach_frozen(
+        torch.randn(v, h, device=device, dtype=torch.bfloat16),
+        torch.randn(v, h, device=device, dtype=torch.bfloat16) * h**-0.5,
+    )
     if compiled:
         drafter.compile_regions()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0, fused=cuda)
@@ -144,24 +176,35 @@ def build(cfg: DrafterConfig, device, cuda: bool, compiled: bool):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny drafter on the CPU (smoke test)")
     parser.add_argument("--seqs", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--anchors", type=int, default=512, help="anchors per sequence")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of --steps per variant, interleaved")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds of --steps per variant, interleaved"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation)")
-    parser.add_argument("--variants", default="eager",
-                        help="comma list: eager (flex compiled, the rest eager), compiled (precision.compile), "
-                             "dflash2, dflash2-compiled")
-    parser.add_argument("--profile", action="store_true", help="print each variant's kernels (torch.profiler)")
+    parser.add_argument(
+        "--variants",
+        default="eager",
+        help="comma list: eager (flex compiled, the rest eager), compiled (precision.compile), "
+        "dflash2, dflash2-compiled",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="print each variant's kernels (torch.profiler)"
+    )
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     device = torch.device("cuda" if cuda else "cpu")
     cfg = qwen3_8b_drafter() if not args.quick else tiny_drafter()
-    seq_len, anchors, steps = (args.seq_len, args.anchors, args.steps) if not args.quick else (256, 16, 2)
+    seq_len, anchors, steps = (
+        (args.seq_len, args.anchors, args.steps) if not args.quick else (256, 16, 2)
+    )
     repeats = args.repeats if not args.quick else 1
     batch = make_batch(cfg, args.seqs, seq_len, anchors, device)
     total, n_anchors = batch[0].shape[0], batch[3].numel()
@@ -184,33 +227,51 @@ def main() -> None:
     for _ in range(repeats):  # interleaved: a slow spell of the shared machine hits every variant
         for name, (step, _) in variants.items():
             times.setdefault(name, []).append(round_time(step, steps, cuda))
-            times.setdefault(f"{name}, synced", []).extend(wall_times(step, steps, 0, cuda))  # each step synced alone
+            times.setdefault(f"{name}, synced", []).extend(
+                wall_times(step, steps, 0, cuda)
+            )  # each step synced alone
     flops = step_flops(cfg, batch[2], batch[3], total, n_loss)
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"# drafter training step on {gpu}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
-          f"{cfg.vocab_size}, {args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x "
-          f"{cfg.block_size}; {flops / 1e12:.2f} TFLOP per step; {repeats} interleaved repeats of {steps} steps a "
-          f"variant: 'variant' rows run them back to back (the median of the repeats' ms a step), ', synced' rows "
-          f"synchronise every step (the median of the steps)")
-    print(f"| {'variant':<18} | {'ms / step':>9} | {'spread ms':>13} | {'tokens / s':>10} | {'TFLOP/s':>8} | "
-          f"{'MFU':>6} |")
+    print(
+        f"# drafter training step on {gpu}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
+        f"{cfg.vocab_size}, {args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x "
+        f"{cfg.block_size}; {flops / 1e12:.2f} TFLOP per step; {repeats} interleaved repeats of {steps} steps a "
+        f"variant: 'variant' rows run them back to back (the median of the repeats' ms a step), ', synced' rows "
+        f"synchronise every step (the median of the steps)"
+    )
+    print(
+        f"| {'variant':<18} | {'ms / step':>9} | {'spread ms':>13} | {'tokens / s':>10} | {'TFLOP/s':>8} | "
+        f"{'MFU':>6} |"
+    )
     print(f"|{'-' * 20}|{'-' * 11}|{'-' * 15}|{'-' * 12}|{'-' * 10}|{'-' * 8}|")
-    for name in sorted(times, key=lambda n: (n.endswith("synced"), list(variants).index(n.split(",")[0]))):
+    for name in sorted(
+        times, key=lambda n: (n.endswith("synced"), list(variants).index(n.split(",")[0]))
+    ):
         ms = Spread.of(times[name]).scaled(1e3)
         sec = ms.median / 1e3
         mfu = f"{flops / sec / (args.peak_tflops * 1e12):.1%}" if cuda else "n/a"
-        print(f"| {name:<18} | {ms.median:>9.1f} | {f'{ms.low:.1f}-{ms.high:.1f}':>13} | "
-              f"{total / sec:>10,.0f} | {flops / sec / 1e12:>8.1f} | {mfu:>6} |")
+        print(
+            f"| {name:<18} | {ms.median:>9.1f} | {f'{ms.low:.1f}-{ms.high:.1f}':>13} | "
+            f"{total / sec:>10,.0f} | {flops / sec / 1e12:>8.1f} | {mfu:>6} |"
+        )
     params = sum(p.numel() for p in next(iter(variants.values()))[1].parameters())
-    print(f"parameters {params / 1e6:.1f} M; peak memory "
-          + (f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all variants resident)" if cuda else "n/a"))
+    print(
+        f"parameters {params / 1e6:.1f} M; peak memory "
+        + (
+            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all variants resident)"
+            if cuda
+            else "n/a"
+        )
+    )
     if args.profile and cuda:
         from benchmarks.profiling import compare_timelines, kernel_table, profile_phase
 
         for name, (step, _) in variants.items():
             kernel_table(step, calls=3, title=f"drafter step, {name}")
         print("\n## drafter step: 3 steps of each variant, GPU busy and idle, the host's syncs")
-        compare_timelines([(name, profile_phase(step, calls=3)) for name, (step, _) in variants.items()])
+        compare_timelines(
+            [(name, profile_phase(step, calls=3)) for name, (step, _) in variants.items()]
+        )
 
 
 if __name__ == "__main__":

@@ -30,32 +30,57 @@ import pytest
 
 from train.eval.vllm_engine import vllm_available
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable here")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not importable here"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = dict(num_layers=8, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=2, head_dim=64,
-            rope_theta=500.0, initializer_range=0.05)  # a drafter accepted ~2.4 of 8, its drafts hang on the features
+SPEC = dict(
+    num_layers=8,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=500.0,
+    initializer_range=0.05,
+)  # a drafter accepted ~2.4 of 8, its drafts hang on the features
 # rope_theta 500: far from the defaults a loader falls back to (vLLM 1e6, transformers 10000), so a lost theta shows
 TRAIN_SAMPLES, EVAL_PROMPTS, MAX_NEW = 192, 48, 48
-MAX_PROMPTS_APART = 2  # float32 near-ties between vLLM and us; measured 0 (good export), 23-31 (broken)
+MAX_PROMPTS_APART = (
+    2  # float32 near-ties between vLLM and us; measured 0 (good export), 23-31 (broken)
+)
 DFLASH2_PROMPTS = 6  # DFlash2 is served with vLLM's Triton kernels interpreted: a few prompts only
 
 
 def _cli(*args: str) -> None:
     proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 0, f"{' '.join(args[:2])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(args[:2])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def _answer_batch(model, tok, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
     """Greedy answers (up to and including EOS) to prompts of any lengths, in one left-padded batch."""
     import torch
 
-    eos, pad, width = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id, max(len(p) for p in prompts)
+    eos, pad, width = (
+        tok.convert_tokens_to_ids("<|im_end|>"),
+        tok.pad_token_id,
+        max(len(p) for p in prompts),
+    )
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
-                             pad_token_id=pad)[:, width:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )[:, width:].tolist()
     answers = [r[: r.index(eos) + 1] if eos in r else r for r in out]
     return list(zip(prompts, answers))
 
@@ -71,16 +96,27 @@ def _generate_data(target: Path, out: Path) -> tuple[Path, list[list[int]]]:
 
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-               for p in make_prompts(TRAIN_SAMPLES, seed=0)]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+        )
+        for p in make_prompts(TRAIN_SAMPLES, seed=0)
+    ]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     pairs = []
-    for i in range(0, len(prompts), 32):  # batched, left-padded: one-by-one generate is minutes on 2 cores
-        pairs += _answer_batch(model, tok, prompts[i:i + 32])
+    for i in range(
+        0, len(prompts), 32
+    ):  # batched, left-padded: one-by-one generate is minutes on 2 cores
+        pairs += _answer_batch(model, tok, prompts[i : i + 32])
     path = out / "train.jsonl"
     with open(path, "w") as f:
         for i, (p, r) in enumerate(pairs):
-            f.write(json.dumps({"id": f"s-{i}", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}) + "\n")
+            f.write(
+                json.dumps(
+                    {"id": f"s-{i}", "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}
+                )
+                + "\n"
+            )
     return path, [p for p, _ in pairs[:EVAL_PROMPTS]]
 
 
@@ -93,18 +129,38 @@ def trained(tmp_path_factory):
     target = build_tiny_target(work / "target", TinySpec(**SPEC))
     data, prompts = _generate_data(target, work)
     tiny = str(ROOT / "configs" / "tiny.toml")
-    _cli("precompute.cli", "--config", tiny, f"--target.path={target}", f"--out={work / 'store'}",
-         f"--data.inputs=['{data}']")
-    _cli("train.cli", "--config", tiny, f"--run.target={target}", f"--store={work / 'store'}",
-         f"--out={work / 'run'}", "--optim.epochs=10")
-    _cli("dflash_common.drafter.export", str(work / "run"), str(work / "drafter"), "--dtype", "fp32")
+    _cli(
+        "precompute.cli",
+        "--config",
+        tiny,
+        f"--target.path={target}",
+        f"--out={work / 'store'}",
+        f"--data.inputs=['{data}']",
+    )
+    _cli(
+        "train.cli",
+        "--config",
+        tiny,
+        f"--run.target={target}",
+        f"--store={work / 'store'}",
+        f"--out={work / 'run'}",
+        "--optim.epochs=10",
+    )
+    _cli(
+        "dflash_common.drafter.export", str(work / "run"), str(work / "drafter"), "--dtype", "fp32"
+    )
     return target, work / "drafter", work / "run", prompts
 
 
 def _request(target: Path, prompts: list[list[int]]) -> dict:
     eos = json.loads((target / "config.json").read_text())["eos_token_id"]
-    return {"target": str(target), "prompts": prompts, "max_new_tokens": MAX_NEW, "stop_ids": [eos],
-            "max_model_len": 512}
+    return {
+        "target": str(target),
+        "prompts": prompts,
+        "max_new_tokens": MAX_NEW,
+        "stop_ids": [eos],
+        "max_model_len": 512,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +196,12 @@ def _our_cycles(target: Path, run: Path, prompts: list[list[int]]) -> list[dict]
     stop = frozenset([model.config.eos_token_id])
     out = []
     for p in prompts:
-        decoded = speculative_generate(runner, proposer, p, block_size=block, max_new_tokens=MAX_NEW, stop_ids=stop)
-        out.append(expected_counters(decoded.acceptance_lengths, decoded.tokens[0], block, MAX_NEW, stop))
+        decoded = speculative_generate(
+            runner, proposer, p, block_size=block, max_new_tokens=MAX_NEW, stop_ids=stop
+        )
+        out.append(
+            expected_counters(decoded.acceptance_lengths, decoded.tokens[0], block, MAX_NEW, stop)
+        )
     return out
 
 
@@ -156,8 +216,14 @@ def _pooled_tau(rows: list[dict]) -> float:
     return 1 + sum(r["accepted"] for r in rows) / drafts if drafts else 1.0
 
 
-def serving_failures(drafter: Path, trained, base: dict, ours: list[dict], work: Path,
-                     prompts: list[list[int]] | None = None) -> list[str]:
+def serving_failures(
+    drafter: Path,
+    trained,
+    base: dict,
+    ours: list[dict],
+    work: Path,
+    prompts: list[list[int]] | None = None,
+) -> list[str]:
     """What is wrong with serving `drafter` through vLLM (on `prompts`, default all); empty when the
     check passes."""
     from train.eval.vllm_engine import run_engine, summarize_engine
@@ -166,11 +232,20 @@ def serving_failures(drafter: Path, trained, base: dict, ours: list[dict], work:
     prompts = prompts or all_prompts
     block = json.loads((drafter / "config.json").read_text())["block_size"]
     try:
-        spec = run_engine({**_request(target, prompts), "drafter": str(drafter), "num_speculative_tokens": block - 1},
-                          work, "spec")
+        spec = run_engine(
+            {
+                **_request(target, prompts),
+                "drafter": str(drafter),
+                "num_speculative_tokens": block - 1,
+            },
+            work,
+            "spec",
+        )
     except RuntimeError as e:
         return [str(e)]
-    report = summarize_engine(spec, base, block, [str(i) for i in range(len(prompts))], [len(p) for p in prompts])
+    report = summarize_engine(
+        spec, base, block, [str(i) for i in range(len(prompts))], [len(p) for p in prompts]
+    )
     failures = [f"not lossless: {m}" for m in report["lossless"]["mismatches"]]
     tau = report["tau_pooled"] or 1.0
     if tau <= 1.0:
@@ -178,16 +253,22 @@ def serving_failures(drafter: Path, trained, base: dict, ours: list[dict], work:
     apart = [i for i, (r, o) in enumerate(zip(spec["prompts"], ours)) if _cycles(r) != _cycles(o)]
     if len(apart) > MAX_PROMPTS_APART:
         i = apart[0]
-        failures.append(f"vLLM's draft-verify cycles differ from ours on {len(apart)} of {len(prompts)} prompts "
-                        f"(at most {MAX_PROMPTS_APART} may), e.g. prompt {i}: vLLM {_cycles(spec['prompts'][i])}, "
-                        f"ours {_cycles(ours[i])}")
-    print(f"serve-check {drafter.name}: cycles as ours on {len(prompts) - len(apart)} of {len(prompts)} prompts, "
-          f"pooled tau vLLM {tau:.3f} ours {_pooled_tau(ours):.3f}, lossless {report['lossless']['ok']}, "
-          f"{report['new_tokens']} tokens")
+        failures.append(
+            f"vLLM's draft-verify cycles differ from ours on {len(apart)} of {len(prompts)} prompts "
+            f"(at most {MAX_PROMPTS_APART} may), e.g. prompt {i}: vLLM {_cycles(spec['prompts'][i])}, "
+            f"ours {_cycles(ours[i])}"
+        )
+    print(
+        f"serve-check {drafter.name}: cycles as ours on {len(prompts) - len(apart)} of {len(prompts)} prompts, "
+        f"pooled tau vLLM {tau:.3f} ours {_pooled_tau(ours):.3f}, lossless {report['lossless']['ok']}, "
+        f"{report['new_tokens']} tokens"
+    )
     return failures
 
 
-def test_exported_drafter_serves_lossless_accepted_and_drafts_as_ours(trained, served_target, our_cycles, tmp_path):
+def test_exported_drafter_serves_lossless_accepted_and_drafts_as_ours(
+    trained, served_target, our_cycles, tmp_path
+):
     assert serving_failures(trained[1], trained, served_target, our_cycles, tmp_path) == []
 
 
@@ -197,15 +278,29 @@ def trained_dflash2(trained) -> tuple[Path, Path]:
     target, _, run, _ = trained
     work = run.parent
     tiny = str(ROOT / "configs" / "tiny.toml")
-    _cli("train.cli", "--config", tiny, f"--run.target={target}", f"--store={work / 'store'}",
-         f"--out={work / 'run-dflash2'}", "--optim.epochs=10", "--drafter.arch=dflash2")
-    _cli("dflash_common.drafter.export", str(work / "run-dflash2"), str(work / "drafter-dflash2"), "--dtype",
-         "fp32")
+    _cli(
+        "train.cli",
+        "--config",
+        tiny,
+        f"--run.target={target}",
+        f"--store={work / 'store'}",
+        f"--out={work / 'run-dflash2'}",
+        "--optim.epochs=10",
+        "--drafter.arch=dflash2",
+    )
+    _cli(
+        "dflash_common.drafter.export",
+        str(work / "run-dflash2"),
+        str(work / "drafter-dflash2"),
+        "--dtype",
+        "fp32",
+    )
     return work / "run-dflash2", work / "drafter-dflash2"
 
 
-def test_a_dflash2_drafter_serves_lossless_accepted_and_drafts_as_ours(trained, trained_dflash2,
-                                                                      served_target, tmp_path):
+def test_a_dflash2_drafter_serves_lossless_accepted_and_drafts_as_ours(
+    trained, trained_dflash2, served_target, tmp_path
+):
     """vLLM's V2 runner with its DFlash2 speculator (candidate top-k, selector, walk kernel) on our
     export: the target's greedy output, accepted drafts, and per prompt our engine's cycles."""
     target, _, _, prompts = trained
@@ -226,8 +321,12 @@ def _broken(drafter: Path, out: Path, kind: str) -> Path:
         weights["layers.0.mlp.gate.weight"] = weights.pop("layers.0.mlp.gate_proj.weight")
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     elif kind == "wrong-target-layer-ids":
-        config["dflash_config"]["target_layer_ids"] = [i + 2 for i in config["dflash_config"]["target_layer_ids"]]
-    elif kind == "missing-rope-theta":  # as a transformers 5 save_pretrained without our hand-written keys
+        config["dflash_config"]["target_layer_ids"] = [
+            i + 2 for i in config["dflash_config"]["target_layer_ids"]
+        ]
+    elif (
+        kind == "missing-rope-theta"
+    ):  # as a transformers 5 save_pretrained without our hand-written keys
         config.pop("rope_theta")
         config.pop("rope_parameters")
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -237,15 +336,20 @@ def _broken(drafter: Path, out: Path, kind: str) -> Path:
 # What catches each: vLLM refuses an unknown weight name (its 0.32 words); a shifted layer or a lost
 # theta still serves, lossless and accepted at a pooled tau near ours (-1% to -11% measured), but drafts
 # otherwise than our engine on about half the prompts (docs/serving.md has the figures).
-CAUGHT_BY = {"renamed-weight": "no module or parameter named 'layers.0.mlp.gate'",
-             "wrong-target-layer-ids": "cycles differ from ours", "missing-rope-theta": "cycles differ from ours"}
+CAUGHT_BY = {
+    "renamed-weight": "no module or parameter named 'layers.0.mlp.gate'",
+    "wrong-target-layer-ids": "cycles differ from ours",
+    "missing-rope-theta": "cycles differ from ours",
+}
 
 
 @pytest.mark.parametrize("kind", list(CAUGHT_BY))
 def test_a_broken_export_fails_the_check(trained, served_target, our_cycles, tmp_path, kind):
     broken = _broken(trained[1], tmp_path / kind, kind)
     failures = serving_failures(broken, trained, served_target, our_cycles, tmp_path)
-    assert any(CAUGHT_BY[kind] in f for f in failures), f"a drafter with a {kind} passed the serving check: {failures}"
+    assert any(CAUGHT_BY[kind] in f for f in failures), (
+        f"a drafter with a {kind} passed the serving check: {failures}"
+    )
 
 
 def test_our_causality_rule_is_vllms():
@@ -257,11 +361,19 @@ def test_our_causality_rule_is_vllms():
     from dflash_common.drafter import serving
 
     types = ["sliding_attention", "full_attention"]
-    for extra in ({}, {"is_causal": False}, {"is_causal": True}, {"dflash_config": {"causal": True}},
-                  {"dflash_config": {"causal": False}}, {"layer_types": None}):
+    for extra in (
+        {},
+        {"is_causal": False},
+        {"is_causal": True},
+        {"dflash_config": {"causal": True}},
+        {"dflash_config": {"causal": False}},
+        {"layer_types": None},
+    ):
         config = {"layer_types": types, "dflash_config": {}, **extra}
         for i in range(2):
-            assert serving.vllm_layer_causal(config, i) == _dflash_layer_causal(SimpleNamespace(**config), i), extra
+            assert serving.vllm_layer_causal(config, i) == _dflash_layer_causal(
+                SimpleNamespace(**config), i
+            ), extra
 
 
 def test_our_target_layer_rule_is_vllms():
@@ -271,9 +383,13 @@ def test_our_target_layer_rule_is_vllms():
 
     from dflash_common.drafter import serving
 
-    for config in ({"dflash_config": {"target_layer_ids": [1, 3, 5]}},
-                   {"dflash_config": {"target_layer_ids": [1, 3]}, "eagle_aux_hidden_state_layer_ids": [4, 6]}):
-        spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(**config)))
+    for config in (
+        {"dflash_config": {"target_layer_ids": [1, 3, 5]}},
+        {"dflash_config": {"target_layer_ids": [1, 3]}, "eagle_aux_hidden_state_layer_ids": [4, 6]},
+    ):
+        spec = SimpleNamespace(
+            draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(**config))
+        )
         got = get_eagle3_aux_layers_from_config(spec)
         assert serving.vllm_target_layer_ids(config) == [i - 1 for i in got]
 
@@ -566,9 +682,16 @@ def test_our_dspark_config_rules_are_vllms():
     from dflash_common.drafter import serving
     from dflash_common.drafter.arch import config_class
 
-    target = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 320,
-              "rope_theta": 500.0}
+    target = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "vocab_size": 320,
+        "rope_theta": 500.0,
+    }
     ours = config_class("dspark").from_target(target, mask_token_id=259).to_config_json()
     deepspec = {k: v for k, v in ours.items() if k != "dflash_config"}
     for config in (ours, deepspec, {**deepspec, "dspark_target_layer_ids": [0, 2]}):

@@ -32,8 +32,14 @@ def _positions(values: list[float]) -> str:
     return " ".join("1.0" if v >= 0.995 else f"{v:.2f}".lstrip("0") for v in values)
 
 
-def format_train_line(r: dict[str, Any], total_steps: int, *, epochs: int | None = None,
-                      every_steps: int | None = None, resumed_at: int = 0) -> str:
+def format_train_line(
+    r: dict[str, Any],
+    total_steps: int,
+    *,
+    epochs: int | None = None,
+    every_steps: int | None = None,
+    resumed_at: int = 0,
+) -> str:
     """The console line of training record `r`; `epochs` the run's (none when optim.max_steps
     sets its length), `every_steps` the steps a line means, `resumed_at` the step resumed from."""
     mem = f"{r['gpu_mem_gib']:.1f} GiB" if r.get("gpu_mem_gib") is not None else "n/a (no GPU)"
@@ -58,12 +64,17 @@ def _window(r: dict[str, Any], every_steps: int | None, resumed_at: int) -> str:
 
 
 def format_val_line(r: dict[str, Any]) -> str:
-    return (f"val  step {r['step']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
-            f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f}"
-            + (f" | path tau {r['path_tau']:.2f}" if r.get("path_tau") is not None else "")
-            + (f" | unary tau {r['tau_unary']:.2f} | top-k recall {r['top_k_recall']:.3f}"
-               if r.get("tau_unary") is not None else "")
-            + f" | {r['sequences']} sequences")
+    return (
+        f"val  step {r['step']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
+        f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f}"
+        + (f" | path tau {r['path_tau']:.2f}" if r.get("path_tau") is not None else "")
+        + (
+            f" | unary tau {r['tau_unary']:.2f} | top-k recall {r['top_k_recall']:.3f}"
+            if r.get("tau_unary") is not None
+            else ""
+        )
+        + f" | {r['sequences']} sequences"
+    )
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -82,15 +93,25 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             if isinstance(record, dict) and "step" in record:
                 records.append(record)
             else:
-                log.warning("%s:%d is not a metrics record (a write cut short?); leaving it out", path, n)
+                log.warning(
+                    "%s:%d is not a metrics record (a write cut short?); leaving it out", path, n
+                )
     return records
 
 
 class MetricsWriter:
     """Console line + JSONL + TensorBoard. Only rank 0 makes one; the others record nothing."""
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, resume_step: int, *,
-                 epochs: int | None = None, every_steps: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        tensorboard: bool,
+        resume_step: int,
+        *,
+        epochs: int | None = None,
+        every_steps: int | None = None,
+    ):
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.line = {"epochs": epochs, "every_steps": every_steps, "resumed_at": resume_step}
@@ -105,7 +126,9 @@ class MetricsWriter:
 
     def _truncate_after(self, step: int) -> None:
         kept = [r for r in read_metrics(self.run_dir) if r["step"] <= step]
-        atomic_write_text(self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept), durable=False)
+        atomic_write_text(
+            self.run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept), durable=False
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         if record["kind"] == "train":

@@ -16,13 +16,21 @@ import torch
 import torch.nn.functional as F
 
 from dflash_common.drafter.loss import (
-    fused_lm_head_loss, greedy_prompt_labels, soft_kind, soft_lm_head_loss, teacher_rows,
+    fused_lm_head_loss,
+    greedy_prompt_labels,
+    soft_kind,
+    soft_lm_head_loss,
+    teacher_rows,
 )
 from dflash_common.drafter.loss.markov import Soft, markov_lm_head_loss
 from dflash_common.drafter.loss.selector import block_selector_loss, top_k_logits
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.drafter.objective import (
-    IGNORE_INDEX, accepted_drafts, block_labels, dpace_weights, serving_path,
+    IGNORE_INDEX,
+    accepted_drafts,
+    block_labels,
+    dpace_weights,
+    serving_path,
 )
 from train.config import ObjectiveSection, SoftTargetsSection
 from train.transfer import DeviceBatch
@@ -34,17 +42,33 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     training step never waits for the GPU just to count."""
     accepted = accepted_drafts(correct, valid)
     has_any = valid[:, 1:].any(1)
-    return torch.cat([(correct & valid).sum(0).double(), valid.sum(0).double(),
-                      (accepted * has_any).sum().double()[None], has_any.sum().double()[None]])
+    return torch.cat(
+        [
+            (correct & valid).sum(0).double(),
+            valid.sum(0).double(),
+            (accepted * has_any).sum().double()[None],
+            has_any.sum().double()[None],
+        ]
+    )
 
 
-def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: DeviceBatch, *,
-                    block_size: int, gamma: float | None, autocast: str, weights: str = "gamma",
-                    dpace_alpha: float = 0.5, normalise: str = "weight",
-                    targets: SoftTargetsSection | None = None, path_weight: float = 0.0,
-                    loss_method: str = "exact", objective: ObjectiveSection | None = None,
-                    extras: dict[str, torch.Tensor] | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_objective(
+    drafter: DFlashDrafter,
+    model: torch.nn.Module,
+    batch: DeviceBatch,
+    *,
+    block_size: int,
+    gamma: float | None,
+    autocast: str,
+    weights: str = "gamma",
+    dpace_alpha: float = 0.5,
+    normalise: str = "weight",
+    targets: SoftTargetsSection | None = None,
+    path_weight: float = 0.0,
+    loss_method: str = "exact",
+    objective: ObjectiveSection | None = None,
+    extras: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed batch through `model` (the drafter, or its DDP wrapper) and the fused loss.
 
     `weights` 'gamma' or 'dpace', `normalise` 'weight' or 'anchors' and `path_weight` as in
@@ -70,39 +94,81 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
     """
     o = objective if objective is not None else ObjectiveSection()
     if drafter.cfg.arch == "dspark":
-        return dspark_objective(drafter, model, batch, gamma=gamma, autocast=autocast,
-                                weights=weights, dpace_alpha=dpace_alpha, normalise=normalise,
-                                targets=targets, objective=o)
+        return dspark_objective(
+            drafter,
+            model,
+            batch,
+            gamma=gamma,
+            autocast=autocast,
+            weights=weights,
+            dpace_alpha=dpace_alpha,
+            normalise=normalise,
+            targets=targets,
+            objective=o,
+        )
     device = batch.features.device
     top_k = drafter.cfg.selector_top_k if drafter.cfg.arch == "dflash2" else 0
     prompt = targets is not None and targets.prompt_anchors
-    mask = torch.ones_like(batch.loss_mask) if prompt else batch.loss_mask  # prompt labels count too
-    labels, w = block_labels(batch.input_ids, mask, batch.cu_seqlens, batch.anchors,
-                             block_size, gamma)  # [A, B] each
+    mask = (
+        torch.ones_like(batch.loss_mask) if prompt else batch.loss_mask
+    )  # prompt labels count too
+    labels, w = block_labels(
+        batch.input_ids, mask, batch.cu_seqlens, batch.anchors, block_size, gamma
+    )  # [A, B] each
     if prompt:
         labels = greedy_prompt_labels(labels, batch.loss_mask, batch.anchors)
     valid = labels != IGNORE_INDEX
     enabled = autocast == "bf16"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled):
-        hidden = model(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
+        hidden = model(
+            batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors
+        )  # [A, B, H]
         row_w = valid.float() if weights == "dpace" else w  # D-PACE: unit weights, reweighted below
         if targets is not None and targets.needs_final_state:
-            out = soft_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
-                                    batch.final, teacher_rows(batch.anchors, block_size).flatten(),
-                                    soft_kind(targets.soft), targets.temperature)
+            out = soft_lm_head_loss(
+                hidden.flatten(0, 1),
+                drafter.lm_head_weight,
+                labels.flatten(),
+                row_w.flatten(),
+                batch.final,
+                teacher_rows(batch.anchors, block_size).flatten(),
+                soft_kind(targets.soft),
+                targets.temperature,
+            )
         else:
-            out = fused_lm_head_loss(hidden.flatten(0, 1), drafter.lm_head_weight, labels.flatten(), row_w.flatten(),
-                                     method=loss_method, top_k=top_k)
+            out = fused_lm_head_loss(
+                hidden.flatten(0, 1),
+                drafter.lm_head_weight,
+                labels.flatten(),
+                row_w.flatten(),
+                method=loss_method,
+                top_k=top_k,
+            )
         sel = None
         if top_k:  # DFlash2: the selector over the loss's top-k (the soft loss has none: a pass)
-            tops = (out.top_ids, out.top_values) if out.top_ids is not None else \
-                top_k_logits(hidden.flatten(0, 1), drafter.lm_head_weight, top_k)
-            sel = block_selector_loss(drafter, hidden, batch.input_ids, batch.anchors, labels,
-                                      *tops, o.selector_candidates, o.selector_stop_gradient)
+            tops = (
+                (out.top_ids, out.top_values)
+                if out.top_ids is not None
+                else top_k_logits(hidden.flatten(0, 1), drafter.lm_head_weight, top_k)
+            )
+            sel = block_selector_loss(
+                drafter,
+                hidden,
+                batch.input_ids,
+                batch.anchors,
+                labels,
+                *tops,
+                o.selector_candidates,
+                o.selector_stop_gradient,
+            )
     unary_correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
     correct = unary_correct if sel is None else sel.correct & valid  # what is served
-    row_scale = None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
-    if weights == "dpace":  # from the drafter's CE to the label (the soft loss's rows are another kind)
+    row_scale = (
+        None  # what multiplies out.rows (per-row CE, gamma-weighted under 'gamma'); None: out.loss
+    )
+    if (
+        weights == "dpace"
+    ):  # from the drafter's CE to the label (the soft loss's rows are another kind)
         ce = (out.rows if out.ce is None else out.ce).detach().view_as(labels)
         if sel is not None and o.dpace_confidence == "served":  # the selector's: 0 off the top-k
             ce = torch.where(sel.in_top_k, sel.ce.detach(), torch.inf)
@@ -110,7 +176,9 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
         row_scale = w
     block_w = None
     if path_weight:  # 0: the objective without serving-path weights, bit for bit
-        on_path = serving_path(batch.anchors, accepted_drafts(correct, valid), batch.loss_mask, batch.cu_seqlens)
+        on_path = serving_path(
+            batch.anchors, accepted_drafts(correct, valid), batch.loss_mask, batch.cu_seqlens
+        )
         block_w = 1.0 + path_weight * on_path.float()  # [A], detached: from argmax correctness
         w = w * block_w[:, None]
         row_scale = w if weights == "dpace" else block_w[:, None].expand_as(w)
@@ -120,10 +188,13 @@ def batch_objective(drafter: DFlashDrafter, model: torch.nn.Module, batch: Devic
         loss = loss + o.selector_weight * selector_sum
         if extras is not None:
             extras["unary"] = block_counts(unary_correct, valid)
-            extras["selector"] = torch.stack([selector_sum.detach(), (sel.in_top_k & valid).sum(),
-                                              valid[:, 1:].sum()]).double()
+            extras["selector"] = torch.stack(
+                [selector_sum.detach(), (sel.in_top_k & valid).sum(), valid[:, 1:].sum()]
+            ).double()
     has_label = valid[:, 1:].any(1).float()  # [A]
-    blocks = has_label if block_w is None else has_label * block_w  # a block on the path counts 1 + path_weight
+    blocks = (
+        has_label if block_w is None else has_label * block_w
+    )  # a block on the path counts 1 + path_weight
     norm = blocks.sum() if normalise == "anchors" else w.sum()
     return loss, norm, block_counts(correct, valid)
 

@@ -71,8 +71,9 @@ def cycle_length(accepted: torch.Tensor, anchor: torch.Tensor, end: torch.Tensor
     return torch.minimum(accepted + 1, end - 1 - anchor)
 
 
-def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                      max_new_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def response_segments(
+    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, max_new_tokens: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The responses of a packed batch: maximal runs of loss-mask positions inside one sequence.
 
     Returns packed (first, end, seq_start) int64 [R] each: first response token, end of the response
@@ -89,8 +90,9 @@ def response_segments(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
     return first, end, seq_start
 
 
-def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor, first_tokens: torch.Tensor,
-                   num_drafts: int) -> torch.Tensor:
+def _greedy_drafts(
+    drafter: DFlashDrafter, hidden: torch.Tensor, first_tokens: torch.Tensor, num_drafts: int
+) -> torch.Tensor:
     """Block hidden states [n, b, H], the anchors' tokens [n] -> greedy drafts [n, num_drafts]
     (drafter.greedy_drafts: b-1, position 0 being the anchor; a DSpark drafter's b; DFlash2's
     selector walk)."""
@@ -98,13 +100,23 @@ def _greedy_drafts(drafter: DFlashDrafter, hidden: torch.Tensor, first_tokens: t
     rows = max(1, _LOGIT_ELEMENTS // max(1, b * drafter.cfg.vocab_size))
     if not n:
         return hidden.new_zeros((0, num_drafts), dtype=torch.long)
-    return torch.cat([drafter.greedy_drafts(hidden[i:i + rows], first_tokens[i:i + rows])
-                      for i in range(0, n, rows)])
+    return torch.cat(
+        [
+            drafter.greedy_drafts(hidden[i : i + rows], first_tokens[i : i + rows])
+            for i in range(0, n, rows)
+        ]
+    )
 
 
 @torch.no_grad()
-def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int | None = None,
-                 max_new_tokens: int | None = None, autocast: str = "none") -> list[list[int]]:
+def replay_batch(
+    drafter: DFlashDrafter,
+    batch: DeviceBatch,
+    *,
+    block_size: int | None = None,
+    max_new_tokens: int | None = None,
+    autocast: str = "none",
+) -> list[list[int]]:
     """Greedy speculative decoding of every response of a device batch (features, input_ids, loss_mask,
     cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
     emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""
@@ -116,7 +128,9 @@ def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int 
     steps = torch.arange(1, num_drafts + 1, device=device)
     rounds: list[torch.Tensor] = []
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast == "bf16"):
-        positions = BlockLayout.build(batch.cu_seqlens, first[:0], t, b).positions  # [T] within sequences
+        positions = BlockLayout.build(
+            batch.cu_seqlens, first[:0], t, b
+        ).positions  # [T] within sequences
         kv = drafter.context_kv(batch.features, positions)
         anchor = first.clone()
         while True:
@@ -124,7 +138,9 @@ def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int 
             if live.numel() == 0:
                 break
             a = anchor[live]
-            layout = BlockLayout.build(batch.cu_seqlens, a, t, b)  # whole blocks, as the real loop drafts
+            layout = BlockLayout.build(
+                batch.cu_seqlens, a, t, b
+            )  # whole blocks, as the real loop drafts
             hidden = drafter.blocks(kv, ids, layout)  # [n, b, H]
             drafts = _greedy_drafts(drafter, hidden, ids[a], num_drafts)  # [n, drafts]
             pos = a[:, None] + steps  # [n, drafts] positions the drafts are for
@@ -134,7 +150,9 @@ def replay_batch(drafter: DFlashDrafter, batch: DeviceBatch, *, block_size: int 
             emitted[live] = cycle_length(accepted, a, end[live])
             anchor += emitted
             rounds.append(emitted)
-    table = torch.stack(rounds).T.tolist() if rounds else [[] for _ in range(first.shape[0])]  # [R, rounds]
+    table = (
+        torch.stack(rounds).T.tolist() if rounds else [[] for _ in range(first.shape[0])]
+    )  # [R, rounds]
     return [[n for n in row if n > 0] for row in table]
 
 
@@ -143,9 +161,16 @@ def path_counts(lengths: list[list[int]]) -> torch.Tensor:
     responses' mean cycle lengths, responses with cycles, tokens emitted by cycles, cycles, responses
     without a cycle (a one-token response: the prefill's token only)."""
     with_cycles = [row for row in lengths if row]
-    return torch.tensor([sum(sum(r) / len(r) for r in with_cycles), len(with_cycles),
-                         sum(map(sum, with_cycles)), sum(map(len, with_cycles)), len(lengths) - len(with_cycles)],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [
+            sum(sum(r) / len(r) for r in with_cycles),
+            len(with_cycles),
+            sum(map(sum, with_cycles)),
+            sum(map(len, with_cycles)),
+            len(lengths) - len(with_cycles),
+        ],
+        dtype=torch.float64,
+    )
 
 
 def summarize_path(counts: torch.Tensor) -> dict[str, Any]:
@@ -153,5 +178,10 @@ def summarize_path(counts: torch.Tensor) -> dict[str, Any]:
     DFlash authors' figure), path_tau_pooled (tokens per cycle over all cycles, the engines' figure),
     and how many responses and cycles they rest on."""
     c = counts.double().cpu().tolist()
-    return {"path_tau": c[0] / c[1] if c[1] else math.nan, "path_tau_pooled": c[2] / c[3] if c[3] else math.nan,
-            "path_sequences": int(c[1]), "path_cycles": int(c[3]), "path_sequences_without_cycles": int(c[4])}
+    return {
+        "path_tau": c[0] / c[1] if c[1] else math.nan,
+        "path_tau_pooled": c[2] / c[3] if c[3] else math.nan,
+        "path_sequences": int(c[1]),
+        "path_cycles": int(c[3]),
+        "path_sequences_without_cycles": int(c[4]),
+    }

@@ -41,10 +41,17 @@ def summarize_sums(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, block_size: int,
-                     gamma: float | None = None, autocast: str = "bf16", reduce: bool = False,
-                     path: bool = True,
-                     targets: SoftTargetsSection | None = None) -> dict[str, Any]:
+def evaluate_batches(
+    drafter: DFlashDrafter,
+    batches: Iterable[DeviceBatch],
+    *,
+    block_size: int,
+    gamma: float | None = None,
+    autocast: str = "bf16",
+    reduce: bool = False,
+    path: bool = True,
+    targets: SoftTargetsSection | None = None,
+) -> dict[str, Any]:
     """Loss, accuracy by position and tau over device batches; with `path`, also the path tau of
     greedy decoding replayed from the batches (train/path_tau.py: exact when the responses are the
     target's greedy output). With `reduce`, sums are all-reduced over the process group."""
@@ -61,13 +68,25 @@ def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, 
             continue
         found: dict[str, torch.Tensor] = {}
         loss, weight, batch_counts = batch_objective(
-            drafter, drafter, batch, block_size=block_size, gamma=gamma, autocast=autocast,
-            targets=targets, extras=found,
-            objective=ObjectiveSection(selector_weight=0.0))  # the loss stays DFlash's
+            drafter,
+            drafter,
+            batch,
+            block_size=block_size,
+            gamma=gamma,
+            autocast=autocast,
+            targets=targets,
+            extras=found,
+            objective=ObjectiveSection(selector_weight=0.0),
+        )  # the loss stays DFlash's
         if dflash2:
             extra += torch.cat([found["unary"], found["selector"]])
-        sums += torch.stack([loss.double(), weight.double(), torch.tensor(batch.cu_seqlens.numel() - 1.0,
-                                                                          dtype=torch.float64, device=device)])
+        sums += torch.stack(
+            [
+                loss.double(),
+                weight.double(),
+                torch.tensor(batch.cu_seqlens.numel() - 1.0, dtype=torch.float64, device=device),
+            ]
+        )
         counts += batch_counts
         if path:
             paths += path_counts(replay_batch(drafter, batch, autocast=autocast)).to(device)
@@ -75,7 +94,7 @@ def evaluate_batches(drafter: DFlashDrafter, batches: Iterable[DeviceBatch], *, 
         both = torch.cat([sums, counts, paths, extra])
         dist.all_reduce(both)
         n = counts.numel()
-        sums, counts, paths, extra = both[:3], both[3:3 + n], both[3 + n:8 + n], both[8 + n:]
+        sums, counts, paths, extra = both[:3], both[3 : 3 + n], both[3 + n : 8 + n], both[8 + n :]
     drafter.train(was_training)
     out = summarize_sums(float(sums[0]), float(sums[1]), counts.cpu())
     out["sequences"] = int(sums[2])
@@ -91,6 +110,9 @@ def _dflash2_figures(extra: torch.Tensor, weight_sum: float) -> dict[str, Any]:
     among the candidates, prediction rows]."""
     unary = AcceptanceCounts.from_tensor(extra[:-3])
     selector_sum, in_top_k, rows = extra[-3:].tolist()
-    return {"acc_unary": unary.accuracy, "tau_unary": unary.tau,
-            "top_k_recall": in_top_k / rows if rows else math.nan,
-            "selector_loss": selector_sum / weight_sum if weight_sum else math.nan}
+    return {
+        "acc_unary": unary.accuracy,
+        "tau_unary": unary.tau,
+        "top_k_recall": in_top_k / rows if rows else math.nan,
+        "selector_loss": selector_sum / weight_sum if weight_sum else math.nan,
+    }

@@ -56,6 +56,7 @@ def new_drafter(cfg: DrafterConfig) -> DFlashDrafter:
 def as_arch(cfg: DrafterConfig, arch: str, **own: Any) -> DrafterConfig:
     """`cfg`'s backbone (every DFlash field) under `arch`, with that arch's own fields `own` (their
     defaults otherwise)."""
-    backbone = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(DrafterConfig)
-                if f.name != "arch"}
+    backbone = {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(DrafterConfig) if f.name != "arch"
+    }
     return config_class(arch)(**backbone, **own)

@@ -23,8 +23,14 @@ Arch = Literal["dflash", "dspark", "dflash2"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keys a config.json must hold (and dflash_config's target_layer_ids and mask_token_id, also read
 # top-level); every other key has a default, the released format's or the engines'.
-REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "vocab_size", "num_target_layers")
+REQUIRED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "num_target_layers",
+)
 
 
 class MissingKeyError(ConfigError):
@@ -32,8 +38,10 @@ class MissingKeyError(ConfigError):
 
     def __init__(self, keys: list[str]):
         named = ", ".join(f"`{k}`" for k in keys)
-        super().__init__(f"config.json lacks {named}; add {'it' if len(keys) == 1 else 'them'} "
-                         "(see the released checkpoint format, docs/serving.md).")
+        super().__init__(
+            f"config.json lacks {named}; add {'it' if len(keys) == 1 else 'them'} "
+            "(see the released checkpoint format, docs/serving.md)."
+        )
         self.keys = keys
 
 
@@ -76,12 +84,24 @@ class DrafterConfig:
     arch: Arch = "dflash"
 
     def __post_init__(self):
-        for name in ("target_layer_ids", "layer_types"):  # lists from JSON/TOML: keep the config hashable
+        for name in (
+            "target_layer_ids",
+            "layer_types",
+        ):  # lists from JSON/TOML: keep the config hashable
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        check(self.arch == type(self).arch, f"arch = {self.arch!r} in a {type(self).__name__}; "
-                                            "build it with drafter/arch.py's config_class.")
-        check(self.num_hidden_layers >= 1, f"num_hidden_layers = {self.num_hidden_layers} must be >= 1.")
-        check(self.block_size >= 2, f"block_size = {self.block_size} must be >= 2 (anchor + predictions).")
+        check(
+            self.arch == type(self).arch,
+            f"arch = {self.arch!r} in a {type(self).__name__}; "
+            "build it with drafter/arch.py's config_class.",
+        )
+        check(
+            self.num_hidden_layers >= 1,
+            f"num_hidden_layers = {self.num_hidden_layers} must be >= 1.",
+        )
+        check(
+            self.block_size >= 2,
+            f"block_size = {self.block_size} must be >= 2 (anchor + predictions).",
+        )
         check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"num_attention_heads = {self.num_attention_heads} must be a multiple of "
@@ -97,7 +117,10 @@ class DrafterConfig:
             raise ConfigError(f"target_layer_ids: {e}.") from e
         self._check_layer_types()
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
-        check(kind != "dynamic", "rope_scaling type 'dynamic' depends on the sequence length; it is not supported.")
+        check(
+            kind != "dynamic",
+            "rope_scaling type 'dynamic' depends on the sequence length; it is not supported.",
+        )
 
     def _check_layer_types(self) -> None:
         check(
@@ -176,9 +199,13 @@ class DrafterConfig:
             **_model_fields(t),
             num_hidden_layers=depth,
             num_target_layers=n_target,
-            target_layer_ids=tuple(layer_ids if layer_ids is not None else default_layer_ids(n_target)),
+            target_layer_ids=tuple(
+                layer_ids if layer_ids is not None else default_layer_ids(n_target)
+            ),
             mask_token_id=mask_token_id,
-            layer_types=tuple(layer_types if layer_types is not None else ["full_attention"] * depth),
+            layer_types=tuple(
+                layer_types if layer_types is not None else ["full_attention"] * depth
+            ),
             block_size=block_size,
             sliding_window=sliding_window,
             **extra,
@@ -194,7 +221,10 @@ class DrafterConfig:
         scaling = dict(self.rope_scaling) if self.rope_scaling else None
         rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": self.rope_theta}
         rope_parameters.pop("type", None)
-        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        dflash = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
         sliding = "sliding_attention" in self.layer_types
         causal = set(self.layer_causality())
         if len(causal) == 1:
@@ -212,7 +242,9 @@ class DrafterConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": dflash,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "eos_token_id": list(self.eos_token_id)
+            if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
             "dtype": dtype,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
@@ -245,17 +277,22 @@ class DrafterConfig:
     def from_config_json(cls, data: Mapping[str, Any]) -> "DrafterConfig":
         """Read a released `config.json` (ours, or one following z-lab's layout)."""
         arch = data.get("architectures") or []
-        check(cls.ARCHITECTURE in arch,
-              f"config.json architectures = {arch} is not [{cls.ARCHITECTURE!r}]; "
-              f"not a {cls.KIND} drafter.")
+        check(
+            cls.ARCHITECTURE in arch,
+            f"config.json architectures = {arch} is not [{cls.ARCHITECTURE!r}]; "
+            f"not a {cls.KIND} drafter.",
+        )
         dflash = data.get("dflash_config") or {}
 
         def dflash_value(name: str):
             return dflash.get(name, data.get(name))
 
         missing = [k for k in REQUIRED_KEYS if data.get(k) is None]
-        missing += [f"dflash_config.{k}" for k in ("target_layer_ids", "mask_token_id")
-                    if dflash_value(k) is None]
+        missing += [
+            f"dflash_config.{k}"
+            for k in ("target_layer_ids", "mask_token_id")
+            if dflash_value(k) is None
+        ]
         if missing:
             raise MissingKeyError(missing)
         depth = int(data["num_hidden_layers"])
@@ -283,7 +320,11 @@ class DrafterConfig:
         """A transformers Qwen3Config with this drafter's shapes and RoPE (for transformers' RoPE code)."""
         from transformers import Qwen3Config
 
-        rope = {"rope_type": "default", **dict(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        rope = {
+            "rope_type": "default",
+            **dict(self.rope_scaling or {}),
+            "rope_theta": self.rope_theta,
+        }
         rope.pop("type", None)
         return Qwen3Config(
             vocab_size=self.vocab_size,
@@ -312,9 +353,11 @@ def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:
     if explicit is None:
         explicit = (data.get("dflash_config") or {}).get("causal")
     full = "full_attention" in (data.get("layer_types") or ["full_attention"])
-    check(not (explicit and full),
-          "config.json asks for causal full_attention layers (is_causal / dflash_config.causal = true); "
-          "full layers here are bidirectional inside the block, as the engines serve them.")
+    check(
+        not (explicit and full),
+        "config.json asks for causal full_attention layers (is_causal / dflash_config.causal = true); "
+        "full layers here are bidirectional inside the block, as the engines serve them.",
+    )
     return True if explicit is None or not sliding else bool(explicit)
 
 
@@ -353,7 +396,9 @@ def rope_from_config_dict(data: Mapping[str, Any]) -> tuple[float, dict[str, Any
     params = dict(data.get("rope_parameters") or {})
     theta = data.get("rope_theta", params.get("rope_theta"))
     if theta is None:
-        raise ConfigError("the config has neither rope_theta nor rope_parameters.rope_theta; add the target's theta.")
+        raise ConfigError(
+            "the config has neither rope_theta nor rope_parameters.rope_theta; add the target's theta."
+        )
     scaling = data.get("rope_scaling")
     if scaling is None:
         params.pop("rope_theta", None)

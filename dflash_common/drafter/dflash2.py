@@ -89,20 +89,28 @@ class DFlash2Config(DrafterConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check(self.conv_kernel_size >= 1,
-              f"conv_kernel_size = {self.conv_kernel_size} must be >= 1.")
-        check(self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
-              f"conv_group_size = {self.conv_group_size} must divide hidden_size = "
-              f"{self.hidden_size} (vLLM and SGLang refuse it otherwise); e.g. 16.")
+        check(
+            self.conv_kernel_size >= 1, f"conv_kernel_size = {self.conv_kernel_size} must be >= 1."
+        )
+        check(
+            self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0,
+            f"conv_group_size = {self.conv_group_size} must divide hidden_size = "
+            f"{self.hidden_size} (vLLM and SGLang refuse it otherwise); e.g. 16.",
+        )
         check(self.selector_rank >= 1, f"selector_rank = {self.selector_rank} must be >= 1.")
-        check(1 <= self.selector_top_k <= self.vocab_size,
-              f"selector_top_k = {self.selector_top_k} must be in 1..vocab_size "
-              f"({self.vocab_size}).")
-        check(self.output_multiplier > 0,
-              f"output_multiplier = {self.output_multiplier} must be > 0 (vLLM's top-k refuses "
-              "it otherwise).")
-        check(self.final_logit_softcapping >= 0,
-              f"final_logit_softcapping = {self.final_logit_softcapping} must be >= 0 (0 = none).")
+        check(
+            1 <= self.selector_top_k <= self.vocab_size,
+            f"selector_top_k = {self.selector_top_k} must be in 1..vocab_size ({self.vocab_size}).",
+        )
+        check(
+            self.output_multiplier > 0,
+            f"output_multiplier = {self.output_multiplier} must be > 0 (vLLM's top-k refuses "
+            "it otherwise).",
+        )
+        check(
+            self.final_logit_softcapping >= 0,
+            f"final_logit_softcapping = {self.final_logit_softcapping} must be >= 0 (0 = none).",
+        )
 
     def own_dflash_config(self) -> dict[str, Any]:
         """The keys DFlash2 adds to config.json's dflash_config (block_size too: SGLang's conv
@@ -120,12 +128,16 @@ class DFlash2Config(DrafterConfig):
     def _own_fields_from_config_json(cls, data: Mapping[str, Any]) -> dict[str, Any]:
         dflash = data.get("dflash_config") or {}
         missing = [k for k in REQUIRED_KEYS if dflash.get(k) is None]
-        check(not missing,
-              f"config.json's dflash_config has no {', '.join(missing)}; a DFlash2 drafter needs "
-              f"all of {', '.join(REQUIRED_KEYS)} (vLLM fails to load it without them).")
-        return {**{k: int(dflash[k]) for k in REQUIRED_KEYS},
-                "output_multiplier": float(dflash.get("output_multiplier", 1.0)),
-                "final_logit_softcapping": float(dflash.get("final_logit_softcapping") or 0.0)}
+        check(
+            not missing,
+            f"config.json's dflash_config has no {', '.join(missing)}; a DFlash2 drafter needs "
+            f"all of {', '.join(REQUIRED_KEYS)} (vLLM fails to load it without them).",
+        )
+        return {
+            **{k: int(dflash[k]) for k in REQUIRED_KEYS},
+            "output_multiplier": float(dflash.get("output_multiplier", 1.0)),
+            "final_logit_softcapping": float(dflash.get("final_logit_softcapping") or 0.0),
+        }
 
 
 # ----------------------------------------------------------------------------------------------

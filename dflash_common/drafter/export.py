@@ -49,22 +49,38 @@ DRAFTER_SUBDIR = "drafter"  # step-N/drafter/ in a training checkpoint
 COMPLETE_MARKER = "COMPLETE"  # step-N/COMPLETE, written last by the trainer
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Config fields that may differ between a released drafter and the run it initialises.
-_INIT_MAY_DIFFER = {"block_size", "bos_token_id", "eos_token_id", "initializer_range", "max_position_embeddings",
-                    "tie_word_embeddings"}
+_INIT_MAY_DIFFER = {
+    "block_size",
+    "bos_token_id",
+    "eos_token_id",
+    "initializer_range",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+}
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None,
-                 *, overwrite: bool = False) -> Path:
+def save_drafter(
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
     """Write `config.json` + `model.safetensors` (weights cast to `dtype`, default: as they are)
     into a hidden sibling of `out_dir`, fsync, then rename into place."""
     if not isinstance(drafter, DFlashDrafter):  # a DDP/compiled wrapper would prefix every name
-        raise TypeError(f"save_drafter needs the DFlashDrafter itself, not a {type(drafter).__name__} wrapping it")
+        raise TypeError(
+            f"save_drafter needs the DFlashDrafter itself, not a {type(drafter).__name__} wrapping it"
+        )
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise UserError(f"{out_dir} already exists; choose a new directory or pass --overwrite.")
     if out_dir.exists():
         check_replaceable(out_dir)
-    state = {name: p.detach().to(dtype or p.dtype).cpu().contiguous() for name, p in drafter.state_dict().items()}
+    state = {
+        name: p.detach().to(dtype or p.dtype).cpu().contiguous()
+        for name, p in drafter.state_dict().items()
+    }
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) != 1:
         raise ValueError(f"drafter weights have mixed dtypes {dtypes}; pass dtype")
@@ -75,8 +91,11 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         # the config travels inside the weights file too: a hand-edited config.json is then found
-        save_file(state, str(tmp / WEIGHTS_FILE),
-                  metadata={"format": "pt", RECORD_KEY: json.dumps(config)})
+        save_file(
+            state,
+            str(tmp / WEIGHTS_FILE),
+            metadata={"format": "pt", RECORD_KEY: json.dumps(config)},
+        )
         fsync_tree(tmp)
         _publish(tmp, out_dir)
     finally:
@@ -88,24 +107,39 @@ def check_replaceable(out_dir: Path) -> None:
     """--overwrite replaces only a directory that is itself an exported drafter: config.json and
     model.safetensors and nothing else (not a run, a step-N/, a parent of drafters, another file)."""
     if not out_dir.is_dir():
-        raise UserError(f"{out_dir} exists and is not a directory; --overwrite replaces only an exported "
-                        f"drafter directory: choose a new OUT_DIR.")
+        raise UserError(
+            f"{out_dir} exists and is not a directory; --overwrite replaces only an exported "
+            f"drafter directory: choose a new OUT_DIR."
+        )
     held = sorted(p.name for p in out_dir.iterdir())
     if held != sorted([CONFIG_FILE, WEIGHTS_FILE]):
-        others = [name for name in held if name not in (CONFIG_FILE, WEIGHTS_FILE)] or [f"no {WEIGHTS_FILE}"]
-        raise UserError(f"{out_dir} is not an exported drafter (it holds {', '.join(others[:3])}), so --overwrite "
-                        f"leaves it alone; choose a new OUT_DIR, or one holding only {CONFIG_FILE} and {WEIGHTS_FILE}.")
+        others = [name for name in held if name not in (CONFIG_FILE, WEIGHTS_FILE)] or [
+            f"no {WEIGHTS_FILE}"
+        ]
+        raise UserError(
+            f"{out_dir} is not an exported drafter (it holds {', '.join(others[:3])}), so --overwrite "
+            f"leaves it alone; choose a new OUT_DIR, or one holding only {CONFIG_FILE} and {WEIGHTS_FILE}."
+        )
 
 
 def check_not_source(source: Path, out_dir: Path) -> None:
     """OUT_DIR may be neither the source, nor inside it, nor one of its parents."""
     out = out_dir.resolve()
     for src in dict.fromkeys([source.resolve(), resolve_drafter_dir(source).resolve()]):
-        where = ("the source" if out == src else "a parent of the source" if out in src.parents
-                 else "inside the source" if src in out.parents else None)
+        where = (
+            "the source"
+            if out == src
+            else "a parent of the source"
+            if out in src.parents
+            else "inside the source"
+            if src in out.parents
+            else None
+        )
         if where:
-            raise UserError(f"OUT_DIR {out_dir} is {where} {source}; export to a directory outside it, "
-                            f"e.g. {source.resolve().parent / 'export'}.")
+            raise UserError(
+                f"OUT_DIR {out_dir} is {where} {source}; export to a directory outside it, "
+                f"e.g. {source.resolve().parent / 'export'}."
+            )
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -125,25 +159,35 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     drafter directory itself."""
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"{path} does not exist; pass a run directory, a step-N checkpoint or a drafter directory.")
+        raise UserError(
+            f"{path} does not exist; pass a run directory, a step-N checkpoint or a drafter directory."
+        )
     if (path / CONFIG_FILE).is_file():
         return path
     if STEP_DIR.match(path.name) and (path / DRAFTER_SUBDIR).is_dir():
         if not (path / COMPLETE_MARKER).is_file():
-            raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker); pick another step.")
+            raise UserError(
+                f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker); pick another step."
+            )
         return path / DRAFTER_SUBDIR
-    steps = sorted((int(m.group(1)), d) for d in path.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir())
+    steps = sorted(
+        (int(m.group(1)), d) for d in path.iterdir() if (m := STEP_DIR.match(d.name)) and d.is_dir()
+    )
     complete = [d for _, d in steps if (d / COMPLETE_MARKER).is_file()]
     if complete:
         return complete[-1] / DRAFTER_SUBDIR
-    if (path / DRAFTER_SUBDIR / CONFIG_FILE).is_file():  # a run's final drafter, without step checkpoints
+    if (
+        path / DRAFTER_SUBDIR / CONFIG_FILE
+    ).is_file():  # a run's final drafter, without step checkpoints
         return path / DRAFTER_SUBDIR
     if steps:
         raise UserError(
             f"run {path} has no complete checkpoint yet ({len(steps)} step dirs, none with {COMPLETE_MARKER})."
         )
-    raise UserError(f"{path} holds no config.json, no {DRAFTER_SUBDIR}/ and no step-N/ checkpoints; "
-                    f"pass a run directory, a step-N checkpoint or a drafter directory.")
+    raise UserError(
+        f"{path} holds no config.json, no {DRAFTER_SUBDIR}/ and no step-N/ checkpoints; "
+        f"pass a run directory, a step-N checkpoint or a drafter directory."
+    )
 
 
 def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
@@ -155,14 +199,20 @@ def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.T
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of `directory/model.safetensors`; a missing or cut file is one sentence with the fix."""
     path = directory / WEIGHTS_FILE
-    fix = ("export the drafter again from its run (dflash-export RUN_DIR OUT_DIR), or pass another "
-           "step-N checkpoint")
+    fix = (
+        "export the drafter again from its run (dflash-export RUN_DIR OUT_DIR), or pass another "
+        "step-N checkpoint"
+    )
     if not path.is_file():
         raise UserError(f"{directory} has no {WEIGHTS_FILE}; {fix}.")
     try:
         with safe_open(path, framework="pt") as f:
             return {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:  # a cut file: header or data shorter than it says
+    except (
+        SafetensorError,
+        OSError,
+        ValueError,
+    ) as e:  # a cut file: header or data shorter than it says
         raise UserError(f"{path} is damaged or cut short ({e}); {fix}.") from e
 
 
@@ -173,29 +223,49 @@ def check_weights(cfg: DrafterConfig, tensors: dict[str, torch.Tensor], where: s
     unknown = sorted(set(tensors) - set(expected))
     missing = sorted(set(expected) - set(tensors))
     if unknown or missing:
-        hint = ("; DFlash2's codebooks are bare parameters: rename *_codebook.weight to *_codebook"
-                if any(n.endswith("_codebook.weight") for n in unknown) else "")
+        hint = (
+            "; DFlash2's codebooks are bare parameters: rename *_codebook.weight to *_codebook"
+            if any(n.endswith("_codebook.weight") for n in unknown)
+            else ""
+        )
         raise UserError(
             f"{where}: weights do not match the released {cfg.KIND} layout"
-            + (f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}" if unknown else "")
-            + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
-            + hint + ". Nothing was loaded."
+            + (
+                f"; unknown: {', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}"
+                if unknown
+                else ""
+            )
+            + (
+                f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+                if missing
+                else ""
+            )
+            + hint
+            + ". Nothing was loaded."
         )
-    bad = [f"{n} {tuple(t.shape)} (expected {expected[n]})"
-           for n, t in tensors.items() if tuple(t.shape) != expected[n]]
+    bad = [
+        f"{n} {tuple(t.shape)} (expected {expected[n]})"
+        for n, t in tensors.items()
+        if tuple(t.shape) != expected[n]
+    ]
     if bad:
-        raise UserError(f"{where}: weights with the wrong shape for its config.json: {', '.join(bad[:8])}.")
+        raise UserError(
+            f"{where}: weights with the wrong shape for its config.json: {', '.join(bad[:8])}."
+        )
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> tuple[DFlashDrafter, DrafterConfig]:
+def load_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[DFlashDrafter, DrafterConfig]:
     """A drafter (and its config) from a run, step or drafter directory; weights in `dtype`.
     Attach the target's embedding and lm_head before use (`drafter.attach_frozen`)."""
     cfg, tensors = read_drafter_dir(path)
     check_weights(cfg, tensors, path)
     with torch.device("meta"):
         drafter = new_drafter(cfg)
-    drafter.load_state_dict(tensors, strict=True, assign=True)  # the file's tensors become the parameters
+    drafter.load_state_dict(
+        tensors, strict=True, assign=True
+    )  # the file's tensors become the parameters
     return drafter.to(device=device, dtype=dtype), cfg
 
 
@@ -203,9 +273,15 @@ def load_weights_into(drafter: DFlashDrafter, path: str | Path) -> None:
     """Initialise `drafter` from a released (or our own) drafter directory. The configs must agree
     on every field that shapes or means the weights (block size and token ids may differ)."""
     cfg, tensors = read_drafter_dir(path)
-    differ = [f for f in _fields(cfg) if f not in _INIT_MAY_DIFFER and getattr(cfg, f) != getattr(drafter.cfg, f)]
+    differ = [
+        f
+        for f in _fields(cfg)
+        if f not in _INIT_MAY_DIFFER and getattr(cfg, f) != getattr(drafter.cfg, f)
+    ]
     if differ:
-        detail = ", ".join(f"{f} = {getattr(cfg, f)!r} there vs {getattr(drafter.cfg, f)!r} here" for f in differ)
+        detail = ", ".join(
+            f"{f} = {getattr(cfg, f)!r} there vs {getattr(drafter.cfg, f)!r} here" for f in differ
+        )
         raise UserError(f"cannot initialise from {path}: its config differs ({detail}).")
     check_weights(cfg, tensors, path)
     drafter.load_state_dict(tensors, strict=True)
@@ -215,13 +291,18 @@ def _fields(cfg: DrafterConfig) -> list[str]:
     return [f.name for f in dataclasses.fields(cfg)]
 
 
-def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-           overwrite: bool = False) -> Path:
+def export(
+    source: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
+) -> Path:
     """Write the drafter behind `source` to `out_dir` in the released layout."""
     check_not_source(Path(source), Path(out_dir))
     # written aside beside OUT_DIR and renamed into place: its parent must take both
-    check_writable(out_dir, "OUT_DIR", "export to a directory on a writable filesystem",
-                   directory=False)
+    check_writable(
+        out_dir, "OUT_DIR", "export to a directory on a writable filesystem", directory=False
+    )
     from dflash_common.drafter import serving
 
     drafter, cfg = load_drafter(source)
@@ -229,8 +310,14 @@ def export(source: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.b
     warnings = serving.refuse_unservable(cfg, cfg.to_config_json(dtype_name(dtype)), str(source))
     save_drafter(drafter, out_dir, dtype, overwrite=overwrite)
     n_params = sum(p.numel() for p in drafter.parameters())
-    log.info("exported %s -> %s (%d layers, %.1fM parameters, %s)", resolve_drafter_dir(source), out_dir,
-             cfg.num_hidden_layers, n_params / 1e6, dtype_name(dtype))
+    log.info(
+        "exported %s -> %s (%d layers, %.1fM parameters, %s)",
+        resolve_drafter_dir(source),
+        out_dir,
+        cfg.num_hidden_layers,
+        n_params / 1e6,
+        dtype_name(dtype),
+    )
     for finding in warnings:
         log.warning("%s", finding)
     for engine, command in serving.serve_commands(cfg, str(Path(out_dir).resolve())).items():
@@ -249,12 +336,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(
         prog="dflash-export",
         description="Write a trained drafter as config.json + model.safetensors, the layout SGLang and vLLM load.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("source", metavar="RUN_OR_CHECKPOINT",
-                        help="run directory (newest complete step), step-N checkpoint, or drafter directory")
+    parser.add_argument(
+        "source",
+        metavar="RUN_OR_CHECKPOINT",
+        help="run directory (newest complete step), step-N checkpoint, or drafter directory",
+    )
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to create")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of the exported weights")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="bf16", help="dtype of the exported weights"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     setup_logging()

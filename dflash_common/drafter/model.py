@@ -31,7 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_common.drafter.attention import Attend, BlockLayout, LayerMode, block_attend, dense_attend
+from dflash_common.drafter.attention import (
+    Attend,
+    BlockLayout,
+    LayerMode,
+    block_attend,
+    dense_attend,
+)
 from dflash_common.drafter.config import DrafterConfig
 
 
@@ -75,7 +81,9 @@ class Rotary:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
         with torch.device("cpu"):  # also when the drafter is built on the meta device
-            hf = Qwen3RotaryEmbedding(cfg.to_hf_config())  # default / linear / yarn / llama3 scaling
+            hf = Qwen3RotaryEmbedding(
+                cfg.to_hf_config()
+            )  # default / linear / yarn / llama3 scaling
         self.inv_freq = hf.inv_freq.detach().float().cpu()  # [D/2]
         self.scaling = float(hf.attention_scaling)
 
@@ -96,13 +104,15 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     return (x32 * cos + rotated * sin).to(x.dtype)
 
 
-
-
 class DraftAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
@@ -118,14 +128,23 @@ class DraftAttention(nn.Module):
 
     def queries(self, x: torch.Tensor, rope) -> torch.Tensor:
         """[R, H] -> [R, nh, D]: projected, normed per head, rotated."""
-        return apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), rope)
+        return apply_rope(
+            self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))), rope
+        )
 
     def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode) -> torch.Tensor:
         """x [R, H] block tokens; ctx_k/ctx_v [T, nkv, D] go *before* the block's own keys/values."""
         q = self.queries(x, rope)  # [R, nh, D]
         k, v = self.context_kv(x, rope)  # the block's own keys/values [R, nkv, D]
-        dtype = v.dtype  # norms in float32 can promote q/k under autocast; attention wants one dtype
-        out = attend(q.to(dtype), torch.cat([ctx_k.to(dtype), k.to(dtype)]), torch.cat([ctx_v.to(dtype), v]), mode)
+        dtype = (
+            v.dtype
+        )  # norms in float32 can promote q/k under autocast; attention wants one dtype
+        out = attend(
+            q.to(dtype),
+            torch.cat([ctx_k.to(dtype), k.to(dtype)]),
+            torch.cat([ctx_v.to(dtype), v]),
+            mode,
+        )
         return self.o_proj(out.flatten(-2))  # [R, nh*D] -> [R, H]
 
 
@@ -139,8 +158,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode,
-                block: int) -> torch.Tensor:
+    def forward(
+        self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode, block: int
+    ) -> torch.Tensor:
         """x [R, H]: whole blocks of `block` rows each (DFlash2's layers convolve along them)."""
         x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, rope, attend, mode)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -197,7 +217,9 @@ class DFlashDrafter(nn.Module):
         context vary by batch). Weight names and the state dict are unchanged."""
         for layer in self.layers:
             attn = layer.self_attn
-            attn.queries = torch.compile(attn.queries, dynamic=True)  # bound methods: instance attributes
+            attn.queries = torch.compile(
+                attn.queries, dynamic=True
+            )  # bound methods: instance attributes
             attn.context_kv = torch.compile(attn.context_kv, dynamic=True)
             for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
                 module.compile(dynamic=True)
@@ -209,19 +231,27 @@ class DFlashDrafter(nn.Module):
         shape = (self.cfg.vocab_size, self.cfg.hidden_size)
         for name, w in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(w.shape) != shape:
-                raise ValueError(f"the target's {name} has shape {tuple(w.shape)}; this drafter needs {shape}")
+                raise ValueError(
+                    f"the target's {name} has shape {tuple(w.shape)}; this drafter needs {shape}"
+                )
         self.embed_weight = embed_weight.detach().requires_grad_(False)
         self.lm_head_weight = lm_head_weight.detach().requires_grad_(False)
 
     def _frozen(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.embed_weight is None or self.lm_head_weight is None:
-            raise RuntimeError("attach the target's embedding and lm_head first: drafter.attach_frozen(embed, lm_head)")
+            raise RuntimeError(
+                "attach the target's embedding and lm_head first: drafter.attach_frozen(embed, lm_head)"
+            )
         return self.embed_weight, self.lm_head_weight
 
     def _block_ids(self, first_tokens: torch.Tensor, length: int) -> torch.Tensor:
         """[A] tokens at the anchors -> [A, length] ids: [token, MASK x (length-1)]."""
-        ids = torch.full((first_tokens.shape[0], length), self.cfg.mask_token_id, dtype=torch.long,
-                         device=first_tokens.device)
+        ids = torch.full(
+            (first_tokens.shape[0], length),
+            self.cfg.mask_token_id,
+            dtype=torch.long,
+            device=first_tokens.device,
+        )
         ids[:, 0] = first_tokens
         return ids
 
@@ -234,7 +264,9 @@ class DFlashDrafter(nn.Module):
         """[T, K*H] (target layers concatenated in target_layer_ids order) -> [T, H]."""
         expected = self.cfg.num_context_layers * self.cfg.hidden_size
         if context.shape[-1] != expected:
-            raise ValueError(f"context features have width {context.shape[-1]}, expected K*H = {expected}")
+            raise ValueError(
+                f"context features have width {context.shape[-1]}, expected K*H = {expected}"
+            )
         if not torch.is_autocast_enabled(context.device.type):
             context = context.to(self.fc.weight.dtype)  # bf16 features into a float32 drafter
         return self.hidden_norm(self.fc(context))
@@ -257,27 +289,39 @@ class DFlashDrafter(nn.Module):
         (packed positions) -> block hidden states [A, B, H] (after `norm`, before the lm_head)."""
         b, (t, a) = self.cfg.block_size, (input_ids.shape[0], anchors.shape[0])
         if a == 0:
-            raise ValueError("the batch has no anchors; drop sequences without response tokens before batching")
+            raise ValueError(
+                "the batch has no anchors; drop sequences without response tokens before batching"
+            )
         if context.shape[0] != t:
             raise ValueError(f"context has {context.shape[0]} rows but input_ids has {t}")
         layout = BlockLayout.build(cu_seqlens, anchors, t, b)
         return self.blocks(self.context_kv(context, layout.positions), input_ids, layout)
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, context: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every draft layer's keys/values of the fused context: context [T, K*H] at `positions` [T]
         (within each sequence) -> per layer 2 x [T, nkv, D]. They do not depend on the anchors, so a
         caller drafting many rounds of blocks over one batch (train/path_tau.py) computes them once."""
         ctx = self.fuse_context(context)  # [T, K*H] -> [T, H]
         rope_ctx = self.rotary(positions)
-        return [layer.self_attn.context_kv(ctx, rope_ctx) for layer in self.layers]  # 2 x [T, nkv, D] each
+        return [
+            layer.self_attn.context_kv(ctx, rope_ctx) for layer in self.layers
+        ]  # 2 x [T, nkv, D] each
 
-    def blocks(self, context_kv: list[tuple[torch.Tensor, torch.Tensor]], input_ids: torch.Tensor,
-               layout: "BlockLayout") -> torch.Tensor:
+    def blocks(
+        self,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        input_ids: torch.Tensor,
+        layout: "BlockLayout",
+    ) -> torch.Tensor:
         """The blocks of `layout` (its block size may differ from the config's) over the context
         keys/values of `context_kv` -> block hidden states [A, B, H]. Each layer attends by its mode
         (window, causal inside the block: DrafterConfig.layer_mode)."""
         b, a = layout.block_size, layout.anchors.shape[0]
-        x = self.embed(self._block_ids(input_ids[layout.anchors], b)).flatten(0, 1)  # [A, B] -> [A*B, H]
+        x = self.embed(self._block_ids(input_ids[layout.anchors], b)).flatten(
+            0, 1
+        )  # [A, B] -> [A*B, H]
         rope_blk = self.rotary(layout.block_positions().flatten())
         modes = [self.cfg.layer_mode(i) for i in range(len(self.layers))]
         attend = block_attend(layout, set(modes), self.cfg.head_dim, x.device)
@@ -294,7 +338,9 @@ class DFlashDrafter(nn.Module):
         return DraftCache([empty] * len(self.layers), [empty] * len(self.layers))
 
     @torch.no_grad()
-    def draft(self, cache: DraftCache, new_context: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def draft(
+        self, cache: DraftCache, new_context: torch.Tensor, block_ids: torch.Tensor
+    ) -> torch.Tensor:
         """Append the features of newly accepted tokens and draft one block right after them.
 
         new_context [n, K*H]: target features at positions cache.length .. cache.length+n-1;
@@ -317,8 +363,13 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     @torch.no_grad()
-    def greedy_draft(self, cache: DraftCache, new_context: torch.Tensor, last_token: int,
-                     length: int | None = None) -> torch.Tensor:
+    def greedy_draft(
+        self,
+        cache: DraftCache,
+        new_context: torch.Tensor,
+        last_token: int,
+        length: int | None = None,
+    ) -> torch.Tensor:
         """The drafted tokens after `last_token` (greedy, as served even when the target samples)
         from a block of `length` rows (default: the block size; shorter near a length limit):
         length - 1 of them (DSpark: length; `greedy_drafts`)."""

@@ -45,11 +45,14 @@ def read_drafter_config(directory: str | Path, fix: str | None = None) -> Drafte
     except MissingKeyError as e:
         if record is None:
             them = "it" if len(e.keys) == 1 else "them"
-            raise UserError(f"{path} lacks {_keys(e.keys)}; add {them} (see the released "
-                            f"checkpoint format, docs/serving.md).") from e
+            raise UserError(
+                f"{path} lacks {_keys(e.keys)}; add {them} (see the released "
+                f"checkpoint format, docs/serving.md)."
+            ) from e
         values = ", ".join(f"`{k}: {json.dumps(_value(record, k))}`" for k in e.keys)
-        raise UserError(f"{path} lacks {_keys(e.keys)}; put back {values} (saved with its "
-                        f"weights), or {fix}.") from e
+        raise UserError(
+            f"{path} lacks {_keys(e.keys)}; put back {values} (saved with its weights), or {fix}."
+        ) from e
     except (ConfigError, KeyError, ValueError, TypeError) as e:
         raise UserError(f"{path} is not a valid drafter config: {e}") from e
     if record is not None:
@@ -58,19 +61,34 @@ def read_drafter_config(directory: str | Path, fix: str | None = None) -> Drafte
 
 
 # Fields loaders only pass on (token ids, init scale, a length hint): hand edits of them stand.
-_INFORMATIONAL = {"bos_token_id", "eos_token_id", "initializer_range", "max_position_embeddings",
-                  "tie_word_embeddings"}
+_INFORMATIONAL = {
+    "bos_token_id",
+    "eos_token_id",
+    "initializer_range",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+}
 # Where a field lives in config.json, if not top-level under its own name (the first key is the one
 # named; any of them present counts as present).
-_JSON_KEYS = {"target_layer_ids": ("dflash_config.target_layer_ids", "target_layer_ids"),
-              "mask_token_id": ("dflash_config.mask_token_id", "mask_token_id"),
-              "block_size": ("block_size", "dflash_config.block_size"),
-              "sliding_causal": ("is_causal", "dflash_config.causal"),
-              "rope_theta": ("rope_theta", "rope_parameters.rope_theta"),
-              "confidence_head": ("enable_confidence_head",),  # DSpark
-              **{name: (f"dflash_config.{name}",)  # DFlash2
-                 for name in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                              "selector_top_k", "output_multiplier", "final_logit_softcapping")}}
+_JSON_KEYS = {
+    "target_layer_ids": ("dflash_config.target_layer_ids", "target_layer_ids"),
+    "mask_token_id": ("dflash_config.mask_token_id", "mask_token_id"),
+    "block_size": ("block_size", "dflash_config.block_size"),
+    "sliding_causal": ("is_causal", "dflash_config.causal"),
+    "rope_theta": ("rope_theta", "rope_parameters.rope_theta"),
+    "confidence_head": ("enable_confidence_head",),  # DSpark
+    **{
+        name: (f"dflash_config.{name}",)  # DFlash2
+        for name in (
+            "conv_kernel_size",
+            "conv_group_size",
+            "selector_rank",
+            "selector_top_k",
+            "output_multiplier",
+            "final_logit_softcapping",
+        )
+    },
+}
 
 
 def trained_record(directory: str | Path) -> dict | None:
@@ -84,14 +102,20 @@ def trained_record(directory: str | Path) -> dict | None:
         return None
 
 
-def _check_against_record(path: Path, raw: dict, cfg: DrafterConfig, record: dict,
-                          fix: str) -> None:
+def _check_against_record(
+    path: Path, raw: dict, cfg: DrafterConfig, record: dict, fix: str
+) -> None:
     trained = config_from_json(record)
     if type(trained) is not type(cfg):  # architectures edited: fields of another drafter
-        raise UserError(f"{path} says architectures = {raw.get('architectures')} where its weights "
-                        f"were trained as {trained.ARCHITECTURE!r}; put it back, or {fix}.")
-    differ = [f for f in (f.name for f in dataclasses.fields(cfg))
-              if f not in _INFORMATIONAL and getattr(cfg, f) != getattr(trained, f)]
+        raise UserError(
+            f"{path} says architectures = {raw.get('architectures')} where its weights "
+            f"were trained as {trained.ARCHITECTURE!r}; put it back, or {fix}."
+        )
+    differ = [
+        f
+        for f in (f.name for f in dataclasses.fields(cfg))
+        if f not in _INFORMATIONAL and getattr(cfg, f) != getattr(trained, f)
+    ]
     if not differ:
         return
     said = []
@@ -101,11 +125,15 @@ def _check_against_record(path: Path, raw: dict, cfg: DrafterConfig, record: dic
         if any(_value(raw, k) is not None for k in keys):
             said.append(f"says `{keys[0]}` = {now} where its weights were trained with {was}")
         else:
-            said.append(f"lacks `{keys[0]}`, which reads as {now}, where its weights were trained "
-                        f"with {was}")
+            said.append(
+                f"lacks `{keys[0]}`, which reads as {now}, where its weights were trained "
+                f"with {was}"
+            )
     values = "values" if len(said) > 1 else "value"
-    raise UserError(f"{path} {'; it '.join(said)} (the record saved with model.safetensors); put "
-                    f"back the trained {values}, or {fix}.")
+    raise UserError(
+        f"{path} {'; it '.join(said)} (the record saved with model.safetensors); put "
+        f"back the trained {values}, or {fix}."
+    )
 
 
 def _value(data: dict, dotted: str):

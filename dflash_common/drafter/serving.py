@@ -124,7 +124,10 @@ def sglang_target_layer_ids(config: Mapping[str, Any]) -> list[int]:
     dflash = config.get("dflash_config") or {}
     if dflash.get("target_layer_ids") is not None:
         return [int(i) for i in dflash["target_layer_ids"]]
-    n_target = dflash.get("num_target_layers", config.get("num_target_layers")) or config["num_hidden_layers"]
+    n_target = (
+        dflash.get("num_target_layers", config.get("num_target_layers"))
+        or config["num_hidden_layers"]
+    )
     depth = int(config["num_hidden_layers"])
     if depth == 1:
         return [int(n_target) // 2]
@@ -133,7 +136,9 @@ def sglang_target_layer_ids(config: Mapping[str, Any]) -> list[int]:
 
 
 def sglang_block_size(config: Mapping[str, Any]) -> int:
-    return int((config.get("dflash_config") or {}).get("block_size", config.get("block_size")) or 16)
+    return int(
+        (config.get("dflash_config") or {}).get("block_size", config.get("block_size")) or 16
+    )
 
 
 # ---------------------------------------------------------------- the lint
@@ -144,8 +149,11 @@ def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     drafter `cfg` that was trained, plus what a user must know to serve it."""
     if cfg.arch == "dspark":
         return lint_dspark_config(cfg, config)
-    found = (_causality_findings(cfg, config) + _sliding_window_findings(cfg, config)
-             + _id_findings(cfg, config))
+    found = (
+        _causality_findings(cfg, config)
+        + _sliding_window_findings(cfg, config)
+        + _id_findings(cfg, config)
+    )
     found += _rope_findings(cfg, config)
     if cfg.arch == "dflash2":
         from dflash_common.drafter import serving_dflash2
@@ -153,20 +161,34 @@ def lint_config(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
         found += [Finding(*f) for f in serving_dflash2.config_findings(cfg, config)]
     mixed = len(set(cfg.layer_types)) > 1
     if mixed:
-        found.append(Finding("vllm", "warning", "mixed sliding/full layers need vLLM's V2 model runner: set "
-                                                "VLLM_USE_V2_MODEL_RUNNER=1 (the V1 runner refuses this drafter)."))
+        found.append(
+            Finding(
+                "vllm",
+                "warning",
+                "mixed sliding/full layers need vLLM's V2 model runner: set "
+                "VLLM_USE_V2_MODEL_RUNNER=1 (the V1 runner refuses this drafter).",
+            )
+        )
     return found
 
 
 def _causality_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     trained = list(cfg.layer_causality())
-    read = {"vllm": [vllm_layer_causal(config, i) for i in range(cfg.num_hidden_layers)],
-            "sglang": [sglang_layer_causal(config, i) for i in range(cfg.num_hidden_layers)]}
+    read = {
+        "vllm": [vllm_layer_causal(config, i) for i in range(cfg.num_hidden_layers)],
+        "sglang": [sglang_layer_causal(config, i) for i in range(cfg.num_hidden_layers)],
+    }
     out = []
     for loader, causal in read.items():
         if causal != trained:
-            out.append(Finding(loader, "error", f"would run the block's attention with causal = {causal} per "
-                                                f"layer, but the drafter trained with {trained}."))
+            out.append(
+                Finding(
+                    loader,
+                    "error",
+                    f"would run the block's attention with causal = {causal} per "
+                    f"layer, but the drafter trained with {trained}.",
+                )
+            )
     return out
 
 
@@ -176,53 +198,112 @@ def _sliding_window_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> l
     for loader, read in (("vllm", vllm_sliding_window), ("sglang", sglang_sliding_window)):
         got = [read(config, i) for i in range(cfg.num_hidden_layers)]
         if got != trained:
-            out.append(Finding(loader, "error", f"would read sliding windows {got}, trained {trained}."))
+            out.append(
+                Finding(loader, "error", f"would read sliding windows {got}, trained {trained}.")
+            )
     return out
 
 
 def _id_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     out, ids = [], list(cfg.target_layer_ids)
-    for loader, got in (("vllm", vllm_target_layer_ids(config)), ("sglang", sglang_target_layer_ids(config))):
+    for loader, got in (
+        ("vllm", vllm_target_layer_ids(config)),
+        ("sglang", sglang_target_layer_ids(config)),
+    ):
         if got != ids:
-            out.append(Finding(loader, "error", f"would feed target layers {got}, trained on {ids}."))
+            out.append(
+                Finding(loader, "error", f"would feed target layers {got}, trained on {ids}.")
+            )
     dflash = config.get("dflash_config") or {}
     if dflash.get("mask_token_id", config.get("mask_token_id")) != cfg.mask_token_id:
-        out.append(Finding("both", "error", f"dflash_config.mask_token_id must be {cfg.mask_token_id} (SGLang "
-                                            "otherwise looks up the token '<|MASK|>' by name)."))
+        out.append(
+            Finding(
+                "both",
+                "error",
+                f"dflash_config.mask_token_id must be {cfg.mask_token_id} (SGLang "
+                "otherwise looks up the token '<|MASK|>' by name).",
+            )
+        )
     if sglang_block_size(config) != cfg.block_size:
-        out.append(Finding("sglang", "error", f"would read block_size {sglang_block_size(config)}, "
-                                              f"trained {cfg.block_size}."))
+        out.append(
+            Finding(
+                "sglang",
+                "error",
+                f"would read block_size {sglang_block_size(config)}, trained {cfg.block_size}.",
+            )
+        )
     if dflash.get("num_target_layers", config.get("num_target_layers")) != cfg.num_target_layers:
-        out.append(Finding("sglang", "error", f"num_target_layers must be {cfg.num_target_layers} (top-level)."))
+        out.append(
+            Finding(
+                "sglang", "error", f"num_target_layers must be {cfg.num_target_layers} (top-level)."
+            )
+        )
     return out
 
 
 def _rope_findings(cfg: DrafterConfig, config: Mapping[str, Any]) -> list[Finding]:
     out = []
     if config.get("rope_theta") != cfg.rope_theta:
-        out.append(Finding("sglang", "error", f"top-level rope_theta is {config.get('rope_theta')}, trained "
-                                              f"{cfg.rope_theta} (a transformers 4 loader falls back to 10000)."))
+        out.append(
+            Finding(
+                "sglang",
+                "error",
+                f"top-level rope_theta is {config.get('rope_theta')}, trained "
+                f"{cfg.rope_theta} (a transformers 4 loader falls back to 10000).",
+            )
+        )
     params = config.get("rope_parameters")
     if params is not None and params.get("rope_theta") != cfg.rope_theta:
-        out.append(Finding("vllm", "error", f"rope_parameters.rope_theta is {params.get('rope_theta')}, "
-                                            f"trained {cfg.rope_theta}."))
-    if (config.get("rope_scaling") or None) != (dict(cfg.rope_scaling) if cfg.rope_scaling else None):
-        out.append(Finding("both", "error", f"rope_scaling reads {config.get('rope_scaling')}, trained "
-                                            f"{cfg.rope_scaling}."))
+        out.append(
+            Finding(
+                "vllm",
+                "error",
+                f"rope_parameters.rope_theta is {params.get('rope_theta')}, "
+                f"trained {cfg.rope_theta}.",
+            )
+        )
+    if (config.get("rope_scaling") or None) != (
+        dict(cfg.rope_scaling) if cfg.rope_scaling else None
+    ):
+        out.append(
+            Finding(
+                "both",
+                "error",
+                f"rope_scaling reads {config.get('rope_scaling')}, trained {cfg.rope_scaling}.",
+            )
+        )
     return out
 
 
-def lint_weights(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]) -> list[Finding]:
+def lint_weights(
+    expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]]
+) -> list[Finding]:
     """Weights each loader would drop or leave uninitialised without an error."""
     out = []
     unknown, missing = sorted(set(found) - set(expected)), sorted(set(expected) - set(found))
     if unknown:
-        out.append(Finding("sglang", "error", f"would skip unknown weights silently: {', '.join(unknown[:6])}"))
+        out.append(
+            Finding(
+                "sglang", "error", f"would skip unknown weights silently: {', '.join(unknown[:6])}"
+            )
+        )
     if missing:
-        out.append(Finding("both", "error", f"would leave missing weights uninitialised: {', '.join(missing[:6])}"))
-    bad = [n for n in set(expected) & set(found) if tuple(expected[n]) != tuple(found[n]) and n != "fc.weight"]
+        out.append(
+            Finding(
+                "both",
+                "error",
+                f"would leave missing weights uninitialised: {', '.join(missing[:6])}",
+            )
+        )
+    bad = [
+        n
+        for n in set(expected) & set(found)
+        if tuple(expected[n]) != tuple(found[n]) and n != "fc.weight"
+    ]
     if bad:
-        out.append(Finding("both", "error", f"weights of the wrong shape: {', '.join(sorted(bad)[:6])}"))
+        out.append(
+            Finding("both", "error", f"weights of the wrong shape: {', '.join(sorted(bad)[:6])}")
+        )
     return out
 
 
@@ -237,15 +318,23 @@ def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str = "TARGET")
     """The vLLM and SGLang command lines that serve this drafter with its target."""
     if cfg.arch == "dspark":
         return dspark_serve_commands(cfg, drafter_dir, target)
-    spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": cfg.block_size - 1})
+    spec = json.dumps(
+        {
+            "method": "dflash",
+            "model": str(drafter_dir),
+            "num_speculative_tokens": cfg.block_size - 1,
+        }
+    )
     # mixed sliding/full layers and DFlash2's selector run only in vLLM's V2 model runner
     v2 = len(set(cfg.layer_types)) > 1 or cfg.V2_RUNNER
     env = "VLLM_USE_V2_MODEL_RUNNER=1 " if v2 else ""
     return {
         "vllm": f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
-        "sglang": (f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
-                   f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(str(drafter_dir))} "
-                   f"--speculative-num-draft-tokens {cfg.block_size}"),
+        "sglang": (
+            f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
+            f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(str(drafter_dir))} "
+            f"--speculative-num-draft-tokens {cfg.block_size}"
+        ),
     }
 
 
@@ -259,7 +348,9 @@ def refuse_unservable(cfg: DrafterConfig, config: Mapping[str, Any], where: str)
     bad = errors(found)
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise UserError(f"{where} would not be served as it was trained: {bad[0]}{more}; nothing was exported.")
+        raise UserError(
+            f"{where} would not be served as it was trained: {bad[0]}{more}; nothing was exported."
+        )
     return found
 
 

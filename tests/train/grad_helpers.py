@@ -20,15 +20,31 @@ from train.data import TrainData  # noqa: E402
 def setup(store, target, grad_accum: int, extra: tuple[str, ...] = ()):
     """-> (cfg, drafter, [batch A, batch B]): the first two batches of the plan of one rank;
     `extra`: more config overrides."""
-    cfg = parse(["--config", str(ROOT / "configs" / "tiny.toml"), "--store", str(store), "--out", "unused",
-                 f"--run.target={target}", "--run.device=cpu", "--data.batch_tokens=1024",
-                 "--data.holdout_sequences=0", "--data.gpu_prefetch=0", "--drafter.block_size=4",
-                 "--objective.max_anchors=64", f"--optim.grad_accum={grad_accum}",
-                 *extra])
+    cfg = parse(
+        [
+            "--config",
+            str(ROOT / "configs" / "tiny.toml"),
+            "--store",
+            str(store),
+            "--out",
+            "unused",
+            f"--run.target={target}",
+            "--run.device=cpu",
+            "--data.batch_tokens=1024",
+            "--data.holdout_sequences=0",
+            "--data.gpu_prefetch=0",
+            "--drafter.block_size=4",
+            "--objective.max_anchors=64",
+            f"--optim.grad_accum={grad_accum}",
+            *extra,
+        ]
+    )
     stores = loop.open_train_stores(cfg)
     dcfg = loop.resolve_drafter(cfg, stores)
     drafter = loop.build_drafter(cfg, dcfg, torch.device("cpu"))
-    data = TrainData.build(cfg, stores, dcfg.target_layer_ids, rank=0, world=1, device=torch.device("cpu"))
+    data = TrainData.build(
+        cfg, stores, dcfg.target_layer_ids, rank=0, world=1, device=torch.device("cpu")
+    )
     feeder = data.start()
     a, b = next(feeder), next(feeder)
     data.close()

@@ -160,8 +160,9 @@ def test_the_export_lints_clean_and_dflash_eval_decodes_it_losslessly(
     config = json.loads((out / "config.json").read_text())  # a hand edit of the selector's top-k
     config["dflash_config"]["selector_top_k"] = 3
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError,
-                       match="`dflash_config.selector_top_k` = 3 where .* trained with 4"):
+    with pytest.raises(
+        UserError, match="`dflash_config.selector_top_k` = 3 where .* trained with 4"
+    ):
         read_drafter_config(out)
 
 
@@ -249,7 +250,15 @@ def test_two_ranks_average_the_selectors_gradients_too(
 
 def test_soft_targets_train_a_dflash2_drafter(tiny_store_final, tiny_target, tmp_path):
     """The soft loss hands over no top-k: the selector's candidates come from a pass of their own."""
-    main(_args(tiny_store_final, tiny_target, tmp_path / "kl", "--optim.max_steps=2", "--targets.soft=kl",
-               "--validation.every_steps=2"))
+    main(
+        _args(
+            tiny_store_final,
+            tiny_target,
+            tmp_path / "kl",
+            "--optim.max_steps=2",
+            "--targets.soft=kl",
+            "--validation.every_steps=2",
+        )
+    )
     val = [r for r in read_metrics(tmp_path / "kl") if r["kind"] == "val"][-1]
     assert 0 < val["top_k_recall"] <= 1 and val["selector_loss"] > 0

@@ -57,7 +57,9 @@ class Drafter(Protocol):
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Start a new prompt: forget all context."""
 
-    def propose(self, context: torch.Tensor, anchor: int, start: int, num_drafts: int) -> torch.Tensor:
+    def propose(
+        self, context: torch.Tensor, anchor: int, start: int, num_drafts: int
+    ) -> torch.Tensor:
         """`context` [n, K*H]: target features (layer outputs of `layer_ids`, concatenated) at positions
         start-n .. start-1, all committed and never handed over before. `anchor` is the token at
         `start`. Returns `num_drafts` token ids (long) for positions start+1 .. start+num_drafts."""
@@ -87,7 +89,11 @@ class Decoded:
 @functools.cache
 def _cache_keyword(model_class: type) -> str:
     """transformers 5 renamed `past_key_values` to `cache` (the old name warns, then goes)."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    return (
+        "cache"
+        if "cache" in inspect.signature(model_class.forward).parameters
+        else "past_key_values"
+    )
 
 
 class TargetRunner:
@@ -102,7 +108,9 @@ class TargetRunner:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        if hasattr(cache, "activate_past_recording"):  # sliding/linear layers must be able to roll back
+        if hasattr(
+            cache, "activate_past_recording"
+        ):  # sliding/linear layers must be able to roll back
             cache.activate_past_recording()
         return cache
 
@@ -123,7 +131,11 @@ class TargetRunner:
         feats = None
         if features:
             states = [out.hidden_states[hf_hidden_states_index(i)][0] for i in self.layer_ids]
-            feats = torch.cat(states, dim=-1) if states else ids.new_zeros((ids.shape[1], 0), dtype=torch.float32)
+            feats = (
+                torch.cat(states, dim=-1)
+                if states
+                else ids.new_zeros((ids.shape[1], 0), dtype=torch.float32)
+            )
         return out.logits[0].float(), feats
 
     @staticmethod
@@ -221,7 +233,9 @@ def speculative_generate(
     ids, cache = list(prompt_ids), target.new_cache()
     start, max_len = len(ids), len(ids) + max_new_tokens
     t0 = target.clock()
-    logits, context = target.forward(ids, 0, cache, features=True, last_only=True)  # context [P, K*H]
+    logits, context = target.forward(
+        ids, 0, cache, features=True, last_only=True
+    )  # context [P, K*H]
     ids.append(choose(logits[-1], sampling, generator))
     drafter.begin(prompt_ids)
     t1 = target.clock()
@@ -240,13 +254,15 @@ def speculative_generate(
         new = drafts[:accepted].tolist() + [next_token]
         stopped = any(t in stop_ids for t in [ids[start], *new])  # the prefill's token counts too
         ids.extend(new)
-        target.crop(cache, start + len(new))  # the anchor and accepted drafts stay; next is the anchor
+        target.crop(
+            cache, start + len(new)
+        )  # the anchor and accepted drafts stay; next is the anchor
         context = feats[: len(new)]  # features at start .. start+len(new)-1
         starts.append(start)
         start += len(new)
         lengths.append(len(new))  # uncut: drafts accepted past a stop token or the limit count
     t2 = target.clock()
-    tokens, _ = _cut_at_stop(ids[len(prompt_ids):max_len], stop_ids)
+    tokens, _ = _cut_at_stop(ids[len(prompt_ids) : max_len], stop_ids)
     emitted = emitted_lengths(starts, lengths, len(prompt_ids) + len(tokens))
     return Decoded(tokens, lengths, t1 - t0, t2 - t1, emitted)
 
@@ -308,14 +324,17 @@ class DFlashProposer:
         self.cache = self.drafter.new_cache()
 
     @torch.inference_mode()
-    def propose(self, context: torch.Tensor, anchor: int, start: int, num_drafts: int) -> torch.Tensor:
+    def propose(
+        self, context: torch.Tensor, anchor: int, start: int, num_drafts: int
+    ) -> torch.Tensor:
         if self.cache.length + context.shape[0] != start:
             ends = self.cache.length + context.shape[0]
             raise RuntimeError(f"drafter context ends at {ends}, block starts at {start}")
         dtype = self.drafter.fc.weight.dtype
         rows = num_drafts + 1 - self.anchor_predicts
-        block = torch.full((rows,), self.drafter.cfg.mask_token_id, dtype=torch.long,
-                           device=context.device)
+        block = torch.full(
+            (rows,), self.drafter.cfg.mask_token_id, dtype=torch.long, device=context.device
+        )
         block[0] = anchor
         # [1, rows, H]; the cache holds the context only, after as before
         hidden = self.drafter.draft(self.cache, context.to(dtype), block)[None]
@@ -324,7 +343,7 @@ class DFlashProposer:
             from dflash_common.drafter.dspark import confident_prefix
 
             confidences = self.drafter.draft_confidences(hidden, block[:1], drafts)[0]
-            return drafts[0, :confident_prefix(confidences, self.confidence_threshold)]
+            return drafts[0, : confident_prefix(confidences, self.confidence_threshold)]
         return drafts[0]  # [n]
 
     def draft(self, block_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -341,7 +360,9 @@ class DFlashProposer:
         threshold verifies a number of drafts of each prompt's own, where the batched loop verifies
         whole blocks."""
         if self.confidence_threshold > 0:
-            return (f"generation.confidence_threshold = {self.confidence_threshold} verifies a "
-                    "number of drafts of each prompt's own, which the batched loop (whole blocks "
-                    "for every prompt) does not")
+            return (
+                f"generation.confidence_threshold = {self.confidence_threshold} verifies a "
+                "number of drafts of each prompt's own, which the batched loop (whole blocks "
+                "for every prompt) does not"
+            )
         return None

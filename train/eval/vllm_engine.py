@@ -68,13 +68,24 @@ def _counters(llm) -> dict:
 
 
 def _delta(after: dict, before: dict) -> dict:
-    per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0) for i, a in enumerate(after["per_pos"])]
-    return {"drafts": after["drafts"] - before["drafts"], "accepted": after["accepted"] - before["accepted"],
-            "per_pos": per_pos}
+    per_pos = [
+        a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0)
+        for i, a in enumerate(after["per_pos"])
+    ]
+    return {
+        "drafts": after["drafts"] - before["drafts"],
+        "accepted": after["accepted"] - before["accepted"],
+        "per_pos": per_pos,
+    }
 
 
-def expected_counters(acceptance_lengths: Sequence[int], first_token: int, block_size: int, max_new_tokens: int,
-                      stop_ids: Collection[int]) -> dict:
+def expected_counters(
+    acceptance_lengths: Sequence[int],
+    first_token: int,
+    block_size: int,
+    max_new_tokens: int,
+    stop_ids: Collection[int],
+) -> dict:
     """The counters vLLM reports for a prompt that our engine decoded in these cycles (accepted + 1 each,
     uncut, as `Decoded.acceptance_lengths`; `first_token` is the prefill's): the same cycles, cut where
     vLLM stops. `per_pos[k]`: cycles whose draft k + 1 was accepted."""
@@ -98,15 +109,29 @@ def serve(request: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = dict(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 1024),
-                  max_num_seqs=1, seed=0, enforce_eager=True, disable_log_stats=False)
+    kwargs = dict(
+        model=request["target"],
+        dtype="float32",
+        max_model_len=request.get("max_model_len", 1024),
+        max_num_seqs=1,
+        seed=0,
+        enforce_eager=True,
+        disable_log_stats=False,
+    )
     if request.get("drafter"):
-        kwargs["speculative_config"] = {"method": request.get("method", "dflash"),
-                                        "model": request["drafter"],
-                                        "num_speculative_tokens": request["num_speculative_tokens"]}
+        kwargs["speculative_config"] = {
+            "method": request.get("method", "dflash"),
+            "model": request["drafter"],
+            "num_speculative_tokens": request["num_speculative_tokens"],
+        }
     llm = LLM(**kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], detokenize=False,
-                            ignore_eos=not request["stop_ids"], stop_token_ids=request["stop_ids"] or None)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=request["max_new_tokens"],
+        detokenize=False,
+        ignore_eos=not request["stop_ids"],
+        stop_token_ids=request["stop_ids"] or None,
+    )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, untimed, its counters subtracted
     rows = []
@@ -115,7 +140,13 @@ def serve(request: dict) -> dict:
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - t0
-        rows.append({"tokens": list(out.outputs[0].token_ids), "seconds": seconds, **_delta(_counters(llm), before)})
+        rows.append(
+            {
+                "tokens": list(out.outputs[0].token_ids),
+                "seconds": seconds,
+                **_delta(_counters(llm), before),
+            }
+        )
     return {"prompts": rows}
 
 
@@ -139,30 +170,47 @@ def _prepare_runner(request: dict) -> None:
         enable()
 
 
-def run_engine(request: dict, workdir: Path, name: str, python: str = sys.executable, timeout: float = 1800) -> dict:
+def run_engine(
+    request: dict, workdir: Path, name: str, python: str = sys.executable, timeout: float = 1800
+) -> dict:
     """`serve(request)` in a child process (its log in workdir/name.log); raises RuntimeError naming the
     log when vLLM fails (e.g. it refuses the drafter)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    req, res, log = workdir / f"{name}.request.json", workdir / f"{name}.json", workdir / f"{name}.log"
+    req, res, log = (
+        workdir / f"{name}.request.json",
+        workdir / f"{name}.json",
+        workdir / f"{name}.log",
+    )
     req.write_text(json.dumps(request))
     res.unlink(missing_ok=True)
     with open(log, "w") as f:
-        rc = subprocess.run([python, "-m", "train.eval.vllm_engine", str(req), str(res)], stdout=f,
-                            stderr=subprocess.STDOUT, timeout=timeout, cwd=Path(__file__).resolve().parents[2],
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}).returncode
+        rc = subprocess.run(
+            [python, "-m", "train.eval.vllm_engine", str(req), str(res)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        ).returncode
     if rc != 0 or not res.is_file():
         tail = log.read_text().strip().splitlines()[-1:] or [""]
-        raise RuntimeError(f"vLLM ({name}) failed with exit code {rc}: {tail[0][:300]} (log: {log})")
+        raise RuntimeError(
+            f"vLLM ({name}) failed with exit code {rc}: {tail[0][:300]} (log: {log})"
+        )
     return json.loads(res.read_text())
 
 
-def summarize_engine(spec: dict, base: dict | None, block_size: int, names: list[str],
-                     prompt_lens: list[int]) -> dict:
+def summarize_engine(
+    spec: dict, base: dict | None, block_size: int, names: list[str], prompt_lens: list[int]
+) -> dict:
     """The dflash-eval report's numbers from vLLM's per-prompt counters (see the module docstring)."""
     rows = spec["prompts"]
     drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
     taus = [1 + r["accepted"] / r["drafts"] for r in rows if r["drafts"]]
-    per_pos = [sum(r["per_pos"][k] if k < len(r["per_pos"]) else 0 for r in rows) for k in range(block_size - 1)]
+    per_pos = [
+        sum(r["per_pos"][k] if k < len(r["per_pos"]) else 0 for r in rows)
+        for k in range(block_size - 1)
+    ]
     reach = [drafts, *per_pos, 0]  # reach[k]: cycles with at least k accepted drafts
     counts = [reach[k] - reach[k + 1] for k in range(block_size)]  # cycles emitting k + 1 tokens
     new_tokens = sum(len(r["tokens"]) for r in rows)
@@ -177,9 +225,13 @@ def summarize_engine(spec: dict, base: dict | None, block_size: int, names: list
         if i is not None:
             mismatches.append(mismatch_entry(name, n, i, r["tokens"], b["tokens"]))
     return {
-        "engine": "vllm", "tau": sum(taus) / len(taus) if taus else None,
-        "tau_pooled": 1 + accepted / drafts if drafts else None, "block_size": block_size,
-        "num_prompts": len(rows), "num_prompts_without_cycles": len(rows) - len(taus), "num_cycles": drafts,
+        "engine": "vllm",
+        "tau": sum(taus) / len(taus) if taus else None,
+        "tau_pooled": 1 + accepted / drafts if drafts else None,
+        "block_size": block_size,
+        "num_prompts": len(rows),
+        "num_prompts_without_cycles": len(rows) - len(taus),
+        "num_cycles": drafts,
         "new_tokens": new_tokens,
         "histogram": {str(k + 1): c / drafts if drafts else 0.0 for k, c in enumerate(counts)},
         "histogram_counts": {str(k + 1): c for k, c in enumerate(counts)},
@@ -188,9 +240,21 @@ def summarize_engine(spec: dict, base: dict | None, block_size: int, names: list
         "target_tokens_per_s": new_tokens / base_s if base_s else None,
         "speedup": base_s / spec_s if base_s and spec_s else None,
         "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0},
-        "lossless": {"checked": base is not None, "ok": not mismatches if base else None, "mismatches": mismatches},
-        "prompts": [{"name": n, "new_tokens": len(r["tokens"]), "drafts": r["drafts"], "accepted": r["accepted"],
-                     "tau": 1 + r["accepted"] / r["drafts"] if r["drafts"] else None} for n, r in zip(names, rows)],
+        "lossless": {
+            "checked": base is not None,
+            "ok": not mismatches if base else None,
+            "mismatches": mismatches,
+        },
+        "prompts": [
+            {
+                "name": n,
+                "new_tokens": len(r["tokens"]),
+                "drafts": r["drafts"],
+                "accepted": r["accepted"],
+                "tau": 1 + r["accepted"] / r["drafts"] if r["drafts"] else None,
+            }
+            for n, r in zip(names, rows)
+        ],
     }
 
 

@@ -77,8 +77,12 @@ ODDS_LOG_LIMIT = 80.0
 class LossOutput(NamedTuple):
     loss: torch.Tensor  # float32 scalar: weighted sum of per-row cross-entropy
     correct: torch.Tensor  # [N] bool: argmax of the logits == label (False for skipped rows)
-    rows: torch.Tensor | None = None  # [N] float32: weighted loss of each row (grad wrt hidden), 0 for skipped rows
-    ce: torch.Tensor | None = None  # [N] float32: unweighted CE to the label, no grad (soft loss; the hard
+    rows: torch.Tensor | None = (
+        None  # [N] float32: weighted loss of each row (grad wrt hidden), 0 for skipped rows
+    )
+    ce: torch.Tensor | None = (
+        None  # [N] float32: unweighted CE to the label, no grad (soft loss; the hard
+    )
     # loss's `rows` are that under unit weights)
     top_values: torch.Tensor | None = None  # [N, K] float32: a kept row's K largest logits (top_k)
     top_ids: torch.Tensor | None = None  # [N, K] long: their ids, descending logit (0 if dropped)
@@ -96,7 +100,9 @@ def fused_lm_head_loss(
 ) -> LossOutput:
     """Weighted CE of hidden [N, H] through the frozen lm_head [V, H]; see the module docstring."""
     if hidden.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and lm_head {tuple(lm_head_weight.shape)} do not match"
+        )
     if labels.shape != hidden.shape[:1] or weights.shape != hidden.shape[:1]:
         raise ValueError("labels and weights need one entry per row of hidden")
     if method not in METHODS:
@@ -105,18 +111,24 @@ def fused_lm_head_loss(
         method = "odds"  # the epilogue stores no logits to take the top-k of
     if method == "odds_epilogue" and resolve_backend(backend, hidden.device) != "triton":
         if backend != "auto":
-            raise ValueError("loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or method "
-                             "'odds')")
-        method = "odds"  # 'auto' without Triton (a CPU): the same odds, from the torch backend's logits
+            raise ValueError(
+                "loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or method "
+                "'odds')"
+            )
+        method = (
+            "odds"  # 'auto' without Triton (a CPU): the same odds, from the torch backend's logits
+        )
     backend = resolve_backend(backend, hidden.device)
     spec = _Spec(backend, chunk_bytes, method, top_k)
     need_grad = torch.is_grad_enabled() and hidden.requires_grad
     if not need_grad:
-        rows, correct, _, tops = _loss_rows(hidden, lm_head_weight.detach(), labels, weights, spec,
-                                            False)
+        rows, correct, _, tops = _loss_rows(
+            hidden, lm_head_weight.detach(), labels, weights, spec, False
+        )
     else:
-        rows, correct, *tops = _FusedLMHeadLoss.apply(hidden, lm_head_weight.detach(), labels,
-                                                      weights, spec)
+        rows, correct, *tops = _FusedLMHeadLoss.apply(
+            hidden, lm_head_weight.detach(), labels, weights, spec
+        )
     return LossOutput(rows.sum(), correct, rows, None, *(tops if top_k else (None, None)))
 
 
@@ -138,6 +150,7 @@ def _triton_available() -> bool:
 
 class _Spec(NamedTuple):
     """How the chunks are computed (one object through autograd)."""
+
     backend: Literal["triton", "torch"]
     chunk_bytes: int | None
     method: Method
@@ -148,6 +161,7 @@ class _StoredGrad(NamedTuple):
     """What the forward keeps for the backward. Exact method: values [N, H] is d rows[i] / d hidden[i]
     row by row. Odds methods: values[i] = sum_{v != y_i} odds_v W_v, and d rows[i] / d hidden[i] =
     scale[i] * values[i] + label_coef[i] * W[labels[i]] (zero for dropped rows: scale = coef = 0)."""
+
     values: torch.Tensor
     scale: torch.Tensor | None = None
     label_coef: torch.Tensor | None = None
@@ -160,7 +174,10 @@ class _FusedLMHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, weights, spec):
         rows, correct, grad, tops = _loss_rows(hidden, weight, labels, weights, spec, True)
         top_values, top_ids = tops
-        ctx.stored, ctx.backend = grad, spec.backend  # row i of the gradient depends on row i of hidden only
+        ctx.stored, ctx.backend = (
+            grad,
+            spec.backend,
+        )  # row i of the gradient depends on row i of hidden only
         ctx.mark_non_differentiable(correct, top_values, top_ids)
         return rows, correct, top_values, top_ids
 
@@ -170,12 +187,24 @@ class _FusedLMHeadLoss(torch.autograd.Function):
         if stored is None:
             raise RuntimeError("fused_lm_head_loss supports one backward pass per forward")
         if stored.scale is None:
-            return stored.values.mul_(grad_rows[:, None]), None, None, None, None  # in float32, rounded once
+            return (
+                stored.values.mul_(grad_rows[:, None]),
+                None,
+                None,
+                None,
+                None,
+            )  # in float32, rounded once
         return _odds_grad(stored, grad_rows, ctx.backend), None, None, None, None
 
 
-def chunk_rows(n_rows: int, hidden_size: int, vocab: int, logits_bytes_per_value: int,
-               hidden_bytes_per_value: int, chunk_bytes: int | None = None) -> int:
+def chunk_rows(
+    n_rows: int,
+    hidden_size: int,
+    vocab: int,
+    logits_bytes_per_value: int,
+    hidden_bytes_per_value: int,
+    chunk_bytes: int | None = None,
+) -> int:
     """Rows per logits chunk: an explicit byte budget is obeyed (whole quanta once it allows one);
     the default aims at the size of the [N, H] hidden input, rounded to the nearest quantum, as
     Liger-Kernel sizes its chunks, so the peak memory matches Liger's."""
@@ -191,8 +220,9 @@ def _loss_rows(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
     method."""
     tops = _new_tops(hidden.shape[0], spec.top_k, hidden.device)
     if spec.method == "exact":
-        rows, correct, grad = _chunked_loss(hidden, weight, labels, weights, spec.backend, spec.chunk_bytes,
-                                            need_grad, tops)
+        rows, correct, grad = _chunked_loss(
+            hidden, weight, labels, weights, spec.backend, spec.chunk_bytes, need_grad, tops
+        )
         return rows, correct, _StoredGrad(grad) if need_grad else None, tops
     return (*_chunked_odds_loss(hidden, weight, labels, weights, spec, need_grad, tops), tops)
 
@@ -200,8 +230,10 @@ def _loss_rows(hidden, weight, labels, weights, spec: _Spec, need_grad: bool):
 def _new_tops(n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The top-k results as a dropped row keeps them: values -inf, ids 0 ([n, k] each; k may be
     0)."""
-    return (torch.full((n, k), float("-inf"), dtype=torch.float32, device=device),
-            torch.zeros(n, k, dtype=torch.long, device=device))
+    return (
+        torch.full((n, k), float("-inf"), dtype=torch.float32, device=device),
+        torch.zeros(n, k, dtype=torch.long, device=device),
+    )
 
 
 def _take_top_k(logits: torch.Tensor, out: tuple[torch.Tensor, ...], index) -> None:
@@ -216,8 +248,11 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
     """The exact method: (loss [N], correct [N], the stored gradient [N, H] or None); each kept
     row's top-k into `tops` when given."""
     n = hidden.shape[0]
-    out = (torch.zeros(n, dtype=torch.float32, device=hidden.device),
-           torch.zeros(n, dtype=torch.bool, device=hidden.device), *tops)
+    out = (
+        torch.zeros(n, dtype=torch.float32, device=hidden.device),
+        torch.zeros(n, dtype=torch.bool, device=hidden.device),
+        *tops,
+    )
 
     def chunk(h, y, w, chunk_out, index):
         logits = h @ weight.T  # [c, V]; becomes d loss / d logits in place
@@ -248,10 +283,15 @@ def _chunk_loop(hidden, weight, labels, weights, backend, chunk_bytes, need_grad
     per_value = weight.element_size() + (4 if backend == "torch" else 0)
     step = chunk_rows(n, hidden.shape[1], v, per_value, hidden.element_size(), chunk_bytes)
     for r0 in range(0, m, step):
-        rows = slice(r0, min(r0 + step, m)) if dense else kept[r0:r0 + step]
+        rows = slice(r0, min(r0 + step, m)) if dense else kept[r0 : r0 + step]
         chunk_out = tuple(o[rows] for o in out) if dense else out
-        d = chunk(hidden[rows].to(weight.dtype), labels[rows], weights[rows].float(), chunk_out,
-                  None if dense else rows)  # [c, V] (or None without a gradient)
+        d = chunk(
+            hidden[rows].to(weight.dtype),
+            labels[rows],
+            weights[rows].float(),
+            chunk_out,
+            None if dense else rows,
+        )  # [c, V] (or None without a gradient)
         if need_grad and dense and grad.dtype == d.dtype:
             torch.mm(d, weight, out=grad[rows])  # [c, V] @ [V, H] -> [c, H], no temporary
         elif need_grad:
@@ -275,15 +315,18 @@ def _weighted_ce(backend, logits, labels, weights, compute_grad, out=None):
         from dflash_common.drafter.loss.hard_triton import weighted_ce_rows
 
         loss_out, correct_out = out if out is not None else (None, None)
-        return weighted_ce_rows(logits, labels, weights, compute_grad, loss_out=loss_out, correct_out=correct_out)
+        return weighted_ce_rows(
+            logits, labels, weights, compute_grad, loss_out=loss_out, correct_out=correct_out
+        )
     loss, correct = weighted_ce_rows_torch(logits, labels, weights, compute_grad)
     if out is not None:
         _write_rows(out, (loss, correct), None)
     return loss, correct
 
 
-def weighted_ce_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                           compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_ce_rows_torch(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, compute_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel's contract in PyTorch: per-row weighted CE and correctness; with
     compute_grad, logits [C, V] is overwritten by w * (softmax - onehot)."""
     x = logits.float()
@@ -305,12 +348,21 @@ def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: 
     with 'odds'), then G = odds @ W into the stored gradient's rows; rows whose odds overflow, exactly."""
     out = (*new_odds_results(hidden.shape[0], hidden.device), *tops)
     chunk = functools.partial(_odds_rows, spec, weight, need_grad)
-    grad = _chunk_loop(hidden, weight, labels, weights, spec.backend, spec.chunk_bytes, need_grad, out, chunk)
+    grad = _chunk_loop(
+        hidden, weight, labels, weights, spec.backend, spec.chunk_bytes, need_grad, out, chunk
+    )
     rows_loss, correct, scale, label_coef, ok = out[:5]
     if not bool(ok.all()):  # one host sync: rows whose odds overflow (CE >= 80 nats), done exactly
         bad = (~ok).nonzero().squeeze(1)
-        b_loss, b_correct, b_grad = _chunked_loss(hidden[bad], weight, labels[bad], weights[bad], spec.backend,
-                                                  spec.chunk_bytes, need_grad)
+        b_loss, b_correct, b_grad = _chunked_loss(
+            hidden[bad],
+            weight,
+            labels[bad],
+            weights[bad],
+            spec.backend,
+            spec.chunk_bytes,
+            need_grad,
+        )
         rows_loss[bad], correct[bad] = b_loss, b_correct
         if need_grad:  # their stored gradient is the exact one: scale 1, no label term
             grad[bad], scale[bad], label_coef[bad] = b_grad, 1.0, 0.0
@@ -323,8 +375,13 @@ def new_odds_results(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """The odds methods' per-row results, as a dropped row keeps them: loss 0, correct False, scale 0,
     label coefficient 0 (float32, bool, float32, float32 [n]) and ok True (bool [n])."""
     f32 = dict(dtype=torch.float32, device=device)
-    return (torch.zeros(n, **f32), torch.zeros(n, dtype=torch.bool, device=device), torch.zeros(n, **f32),
-            torch.zeros(n, **f32), torch.ones(n, dtype=torch.bool, device=device))
+    return (
+        torch.zeros(n, **f32),
+        torch.zeros(n, dtype=torch.bool, device=device),
+        torch.zeros(n, **f32),
+        torch.zeros(n, **f32),
+        torch.ones(n, dtype=torch.bool, device=device),
+    )
 
 
 def _odds_rows(spec: _Spec, weight, compute_grad, h, labels, weights, out, index):
@@ -346,8 +403,9 @@ def _odds_rows(spec: _Spec, weight, compute_grad, h, labels, weights, out, index
     return logits if compute_grad else None
 
 
-def label_odds_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                          compute_grad: bool) -> tuple[torch.Tensor, ...]:
+def label_odds_rows_torch(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, compute_grad: bool
+) -> tuple[torch.Tensor, ...]:
     """The odds kernels' contract in PyTorch: per row (w * CE, correct, scale, label_coef, ok) of
     hard_triton.odds_outputs; with compute_grad, logits [C, V] is overwritten by the odds
     exp(x - x_label), 0 at the label."""
@@ -360,10 +418,18 @@ def label_odds_rows_torch(logits: torch.Tensor, labels: torch.Tensor, weights: t
     u = 1.0 + t
     ce = torch.log1p(t)
     cols = torch.arange(x.shape[1], device=x.device)
-    beat = (x > x_label[:, None]) | ((x == x_label[:, None]) & (cols < labels[:, None]))  # argmax != label
+    beat = (x > x_label[:, None]) | (
+        (x == x_label[:, None]) & (cols < labels[:, None])
+    )  # argmax != label
     if compute_grad:
         logits.copy_(odds)
-    return ce * weights, ~beat.any(-1), weights / u, -weights * (t / u), torch.log(t) < ODDS_LOG_LIMIT
+    return (
+        ce * weights,
+        ~beat.any(-1),
+        weights / u,
+        -weights * (t / u),
+        torch.log(t) < ODDS_LOG_LIMIT,
+    )
 
 
 def _odds_grad(stored: _StoredGrad, grad_rows: torch.Tensor, backend: str) -> torch.Tensor:
@@ -371,9 +437,13 @@ def _odds_grad(stored: _StoredGrad, grad_rows: torch.Tensor, backend: str) -> to
     if backend == "triton":
         from dflash_common.drafter.loss.hard_triton import odds_grad
 
-        return odds_grad(stored.values, stored.weight, stored.labels, stored.scale, stored.label_coef, grad_rows)
+        return odds_grad(
+            stored.values, stored.weight, stored.labels, stored.scale, stored.label_coef, grad_rows
+        )
     g = grad_rows.float()
     rows = stored.labels.clamp(min=0)  # dropped rows (IGNORE_INDEX) have label_coef 0
-    value = stored.values.float() * (stored.scale * g)[:, None] + stored.weight[rows].float() * (
-        stored.label_coef * g)[:, None]
+    value = (
+        stored.values.float() * (stored.scale * g)[:, None]
+        + stored.weight[rows].float() * (stored.label_coef * g)[:, None]
+    )
     return stored.values.copy_(value)

@@ -18,8 +18,13 @@ TINY_MASK_ID = 259  # <|mask|> of the tiny tokenizer (256 bytes + 3 chat tokens 
 def tiny_config(target_dir: Path, arch: str = "dflash", **overrides) -> DrafterConfig:
     """A 2-layer drafter over the tiny target, its first layer sliding with a window short enough
     to matter on 20-token sequences; `arch`'s own fields among `overrides`."""
-    options = dict(mask_token_id=TINY_MASK_ID, depth=2, block_size=4,
-                   layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    options = dict(
+        mask_token_id=TINY_MASK_ID,
+        depth=2,
+        block_size=4,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5,
+    )
     options.update(overrides)
     target = json.loads((Path(target_dir) / "config.json").read_text())
     return config_class(arch).from_target(target, **options)

@@ -17,7 +17,10 @@ from train.eval import batched
 from train.eval.batched import BatchedTarget, speculative_generate_batch
 from train.eval.prompts import load_prompts
 from train.eval.spec_decode import (
-    DFlashProposer, TargetRunner, speculative_generate, target_generate,
+    DFlashProposer,
+    TargetRunner,
+    speculative_generate,
+    target_generate,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -37,8 +40,14 @@ def dflash2(model, tiny_target):
     positions: drafts still accepted, and a wrong block length or walk would change them."""
     tok = AutoTokenizer.from_pretrained(tiny_target)
     base = _briefly_trained_drafter(model, tok, ROOT, steps=30)
-    cfg = as_arch(base.cfg, "dflash2", conv_kernel_size=3, conv_group_size=16, selector_rank=8,
-                  selector_top_k=4)
+    cfg = as_arch(
+        base.cfg,
+        "dflash2",
+        conv_kernel_size=3,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=4,
+    )
     torch.manual_seed(1)
     drafter = DFlash2Drafter(cfg)
     _, unexpected = drafter.load_state_dict(base.state_dict(), strict=False)
@@ -52,8 +61,7 @@ def dflash2(model, tiny_target):
         selector.predecessor_codebook.normal_(0.0, 1.0)
         selector.successor_codebook.normal_(0.0, 0.1)
         selector.hidden_projection.weight.normal_(0.0, 0.3)
-    drafter.attach_frozen(model.get_input_embeddings().weight,
-                          model.get_output_embeddings().weight)
+    drafter.attach_frozen(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     return drafter.eval()
 
 
@@ -73,8 +81,12 @@ def test_batched_dflash2_decoding_has_the_one_at_a_time_cycles(model, tiny_targe
     proposer.draft = counting
     target, max_new = TargetRunner(model, proposer.layer_ids), 40
     together = speculative_generate_batch(
-        BatchedTarget(model, proposer.layer_ids), batched.as_batched(proposer), prompts,
-        block_size=BLOCK, max_new_tokens=max_new)
+        BatchedTarget(model, proposer.layer_ids),
+        batched.as_batched(proposer),
+        prompts,
+        block_size=BLOCK,
+        max_new_tokens=max_new,
+    )
     seen = []
     for ids, b in zip(prompts, together):
         a = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=max_new)

@@ -180,13 +180,18 @@ def test_the_selector_term_moves_the_gradient_and_unary_confidence_differs(tiny_
     cfg, drafter = _drafter(tiny_target)
     batch = _batch(cfg)
     args = dict(block_size=cfg.block_size, gamma=None, autocast="none")
-    base, _, _ = batch_objective(drafter, drafter, batch, **args,
-                                 objective=ObjectiveSection(selector_weight=0.0))
+    base, _, _ = batch_objective(
+        drafter, drafter, batch, **args, objective=ObjectiveSection(selector_weight=0.0)
+    )
     full, _, _ = batch_objective(drafter, drafter, batch, **args)
     assert float(full) > float(base)
     served, _, _ = batch_objective(drafter, drafter, batch, **args, weights="dpace")
     unary, _, _ = batch_objective(
-        drafter, drafter, batch, **args, weights="dpace",
+        drafter,
+        drafter,
+        batch,
+        **args,
+        weights="dpace",
         objective=ObjectiveSection(dpace_confidence="unary"),
     )
     assert float(served) != float(unary)
