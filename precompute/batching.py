@@ -9,9 +9,9 @@ Why right padding (and no attention mask) rather than packed variable-length seq
   (tests/precompute/test_batching.py).
 - Packing is correct only on some backends and architectures. transformers 5 isolates packed
   sequences (given per-sequence position ids) with sdpa only when no KV cache is in use, and then by
-  building a dense [T, T] block mask over the batch's T tokens (4 GiB of mask at 64K tokens, and sdpa
-  leaves its flash kernel); flash-attention varlen handles it well, but linear-attention layers of
-  hybrid targets ignore the boundaries (a leak of 0.4 on a tiny Qwen3.5-style target; see
+  building a dense [T, T] block mask over the batch's T tokens (4 GiB of mask at 64K tokens, and
+  sdpa leaves its flash kernel); flash-attention varlen handles it well, but linear-attention layers
+  of hybrid targets ignore the boundaries (a leak of 0.4 on a tiny Qwen3.5-style target; see
   benchmarks/precompute_batching.py). Right padding needs none of it.
 - Passing no attention mask keeps sdpa/flash on their causal fast paths (a mask forces the slower
   masked kernels).

@@ -1,11 +1,11 @@
 """`dflash-precompute`: run the target over conversations and write its hidden states into a store.
 
     dflash-precompute --config configs/precompute-qwen3-8b.toml --out /nvme/stores/qwen3-8b
-    dflash-precompute --config configs/precompute-qwen3-8b.toml --dry-run     # the plan; writes nothing
-    torchrun --nproc_per_node=8 -m precompute.cli --config ...                # one process per GPU
+    dflash-precompute --config configs/precompute-qwen3-8b.toml --dry-run  # the plan only
+    torchrun --nproc_per_node=8 -m precompute.cli --config ...             # one process per GPU
 
-`--dry-run` prints the plan (samples, tokens after templating, bytes, free space) and stops; it writes
-nothing (no store, no token cache, no run record).
+`--dry-run` prints the plan (samples, tokens after templating, bytes, free space) and stops; it
+writes nothing (no store, no token cache, no run record).
 Rerunning the same command resumes: published shards are kept, the rest is computed.
 """
 
@@ -25,7 +25,8 @@ _SWITCHES = {
 
 
 def parse(argv: Sequence[str] | None = None) -> PrecomputeConfig:
-    """`--config FILE`, `--out STORE`, `--dry-run`, `--force` and `--section.field=value` -> the config."""
+    """`--config FILE`, `--out STORE`, `--dry-run`,
+    `--force` and `--section.field=value` -> the config."""
     cfg, _ = parse_args(
         PrecomputeConfig,
         sys.argv[1:] if argv is None else argv,
@@ -40,7 +41,8 @@ def parse(argv: Sequence[str] | None = None) -> PrecomputeConfig:
 
 @user_errors_exit
 def main(argv: Sequence[str] | None = None) -> None:
-    """Returns None: console scripts pass main()'s result to sys.exit, which would print anything else."""
+    """Returns None: console scripts pass main()'s result
+    to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
     with interrupt_says(

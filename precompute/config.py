@@ -30,17 +30,17 @@ class TargetSection:
     layer_ids: list[int] | None = option(
         None,
         "Target layers to capture; id i is the output of decoder layer i (HF hidden_states[i+1]). "
-        "None means the DFlash rule for the target's depth ([1, 9, 17, 25, 33] for 36 layers). Any list "
-        "may be given; capturing a superset (e.g. every 4th layer) lets later drafter experiments choose "
-        "their layers from one store, at the cost of disk. Layers after the deepest id are never loaded "
-        "nor run.",
+        "None means the DFlash rule for the target's depth ([1, 9, 17, 25, 33] for 36 layers). Any "
+        "list may be given; capturing a superset (e.g. every 4th layer) lets later drafter "
+        "experiments choose their layers from one store, at the cost of disk. Layers after the "
+        "deepest id are never loaded nor run.",
     )
     compile: bool = option(
         True,
-        "torch.compile the parts of every decoder layer (attention, MLP, norms; one compiled graph shared by "
-        "all layers, dynamic shapes) on CUDA, fusing the norms, RoPE and activations that run eagerly "
-        "otherwise: 1.26x the eager forward of a Qwen3-8B-shaped target on an H200; costs a compilation at "
-        "start (~20 s, seconds once cached). Ignored on a CPU.",
+        "torch.compile the parts of every decoder layer (attention, MLP, norms; one compiled graph "
+        "shared by all layers, dynamic shapes) on CUDA, fusing the norms, RoPE and activations "
+        "that run eagerly otherwise: 1.26x the eager forward of a Qwen3-8B-shaped target on an "
+        "H200; costs a compilation at start (~20 s, seconds once cached). Ignored on a CPU.",
     )
 
     def __post_init__(self) -> None:
@@ -84,8 +84,8 @@ class DataSection:
     )
     block_size: int = option(
         16,
-        "Drafter block size; sequences with fewer than 2 x block_size loss-mask (response) tokens are "
-        "dropped, as the drafter cannot place anchors in them.",
+        "Drafter block size; sequences with fewer than 2 x block_size loss-mask (response) tokens "
+        "are dropped, as the drafter cannot place anchors in them.",
     )
     report_first: int = option(
         5, "How many skipped records are logged with file and line (all are counted)."
@@ -96,8 +96,8 @@ class DataSection:
         check(self.block_size >= 2, f"data.block_size must be >= 2, got {self.block_size}.")
         check(
             2 * self.block_size <= self.max_length,
-            f"data.max_length = {self.max_length} cannot hold 2 x data.block_size = {2 * self.block_size} "
-            "response tokens.",
+            f"data.max_length = {self.max_length} cannot hold 2 x data.block_size = "
+            f"{2 * self.block_size} response tokens.",
         )
         check(self.report_first >= 0, f"data.report_first must be >= 0, got {self.report_first}.")
         check(all(bool(p.strip()) for p in self.inputs), "data.inputs holds an empty path.")
@@ -109,8 +109,8 @@ class StoreSection:
     dtype: Literal["bf16", "fp8_e4m3", "q4_hadamard"] = option(
         "bf16",
         "Element type on disk: bf16 (2 bytes per value), fp8 e4m3 with a float32 scale per token "
-        "(half the disk), or q4_hadamard: 4-bit codes after a Hadamard rotation, a scale byte per 16 "
-        "values and a float32 per token (0.28x the disk of bf16; docs/store-format.md).",
+        "(half the disk), or q4_hadamard: 4-bit codes after a Hadamard rotation, a scale byte per "
+        "16 values and a float32 per token (0.28x the disk of bf16; docs/store-format.md).",
     )
     codec: Literal["none", "zstd", "blosc-lz4-bitshuffle"] = option(
         "none",
@@ -118,9 +118,10 @@ class StoreSection:
     )
     final_state: bool = option(
         False,
-        "Also store the target's final normed hidden state per token (the lm_head's input; one more [T, H] "
-        "array in store.dtype), which the trainer's soft targets and prompt anchors (targets.*) need. Runs "
-        "every layer of the target instead of stopping after the deepest layer id.",
+        "Also store the target's final normed hidden state per token (the lm_head's input; one "
+        "more [T, H] array in store.dtype), which the trainer's soft targets and prompt anchors "
+        "(targets.*) need. Runs every layer of the target instead of stopping after the deepest "
+        "layer id.",
     )
 
 
@@ -150,8 +151,8 @@ class BatchingSection:
 class RunSection:
     samples_per_unit: int = option(
         32,
-        "Input records per work unit (= per shard), counted before filtering so units never depend on "
-        "the number of ranks. Aim for shards of 1-4 GiB: records x tokens x bytes/token.",
+        "Input records per work unit (= per shard), counted before filtering so units never depend "
+        "on the number of ranks. Aim for shards of 1-4 GiB: records x tokens x bytes/token.",
     )
     device: str = option(
         "auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'."
@@ -161,8 +162,8 @@ class RunSection:
     )
     cache_dir: str = option(
         "",
-        "Where tokenized work units are kept between the plan and the forward pass (tokenize once); "
-        "empty means '<store.path>.tokens' beside the store.",
+        "Where tokenized work units are kept between the plan and the forward pass (tokenize "
+        "once); empty means '<store.path>.tokens' beside the store.",
     )
     writer_threads: int = option(
         4, "Threads that encode, compress and write shards while the GPU runs."

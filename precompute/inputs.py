@@ -1,14 +1,16 @@
-"""Read the input conversations: JSONL files (OpenAI `messages`, ShareGPT `conversations`, pre-tokenized
-`input_ids` + `loss_mask`) and `datasets` datasets saved on disk, several files or globs in one run.
+"""Read the input conversations: JSONL files (OpenAI `messages`, ShareGPT `conversations`,
+pre-tokenized `input_ids` + `loss_mask`) and `datasets` datasets saved on disk, several files or
+globs in one run.
 
-Reading is two cheap steps so that a rank can walk the whole input and parse only its own work units:
-`iter_raw_records` streams records (a JSONL line as bytes, a dataset row by index) with a global
-position and a stable source id (`path:line`, 1-based, or `path:index`); `parse_record` turns one into
-a `Conversation` (messages read by dflash_common/conversations.py, the reader of every stage) or a
-`PreTokenized` sequence, or raises `BadRecord(reason, detail)`.
+Reading is two cheap steps so that a rank can walk the whole input and parse only its own work
+units: `iter_raw_records` streams records (a JSONL line as bytes, a dataset row by index) with a
+global position and a stable source id (`path:line`, 1-based, or `path:index`); `parse_record` turns
+one into a `Conversation` (messages read by dflash_common/conversations.py, the reader of every
+stage) or a `PreTokenized` sequence, or raises `BadRecord(reason, detail)`.
 
 Bad input never stops the run and is never silent: every skipped record is counted by reason in a
-`SkipLog`, and the first few are reported with their file and line (in the plan). Reasons of this module:
+`SkipLog`, and the first few are reported with their file and line (in the plan). Reasons of this
+module:
 
     blank_line, invalid_utf8, malformed_json, not_an_object, missing_field, wrong_field_type,
     unknown_role, empty_conversation, no_assistant_turn, unreadable_file, record_too_large
@@ -34,8 +36,8 @@ from dflash_common.errors import UserError
 # Markers of a directory written by `datasets` save_to_disk (a Dataset, or a DatasetDict of splits).
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 # A JSONL line longer than this is skipped unread (`record_too_large`): a file without newlines (a
-# JSON array, a binary) would otherwise be read whole into memory, and rendering tens of MB through a
-# chat template takes minutes, all to keep data.max_length tokens. Real records are far shorter: a
+# JSON array, a binary) would otherwise be read whole into memory, and rendering tens of MB through
+# a chat template takes minutes, all to keep data.max_length tokens. Real records are far shorter: a
 # 128K-token conversation is ~0.5 MB.
 MAX_RECORD_BYTES = 32 << 20
 
@@ -64,7 +66,8 @@ class Source:
 
 @dataclasses.dataclass(frozen=True)
 class RawRecord:
-    """One input record before parsing. `index` counts records across all sources, in input order."""
+    """One input record before parsing. `index` counts
+    records across all sources, in input order."""
 
     index: int
     source_id: str
@@ -154,8 +157,8 @@ class SkipLog:
 def resolve_inputs(entries: list[str]) -> list[Source]:
     """Expand paths, globs and directories into sources, in a deterministic order.
 
-    Entries keep their configured order; a glob's matches are sorted by path; a file matched twice is
-    read once (where it first appears). An entry that matches nothing is a UserError."""
+    Entries keep their configured order; a glob's matches are sorted by path; a file matched twice
+    is read once (where it first appears). An entry that matches nothing is a UserError."""
     sources: list[Source] = []
     seen: set[str] = set()
     for entry in entries:
@@ -269,7 +272,8 @@ def parse_record(
     raw: RawRecord, fmt: str = "auto", require_assistant: bool = True
 ) -> Conversation | PreTokenized:
     """One raw record -> a conversation or a pre-tokenized sequence; BadRecord if it is unusable.
-    `require_assistant=False` accepts conversations without an assistant turn (prompts to answer)."""
+    `require_assistant=False` accepts conversations without an assistant turn (prompts to
+    answer)."""
     obj = record_object(raw)
     fmt = _detect_format(obj) if fmt == "auto" else fmt
     cut = obj.get("finish_reason") == "length"
@@ -342,7 +346,8 @@ def _pre_tokenized(source_id: str, obj: dict) -> PreTokenized:
 
 
 def parse_or_skip(raw: RawRecord, fmt: str, skips: SkipLog) -> Conversation | PreTokenized | None:
-    """parse_record, with a bad record counted in `skips` (and logged if among the first) instead."""
+    """parse_record, with a bad record counted in
+    `skips` (and logged if among the first) instead."""
     try:
         return parse_record(raw, fmt)
     except BadRecord as e:

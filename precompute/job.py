@@ -2,8 +2,9 @@
 
     rank 0 fingerprints the target, tokenizer and inputs once -> the manifest, sent to every rank
     every rank tokenizes its sort windows of work units (or finds them in the token cache)
-    the ranks' unit summaries are gathered -> the plan (samples, tokens, bytes, free space), printed
-      by rank 0; rank 0 decides whether the disk is big enough, every rank obeys; --dry-run stops here
+    the ranks' unit summaries are gathered -> the plan (samples, tokens, bytes, free space),
+      printed by rank 0; rank 0 decides whether the disk is big enough, every rank obeys;
+      --dry-run stops here
     every rank loads the target (truncated) and runs its sort windows through the pipeline
     the ranks' statistics are gathered (a barrier) -> rank 0 writes the summary into the store
 
@@ -64,10 +65,13 @@ log = logging.getLogger("dflash")
 def run(cfg: PrecomputeConfig) -> Path:
     """Run (or resume) the precompute job `cfg` describes; returns the store's path."""
     check_store_outputs(cfg)
-    full = lambda why: (
-        f"the filesystem of {cfg.store.path} is full ({why}); free space and rerun the same "
-        "command: published shards are kept and the job resumes."
-    )
+
+    def full(why: str) -> str:
+        return (
+            f"the filesystem of {cfg.store.path} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes."
+        )
+
     with (
         run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks,
         contextlib.ExitStack() as stack,
@@ -277,7 +281,8 @@ def content_settings(cfg: PrecomputeConfig) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class RankUnits:
-    """This rank's units: summaries, shard names (units with sequences) and those already published."""
+    """This rank's units: summaries, shard names (units
+    with sequences) and those already published."""
 
     summaries: list[UnitSummary]
     names: dict[int, str]
@@ -312,8 +317,9 @@ def make_job_plan(
     )
     state = state_key(manifest.target, list(manifest.layer_ids), cfg)
     names = {s.index: unit_shard_name(s.index, s.digest, state) for s in summaries if s.samples}
-    # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says to)
-    # keeps its shards; names derive from content and state settings, so a name found is this run's shard
+    # listed without the root metadata: a store whose cut zarr.json was deleted (as the error says
+    # to) keeps its shards; names derive from content and state settings, so a name found is this
+    # run's shard
     published = set(published_shard_names(cfg.store.path))
     committed = {u for u, name in names.items() if name in published}
     gathered = ranks.gather(
@@ -343,7 +349,8 @@ def make_job_plan(
 def other_copies(names: dict[int, str], published: set[str]) -> list[tuple[int, str, str]]:
     """(unit, published name, this run's name) of each of this rank's units published under another
     name: a shard made from other records (other data, or by a version whose sample ids carried
-    paths). Writing this run's shard beside it would leave the unit twice, and training reads both."""
+    paths). Writing this run's shard beside it would leave the unit twice, and training reads
+    both."""
     return [
         (unit, name, names[unit])
         for name in sorted(published)
@@ -356,9 +363,9 @@ def refuse_other_copies(store: str, copies: list[tuple[int, str, str]]) -> None:
         unit, old, new = min(copies)
         more = f" (and {len(copies) - 1} more units)" if len(copies) > 1 else ""
         raise UserError(
-            f"store {store} already holds work unit {unit} as shard {old}{more}, and this run would write "
-            f"it as {new} from other records; precompute into a new store, or remove the shards this "
-            f"run's inputs did not make."
+            f"store {store} already holds work unit {unit} as shard {old}{more}, and this run "
+            f"would write it as {new} from other records; precompute into a new store, or remove "
+            "the shards this run's inputs did not make."
         )
 
 
@@ -526,15 +533,16 @@ def format_summary(summary: dict[str, Any], disk: int | None = None) -> str:
     s = run["seconds"]
     return "\n".join(
         [
-            f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in {summary['units']:,} work units "
-            f"({len(summary['empty_units']):,} without a sequence)",
+            f"done: {summary['samples']:,} samples, {summary['tokens']:,} tokens in "
+            f"{summary['units']:,} work units ({len(summary['empty_units']):,} without a sequence)",
             f"  skipped records: {skips}; truncated {summary['truncated']:,}",
             f"  this run: {run['units_written']:,} shards written, "
             f"{run['units_already_in_store']:,} already in the store{_elsewhere(run)}; "
             f"{run['tokens_forwarded']:,} tokens forwarded at {run['tokens_per_s']:,.0f} tok/s "
             f"on {run['world_size']} rank(s)",
-            f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load {s['load_target']:.1f}, staging buffers "
-            f"{s['staging_setup']:.1f}, forward + write {s['forward_write']:.1f}); the forward waited for the disk "
+            f"  time: {s['total']:.1f} s (plan {s['plan']:.1f}, target load "
+            f"{s['load_target']:.1f}, staging buffers {s['staging_setup']:.1f}, forward + write "
+            f"{s['forward_write']:.1f}); the forward waited for the disk "
             f"{run['disk_wait_s_max_rank']:.1f} s" + _gpu_idle(run),
         ]
         + ([] if disk is None else [_store_line(summary, disk)])
@@ -552,6 +560,7 @@ def _gpu_idle(run: dict[str, Any]) -> str:
     if not run.get("gpu_busy_s"):
         return ""  # a CPU run (or a store summarised before the GPU clock existed)
     return (
-        f"; the GPU computed {run['gpu_busy_s']:.1f} s and stood idle {run['gpu_idle_s_max_rank']:.1f} s "
-        f"between batches (for the host, or for the disk when the forward waited for it)"
+        f"; the GPU computed {run['gpu_busy_s']:.1f} s and stood idle "
+        f"{run['gpu_idle_s_max_rank']:.1f} s between batches (for the host, or for the disk when "
+        "the forward waited for it)"
     )

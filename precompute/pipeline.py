@@ -2,10 +2,10 @@
 waits for the disk.
 
     main thread       forward(batch) -> gather the real tokens and encode them on the GPU (bf16 bit
-                      patterns, fp8 e4m3 + a scale per token: half the bytes to copy, or q4_hadamard:
-                      0.28x) in the store's integer dtypes (dflash_common/store/quant.py) -> next
-                      batch's forward -> copy the batch before into a staging buffer on the copy
-                      stream, record an event
+                      patterns, fp8 e4m3 + a scale per token: half the bytes to copy, or
+                      q4_hadamard: 0.28x) in the store's integer dtypes
+                      (dflash_common/store/quant.py) -> next batch's forward -> copy the batch
+                      before into a staging buffer on the copy stream, record an event
     collector thread  waits for the event, copies each sequence's rows into its unit's host buffers
                       (sequences in input order, whatever the batching order), gives the staging
                       buffer back; a unit whose last sequence arrived goes to the write queue
@@ -120,7 +120,8 @@ class PipelineStats:
 
 @dataclasses.dataclass
 class _Staging:
-    """One host buffer a batch's encoded states are copied into: K x [capacity, row] (+ K scales)."""
+    """One host buffer a batch's encoded states are
+    copied into: K x [capacity, row] (+ K scales)."""
 
     raw: torch.Tensor  # uint8, page aligned
     data: list[np.ndarray]  # K x [capacity, row] uint16 | uint8 (views of raw)
@@ -200,8 +201,9 @@ def sort_window_batches(
 
 @dataclasses.dataclass
 class _Encoded:
-    """A submitted batch whose copy to the host is not queued yet: its kept tokens' encoded states on
-    the GPU, where they land in the staging buffer, and an event recorded once they are encoded."""
+    """A submitted batch whose copy to the host is not queued yet: its kept tokens' encoded states
+    on the GPU, where they land in the staging buffer, and an event recorded once they are
+    encoded."""
 
     states: list[EncodedStates]
     pieces: list[_Piece]
@@ -343,7 +345,8 @@ class Pipeline:
             self._flush()
 
     def _flush(self) -> None:
-        """Queue the pending batch's copy into a free staging buffer and hand it to the collector."""
+        """Queue the pending batch's copy into a free
+        staging buffer and hand it to the collector."""
         batch, self._pending = self._pending, None
         if batch is None:
             return
@@ -417,7 +420,8 @@ class Pipeline:
         for t in self._threads[1:]:
             t.join()
         if self.copy_stream is not None:
-            self.copy_stream.synchronize()  # no copy may still land in a buffer about to be unpinned
+            # no copy may still land in a buffer about to be unpinned
+            self.copy_stream.synchronize()
         for s in self.staging:
             _release_staging(s)
         if failure is not None:
@@ -539,7 +543,8 @@ def _tree_bytes(path: os.PathLike) -> int:
 def _allocate_staging(
     layers: int, hidden: int, dtype: str, capacity: int, pin: bool, device: torch.device
 ) -> _Staging:
-    """One page-aligned host buffer: per layer [capacity, row] stored bits (+ float32 [capacity] scales)."""
+    """One page-aligned host buffer: per layer [capacity,
+    row] stored bits (+ float32 [capacity] scales)."""
     item, row = storage_numpy_dtype(dtype), row_size(dtype, hidden)
     scaled = has_scale(dtype)
     region = _page_aligned(capacity * row * item.itemsize)
@@ -604,9 +609,10 @@ def _page_aligned(n: int) -> int:
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, queued without waiting for the GPU. From pageable memory CUDA first
-    synchronises the stream (the previous batch's forward must finish before the copy starts), so
-    the GPU's queue ran empty at every batch and idled while the host launched the next forward;
+    """A host tensor on `device`, queued without waiting for the GPU. From pageable memory CUDA
+    first synchronises the stream (the previous batch's forward must finish before the copy starts),
+    so the GPU's queue would run empty at every batch and idle while the host launched the next
+    forward;
     from pinned memory (torch's caching host allocator, which keeps the block until the copy is
     done) the copy is queued behind that work like any kernel."""
     if device.type == "cuda":
@@ -690,8 +696,8 @@ def _forward(target, ids: torch.Tensor, token_budget: int) -> dict[int | str, to
         return dict(zip(target.state_keys, target.forward(ids)))
     except torch.OutOfMemoryError as e:
         raise UserError(
-            f"the target's forward ran out of GPU memory on a batch of {ids.shape[0]} x {ids.shape[1]} "
-            f"tokens; lower batching.token_budget (now {token_budget})."
+            f"the target's forward ran out of GPU memory on a batch of {ids.shape[0]} x "
+            f"{ids.shape[1]} tokens; lower batching.token_budget (now {token_budget})."
         ) from e
 
 

@@ -3,8 +3,8 @@ holds it.
 
 Shard names. Each work unit (precompute/units.py) becomes one shard whose name is derived from its
 content (`unit_shard_name`): the unit index, its sample ids, token ids, loss mask, and the parts of
-the configuration that change the states (`state_key`). A rerun computes the same names and skips the
-shards the store already has.
+the configuration that change the states (`state_key`). A rerun computes the same names and skips
+the shards the store already has.
 
 Disk plan. Bytes per token on disk (H = hidden size, K = number of captured layers):
     bf16:      K * 2H            (2 bytes per value)
@@ -114,15 +114,18 @@ class Plan:
         formula = f"{self.state_arrays} x {token_bytes_formula(self.store_dtype, self.hidden_size)}"
         lines = [
             f"plan: {self.records:,} input records -> {self.units:,} work units "
-            f"({self.committed_units:,} already in the store, {len(self.empty_units):,} without a sequence)",
+            f"({self.committed_units:,} already in the store, {len(self.empty_units):,} without a "
+            "sequence)",
             f"  samples kept: {self.samples:,}; skipped {self.skips.total:,} ({skipped}); "
             f"truncated {self.truncated:,}",
-            f"  tokens after templating: {self.tokens:,} (response tokens {self.response_tokens:,})",
+            f"  tokens after templating: {self.tokens:,} (response tokens "
+            f"{self.response_tokens:,})",
             f"  layers {self.layer_ids}{' + the final state' if self.final_state else ''} x hidden "
             f"{self.hidden_size} as {self.store_dtype}: "
             f"{per:,} array bytes/token ({formula} + 5 for id and mask) + 8 per sequence (offsets)",
             f"  arrays before compression: {human_bytes(self.bytes_total)}, still to write "
-            f"{human_bytes(self.bytes_to_write)} (on disk add shard indexes, checksums and metadata)",
+            f"{human_bytes(self.bytes_to_write)} (on disk add shard indexes, checksums and "
+            "metadata)",
             f"  free space at {self.store_path}: {human_bytes(self.free_bytes)} -> "
             + (
                 "enough"
@@ -208,15 +211,16 @@ def check_disk(plan: Plan, force: bool) -> None:
         )
         return
     raise UserError(
-        f"the store needs ~{human_bytes(int(plan.bytes_to_write * DISK_MARGIN))} but {plan.store_path} has "
-        f"{human_bytes(plan.free_bytes)} free; free space, choose store.dtype = 'fp8_e4m3' (half the size), "
-        "or pass --run.force=true."
+        f"the store needs ~{human_bytes(int(plan.bytes_to_write * DISK_MARGIN))} but "
+        f"{plan.store_path} has {human_bytes(plan.free_bytes)} free; free space, choose "
+        "store.dtype = 'fp8_e4m3' (half the size), or pass --run.force=true."
     )
 
 
 def check_samples(plan: Plan, input_names: str) -> None:
     """Refuse a job whose input yields no sequence at all (every record skipped, or none): its store
-    would hold nothing to train from. The sentence counts the skips by reason and names the first few."""
+    would hold nothing to train from. The sentence counts the skips by reason and names the first
+    few."""
     if plan.samples:
         return
     if not plan.records and not plan.skips.total:
@@ -227,7 +231,7 @@ def check_samples(plan: Plan, input_names: str) -> None:
     counts = ", ".join(f"{reason} {n:,}" for reason, n in sorted(plan.skips.counts.items()))
     first = "; ".join(f"{source_id}: {reason}" for source_id, reason, _ in plan.skips.examples)
     raise UserError(
-        f"every one of the {plan.records:,} input records of {input_names} was skipped ({counts}), e.g. {first}; "
-        "fix the inputs (or data.format, data.max_length, data.block_size, which decide the skips) and rerun; "
-        "no store was created."
+        f"every one of the {plan.records:,} input records of {input_names} was skipped ({counts}), "
+        f"e.g. {first}; fix the inputs (or data.format, data.max_length, data.block_size, which "
+        "decide the skips) and rerun; no store was created."
     )

@@ -13,7 +13,8 @@ every layer and the final norm are loaded and run (never the lm_head), and the n
 captured by a hook like the layers'.
 
 Composite checkpoints (a vision-language model whose text tower is the target, e.g. Qwen3.5/3.6)
-load their text model only: `config.get_text_config()` picks it and transformers maps the weight names.
+load their text model only: `config.get_text_config()` picks it and transformers maps the weight
+names.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int
 
 
 def truncated_config(text_config: Any, num_layers: int) -> Any:
-    """A copy of the config with `num_layers` decoder layers; every per-layer list is cut with it."""
+    """A copy of the config with `num_layers` decoder
+    layers; every per-layer list is cut with it."""
     full = text_config.num_hidden_layers
     cut = copy.deepcopy(text_config)
     for name, value in list(vars(cut).items()):
@@ -81,7 +83,8 @@ class CapturedTarget:
 
     @property
     def state_keys(self) -> list[int | str]:
-        """What `forward` returns, in order: the layer ids, then FINAL when final states are kept."""
+        """What `forward` returns, in order: the layer
+        ids, then FINAL when final states are kept."""
         return [*self.layer_ids, *([FINAL] if self.final_state else [])]
 
     @property
@@ -97,8 +100,8 @@ class CapturedTarget:
         """input_ids [B, S] (right-padded, see precompute/batching.py) -> K tensors [B, S, H] (K + 1
         with the final state last, as `state_keys` says).
 
-        No attention mask is passed: with right padding and causal attention a real token never sees a
-        pad, and sdpa/flash keep their fastest causal kernels."""
+        No attention mask is passed: with right padding and causal attention a real token never sees
+        a pad, and sdpa/flash keep their fastest causal kernels."""
         self._captured.clear()
         with self._hooks():
             self.model(input_ids=input_ids, use_cache=False)
@@ -142,8 +145,9 @@ def final_norm(model: nn.Module) -> nn.Module:
         if isinstance(getattr(model, name, None), nn.Module):
             return getattr(model, name)
     raise UserError(
-        f"target model {type(model).__name__} has no final norm named {' or '.join(_FINAL_NORM_NAMES)}; "
-        f"store.final_state is not supported for this architecture."
+        f"target model {type(model).__name__} has no final norm named "
+        f"{' or '.join(_FINAL_NORM_NAMES)}; store.final_state is not supported for this "
+        "architecture."
     )
 
 
@@ -214,9 +218,9 @@ def compile_decoder_layers(model: nn.Module, kv_cache: bool = False) -> int:
     and length vary from batch to batch).
 
     With kv_cache (generation), a child that knows its layer number (`layer_idx`: the attention) is
-    not compiled whole, since it indexes the KV cache by that number and torch.compile specialises on
-    it: one graph per layer, and past its recompile limit (8) the deeper layers' attention ran
-    uncompiled. Its parts other than the projections (the q/k norms) are compiled instead."""
+    not compiled whole, since it indexes the KV cache by that number and torch.compile specialises
+    on it: one graph per layer, and past its recompile limit (8) the deeper layers' attention would
+    run uncompiled. Its parts other than the projections (the q/k norms) are compiled instead."""
     count = 0
     for layer in decoder_layers(model):
         for child in layer.children():
@@ -231,8 +235,8 @@ def compile_decoder_layers(model: nn.Module, kv_cache: bool = False) -> int:
 
 @torch.inference_mode()
 def _compile_now(model: nn.Module, device: torch.device) -> None:
-    """Compile now, at load time (logged apart from the batches): a forward of one row and one of two
-    (dynamic shapes still specialise a size of 1), on a few tokens."""
+    """Compile now, at load time (logged apart from the batches): a forward of one row and one of
+    two (dynamic shapes still specialise a size of 1), on a few tokens."""
     started = time.perf_counter()
     for rows in (2, 1):
         model(input_ids=torch.zeros((rows, 32), dtype=torch.long, device=device), use_cache=False)

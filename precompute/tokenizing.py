@@ -1,13 +1,14 @@
-"""The tokens of each work unit: the chat template and the length rules, once, kept in a token cache.
+"""The tokens of each work unit: the chat template
+and the length rules, once, kept in a token cache.
 
 Applying the chat template is the slow part of reading (a Jinja render per turn). The plan needs the
-token counts, so the plan pass tokenizes each rank's units (precompute/units.py) and keeps the result
-in a token cache (`run.cache_dir`, default `<store.path>.tokens/<key>/unit-XXXXXXXX.npz`, 5 bytes per
-token); the forward pass then reads the cache instead of tokenizing again, and a restarted run finds
-the units already tokenized. A `--dry-run` reads the cache where it exists but writes nothing: units
-it does not find are tokenized for the plan's counts and dropped. The cache key hashes the
-tokenizer files, the data options and the input files' sizes and modification times, so changed
-inputs or options never reuse stale tokens. Units can be tokenized by a pool of processes
+token counts, so the plan pass tokenizes each rank's units (precompute/units.py) and keeps the
+result in a token cache (`run.cache_dir`, default `<store.path>.tokens/<key>/unit-XXXXXXXX.npz`, 5
+bytes per token); the forward pass then reads the cache instead of tokenizing again, and a restarted
+run finds the units already tokenized. A `--dry-run` reads the cache where it exists but writes
+nothing: units it does not find are tokenized for the plan's counts and dropped. The cache key
+hashes the tokenizer files, the data options and the input files' sizes and modification times, so
+changed inputs or options never reuse stale tokens. Units can be tokenized by a pool of processes
 (`run.tokenize_workers`).
 
 Skip reasons added here (see precompute/inputs.py for the reader's): the chat template's
@@ -50,7 +51,7 @@ from precompute.units import iter_unit_records, num_units, owner
 TOKENIZE_VERSION = 3
 
 
-# ------------------------------------------------------------------------------------ tokenized units
+# ---------------------------------------------------------------------------------- tokenized units
 
 
 @dataclasses.dataclass
@@ -78,7 +79,8 @@ class TokenizedUnit:
         return np.diff(self.offsets)
 
     def content_digest(self) -> str:
-        """Hash of what the unit holds (ids, tokens, mask, boundaries), the base of its shard name."""
+        """Hash of what the unit holds (ids, tokens,
+        mask, boundaries), the base of its shard name."""
         h = hashlib.sha256(f"unit {self.index}\0".encode())
         h.update("\0".join(self.sample_ids).encode())
         for array in (self.offsets, self.input_ids, self.loss_mask):
@@ -183,7 +185,10 @@ class UnitTokenizer:
             truncated += cut
         offsets = np.zeros(len(ids) + 1, np.int64)
         offsets[1:] = np.cumsum([len(t) for t in ids])
-        cat = lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt)
+
+        def cat(xs: list[np.ndarray], dt: type) -> np.ndarray:
+            return np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt)
+
         return TokenizedUnit(
             index,
             len(records),
@@ -284,8 +289,8 @@ class TokenCache:
         return TokenizedUnit.from_file(self.path(unit), self.report_first)
 
     def remove_leftovers(self) -> int:
-        """Remove what saves cut by a kill left behind (hidden temporary files, never read); -> how many.
-        Call it only when no process of the job writes the cache any more."""
+        """Remove what saves cut by a kill left behind (hidden temporary files, never read); -> how
+        many. Call it only when no process of the job writes the cache any more."""
         leftovers = list(self.root.glob(".unit-*.tmp-*")) if self.root.is_dir() else []
         for path in leftovers:
             path.unlink(missing_ok=True)
@@ -318,12 +323,14 @@ def tokenize_units(
     write_cache: bool = True,
     vocab_size: int | None = None,
 ) -> tuple[list[UnitSummary], int]:
-    """Tokenize (or find in the cache) every unit this rank owns. Files that break mid-way are counted
-    in `reader_skips` (`unreadable_file`; every rank reads every file, so one rank's count is the job's).
-    With `write_cache` false (a dry run) units missing from the cache are tokenized for their summary
-    only: nothing is written. `vocab_size`: the target config's (read when not given).
+    """Tokenize (or find in the cache) every unit this rank owns. Files that break mid-way are
+    counted in `reader_skips` (`unreadable_file`; every rank reads every file, so one rank's count
+    is the job's). With `write_cache` false (a dry run) units missing from the cache are tokenized
+    for their summary only: nothing is written. `vocab_size`: the target config's (read when not
+    given).
 
-    -> (summaries of this rank's units in unit order, number of input records in the whole input)."""
+    -> (summaries of this rank's units in unit order,
+    number of input records in the whole input)."""
     counter = _RecordCounter(
         iter_raw_records(sources, SkipLog(0) if reader_skips is None else reader_skips)
     )
@@ -346,7 +353,8 @@ def tokenize_units(
 def _tokenize_one(
     tokenizer: UnitTokenizer, unit: int, records: list[RawRecord], cache_root: str | None
 ) -> UnitSummary:
-    """Tokenize one unit, save it in the cache at `cache_root` (None: save nothing) -> its summary."""
+    """Tokenize one unit, save it in the cache at
+    `cache_root` (None: save nothing) -> its summary."""
     tokenized = tokenizer(unit, records)
     if cache_root is not None:
         TokenCache(Path(cache_root)).save(tokenized)

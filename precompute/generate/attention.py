@@ -30,11 +30,11 @@ def packed_gqa_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, except for a one-token query over grouped key/value heads: the
-    query heads that share a key/value head become that head's query rows, [B, Hq, 1, D] ->
-    [B, Hkv, Hq/Hkv, D], so the cache is read as it is stored. transformers (before 5.24) repeats the
-    whole cache to Hq heads first (`repeat_kv`): a copy of every layer's cache at every decode step,
-    29% of the decoder's GPU time on a Qwen3-8B shape. Same values: each query row sees exactly the
-    keys and values of its own head, and the mask ([B, 1, 1, L]) is shared by every head."""
+    query heads that share a key/value head become that head's query rows, [B, Hq, 1, D] -> [B, Hkv,
+    Hq/Hkv, D], so the cache is read as it is stored. transformers (before 5.24) repeats the whole
+    cache to Hq heads first (`repeat_kv`): a copy of every layer's cache at every decode step, 29%
+    of the decoder's GPU time on a Qwen3-8B shape. Same values: each query row sees exactly the keys
+    and values of its own head, and the mask ([B, 1, 1, L]) is shared by every head."""
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, q_len, dim = query.shape
     shared_mask = attention_mask is None or attention_mask.shape[1] == 1

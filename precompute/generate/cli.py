@@ -1,5 +1,5 @@
-"""`dflash-generate`: the target answers the training conversations again (the DFlash recipe trains on
-the target's own responses), writing JSONL shards that dflash-precompute reads.
+"""`dflash-generate`: the target answers the training conversations again (the DFlash recipe trains
+on the target's own responses), writing JSONL shards that dflash-precompute reads.
 
     dflash-generate --config configs/tiny.toml --out demo/generated
     dflash-generate --config FILE --dry-run      # checks target, inputs and output; prints the plan
@@ -41,7 +41,8 @@ def parse(argv: Sequence[str] | None = None) -> GenerateConfig:
 
 @user_errors_exit
 def main(argv: Sequence[str] | None = None) -> None:
-    """Returns None: console scripts pass main()'s result to sys.exit, which would print anything else."""
+    """Returns None: console scripts pass main()'s result
+    to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
     with interrupt_says(

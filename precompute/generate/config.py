@@ -1,7 +1,7 @@
 """The configuration tree of `dflash-generate`: one frozen dataclass per section.
 
-Read from the `[generate.*]` tables of a stage file (configs/tiny.toml) or a one-stage file; any field is
-overridden on the command line as `--section.field=value` (e.g. `--generate.turns=last`).
+Read from the `[generate.*]` tables of a stage file (configs/tiny.toml) or a one-stage file; any
+field is overridden on the command line as `--section.field=value` (e.g. `--generate.turns=last`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dflash_common.config import check, check_device, option, section
 class TargetSection:
     path: str = option(
         "",
-        "Local directory of the target checkpoint (config.json, weights, tokenizer, generation_config.json).",
+        "Local directory of the target checkpoint (config.json, weights, tokenizer, "
+        "generation_config.json).",
     )
     dtype: Literal["bf16", "fp16", "fp32"] = option(
         "bf16", "Dtype the target generates in; bf16 is how it is served, fp32 for parity tests."
@@ -35,9 +36,10 @@ class TargetSection:
 class DataSection:
     inputs: list[str] = option(
         [],
-        "Input files, globs or directories, as dflash-precompute reads them (OpenAI 'messages', ShareGPT "
-        "'conversations', .jsonl.gz, `datasets` saved to disk), plus plain prompts: JSONL records "
-        '{"prompt": "..."} (optionally with "system") or a .txt file with one prompt per line.',
+        "Input files, globs or directories, as dflash-precompute reads them (OpenAI 'messages', "
+        "ShareGPT 'conversations', .jsonl.gz, `datasets` saved to disk), plus plain prompts: "
+        'JSONL records {"prompt": "..."} (optionally with "system") or a .txt file with one '
+        "prompt per line.",
     )
     format: Literal["auto", "messages", "sharegpt", "prompt"] = option(
         "auto",
@@ -49,8 +51,8 @@ class DataSection:
     )
     max_prompt_length: int = option(
         4096,
-        "Longest prompt in tokens (after the chat template); a longer one ends its conversation there "
-        "(or is skipped as 'prompt_too_long' when it is the first).",
+        "Longest prompt in tokens (after the chat template); a longer one ends its conversation "
+        "there (or is skipped as 'prompt_too_long' when it is the first).",
     )
     report_first: int = option(
         5, "How many skipped records are printed with file and line (all are counted)."
@@ -69,8 +71,8 @@ class DataSection:
 class SamplingSection:
     temperature: float | None = option(
         None,
-        "Sampling temperature; 0 is greedy. Unset: the target's generation_config.json (greedy when it "
-        "does not sample).",
+        "Sampling temperature; 0 is greedy. Unset: the target's generation_config.json (greedy "
+        "when it does not sample).",
     )
     top_p: float | None = option(
         None, "Nucleus sampling mass in (0, 1]; unset: generation_config.json, else 1."
@@ -80,7 +82,8 @@ class SamplingSection:
     )
     max_new_tokens: int | None = option(
         None,
-        "Most tokens per generated turn; unset: generation_config.json's max_new_tokens, else 2048.",
+        "Most tokens per generated turn; unset: generation_config.json's max_new_tokens, else "
+        "2048.",
     )
     seed: int = option(
         0, "Run seed; each sample draws from its own generator seeded by this and its content."
@@ -108,17 +111,20 @@ class SamplingSection:
 class GenerateSection:
     turns: Literal["all", "last"] = option(
         "all",
-        "'all': every assistant turn is replaced by the target's answer given its own conversation so "
-        "far; 'last': only the final assistant turn (a conversation ending with a user turn gets one answer).",
+        "'all': every assistant turn is replaced by the target's answer given its own conversation "
+        "so far; 'last': only the final assistant turn (a conversation ending with a user turn "
+        "gets one answer).",
     )
     on_length: Literal["keep", "drop"] = option(
         "keep",
         "A turn cut by max_new_tokens: 'keep' ends the conversation there with finish_reason "
-        "'length' (dflash-precompute then puts no loss on its end-of-turn token), 'drop' skips the record.",
+        "'length' (dflash-precompute then puts no loss on its end-of-turn token), 'drop' skips the "
+        "record.",
     )
     token_budget: int = option(
         65536,
-        "Tokens per batch counted as batch size x (longest prompt + max_new_tokens): bounds KV cache memory.",
+        "Tokens per batch counted as batch size x (longest prompt + max_new_tokens): bounds KV "
+        "cache memory.",
     )
     max_batch_size: int = option(256, "Most sequences decoded together.")
     sort_window_units: int = option(
@@ -133,17 +139,18 @@ class GenerateSection:
     )
     compile: bool = option(
         True,
-        "transformers backend on CUDA: torch.compile the parts of every decoder layer (one graph for all "
-        "layers, the attention by its norms; ignored on a CPU), fusing each step's norms and activations: the "
-        "eager steps' greedy tokens in float32 (a GPU test), 1.24x the graph steps' speed on a Qwen3-8B shape "
-        "and 3.5x plain model.generate (docs/benchmarks.md). Compiling adds to the start-up time; false "
-        "skips it.",
+        "transformers backend on CUDA: torch.compile the parts of every decoder layer (one graph "
+        "for all layers, the attention by its norms; ignored on a CPU), fusing each step's norms "
+        "and activations: the eager steps' greedy tokens in float32 (a GPU test), 1.24x the graph "
+        "steps' speed on a Qwen3-8B shape and 3.5x plain model.generate (docs/benchmarks.md). "
+        "Compiling adds to the start-up time; false skips it.",
     )
     cuda_graphs: bool = option(
         True,
-        "transformers backend on CUDA: each decode step a CUDA graph, captured once per batch (not for "
-        "sliding-window targets or attention other than sdpa/eager, which decode with eager steps): the same "
-        "tokens as eager steps (a GPU test), 2.6x their speed on a Qwen3-8B shape (docs/benchmarks.md).",
+        "transformers backend on CUDA: each decode step a CUDA graph, captured once per batch (not "
+        "for sliding-window targets or attention other than sdpa/eager, which decode with eager "
+        "steps): the same tokens as eager steps (a GPU test), 2.6x their speed on a Qwen3-8B shape "
+        "(docs/benchmarks.md).",
     )
     vllm_tensor_parallel: int = option(1, "vllm backend: tensor_parallel_size of vllm.LLM.")
 
@@ -169,8 +176,8 @@ class GenerateSection:
 class OutputSection:
     dir: str = option(
         "",
-        "Output directory: one JSONL shard per work unit plus manifest.json; dflash-precompute reads it as "
-        "data.inputs. A rerun resumes it.",
+        "Output directory: one JSONL shard per work unit plus manifest.json; dflash-precompute "
+        "reads it as data.inputs. A rerun resumes it.",
     )
 
 
@@ -178,8 +185,8 @@ class OutputSection:
 class RunSection:
     samples_per_unit: int = option(
         256,
-        "Input records per work unit (= per output shard), counted before filtering, so units never "
-        "depend on the number of ranks.",
+        "Input records per work unit (= per output shard), counted before filtering, so units "
+        "never depend on the number of ranks.",
     )
     device: str = option(
         "auto", "Device of the target: 'auto' (this rank's GPU, else CPU), 'cpu', 'cuda'."

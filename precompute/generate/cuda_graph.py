@@ -1,5 +1,5 @@
-"""A decode step of `dflash-generate` replayed as a CUDA graph (generate.cuda_graphs): one launch per
-token instead of a few hundred kernel launches from Python."""
+"""A decode step of `dflash-generate` replayed as a CUDA graph (generate.cuda_graphs): one launch
+per token instead of a few hundred kernel launches from Python."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ log = logging.getLogger("dflash")
 
 
 class CudaGraph:
-    """A decode step over fixed buffers: its first call runs eagerly (the warm-up a capture needs), the
-    second captures it as a CUDA graph, and every call from then on replays the graph; the output is the
-    graph's own tensor (overwritten by the next replay). The warm-up is a real step, never a repeated one:
-    transformers' StaticCache (5.x) advances its own write position on the device at every forward and
-    ignores `cache_position`, so an extra forward would shift every later write by one slot. If the
-    capture fails (an operation of the model that a graph cannot hold), steps run eagerly from then on."""
+    """A decode step over fixed buffers: its first call runs eagerly (the warm-up a capture needs),
+    the second captures it as a CUDA graph, and every call from then on replays the graph; the
+    output is the graph's own tensor (overwritten by the next replay). The warm-up is a real step,
+    never a repeated one: transformers' StaticCache (5.x) advances its own write position on the
+    device at every forward and ignores `cache_position`, so an extra forward would shift every
+    later write by one slot. If the capture fails (an operation of the model that a graph cannot
+    hold), steps run eagerly from then on."""
 
     def __init__(self, fn: Callable[[], torch.Tensor]):
         self.fn, self.graph, self.out = fn, None, None

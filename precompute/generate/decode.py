@@ -1,30 +1,31 @@
-"""The decoders of `dflash-generate`: prompt token ids in, generated token ids and a finish reason out.
+"""The decoders of `dflash-generate`: prompt token
+ids in, generated token ids and a finish reason out.
 
-`TransformersDecoder` (the embedded one): requests are sorted by prompt length and cut into batches of
-at most `token_budget` tokens counted as batch size x (longest prompt + max_new_tokens). A batch is
-LEFT-padded; its attention mask zeroes the padding and each row's position ids count its own tokens
-only (row i's first real token is at position 0), so a row decodes the same tokens as it would alone
-(in float32; a test checks it). The KV cache is a transformers `StaticCache` of the batch's full length,
-allocated once per batch; a row stops at any end-of-turn id (the tokenizer's eos and the ids of
-generation_config.json's eos_token_id) or at max_new_tokens, and the batch ends when every row has.
-Sampled rows draw from their own `torch.Generator`, seeded per request, so what a request draws does
-not depend on its batch.
+`TransformersDecoder` (the embedded one): requests are sorted by prompt length and cut into batches
+of at most `token_budget` tokens counted as batch size x (longest prompt + max_new_tokens). A batch
+is LEFT-padded; its attention mask zeroes the padding and each row's position ids count its own
+tokens only (row i's first real token is at position 0), so a row decodes the same tokens as it
+would alone (in float32; a test checks it). The KV cache is a transformers `StaticCache` of the
+batch's full length, allocated once per batch; a row stops at any end-of-turn id (the tokenizer's
+eos and the ids of generation_config.json's eos_token_id) or at max_new_tokens, and the batch ends
+when every row has. Sampled rows draw from their own `torch.Generator`, seeded per request, so what
+a request draws does not depend on its batch.
 
 Decode steps after the prefill have static shapes: the step's token, position and cache slot live in
 fixed buffers updated in place, and the attention mask is a 4D additive mask over the whole static
-cache (the columns of the prompt's padding and of steps not yet taken hold the dtype's minimum; a step
-opens its own column). With `cuda_graphs` (generate.cuda_graphs, on by default; a GPU test checks the
-graph steps give the eager steps' tokens) the step is then captured once per batch as a CUDA graph and
-replayed on CUDA (cuda_graph.py): one launch per token instead of a few hundred kernel launches from
-Python. Without it the same static step runs eagerly (tests compare it with transformers' own loop on
-a CPU), and where a 4D mask would be wrong or unsupported (sliding-window layers, an attention
-implementation other than sdpa or eager) the steps fall back to a 2D mask grown each step. A one-token
-step of a sdpa target attends through `packed_gqa_sdpa` (attention.py): the query heads of a
-key/value group read the cache as it is stored, where transformers (before 5.24) copies every layer's
-cache to the query heads' count at every step.
-With `compile` the parts of every decoder layer are compiled (one graph for all layers, as
-precompute's `target.compile`), fusing the norms and activations of each step; the attention, which
-indexes the cache by its layer number, has only its q/k norms compiled (see compile_decoder_layers).
+cache (the columns of the prompt's padding and of steps not yet taken hold the dtype's minimum; a
+step opens its own column). With `cuda_graphs` (generate.cuda_graphs, on by default; a GPU test
+checks the graph steps give the eager steps' tokens) the step is then captured once per batch as a
+CUDA graph and replayed on CUDA (cuda_graph.py): one launch per token instead of a few hundred
+kernel launches from Python. Without it the same static step runs eagerly (tests compare it with
+transformers' own loop on a CPU), and where a 4D mask would be wrong or unsupported (sliding-window
+layers, an attention implementation other than sdpa or eager) the steps fall back to a 2D mask grown
+each step. A one-token step of a sdpa target attends through `packed_gqa_sdpa` (attention.py): the
+query heads of a key/value group read the cache as it is stored, where transformers (before 5.24)
+copies every layer's cache to the query heads' count at every step. With `compile` the parts of
+every decoder layer are compiled (one graph for all layers, as precompute's `target.compile`),
+fusing the norms and activations of each step; the attention, which indexes the cache by its layer
+number, has only its q/k norms compiled (see compile_decoder_layers).
 
 `VllmDecoder`: `vllm.LLM` offline on token-id prompts, one `SamplingParams(seed=...)` per request
 (temperature 0 is greedy); tests/precompute/generate/test_generate_vllm.py checks its greedy answers
@@ -193,8 +194,9 @@ class TransformersDecoder:
             stopped = torch.isin(nxt, stop)
             live += (~(done | stopped)).sum()  # answer tokens: no end-of-turn token (_finish)
             done = done | stopped
-            # the host looks at the device only every SYNC_EVERY steps: between two looks the CPU queues
-            # the next steps' kernels while the GPU runs (finished rows decode a few pads meanwhile)
+            # the host looks at the device only every SYNC_EVERY steps: between two looks the CPU
+            # queues the next steps' kernels while the GPU runs (finished rows decode a few pads
+            # meanwhile)
             if t == n_new - 1 or (t + 1) % SYNC_EVERY == 0:
                 if on_tokens is not None:
                     on_tokens(int(live))
@@ -219,11 +221,13 @@ class TransformersDecoder:
     def _static_step(
         self, cache: Any, mask: torch.Tensor, position: torch.Tensor, width: int
     ) -> Callable[[torch.Tensor, int], torch.Tensor]:
-        """The decode step over fixed buffers: step(next tokens [B], cache slot) -> logits [B, V]. The
-        slot is the step's column of the static cache (width + t); with cuda_graphs, a CUDA graph runs it."""
+        """The decode step over fixed buffers: step(next tokens [B], cache slot) -> logits [B, V].
+        The slot is the step's column of the static cache (width + t); with cuda_graphs, a CUDA
+        graph runs it."""
         dtype = next(self.model.parameters()).dtype
         floor = torch.finfo(dtype).min
-        # [B, 1, 1, L] additive: 0 where a key is visible (prompt tokens now, each step's own column later)
+        # [B, 1, 1, L] additive: 0 where a key is visible
+        # (prompt tokens now, each step's own column later)
         mask4 = torch.full(
             (mask.shape[0], 1, 1, mask.shape[1]), floor, dtype=dtype, device=self.device
         )

@@ -55,7 +55,8 @@ from precompute.units import iter_unit_records, num_units
 
 log = logging.getLogger("dflash")
 
-FORMAT = "dflash-generate/2"  # 2: records' "source" and the unit names name input files without their paths
+# format 2: records' "source" and the unit names name input files without their paths
+FORMAT = "dflash-generate/2"
 MANIFEST = "manifest.json"
 UNIT_STATS = ".units"  # hidden: no reader of the directory ever takes it for input
 DEFAULT_MAX_NEW_TOKENS = 2048
@@ -72,10 +73,13 @@ def run(cfg: GenerateConfig) -> Path:
             "target.path is not set; pass --target.path=DIR, a local checkpoint directory."
         )
     check_writable(cfg.output.dir, "output.dir", "pass --out a directory on a writable filesystem")
-    full = lambda why: (
-        f"the filesystem of {cfg.output.dir} is full ({why}); free space and rerun the same "
-        "command: published shards are kept and the job resumes."
-    )
+
+    def full(why: str) -> str:
+        return (
+            f"the filesystem of {cfg.output.dir} is full ({why}); free space and rerun the same "
+            "command: published shards are kept and the job resumes."
+        )
+
     with run_on_ranks(cfg.run.device, full_disk=full, timeout=WINDOWS_TIMEOUT) as ranks:
         return _run(cfg, ranks)
 
@@ -325,8 +329,9 @@ def _chat_or_skip(raw: RawRecord, cfg: GenerateConfig, skips: SkipLog) -> Chat |
 
 
 def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog) -> None:
-    """Render the prompt of the chat's next turn into `chat.prompt`, or end the chat (None): a template
-    error or a first prompt too long skip the record; a later prompt too long ends the conversation."""
+    """Render the prompt of the chat's next turn into `chat.prompt`, or end the chat (None): a
+    template error or a first prompt too long skip the record; a later prompt too long ends the
+    conversation."""
     messages = chat.next_messages()
     extra = {"tools": chat.tools} if chat.tools else {}
     try:
@@ -410,13 +415,14 @@ def format_plan(plan: dict[str, Any], cfg: GenerateConfig) -> str:
         else f"temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, seed {s.seed}"
     )
     lines = [
-        f"plan: {plan['records']:,} input records -> {plan['units']:,} work units ({plan['published']:,} already "
-        f"in {cfg.output.dir})",
+        f"plan: {plan['records']:,} input records -> {plan['units']:,} work units "
+        f"({plan['published']:,} already in {cfg.output.dir})",
         f"  prompts to answer: {plan['prompts']:,}; skipped {plan['skips'].total:,} ({skipped})",
-        f"  turns to generate: up to {plan['turns']:,} ({cfg.generate.turns} turns, {plan['prompts_run']:,} "
-        f"conversations in the sort windows run); tokens in (first prompts): {plan['tokens_in']:,}",
-        f"  max tokens out: {plan['max_tokens_out']:,} ({s.max_new_tokens:,} per turn, {how}; backend "
-        f"{cfg.generate.backend})",
+        f"  turns to generate: up to {plan['turns']:,} ({cfg.generate.turns} turns, "
+        f"{plan['prompts_run']:,} conversations in the sort windows run); tokens in (first "
+        f"prompts): {plan['tokens_in']:,}",
+        f"  max tokens out: {plan['max_tokens_out']:,} ({s.max_new_tokens:,} per turn, {how}; "
+        f"backend {cfg.generate.backend})",
     ]
     lines += [
         f"  e.g. skipped {sid}: {reason} ({detail})"
@@ -549,7 +555,8 @@ def answer_sort_window(
 
 
 def write_unit(out: Path, unit: Unit, on_length: str) -> None:
-    """The unit's records as one JSONL shard, and its counts beside it; the shard's rename publishes it."""
+    """The unit's records as one JSONL shard, and its
+    counts beside it; the shard's rename publishes it."""
     lines, reasons, tokens = [], Counter(), 0
     for chat in unit.chats:
         if chat.failed or not chat.finish_reasons:
@@ -641,11 +648,12 @@ def format_manifest(m: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"done: {c.get('conversations', 0):,} conversations ({c.get('turns', 0):,} turns, "
-            f"{c.get('generated_tokens', 0):,} generated tokens) in {m['units']:,} shards; finish reasons: {reasons}",
+            f"{c.get('generated_tokens', 0):,} generated tokens) in {m['units']:,} shards; finish "
+            f"reasons: {reasons}",
             f"  skipped records: {skips}",
-            f"  this run: {run['units_written']:,} shards written, {run['units_already_written']:,} already there; "
-            f"{run['tokens_generated']:,} tokens generated at "
-            f"{run['generated_tokens_per_s']:,.0f} tok/s on "
-            f"{run['world_size']} rank(s) in {run['seconds']:.1f} s",
+            f"  this run: {run['units_written']:,} shards written, "
+            f"{run['units_already_written']:,} already there; {run['tokens_generated']:,} tokens "
+            f"generated at {run['generated_tokens_per_s']:,.0f} tok/s on {run['world_size']} "
+            f"rank(s) in {run['seconds']:.1f} s",
         ]
     )

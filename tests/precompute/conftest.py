@@ -9,8 +9,9 @@ from precompute_helpers import chat, write_jsonl
 
 @pytest.fixture(autouse=True)
 def one_torch_thread():
-    """The tiny target's ops are small: on a small shared CPU box an intra-op pool spanning every core
-    stalls on them (10-60x slower), so precompute tests run on one thread, as torchrun's workers do."""
+    """The tiny target's ops are small: on a small shared CPU box an intra-op pool spanning every
+    core stalls on them (10-60x slower), so precompute tests run on one thread, as torchrun's
+    workers do."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -27,7 +28,8 @@ def mixed_inputs(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory):
-    """A Qwen3.5-architecture vision-language checkpoint (hybrid linear/full attention text tower)."""
+    """A Qwen3.5-architecture vision-language checkpoint
+    (hybrid linear/full attention text tower)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = dict(

@@ -21,7 +21,8 @@ TINY_DATA = ROOT / "data" / "tiny-train.jsonl"
 
 
 def chat(i: int, answer_len: int = 40) -> dict:
-    """A conversation whose answer has `answer_len` + 1 response tokens (byte tokenizer + <|im_end|>)."""
+    """A conversation whose answer has `answer_len` + 1 response tokens
+    (byte tokenizer + <|im_end|>)."""
     answer = (f"answer {i} " * 40)[:answer_len]
     return {
         "messages": [
@@ -70,8 +71,8 @@ def demo_inputs(directory: Path) -> list[str]:
 
 
 def job_overrides(store_dtype: str, samples_per_unit: int = 4) -> list[str]:
-    """Overrides of a short job over `demo_inputs`: with 4 samples per unit, 12 units in windows of 2,
-    so 6 windows, 3 per rank with 2 ranks, several batches each."""
+    """Overrides of a short job over `demo_inputs`: with 4 samples per unit, 12 units in windows of
+    2, so 6 windows, 3 per rank with 2 ranks, several batches each."""
     return [
         "data.max_length=512",
         "batching.token_budget=512",
@@ -86,8 +87,9 @@ def job_overrides(store_dtype: str, samples_per_unit: int = 4) -> list[str]:
 def cli_args(
     target, inputs, store, store_dtype: str, *extra: str, samples_per_unit: int = 4
 ) -> list[str]:
-    """dflash-precompute's arguments for the job `make_config(..., *job_overrides(store_dtype, samples_per_unit))`
-    runs in process (the shipped tiny config plus overrides); `extra` are further `--section.field=value`."""
+    """dflash-precompute's arguments for the job `make_config(..., *job_overrides(store_dtype,
+    samples_per_unit))` runs in process (the shipped tiny config plus overrides); `extra` are
+    further `--section.field=value`."""
     cfg_args = [
         f"--target.path={target}",
         f"--data.inputs={json.dumps(inputs)}",
@@ -98,12 +100,14 @@ def cli_args(
 
 
 def subprocess_env() -> dict[str, str]:
-    """One intra-op thread, as in the tests' own process: the same float reductions, the same bits."""
+    """One intra-op thread, as in the tests' own
+    process: the same float reductions, the same bits."""
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def store_files(path: Path) -> dict[str, str]:
-    """sha256 of every file of every shard, and the manifest (root attributes without the summary)."""
+    """sha256 of every file of every shard, and the
+    manifest (root attributes without the summary)."""
     out = {
         str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
         for f in sorted((path / "shards").rglob("*"))
@@ -136,25 +140,27 @@ def published(store: Path) -> list[str]:
 
 
 def interrupt_says_what_is_kept(proc: subprocess.Popen, out: Path) -> None:
-    """Send SIGINT to a running CLI job writing shards into `out`: it must exit 130 without a traceback,
-    its last line the one sentence saying what is kept and how to resume (dflash_common.cli's)."""
+    """Send SIGINT to a running CLI job writing shards into `out`: it must exit 130 without a
+    traceback, its last line the one sentence saying what is kept and how to resume
+    (dflash_common.cli's)."""
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert last == (
-        f"interrupted: the shards already published in {out} are kept (a shard being written is not "
-        f"visible); rerun the same command to resume."
+        f"interrupted: the shards already published in {out} are kept (a shard being written is "
+        "not visible); rerun the same command to resume."
     ), err
 
 
 def kill_process_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc` and every process below it, as a preempted node loses them: torchrun starts each
-    worker in a session of its own, so killing torchrun's process group alone would leave them running.
-    `proc` is stopped first, so that it starts no worker between the listing and the kill, and the call
-    returns once every process of the tree is gone: one killed inside a disk write (an fsync) dies only
-    when the write returns, and holds its file locks until then (a rerun found the store still locked)."""
+    """SIGKILL `proc` and every process below it, as a preempted node loses them: torchrun starts
+    each worker in a session of its own, so killing torchrun's process group alone would leave them
+    running. `proc` is stopped first, so that it starts no worker between the listing and the kill,
+    and the call returns once every process of the tree is gone: one killed inside a disk write (an
+    fsync) dies only when the write returns, and holds its file locks until then (a rerun found the
+    store still locked)."""
     _signal(lambda: os.kill(proc.pid, signal.SIGSTOP))
     tree = [proc.pid, *_descendants(proc.pid)]
     for pgid in dict.fromkeys(_pgid(pid) for pid in tree):
@@ -177,7 +183,8 @@ def _alive(pid: int) -> bool:
 
 
 def _stat(proc_dir: Path) -> list[bytes] | None:
-    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None once it is gone."""
+    """The fields of /proc/<pid>/stat after the command
+    name (state, ppid, ...), None once it is gone."""
     try:
         stat = (proc_dir / "stat").read_bytes()
     except OSError:

@@ -1,5 +1,6 @@
 """The dflash-precompute command line: the shipped tiny config end to end (and the trainer's tiny
-config reading its store), --dry-run, the disk check, and user errors as one sentence with exit 2."""
+config reading its store), --dry-run, the disk check, and user errors as one sentence with exit
+2."""
 
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ def test_the_tiny_config_writes_a_store_the_tiny_trainer_reads(tiny_target, tmp_
 
 
 def _one_figure_one_value(out: str, store: Path) -> None:
-    """The plan's sizes are the store's: the arrays (what a read returns) in the same figure in the plan
-    and in `dflash-store info`, which names its other size (files on disk, metadata included) apart,
-    and precompute's last line gives that size too; binary units only; no compression ratio for
-    codec none."""
+    """The plan's sizes are the store's: the arrays (what a read returns) in the same figure in the
+    plan and in `dflash-store info`, which names its other size (files on disk, metadata included)
+    apart, and precompute's last line gives that size too; binary units only; no compression ratio
+    for codec none."""
     import re
 
     from dflash_common.store.cli import format_info
@@ -124,7 +125,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_target, tmp_path, capsy
 def test_the_plan_of_a_q4_store_counts_its_bytes(tiny_target, tmp_path, capsys):
     main(_tiny_args(tiny_target, tmp_path / "store", "--dry-run", "--store.dtype=q4_hadamard"))
     out = capsys.readouterr().out
-    # per layer: 32 bytes of 4-bit codes + 4 group scale bytes + a float32 token scale (0.31x of 645 here)
+    # per layer: 32 bytes of 4-bit codes + 4 group scale
+    # bytes + a float32 token scale (0.31x of 645 here)
     assert "205 array bytes/token (5 x (36 + 4) + 5 for id and mask) + 8 per sequence" in out, out
 
 
@@ -265,7 +267,8 @@ def test_help_lists_the_flags_and_every_field():
 
 
 def test_no_progress_frames_when_stderr_is_not_a_terminal(tiny_target, tmp_path, capsys):
-    """CI, `| tee`, nohup: precompute, verify and train (their bars on) write lines, never bar frames."""
+    """CI, `| tee`, nohup: precompute, verify and train
+    (their bars on) write lines, never bar frames."""
     from dflash_common.store.cli import main as store_main
     from train.cli import main as train_main
 

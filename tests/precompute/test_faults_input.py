@@ -99,7 +99,8 @@ def _dumps(obj) -> bytes:
 
 @st.composite
 def _fuzz_line(draw, kind: str, plain: bool, drop: bool) -> tuple[bytes, str]:
-    """A line of `kind` -> (line, fate): 'kept', 'truncated', a skip reason, or 'any' (random noise)."""
+    """A line of `kind` -> (line, fate): 'kept',
+    'truncated', a skip reason, or 'any' (random noise)."""
     u, a = draw(_text), _answer(draw(_text))
     good = _dumps(_chat(u, a))
     if kind == "good":
@@ -396,8 +397,8 @@ def test_an_input_whose_every_record_is_skipped_is_refused_with_the_counts_and_n
         assert "every one of the 5 input records" in err
         assert "blank_line 1, malformed_json 1, not_an_object 1, too_few_response_tokens 2" in err
         assert (
-            "bad.jsonl:1: malformed_json; bad.jsonl:2: blank_line; bad.jsonl:3: too_few_response_tokens"
-            in err
+            "bad.jsonl:1: malformed_json; bad.jsonl:2: blank_line; bad.jsonl:3: "
+            "too_few_response_tokens" in err
         )
         assert not store.exists()  # no empty store left behind
 

@@ -1,5 +1,5 @@
-"""Ctrl-C (SIGINT) while dflash-precompute writes shards: one sentence saying what was kept and how to
-resume, exit 130, no traceback; rerunning the command ends with the uninterrupted store."""
+"""Ctrl-C (SIGINT) while dflash-precompute writes shards: one sentence saying what was kept and how
+to resume, exit 130, no traceback; rerunning the command ends with the uninterrupted store."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same
         "--run.writer_threads=1",
         "--run.queue_depth=1",
     ]
-    # SIGINT at its default in the child: a test run started in the background of a non-interactive shell
-    # (`make test &`) ignores SIGINT, the child would inherit that, and Python then installs no handler
+    # SIGINT at its default in the child: a test run started in the background of a non-interactive
+    # shell (`make test &`) ignores SIGINT, the child would inherit that, and Python then installs
+    # no handler
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,

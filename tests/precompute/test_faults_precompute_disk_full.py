@@ -1,8 +1,8 @@
-"""dflash-precompute on a full disk: one sentence (exit 2, no traceback) saying what filled up and that
-rerunning resumes, no partial shard visible, and once space is freed the same command finishes the
-store of an uninterrupted run. On a real small filesystem (a tmpfs, where mounting one is allowed),
-with one process and with two ranks under torchrun; and with the errors injected (everywhere): in
-the shard writer, then in the summary."""
+"""dflash-precompute on a full disk: one sentence (exit 2, no traceback) saying what filled up and
+that rerunning resumes, no partial shard visible, and once space is freed the same command finishes
+the store of an uninterrupted run. On a real small filesystem (a tmpfs, where mounting one is
+allowed), with one process and with two ranks under torchrun; and with the errors injected
+(everywhere): in the shard writer, then in the summary."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""dflash-precompute SIGKILLed at random points (every process of the job at once, as a preempted node
-loses them), resumed each time by the same command, with two ranks and with one: the finished store
-is the store of an uninterrupted run, shard by shard and byte by byte (so checksum by checksum).
+"""dflash-precompute SIGKILLed at random points (every process of the job at once, as a preempted
+node loses them), resumed each time by the same command, with two ranks and with one: the finished
+store is the store of an uninterrupted run, shard by shard and byte by byte (so checksum by
+checksum).
 
 One job, five kills, in this order: in start-up; in the plan (the token cache being written); three
 times while shards are written, a random number of shards after the run's start. Kills 1-3 and 5 hit
 a two-rank job under torchrun (gloo, CPU), kill 4 a one-rank job, and one rank finishes: the store
-goes from two ranks to one and back and to one again. (The name differs from train/test_faults_killed.py:
-test modules are imported by their base name.)"""
+goes from two ranks to one and back and to one again. (The name differs from
+train/test_faults_killed.py: test modules are imported by their base name.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """dflash-precompute into a store it must not write: one made from another target or with other
 settings, one of an unknown format version, one whose root metadata is cut. Each is one sentence
-(exit 2) before any work, and the store is left exactly as it was; the fix a sentence gives works."""
+(exit 2) before any work, and the store is left exactly as it was; the fix a sentence gives
+works."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _tree(path) -> dict[str, str]:
 
 
 def _refused(capsys, args, store) -> str:
-    """Run dflash-precompute: exit 2, one line, no traceback, nothing of the store changed; -> the line."""
+    """Run dflash-precompute: exit 2, one line, no
+    traceback, nothing of the store changed; -> the line."""
     before = _tree(store)
     with pytest.raises(SystemExit) as caught:
         main(args)
@@ -72,8 +74,8 @@ def test_a_store_of_another_target_is_refused_and_left_alone(
 def test_a_store_of_an_older_tokenization_is_refused_naming_the_version(
     made, tiny_target, tmp_path, capsys
 ):
-    # e.g. a store of TOKENIZE_VERSION 2, whose sample ids carried paths: resuming it would write every
-    # unit a second time under its new name
+    # e.g. a store of TOKENIZE_VERSION 2, whose sample ids carried paths: resuming it would write
+    # every unit a second time under its new name
     inputs, made_store = made
     store = shutil.copytree(made_store, tmp_path / "store")
     root = store / "zarr.json"
@@ -83,7 +85,7 @@ def test_a_store_of_an_older_tokenization_is_refused_naming_the_version(
     line = _refused(capsys, cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6), store)
     assert line == (
         f"error: Store {store} was made with precompute.tokenize_version = 2, but this run has "
-        f"precompute.tokenize_version = 3; use a new store path, or the dflash version that made it."
+        "precompute.tokenize_version = 3; use a new store path, or the dflash version that made it."
     ), line
 
 

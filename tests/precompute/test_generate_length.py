@@ -1,5 +1,6 @@
-"""A record dflash-generate cut by max_new_tokens (finish_reason "length") must not teach a false end of
-turn: dflash-precompute puts no loss on the end-of-turn token the template appends to its last answer."""
+"""A record dflash-generate cut by max_new_tokens (finish_reason "length") must not teach a false
+end of turn: dflash-precompute puts no loss on the end-of-turn token the template appends to its
+last answer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Input readers: formats, stable ids, deterministic order, streaming, and bad input counted by reason."""
+"""Input readers: formats, stable ids, deterministic
+order, streaming, and bad input counted by reason."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_three_jsonl_formats_and_source_ids(tmp_path):
     )
     out, skips = read_all([path])
     assert skips.total == 0
-    # a sample id names its file by its own name, not its path (shard names must not depend on where inputs lie)
+    # a sample id names its file by its own name, not its
+    # path (shard names must not depend on where inputs lie)
     assert [sid for _, sid, _ in out] == [f"a.jsonl:{i}" for i in range(1, 5)]
     assert out[0][2] == Conversation("a.jsonl:1", CHAT["messages"])
     assert [m["role"] for m in out[1][2].messages] == ["system", "user", "assistant"]
@@ -96,7 +98,10 @@ def test_bad_records_are_skipped_counted_and_the_first_kept(tmp_path):
         {"input_ids": [1, 2], "loss_mask": [1]},
         {"input_ids": [1, -2], "loss_mask": [1, 1]},
         {"input_ids": [1, 2]},
-        b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}',
+        (
+            b'{"messages": [{"role": "user", "content": "\\ud800"}, '
+            b'{"role": "assistant", "content": "x"}]}'
+        ),
         b"[" * 100000,
         CHAT,
     ]
@@ -191,8 +196,8 @@ def test_saved_datasets_and_dataset_dicts(tmp_path):
 
 
 def test_reading_streams_without_loading_the_file(tmp_path):
-    """A FIFO delivers the first line while the writer still holds the rest back: a reader that loaded
-    the whole file would never yield."""
+    """A FIFO delivers the first line while the writer still holds the rest back: a reader that
+    loaded the whole file would never yield."""
     fifo = tmp_path / "pipe.jsonl"
     os.mkfifo(fifo)
     first_seen = threading.Event()

@@ -95,7 +95,8 @@ def test_a_rerun_writes_nothing_new(one_rank_bf16, tiny_target, inputs):
 def test_inputs_moved_elsewhere_resume_their_store_and_write_nothing(
     one_rank_bf16, tiny_target, inputs, tmp_path
 ):
-    # sample ids name files without their paths: another mount point, or a copy, names the same shards
+    # sample ids name files without their paths: another
+    # mount point, or a copy, names the same shards
     moved = [str(shutil.copy(p, tmp_path / Path(p).name)) for p in inputs]
     assert [str(Path(p).parent) for p in moved] != [str(Path(p).parent) for p in inputs]
     store = shutil.copytree(one_rank_bf16, tmp_path / "store")

@@ -41,7 +41,8 @@ def full_model(tiny_target):
 
 
 def reference(full_model, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """The full model's hidden_states of one sequence run alone: layer id i is [i + 1][0], [T, H]."""
+    """The full model's hidden_states of one sequence
+    run alone: layer id i is [i + 1][0], [T, H]."""
     with torch.no_grad():
         return full_model(
             torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True
@@ -49,7 +50,8 @@ def reference(full_model, ids: np.ndarray) -> tuple[torch.Tensor, ...]:
 
 
 def _inputs(tmp_path):
-    """Conversations of many lengths (so batches mix units and reorder them), a bad line and a short answer."""
+    """Conversations of many lengths (so batches mix units
+    and reorder them), a bad line and a short answer."""
     records = [chat(i, answer_len=20 + (37 * i) % 150) for i in range(13)]
     records[4] = "{broken"
     records[9] = chat(9, answer_len=3)
@@ -106,7 +108,8 @@ def test_on_a_gpu_the_shards_hold_the_full_models_states_and_the_gpu_time_is_cou
     tiny_target, full_model, tmp_path
 ):
     """Inputs copied from pinned memory without a sync, states copied out on the copy stream: the
-    store still holds every unit's states, and the summary says how long the GPU computed and waited."""
+    store still holds every unit's states, and the summary says how long the GPU computed and
+    waited."""
     cfg = make_config(
         tiny_target,
         _inputs(tmp_path),
@@ -129,7 +132,8 @@ def test_on_a_gpu_the_shards_hold_the_full_models_states_and_the_gpu_time_is_cou
 
 
 def _check_store(store, units, full_model, dtype) -> None:
-    """Every shard holds its unit's tokens in input order and the full model's states of layers 1 and 5."""
+    """Every shard holds its unit's tokens in input order
+    and the full model's states of layers 1 and 5."""
     worst = 0.0
     assert len(store.shards) == len(units)
     for shard, unit in zip(store.shards, units):
@@ -149,8 +153,9 @@ def _check_store(store, units, full_model, dtype) -> None:
 
 
 def _check_close(got, want, dtype, scale, a, b) -> float:
-    """bf16: within bf16 rounding of the fp32 reference; fp8: within the format's bound (+ bf16 slack);
-    q4_hadamard: 4-bit sized errors per token (its bound is per group of the rotated state: test_quant)."""
+    """bf16: within bf16 rounding of the fp32 reference; fp8: within the format's bound (+ bf16
+    slack); q4_hadamard: 4-bit sized errors per token (its bound is per group of the rotated state:
+    test_quant)."""
     err = (got - want).abs()
     if dtype == "q4_hadamard":
         rel = (got - want).norm(dim=1) / want.norm(dim=1)
@@ -276,7 +281,8 @@ def test_a_slow_disk_holds_the_forward_back_instead_of_filling_memory(
     job.run(cfg)
     run = Store.open(tmp_path / "store").summary["runs"][0]
     assert run["units_written"] == 12
-    # window being computed + the one whose copy waits + those in the staging buffers + the queue + the writer
+    # window being computed + the one whose copy waits +
+    # those in the staging buffers + the queue + the writer
     assert run["max_units_in_memory"] <= (STAGING_BUFFERS + 2) * 1 + 1 + 1
     assert run["disk_wait_s_max_rank"] > 0.1  # the forward waited for the disk
 

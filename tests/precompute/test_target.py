@@ -155,8 +155,8 @@ def test_composite_checkpoint_loads_its_text_tower_truncated(tiny_vlm):
 
 
 def test_compiled_decoder_layers_give_the_eager_states(tiny_target):
-    """target.compile's regional compilation (every decoder layer's children; the capture hooks stay on
-    the eager layers), by inductor on the CPU: the same states, also for a second batch shape."""
+    """target.compile's regional compilation (every decoder layer's children; the capture hooks stay
+    on the eager layers), by inductor on the CPU: the same states, also for a second batch shape."""
     import torch._dynamo
 
     eager = T.load_target(tiny_target, [1, 2], dtype="fp32")
@@ -188,8 +188,8 @@ def test_decoder_layers_are_found_inside_a_causal_lm(tiny_target):
 
 def test_generation_compiles_the_attention_by_its_parts(tiny_target):
     """With a KV cache the attention indexes it by its layer number, which torch.compile would
-    specialise on (one graph per layer, the deeper ones uncompiled past the recompile limit): only its
-    norms are compiled, every other part of a layer whole."""
+    specialise on (one graph per layer, the deeper ones uncompiled past the recompile limit): only
+    its norms are compiled, every other part of a layer whole."""
     causal = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     layers = causal.model.layers
     count = T.compile_decoder_layers(causal, kv_cache=True)
@@ -210,8 +210,9 @@ def test_generation_compiles_the_attention_by_its_parts(tiny_target):
 
 @pytest.mark.gpu
 def test_compiled_target_on_the_gpu_gives_the_eager_states(tiny_target):
-    """In bf16 the compiled parts round otherwise than eager ones (fused kernels keep float32 between
-    ops): against the float32 states, the compiled target must be as close as the eager one."""
+    """In bf16 the compiled parts round otherwise than eager ones (fused kernels keep float32
+    between ops): against the float32 states, the compiled target must be as close as the eager
+    one."""
     ids = torch.randint(0, 256, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
     ref = T.load_target(tiny_target, None, dtype="fp32", device="cuda").forward(ids)
     eager = T.load_target(tiny_target, None, dtype="bf16", device="cuda").forward(ids)

@@ -1,4 +1,5 @@
-"""Work units: cut by input order, owned by ranks window by window, never dependent on the world size."""
+"""Work units: cut by input order, owned by ranks
+window by window, never dependent on the world size."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""dflash-generate stopped mid-job by Ctrl-C, by SIGKILL and by a full disk: the shards published so far
-are kept and whole (nothing half-written is visible), Ctrl-C and a full disk end in one sentence naming
-the output directory and how to resume, and rerunning the same command ends with the files of an
-uninterrupted run (shards, per-unit counts and the manifest, its log of runs aside) without writing a
-published shard again.
+"""dflash-generate stopped mid-job by Ctrl-C, by SIGKILL and by a full disk: the shards published so
+far are kept and whole (nothing half-written is visible), Ctrl-C and a full disk end in one sentence
+naming the output directory and how to resume, and rerunning the same command ends with the files of
+an uninterrupted run (shards, per-unit counts and the manifest, its log of runs aside) without
+writing a published shard again.
 
 The job: 24 one-record work units in windows of 2, answers of up to 64 tokens on the tiny target, a
 few seconds of decoding, so a signal sent once the first shard is published lands mid-job."""
@@ -91,14 +91,16 @@ def _sums(out: Path, names: list[str]) -> dict[str, str]:
 
 
 def _output_files(out: Path) -> dict[str, str]:
-    """Every shard and its counts, and the manifest without its log of runs (times, counts of this run)."""
+    """Every shard and its counts, and the manifest
+    without its log of runs (times, counts of this run)."""
     manifest = json.loads((out / job.MANIFEST).read_text())
     manifest.pop("runs")
     return {**_sums(out, _published(out)), "manifest": json.dumps(manifest, sort_keys=True)}
 
 
 def _identities(out: Path, names: list[str]) -> dict[str, tuple[int, int]]:
-    """(inode, mtime) of each shard: a shard written again is a new file renamed over the old one."""
+    """(inode, mtime) of each shard: a shard written
+    again is a new file renamed over the old one."""
     return {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in names}
 
 
@@ -109,8 +111,8 @@ def _leftovers(out: Path) -> list[str]:
 
 
 def _nothing_partial_visible(out: Path, reference: Path) -> list[str]:
-    """Every visible shard and its counts hold the uninterrupted run's bytes, and dflash-precompute reading
-    the directory sees those shards only; -> their names."""
+    """Every visible shard and its counts hold the uninterrupted run's bytes, and dflash-precompute
+    reading the directory sees those shards only; -> their names."""
     seen = _published(out)
     assert set(seen) < set(_published(reference))
     assert _sums(out, seen) == _sums(reference, seen)
@@ -119,8 +121,8 @@ def _nothing_partial_visible(out: Path, reference: Path) -> list[str]:
 
 
 def _finishes_as_the_reference(args, out: Path, reference: Path, capsys) -> dict:
-    """Rerun the command in this process: the uninterrupted run's files, no temporary file left; -> the
-    manifest's entry of this run."""
+    """Rerun the command in this process: the uninterrupted run's files, no temporary file left; ->
+    the manifest's entry of this run."""
     main(args)
     assert "done:" in capsys.readouterr().out
     assert _output_files(out) == _output_files(reference)
@@ -158,8 +160,9 @@ def test_ctrl_c_mid_job_is_one_sentence_exit_130_and_the_rerun_finishes_the_same
 ):
     out = tmp_path / "interrupted"
     args = _args(tiny_target, inputs, out)
-    # SIGINT at its default in the child: a test run started in the background of a non-interactive shell
-    # (`make test &`) ignores SIGINT, the child would inherit that, and Python then installs no handler
+    # SIGINT at its default in the child: a test run started in the background of a non-interactive
+    # shell (`make test &`) ignores SIGINT, the child would inherit that, and Python then installs
+    # no handler
     proc = _start(args, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     _wait_for_shards(out, proc, 1)
     interrupt_says_what_is_kept(proc, out)
@@ -203,15 +206,16 @@ def _full_disk_sentence(args, out: Path, capsys) -> str:
     assert caught.value.code == 2 and "Traceback" not in err and err.count("error: ") == 1, err
     last = err.strip().splitlines()[-1]
     assert last == (
-        f"error: the filesystem of {out} is full (No space left on device); free space and rerun the "
-        "same command: published shards are kept and the job resumes."
+        f"error: the filesystem of {out} is full (No space left on device); free space and rerun "
+        "the same command: published shards are kept and the job resumes."
     ), err
     return last
 
 
 def test_a_real_full_disk(small_disk, tiny_target, inputs, reference, capsys):
     # 26 pages: the manifest and the run record's two files (a page each), 11 units (a shard and its
-    # counts, a page each) and the 12th unit's counts; the disk fills while that unit's shard is written
+    # counts, a page each) and the 12th unit's counts; the disk fills while that unit's shard is
+    # written
     disk = small_disk("104k")
     out = disk.path / "gen"
     args = _args(tiny_target, inputs, out)
@@ -230,8 +234,8 @@ def test_a_real_full_disk(small_disk, tiny_target, inputs, reference, capsys):
 
 
 class FillingDisk:
-    """`open` for dflash_common.fsutil's writes to a disk with `budget` bytes left: a write past it puts
-    what still fits into the file, then fails as a full disk does."""
+    """`open` for dflash_common.fsutil's writes to a disk with `budget` bytes left: a write past it
+    puts what still fits into the file, then fails as a full disk does."""
 
     def __init__(self, budget: int):
         self.budget = budget

@@ -1,6 +1,7 @@
 """dflash-generate on the tiny target: batched decoding equals one-at-a-time decoding (and plain
-`model.generate`), inputs of every kind become regenerated conversations, reruns resume, two gloo ranks
-write the files one rank writes, cut answers are kept or dropped, and dflash-precompute reads the output."""
+`model.generate`), inputs of every kind become regenerated conversations, reruns resume, two gloo
+ranks write the files one rank writes, cut answers are kept or dropped, and dflash-precompute reads
+the output."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def test_batched_greedy_is_one_at_a_time_greedy_and_model_generate(tiny_target):
 
 
 def _sliding_model(tiny_target):
-    """The tiny target with its first layer made sliding-window (window 4): a 4D full mask would be wrong."""
+    """The tiny target with its first layer made sliding-window
+    (window 4): a 4D full mask would be wrong."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(tiny_target)
@@ -178,7 +180,8 @@ def test_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
     model = model.cuda()
     for s in (Sampling(0.0, 1.0, 0, 24, 0), Sampling(1.0, 0.9, 50, 24, 0)):
         requests = [Request(p, 100 + i) for i, p in enumerate(prompts)]
-        # the first graph capture (a warm-up forward before it) wrote every later step's keys one slot late
+        # a warm-up forward before the first graph capture would write every later step's keys one
+        # slot late
         graphs = TransformersDecoder(
             model, {258}, 256, s, token_budget=10_000, max_batch=8, cuda_graphs=True
         )
@@ -192,8 +195,8 @@ def test_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
 
 @pytest.mark.gpu
 def test_compiled_cuda_graph_steps_give_the_eager_steps_tokens(tiny_target):
-    """generate.compile on the GPU: the causal LM's decoder layers compiled, graphs over them (float32,
-    so the fused kernels round as eager ones do)."""
+    """generate.compile on the GPU: the causal LM's decoder layers compiled, graphs over them
+    (float32, so the fused kernels round as eager ones do)."""
     model, _, prompts = _model(tiny_target)
     eager = _decoder(model.cuda(), {258}, Sampling(0.0, 1.0, 0, 24, 0))
     requests = [Request(p, 100 + i) for i, p in enumerate(prompts)]

@@ -25,8 +25,8 @@ def test_generate_benchmark_quick(capsys):
 
 
 def test_decode_attention_benchmark_quick(capsys):
-    """benchmarks/decode_attention.py --quick: every SDPA way that runs on a CPU gives the two-matmul
-    reference's values, and its time lies inside its own spread."""
+    """benchmarks/decode_attention.py --quick: every SDPA way that runs on a CPU gives the
+    two-matmul reference's values, and its time lies inside its own spread."""
     bench = runpy.run_path(str(ROOT / "benchmarks" / "decode_attention.py"), run_name="benchmark")
     bench["main"](["--quick"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|    64 |")]

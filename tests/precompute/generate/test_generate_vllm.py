@@ -1,9 +1,10 @@
-"""dflash-generate's vllm backend (`make serve-check`, in .venv-vllm): vLLM's CPU build answers the same
-prompts with the same greedy tokens as the transformers backend, in float32, through the same CLI, and
-writes an output dflash-precompute reads. Skipped where vLLM is not importable (the main .venv).
+"""dflash-generate's vllm backend (`make serve-check`, in .venv-vllm): vLLM's CPU build answers the
+same prompts with the same greedy tokens as the transformers backend, in float32, through the same
+CLI, and writes an output dflash-precompute reads. Skipped where vLLM is not importable (the main
+.venv).
 
-The tiny target has head_dim 64 (vLLM's CPU attention refuses 16) and weights large enough (init 0.05)
-that its greedy choices are not near-ties a change of kernel could flip."""
+The tiny target has head_dim 64 (vLLM's CPU attention refuses 16) and weights large enough (init
+0.05) that its greedy choices are not near-ties a change of kernel could flip."""
 
 from __future__ import annotations
 
