@@ -25,8 +25,9 @@ class DataSection:
     )
     weights: list[float] | None = option(
         None,
-        "Mixing weight of each store, in tokens: store i supplies weights[i]/sum(weights) of every epoch's "
-        "tokens, over- or under-sampling its shards; none = every shard of every store once per epoch.",
+        "Mixing weight of each store, in tokens: store i supplies weights[i]/sum(weights) of every "
+        "epoch's tokens, over- or under-sampling its shards; none = every shard of every store "
+        "once per epoch.",
     )
     cache_gb: float = option(
         16.0,
@@ -42,22 +43,25 @@ class DataSection:
     )
     window_shards: int = option(
         4,
-        "Shards whose sequences are shuffled and packed together (the shuffle window, per rank); consecutive "
-        "steps see sequences of these shards only. A window of at least a rank's shards shuffles the whole "
-        "epoch, if data.cache_gb holds them all.",
+        "Shards whose sequences are shuffled and packed together (the shuffle window, per rank); "
+        "consecutive steps see sequences of these shards only. A window of at least a rank's "
+        "shards shuffles the whole epoch, if data.cache_gb holds them all.",
     )
     gpu_prefetch: int = option(
         1,
-        "Batches copied to the GPU on a side stream while one trains: 1 overlaps copy and compute, 0 not.",
+        "Batches copied to the GPU on a side stream while one trains: 1 overlaps copy and compute, "
+        "0 not.",
     )
     host_prefetch: int = option(2, "Packed batches assembled on the host ahead of the GPU copy.")
     holdout_sequences: int = option(
         256,
-        "Sequences of each store held out for validation (chosen deterministically by shard and index).",
+        "Sequences of each store held out for validation (chosen deterministically by shard and "
+        "index).",
     )
     holdout_fraction: float = option(
         0.0,
-        "Held-out share of each store's sequences; the larger of this and holdout_sequences applies.",
+        "Held-out share of each store's sequences; the larger of this and holdout_sequences "
+        "applies.",
     )
     on_bad_shard: Literal["stop", "skip"] = option(
         "stop",
@@ -71,8 +75,8 @@ class DataSection:
     def __post_init__(self):
         check(
             self.weights is None or len(self.weights) == len(self.stores),
-            f"data.weights has {len(self.weights or [])} entries but data.stores has {len(self.stores)}; "
-            "give one weight per store.",
+            f"data.weights has {len(self.weights or [])} entries but data.stores has "
+            f"{len(self.stores)}; give one weight per store.",
         )
         check(
             self.weights is None or all(w > 0 for w in self.weights),
@@ -116,14 +120,16 @@ class DrafterSection:
     )
     layer_ids: list[int] | None = option(
         None,
-        "Target layer ids the drafter reads, a subset of the store's, in this order; none = all the store's.",
+        "Target layer ids the drafter reads, a subset of the store's, in this order; none = all "
+        "the store's.",
     )
     mask_token_id: int | None = option(
         None, "Token id of MASK (151669 for Qwen3); none = the target tokenizer's '<|mask|>' token."
     )
     layer_types: list[str] | None = option(
         None,
-        "Attention kind per draft layer ('full_attention' or 'sliding_attention'); none = all full.",
+        "Attention kind per draft layer ('full_attention' or 'sliding_attention'); none = all "
+        "full.",
     )
     sliding_window: int | None = option(
         None,
@@ -132,8 +138,9 @@ class DrafterSection:
     )
     init_from: str | None = option(
         None,
-        "A released drafter directory (config.json + model.safetensors) to start from instead of random; "
-        "its shape (depth, layer ids, sizes) must be this drafter's, its block size may differ.",
+        "A released drafter directory (config.json + model.safetensors) to start from instead of "
+        "random; its shape (depth, layer ids, sizes) must be this drafter's, its block size may "
+        "differ.",
     )
     # DFlash2's layers and selector (arch = dflash2)
     conv_kernel_size: int = option(
@@ -181,7 +188,8 @@ class DrafterSection:
         check(self.block_size >= 2, f"drafter.block_size must be >= 2, got {self.block_size}.")
         check(
             self.layer_types is None or len(self.layer_types) == self.depth,
-            f"drafter.layer_types has {len(self.layer_types or [])} entries for drafter.depth = {self.depth}.",
+            f"drafter.layer_types has {len(self.layer_types or [])} entries for drafter.depth = "
+            f"{self.depth}.",
         )
         kinds = {"full_attention", "sliding_attention"}
         check(
@@ -204,38 +212,43 @@ class ObjectiveSection:
     anchors: Literal["block", "label"] = option(
         "block",
         "Which response positions may be anchors: 'block' = p <= S-B, the whole block inside the "
-        "sequence (the paper's bound); 'label' = p <= S-2 with p+1 a response token, i.e. at least one valid "
-        "label, labels past the end weighing zero (SpecForge's rule: the last tokens of a response, end of turn "
-        "included, are learnt at block position 1). Validation always uses 'block', so runs compare.",
+        "sequence (the paper's bound); 'label' = p <= S-2 with p+1 a response token, i.e. at least "
+        "one valid label, labels past the end weighing zero (SpecForge's rule: the last tokens of "
+        "a response, end of turn included, are learnt at block position 1). Validation always uses "
+        "'block', so runs compare.",
     )
     gamma: float | None = option(
         None,
-        "Loss weight decay exp(-(k-1)/gamma) over block positions (weights = gamma); none = by block "
-        "size (7 for 16).",
+        "Loss weight decay exp(-(k-1)/gamma) over block positions (weights = gamma); none = by "
+        "block size (7 for 16).",
     )
     weights: Literal["gamma", "dpace"] = option(
         "dpace",
-        "Per-position loss weights: 'dpace' = D-PACE (arXiv 2605.18810), detached from the drafter's own "
-        "confidence exp(-CE) at each block position, with dpace_alpha (the default: +38% tau over 'gamma' on the "
-        "quality benchmark, docs/benchmarks.md); 'gamma' = exp(-(k-1)/gamma), the paper's recipe; validation "
-        "always reports the gamma-weighted loss, so runs compare.",
+        "Per-position loss weights: 'dpace' = D-PACE (arXiv 2605.18810), detached from the "
+        "drafter's own confidence exp(-CE) at each block position, with dpace_alpha (the default: "
+        "+38% tau over 'gamma' on the quality benchmark, docs/benchmarks.md); 'gamma' = "
+        "exp(-(k-1)/gamma), the paper's recipe; validation always reports the gamma-weighted loss, "
+        "so runs compare.",
     )
     dpace_alpha: float = option(
         0.5,
-        "D-PACE's floor on each position's acceptance factor: alpha + (1-alpha)*exp(-CE) (weights = dpace).",
+        "D-PACE's floor on each position's acceptance factor: alpha + (1-alpha)*exp(-CE) (weights "
+        "= dpace).",
     )
     normalise: Literal["weight", "anchors"] = option(
         "weight",
         "What the step's summed weighted CE is divided by, over all micro-batches and ranks: "
-        "'weight' = the summed weights; 'anchors' = the number of blocks with at least one valid label.",
+        "'weight' = the summed weights; 'anchors' = the number of blocks with at least one valid "
+        "label.",
     )
     path_weight: float = option(
         0.0,
-        "Extra loss weight of the blocks greedy serving would draft: each block whose anchor lies on the "
-        "path a -> a + accepted(a) + 1 from a response's first anchor (accepted drafts from this step's own "
-        "argmax, detached; a position that is no anchor this step goes on at the next anchor) weighs 1 + "
-        "path_weight times as much, so positions after a rejection count more; the step's normaliser counts "
-        "them so too (weights, or blocks under normalise = anchors). 0 = off; validation is unchanged.",
+        "Extra loss weight of the blocks greedy serving would draft: each block whose anchor lies "
+        "on the path a -> a + accepted(a) + 1 from a response's first anchor (accepted drafts from "
+        "this step's own argmax, detached; a position that is no anchor this step goes on at the "
+        "next anchor) weighs 1 + path_weight times as much, so positions after a rejection count "
+        "more; the step's normaliser counts them so too (weights, or blocks under normalise = "
+        "anchors). 0 = off; validation is unchanged.",
     )
 
     # DFlash2's selector (drafter.arch = dflash2)
@@ -328,7 +341,8 @@ class ObjectiveSection:
         )
         check(
             0 <= self.path_weight < float("inf"),
-            f"objective.path_weight must be a finite number >= 0 (0 = off), got {self.path_weight}.",
+            "objective.path_weight must be a finite number >= 0 (0 = off), got "
+            f"{self.path_weight}.",
         )
 
 
@@ -342,7 +356,8 @@ class RegulariseSection:
     ema: float = option(
         0.0,
         "Decay of an exponential moving average of the weights, updated after every optimiser step "
-        "(e.g. 0.999); validation and the final drafter use the averaged weights, checkpoints keep both; 0 = none.",
+        "(e.g. 0.999); validation and the final drafter use the averaged weights, checkpoints keep "
+        "both; 0 = none.",
     )
 
     def __post_init__(self):
@@ -354,19 +369,21 @@ class RegulariseSection:
 class SoftTargetsSection:
     soft: Literal["none", "kl", "tv", "dspark"] = option(
         "none",
-        "Match the target's distribution softmax(lm_head(final state)) instead of only its token: 'kl' = "
-        "KL(target || drafter), 'tv' = total variation 1/2 sum|p - q|, 'dspark' = 0.1 CE + 0.9 sum|p - q| "
-        "(DSpark); 'none' = cross-entropy on the token. Needs a store precomputed with --store.final_state=true.",
+        "Match the target's distribution softmax(lm_head(final state)) instead of only its token: "
+        "'kl' = KL(target || drafter), 'tv' = total variation 1/2 sum|p - q|, 'dspark' = 0.1 CE + "
+        "0.9 sum|p - q| (DSpark); 'none' = cross-entropy on the token. Needs a store precomputed "
+        "with --store.final_state=true.",
     )
     temperature: float = option(
         1.0,
-        "Both distributions of the soft term are softmax(logits / temperature); CE terms stay at 1.",
+        "Both distributions of the soft term are softmax(logits / temperature); CE terms stay at "
+        "1.",
     )
     prompt_anchors: bool = option(
         False,
-        "Anchors may also sit on prompt tokens, whose labels are the target's own greedy prediction "
-        "(argmax of its logits there); response labels stay the stored tokens. Needs final states too. "
-        "Validation keeps response anchors, so its tau stays comparable.",
+        "Anchors may also sit on prompt tokens, whose labels are the target's own greedy "
+        "prediction (argmax of its logits there); response labels stay the stored tokens. Needs "
+        "final states too. Validation keeps response anchors, so its tau stays comparable.",
     )
 
     def __post_init__(self):
@@ -441,21 +458,23 @@ class OptimSection:
 class PrecisionSection:
     autocast: Literal["bf16", "none"] = option(
         "bf16",
-        "Compute dtype of forward and loss; weights, gradients and AdamW state stay fp32 either way.",
+        "Compute dtype of forward and loss; weights, gradients and AdamW state stay fp32 either "
+        "way.",
     )
     compile: bool = option(
         False,
-        "torch.compile the draft layers' projections, norms, RoPE and MLP on CUDA (the sparse attention is "
-        "compiled either way): fused elementwise kernels instead of eager float32 passes; costs a compilation "
-        "at the first steps. Ignored on a CPU.",
+        "torch.compile the draft layers' projections, norms, RoPE and MLP on CUDA (the sparse "
+        "attention is compiled either way): fused elementwise kernels instead of eager float32 "
+        "passes; costs a compilation at the first steps. Ignored on a CPU.",
     )
     loss_method: Literal["exact", "odds", "odds_epilogue"] = option(
         "exact",
-        "How the fused LM-head loss forms its softmax: 'exact' (against each row's max: a row kernel of "
-        "two passes), 'odds' (against the label's logit: one pass, the label's gradient term in float32; rows "
-        "past 80 nats of CE fall back to exact) or 'odds_epilogue' (the same inside a Triton logits matmul, no "
-        "logits stored; CUDA only). Same objective; docs/design.md and docs/benchmarks.md say what each costs. "
-        "On a CPU, 'odds_epilogue' runs as 'odds'.",
+        "How the fused LM-head loss forms its softmax: 'exact' (against each row's max: a row "
+        "kernel of two passes), 'odds' (against the label's logit: one pass, the label's gradient "
+        "term in float32; rows past 80 nats of CE fall back to exact) or 'odds_epilogue' (the same "
+        "inside a Triton logits matmul, no logits stored; CUDA only). Same objective; "
+        "docs/design.md and docs/benchmarks.md say what each costs. On a CPU, 'odds_epilogue' runs "
+        "as 'odds'.",
     )
 
 
@@ -547,8 +566,8 @@ class TrainConfig:
         what = f"targets.soft = '{t.soft}'" if t.soft != "none" else "targets.prompt_anchors = true"
         check(
             self.objective.path_weight == 0 or not t.needs_final_state,
-            f"{what} cannot be combined with objective.path_weight (the serving path is weighted on the hard "
-            "loss of the stored tokens only); set --objective.path_weight=0",
+            f"{what} cannot be combined with objective.path_weight (the serving path is weighted "
+            "on the hard loss of the stored tokens only); set --objective.path_weight=0",
         )
         if self.drafter.arch == "dspark":
             self._check_dspark()

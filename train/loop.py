@@ -1,11 +1,12 @@
 """The training loop of `dflash-train`: set up, then one visible loop
 
     for step in range(start + 1, total + 1):
-        fetch batch(es) -> forward, fused loss, backward -> clip, AdamW, lr schedule -> log -> checkpoint
+        fetch batch(es) -> forward, fused loss, backward -> clip, AdamW, lr schedule -> log
+            -> checkpoint
 
 Precision: weights, gradients and AdamW state are float32 (the master weights); forward and loss run
-under bf16 autocast. Several GPUs: torchrun starts one process per GPU, each with its own shard cache
-and its own disjoint shards (train/plan.py), and DDP averages gradients.
+under bf16 autocast. Several GPUs: torchrun starts one process per GPU, each with its own shard
+cache and its own disjoint shards (train/plan.py), and DDP averages gradients.
 
 Exact resume: weights, optimiser, scheduler, RNG states and the data position are checkpointed at
 step boundaries, and anchors are a function of the position, so a stopped-and-resumed run repeats
@@ -116,9 +117,9 @@ def check_stores(stores: list[Store], dcfg: DrafterConfig, target: str) -> str:
         check_same_target(store.manifest, store.path, target)
     held = "; ".join(f"{s.path} holds layers {list(s.manifest.layer_ids)}" for s in stores)
     return (
-        f"Compatible: {held}; the drafter reads layers {list(dcfg.target_layer_ids)} at hidden size "
-        f"{dcfg.hidden_size}, the target's, and the embedding, lm_head, config and tokenizer of {target} "
-        f"(sha256 {sha[:12]}) are the store's."
+        f"Compatible: {held}; the drafter reads layers {list(dcfg.target_layer_ids)} at hidden "
+        f"size {dcfg.hidden_size}, the target's, and the embedding, lm_head, config and tokenizer "
+        f"of {target} (sha256 {sha[:12]}) are the store's."
     )
 
 
@@ -176,8 +177,8 @@ def train_step(
     counts: torch.Tensor,
     ema: WeightAverage | None = None,
 ) -> StepInfo:
-    """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and `counts`;
-    then the weights' moving average, if kept, takes the new weights in."""
+    """One optimiser step over `grad_accum` micro-batches; adds its figures into `sums` and
+    `counts`; then the weights' moving average, if kept, takes the new weights in."""
     info, scale = _accumulate(model, drafter, feeder, cfg, sums, counts)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     lr = optimizer.param_groups[0]["lr"]
@@ -197,13 +198,13 @@ def clip_and_step(
     max_norm: float,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The optimiser step on the gradients times `scale` (a 0-dim tensor, None for 1), their global L2
-    norm clipped to `max_norm` first (clip_grad_norm_'s rule: times min(1, max_norm / (norm + 1e-6)));
-    returns that norm, of the scaled gradients. The gradients are read once for the norm and once by
-    the step: a fused AdamW takes the whole factor as its `grad_scale` (the attribute GradScaler sets,
-    which the fused kernel divides every gradient by as it reads it), so the two read-and-write passes
-    of 4 bytes a parameter that scaling and clipping cost apart are not made. Another optimiser gets the
-    gradients multiplied once."""
+    """The optimiser step on the gradients times `scale` (a 0-dim tensor, None for 1), their global
+    L2 norm clipped to `max_norm` first (clip_grad_norm_'s rule: times
+    min(1, max_norm / (norm + 1e-6))); returns that norm, of the scaled gradients. The gradients are
+    read once for the norm and once by the step: a fused AdamW takes the whole factor as its
+    `grad_scale` (the attribute GradScaler sets, which the fused kernel divides every gradient by as
+    it reads it), so the two read-and-write passes of 4 bytes a parameter that scaling and clipping
+    cost apart are not made. Another optimiser gets the gradients multiplied once."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         optimizer.step()
@@ -234,13 +235,13 @@ def accumulate_gradients(
     sums: torch.Tensor,
     counts: torch.Tensor,
 ) -> StepInfo:
-    """Gradients of the step's objective: the weighted CE summed over every micro-batch of every rank,
-    divided by their summed normaliser (the weights, or the blocks under objective.normalise =
+    """Gradients of the step's objective: the weighted CE summed over every micro-batch of every
+    rank, divided by their summed normaliser (the weights, or the blocks under objective.normalise =
     anchors); the same gradient as one batch holding them all, whatever `grad_accum` and the number
     of ranks (not a mean of per-batch means, which would weigh a token of a batch with few anchors
     more). Each micro-batch backpropagates its plain sum; the normalisers are summed over ranks (one
-    small all_reduce, no host sync) and the gradients scaled once at the end (in a training step,
-    by the optimiser step itself: clip_and_step)."""
+    small all_reduce, no host sync) and the gradients scaled once at the end (in a training step, by
+    the optimiser step itself: clip_and_step)."""
     info, scale = _accumulate(model, drafter, feeder, cfg, sums, counts)
     grads = [p.grad for p in drafter.parameters() if p.grad is not None]
     if grads:
@@ -256,7 +257,8 @@ def _accumulate(
     sums: torch.Tensor,
     counts: torch.Tensor,
 ) -> tuple[StepInfo, torch.Tensor]:
-    """accumulate_gradients without the final scaling: (info, the factor the gradients are to take)."""
+    """accumulate_gradients without the final scaling: (info, the factor the gradients are to
+    take)."""
     accum, objective = cfg.optim.grad_accum, cfg.objective
     rank = dist.get_rank() if dist.is_initialized() else 0
     weight_sum = torch.zeros(
@@ -308,7 +310,8 @@ def _accumulate(
 
 
 class LogInterval:
-    """The figures of the steps since the last logging step, kept on the device (no per-step sync)."""
+    """The figures of the steps since the last logging step, kept on the device (no per-step
+    sync)."""
 
     def __init__(self, device: torch.device, block_size: int):
         self.device = device
@@ -453,16 +456,17 @@ def resume(
     total: int | None = None,
     out: Path | None = None,
 ) -> tuple[int, dict | None]:
-    """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An EMA
-    missing from the checkpoint (it was written without regularise.ema) restarts from its weights.
-    A schedule of another length than `total` (the stores' shards changed since) is refused."""
+    """Load checkpoint `path` (see checkpoint_to_resume), if any: (steps done, data position). An
+    EMA missing from the checkpoint (it was written without regularise.ema) restarts from its
+    weights. A schedule of another length than `total` (the stores' shards changed since) is
+    refused."""
     if path is None:
         return 0, None
     trainer_state, ranks = load_checkpoint(path)
     if len(ranks) != proc.world:
         raise UserError(
-            f"{path} was written by {len(ranks)} rank(s) but this run has {proc.world}; resume with "
-            f"{len(ranks)}, or start a new run directory (--out)."
+            f"{path} was written by {len(ranks)} rank(s) but this run has {proc.world}; resume "
+            f"with {len(ranks)}, or start a new run directory (--out)."
         )
     scheduled = trainer_state.get("total_steps")
     if total is not None and scheduled is not None and scheduled != total:
@@ -486,11 +490,13 @@ def _resume_average(
     path: Path, trained: dict[str, torch.Tensor] | None, drafter, ema: WeightAverage | None
 ) -> None:
     """A checkpoint written with an EMA holds the average in drafter/ (just loaded) and the trained
-    weights in trainer.pt: the average becomes the EMA's shadow, the trained weights the drafter's."""
+    weights in trainer.pt: the average becomes the EMA's shadow, the trained weights the
+    drafter's."""
     if ema is not None:
         if trained is None:
             log.warning(
-                "%s holds no weight average (regularise.ema was 0); the average starts from its weights",
+                "%s holds no weight average (regularise.ema was 0); the average starts from its "
+                "weights",
                 path,
             )
         ema.shadow = [p.detach().float().clone() for p in ema.params]
@@ -558,7 +564,8 @@ def validate(r: Run, step: int, metrics: MetricsWriter | None) -> dict[str, Any]
 
 
 def run(cfg: TrainConfig) -> Path:
-    """Train a drafter as `cfg` says; returns the run directory (final drafter in RUN_DIR/drafter)."""
+    """Train a drafter as `cfg` says; returns the run directory (final drafter in
+    RUN_DIR/drafter)."""
     check_writable(cfg.run.out_dir, "run.out_dir", "pass --out a directory on a writable disk")
 
     def full(why: str) -> str:  # a full disk anywhere (metrics, report, checkpoint): how to go on
@@ -663,8 +670,8 @@ def train(r: Run, metrics: MetricsWriter | None) -> tuple[int, int | None]:
 def finish(r: Run, metrics: MetricsWriter | None, saved: int, stopped: int | None) -> Path:
     st = r.data.cache.stats
     log.info(
-        "shard cache: %d hits, %d misses (%.0f%% hits), %s read by the readers in %.1f s, batches waited "
-        "%.1f s for shards",
+        "shard cache: %d hits, %d misses (%.0f%% hits), %s read by the readers in %.1f s, batches "
+        "waited %.1f s for shards",
         st.hits,
         st.misses,
         100 * st.hit_rate,

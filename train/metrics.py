@@ -1,5 +1,5 @@
-"""What a run reports: one fixed-format line per logging step, the same record in `metrics.jsonl`, and
-TensorBoard scalars, all in the run directory.
+"""What a run reports: one fixed-format line per logging step, the same record in `metrics.jsonl`,
+and TensorBoard scalars, all in the run directory.
 
     step 120/3000 | ep 1/6 | loss 2.3456 | acc 0.412 | acc@k .81 .62 .50 .41 .33 .27 .22 |
     tau 3.21 | lr 5.9e-04 | gnorm 0.83 | 182.3k tok/s | wait 1.2 ms | cache 97% | mem 12.3 GiB
@@ -9,8 +9,8 @@ fewer (the first after a resume, the last of the run) says so: `step 105/3000 (m
 the resume) | ...`. Epochs count from 1 (the last step of a 6-epoch run is in `ep 6/6`); `mem` is
 the peak GPU memory, `n/a (no GPU)` on a CPU.
 
-Training records have "kind": "train", validation records "kind": "val". A resumed run first drops the
-records written after its checkpoint, so the curves have no doubled steps.
+Training records have "kind": "train", validation records "kind": "val". A resumed run first drops
+the records written after its checkpoint, so the curves have no doubled steps.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def format_train_line(
         f"step {r['step']}/{total_steps}{_window(r, every_steps, resumed_at)} | ep {epoch} | "
         f"loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
         f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | lr {r['lr']:.1e} | "
-        f"gnorm {r['grad_norm']:.2f} | {r['tok_s'] / 1e3:.1f}k tok/s | wait {r['data_wait_ms']:.1f} ms | "
+        f"gnorm {r['grad_norm']:.2f} | {r['tok_s'] / 1e3:.1f}k tok/s | "
+        f"wait {r['data_wait_ms']:.1f} ms | "
         f"cache {100 * r['cache_hit_rate']:.0f}% | mem {mem}"
         + (f" | {r['bad_shards']} bad shard(s) skipped" if r.get("bad_shards") else "")
     )

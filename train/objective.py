@@ -1,7 +1,7 @@
-"""The training step's objective: one packed batch through the drafter, its block labels and weights,
-and the fused LM-head loss; the trainer minimises it (train/loop.py) and validation reports it
-(train/validate.py). A DFlash2 drafter adds its selector loss (loss/selector.py) over the top-k the
-fused loss hands over, and its correctness is the served walk's.
+"""The training step's objective: one packed batch through the drafter, its block labels and
+weights, and the fused LM-head loss; the trainer minimises it (train/loop.py) and validation reports
+it (train/validate.py). A DFlash2 drafter adds its selector loss (loss/selector.py) over the top-k
+the fused loss hands over, and its correctness is the served walk's.
 
     loss_sum, normaliser, counts = batch_objective(drafter, model, batch, block_size=B, gamma=7.0,
                                                    autocast="bf16")
@@ -76,11 +76,11 @@ def batch_objective(
     per-row CE and correctness (no second pass). `targets` (train config's [targets]) switches on
     soft targets and prompt-anchor labels (the config refuses them with path_weight); with them,
     D-PACE's confidence is the drafter's probability of the label (the stored token, or the target's
-    greedy token on a prompt position) while the rows it weighs are the soft kind's loss. `loss_method`:
-    the hard loss's method (precision.loss_method; fused_lm_head_loss runs 'odds_epilogue' as 'odds' on a CPU).
-    `objective` (the train config's [objective]; its defaults when None) holds the options of the
-    drafters built on DFlash's backbone (drafter/arch.py); the arguments above are read from the
-    caller, which may override them (validation does).
+    greedy token on a prompt position) while the rows it weighs are the soft kind's loss.
+    `loss_method`: the hard loss's method (precision.loss_method; fused_lm_head_loss runs
+    'odds_epilogue' as 'odds' on a CPU). `objective` (the train config's [objective]; its defaults
+    when None) holds the options of the drafters built on DFlash's backbone (drafter/arch.py); the
+    arguments above are read from the caller, which may override them (validation does).
     A DFlash2 drafter adds selector_weight x its selector CE (`selector_candidates`,
     `selector_stop_gradient`: loss/selector.py) under the same row weights; its counts are the
     served walk's; D-PACE's confidence is the served proposal's probability of the label
@@ -88,9 +88,9 @@ def batch_objective(
     unary softmax's ('unary'). `extras`, when given, receives DFlash2's diagnostics ('unary': counts
     of the argmax, laid out as the counts; 'selector': [weighted selector CE, labels among the
     candidates, prediction rows], float64). A DSpark drafter's objective is `dspark_objective`.
-    Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the number
-    of blocks with a valid label, those on the serving path counted 1 + path_weight times, float32
-    scalar, counts [2B+2]).
+    Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the
+    number of blocks with a valid label, those on the serving path counted 1 + path_weight times,
+    float32 scalar, counts [2B+2]).
     """
     o = objective if objective is not None else ObjectiveSection()
     if drafter.cfg.arch == "dspark":

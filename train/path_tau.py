@@ -1,41 +1,44 @@
 """Path tau: greedy speculative decoding replayed from a store, without the target.
 
-When a stored response is the target's own greedy output (as dflash-generate writes it), the target's
-verdict on any draft is known in advance: at every response position its greedy token *is* the stored
-token. So `train/eval/spec_decode.py`'s greedy decoding can be replayed exactly from the stored tokens and
-features alone:
+When a stored response is the target's own greedy output (as dflash-generate writes it), the
+target's verdict on any draft is known in advance: at every response position its greedy token *is*
+the stored token. So `train/eval/spec_decode.py`'s greedy decoding can be replayed exactly from the
+stored tokens and features alone:
 
     prefill  -> the first response token r0 at position p (not a cycle)
-    a = p; while a < end - 1:                       # a: the anchor, the last committed token
-        drafts = drafter(block [token at a, MASK x (B-1)], context = stored features at positions < a)
+    a = p; while a < end - 1:                 # a: the anchor, the last committed token
+        drafts = drafter(block [token at a, MASK x (B-1)],
+                         context = stored features at positions < a)
         accepted = leading drafts equal to the stored tokens at a+1, a+2, ...
-        emitted = cycle_length(accepted, a, end)     # accepted + 1, cut at the end (the one end rule)
-        a += emitted                                # the next anchor: the target's correction, stored
+        emitted = cycle_length(accepted, a, end)  # accepted + 1, cut at the end (the one end rule)
+        a += emitted                          # the next anchor: the target's correction, stored
 
 Every cycle drafts a whole block, as the real loop does, even where the block reaches past the
-response's end (a shorter block would change the drafts: the block attends to itself both ways). Each
-cycle counts `emitted` (accepted drafts + the target's own token) cut at the response's end, and a
-cycle that would emit nothing before the end is not run: that is dflash-eval's `Decoded.emitted`, so
-path tau equals dflash-eval's `tau_emitted` exactly. dflash-eval's `tau` (the DFlash authors' count)
-differs from it only by the last cycle of each response, which it counts uncut: drafts accepted past
-the stop token or the length limit count there, and a last cycle anchored at the response's last token
-(it emits only past the limit, or follows a stop token from the prefill) is one of tau's cycles but
-not of path tau's. That last cycle cannot be replayed: the store holds the response only up to its
-stop token or the limit, so what the target would emit past the end is unknown. A response's tau is
-therefore >= its path tau unless such an empty last cycle accepted less than the response's mean.
+response's end (a shorter block would change the drafts: the block attends to itself both ways).
+Each cycle counts `emitted` (accepted drafts + the target's own token) cut at the response's end,
+and a cycle that would emit nothing before the end is not run: that is dflash-eval's
+`Decoded.emitted`, so path tau equals dflash-eval's `tau_emitted` exactly. dflash-eval's `tau` (the
+DFlash authors' count) differs from it only by the last cycle of each response, which it counts
+uncut: drafts accepted past the stop token or the length limit count there, and a last cycle
+anchored at the response's last token (it emits only past the limit, or follows a stop token from
+the prefill) is one of tau's cycles but not of path tau's. That last cycle cannot be replayed: the
+store holds the response only up to its stop token or the limit, so what the target would emit past
+the end is unknown. A response's tau is therefore >= its path tau unless such an empty last cycle
+accepted less than the response's mean.
 
-A response is one contiguous run of loss-mask positions: each assistant turn of a conversation is replayed
-as a prompt of its own, with everything stored before it as its prompt (as dflash-eval decodes each
-turn). `max_new_tokens` (dflash-eval's generation.max_new_tokens, the prefill's token included) ends a
-response at p + max_new_tokens.
+A response is one contiguous run of loss-mask positions: each assistant turn of a conversation is
+replayed as a prompt of its own, with everything stored before it as its prompt (as dflash-eval
+decodes each turn). `max_new_tokens` (dflash-eval's generation.max_new_tokens, the prefill's token
+included) ends a response at p + max_new_tokens.
 
-Where the replay equals real decoding's `emitted` (the test in tests/train/test_path_tau.py shows it):
+Where the replay equals real decoding's `emitted` (the test in tests/train/test_path_tau.py
+shows it):
 - the response is the target's greedy continuation of the stored prompt, token for token (token ids,
   not re-tokenised text), and it ends with a stop token or at p + max_new_tokens;
 - the stored sequence up to p is the prompt dflash-eval renders (same chat template);
 - the drafter sees the same features: the store holds them in bf16 (or fp8), dflash-eval hands over
-  float32 ones, so the two agree exactly only when the real path's features are rounded the same way;
-  otherwise near-tied draft argmaxes may differ.
+  float32 ones, so the two agree exactly only when the real path's features are rounded the same
+  way; otherwise near-tied draft argmaxes may differ.
 
 One forward per round drafts one block for every sequence of a packed batch that is still decoding
 (the training forward's sparse mask, one anchor per sequence); the context keys/values of the batch
@@ -64,10 +67,11 @@ _LOGIT_ELEMENTS = 1 << 26
 
 
 def cycle_length(accepted: torch.Tensor, anchor: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-    """Tokens a cycle emits, as train/eval/spec_decode.py's `Decoded.emitted` counts them: the accepted drafts
-    plus the target's own token, cut where the response ends (its stop token at end - 1, or the length
-    limit), so the last cycle counts only what it emits (`acceptance_lengths`, the authors' tau, counts
-    it uncut). The one place of the end rule: follow spec_decode's `emitted_lengths` if it changes."""
+    """Tokens a cycle emits, as train/eval/spec_decode.py's `Decoded.emitted` counts them: the
+    accepted drafts plus the target's own token, cut where the response ends (its stop token at
+    end - 1, or the length limit), so the last cycle counts only what it emits
+    (`acceptance_lengths`, the authors' tau, counts it uncut). The one place of the end rule: follow
+    spec_decode's `emitted_lengths` if it changes."""
     return torch.minimum(accepted + 1, end - 1 - anchor)
 
 
@@ -117,9 +121,10 @@ def replay_batch(
     max_new_tokens: int | None = None,
     autocast: str = "none",
 ) -> list[list[int]]:
-    """Greedy speculative decoding of every response of a device batch (features, input_ids, loss_mask,
-    cu_seqlens), replayed from its stored tokens: per response (in packed order) the tokens each cycle
-    emitted. `drafter` has the target's head attached; `block_size` defaults to its own."""
+    """Greedy speculative decoding of every response of a device batch (features, input_ids,
+    loss_mask, cu_seqlens), replayed from its stored tokens: per response (in packed order) the
+    tokens each cycle emitted. `drafter` has the target's head attached; `block_size` defaults to
+    its own."""
     b = block_size or drafter.cfg.block_size
     num_drafts = b - 1 + drafter.cfg.verify_block_size - drafter.cfg.block_size  # DSpark: b
     first, end, _ = response_segments(batch.loss_mask, batch.cu_seqlens, max_new_tokens)
@@ -158,8 +163,8 @@ def replay_batch(
 
 def path_counts(lengths: list[list[int]]) -> torch.Tensor:
     """Per-response cycle lengths -> float64 [5] sums that add over batches and ranks: sum of the
-    responses' mean cycle lengths, responses with cycles, tokens emitted by cycles, cycles, responses
-    without a cycle (a one-token response: the prefill's token only)."""
+    responses' mean cycle lengths, responses with cycles, tokens emitted by cycles, cycles,
+    responses without a cycle (a one-token response: the prefill's token only)."""
     with_cycles = [row for row in lengths if row]
     return torch.tensor(
         [
@@ -174,9 +179,9 @@ def path_counts(lengths: list[list[int]]) -> torch.Tensor:
 
 
 def summarize_path(counts: torch.Tensor) -> dict[str, Any]:
-    """Sums of `path_counts` -> path_tau (the mean over responses of each one's mean over cycles, the
-    DFlash authors' figure), path_tau_pooled (tokens per cycle over all cycles, the engines' figure),
-    and how many responses and cycles they rest on."""
+    """Sums of `path_counts` -> path_tau (the mean over responses of each one's mean over cycles,
+    the DFlash authors' figure), path_tau_pooled (tokens per cycle over all cycles, the engines'
+    figure), and how many responses and cycles they rest on."""
     c = counts.double().cpu().tolist()
     return {
         "path_tau": c[0] / c[1] if c[1] else math.nan,

@@ -29,7 +29,8 @@ from train.transfer import DeviceBatch
 
 
 def summarize_sums(loss_sum: float, weight_sum: float, counts: torch.Tensor) -> dict[str, Any]:
-    """Sums -> the reported figures (accuracies by position k = 1..B-1; position 0 is the anchor)."""
+    """Sums -> the reported figures (accuracies by position k = 1..B-1; position 0 is the
+    anchor)."""
     acc = AcceptanceCounts.from_tensor(counts)
     return {
         "loss": loss_sum / weight_sum if weight_sum else math.nan,

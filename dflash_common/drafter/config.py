@@ -1,6 +1,7 @@
 """The DFlash drafter's config, one to one with the released `config.json`: built from a target's
 config (`from_target`), written and read as config.json (`to_config_json`, `from_config_json`, also
-z-lab's layout), and as the transformers Qwen3Config whose RoPE code the drafter uses (`to_hf_config`).
+z-lab's layout), and as the transformers Qwen3Config whose RoPE code the drafter uses
+(`to_hf_config`).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class DrafterConfig:
         )
         check(
             0 <= self.mask_token_id < self.vocab_size,
-            f"mask_token_id = {self.mask_token_id} must be a row of the target's embedding (0..{self.vocab_size - 1}).",
+            f"mask_token_id = {self.mask_token_id} must be a row of the target's embedding "
+            f"(0..{self.vocab_size - 1}).",
         )
         try:
             check_layer_ids(list(self.target_layer_ids), self.num_target_layers)
@@ -125,18 +127,21 @@ class DrafterConfig:
     def _check_layer_types(self) -> None:
         check(
             len(self.layer_types) == self.num_hidden_layers,
-            f"layer_types has {len(self.layer_types)} entries but num_hidden_layers = {self.num_hidden_layers}.",
+            f"layer_types has {len(self.layer_types)} entries but num_hidden_layers = "
+            f"{self.num_hidden_layers}.",
         )
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         check(not bad, f"layer_types {bad} unknown; use {' or '.join(LAYER_TYPES)}.")
         sliding = "sliding_attention" in self.layer_types
         check(
             not sliding or (self.sliding_window is not None and self.sliding_window >= 1),
-            "layer_types has sliding_attention layers but sliding_window is not set; set it (e.g. 2048).",
+            "layer_types has sliding_attention layers but sliding_window is not set; set it (e.g. "
+            "2048).",
         )
         check(
             sliding or self.sliding_window is None,
-            f"sliding_window = {self.sliding_window} is set but no layer is sliding_attention; set layer_types.",
+            f"sliding_window = {self.sliding_window} is set but no layer is sliding_attention; set "
+            "layer_types.",
         )
 
     @property
@@ -161,7 +166,8 @@ class DrafterConfig:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     def causal(self, layer: int) -> bool:
-        """Whether draft layer `layer` sees its own block causally (sliding layers), else bidirectionally."""
+        """Whether draft layer `layer` sees its own block causally (sliding layers), else
+        bidirectionally."""
         return self.sliding_causal and self.layer_types[layer] == "sliding_attention"
 
     def layer_mode(self, layer: int) -> tuple[int | None, bool]:
@@ -169,7 +175,8 @@ class DrafterConfig:
         return self.layer_sliding_window(layer), self.causal(layer)
 
     def layer_causality(self) -> tuple[bool, ...]:
-        """Per draft layer, the causality it trains and drafts with (what a loader must read back)."""
+        """Per draft layer, the causality it trains and drafts with (what a loader must read
+        back)."""
         return tuple(self.causal(i) for i in range(self.num_hidden_layers))
 
     # -- construction from a target ------------------------------------------------------------
@@ -228,9 +235,10 @@ class DrafterConfig:
         sliding = "sliding_attention" in self.layer_types
         causal = set(self.layer_causality())
         if len(causal) == 1:
-            # one causality for every layer: said where vLLM reads it first (top-level is_causal, then
-            # dflash_config.causal); a mixed drafter writes neither, both override every layer, and
-            # relies on the layer_types rule of vLLM and SGLang (sliding causal, full bidirectional)
+            # one causality for every layer: said where vLLM reads it first (top-level is_causal,
+            # then dflash_config.causal); a mixed drafter writes neither, both override every layer,
+            # and relies on the layer_types rule of vLLM and SGLang (sliding causal, full
+            # bidirectional)
             dflash["causal"] = causal.pop()
         config = {
             "architectures": [self.ARCHITECTURE],
@@ -317,7 +325,8 @@ class DrafterConfig:
         return {}
 
     def to_hf_config(self):
-        """A transformers Qwen3Config with this drafter's shapes and RoPE (for transformers' RoPE code)."""
+        """A transformers Qwen3Config with this drafter's shapes and RoPE (for transformers' RoPE
+        code)."""
         from transformers import Qwen3Config
 
         rope = {
@@ -346,17 +355,17 @@ def _target_text_config(target_config: Any) -> dict[str, Any]:
 
 
 def _sliding_causal_from_config(data: Mapping[str, Any], sliding: bool) -> bool:
-    """The block causality a config.json asks of its sliding layers: an explicit top-level `is_causal`
-    or `dflash_config.causal` (vLLM's order), else causal (the engines' layer_types rule). Full layers
-    are bidirectional here; a config that asks them to be causal is refused."""
+    """The block causality a config.json asks of its sliding layers: an explicit top-level
+    `is_causal` or `dflash_config.causal` (vLLM's order), else causal (the engines' layer_types
+    rule). Full layers are bidirectional here; a config that asks them to be causal is refused."""
     explicit = data.get("is_causal")
     if explicit is None:
         explicit = (data.get("dflash_config") or {}).get("causal")
     full = "full_attention" in (data.get("layer_types") or ["full_attention"])
     check(
         not (explicit and full),
-        "config.json asks for causal full_attention layers (is_causal / dflash_config.causal = true); "
-        "full layers here are bidirectional inside the block, as the engines serve them.",
+        "config.json asks for causal full_attention layers (is_causal / dflash_config.causal = "
+        "true); full layers here are bidirectional inside the block, as the engines serve them.",
     )
     return True if explicit is None or not sliding else bool(explicit)
 
@@ -397,7 +406,8 @@ def rope_from_config_dict(data: Mapping[str, Any]) -> tuple[float, dict[str, Any
     theta = data.get("rope_theta", params.get("rope_theta"))
     if theta is None:
         raise ConfigError(
-            "the config has neither rope_theta nor rope_parameters.rope_theta; add the target's theta."
+            "the config has neither rope_theta nor rope_parameters.rope_theta; add the target's "
+            "theta."
         )
     scaling = data.get("rope_scaling")
     if scaling is None:

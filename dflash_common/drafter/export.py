@@ -70,7 +70,8 @@ def save_drafter(
     into a hidden sibling of `out_dir`, fsync, then rename into place."""
     if not isinstance(drafter, DFlashDrafter):  # a DDP/compiled wrapper would prefix every name
         raise TypeError(
-            f"save_drafter needs the DFlashDrafter itself, not a {type(drafter).__name__} wrapping it"
+            f"save_drafter needs the DFlashDrafter itself, not a {type(drafter).__name__} wrapping "
+            "it"
         )
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
@@ -105,7 +106,8 @@ def save_drafter(
 
 def check_replaceable(out_dir: Path) -> None:
     """--overwrite replaces only a directory that is itself an exported drafter: config.json and
-    model.safetensors and nothing else (not a run, a step-N/, a parent of drafters, another file)."""
+    model.safetensors and nothing else (not a run, a step-N/, a parent of drafters, another
+    file)."""
     if not out_dir.is_dir():
         raise UserError(
             f"{out_dir} exists and is not a directory; --overwrite replaces only an exported "
@@ -117,8 +119,9 @@ def check_replaceable(out_dir: Path) -> None:
             f"no {WEIGHTS_FILE}"
         ]
         raise UserError(
-            f"{out_dir} is not an exported drafter (it holds {', '.join(others[:3])}), so --overwrite "
-            f"leaves it alone; choose a new OUT_DIR, or one holding only {CONFIG_FILE} and {WEIGHTS_FILE}."
+            f"{out_dir} is not an exported drafter (it holds {', '.join(others[:3])}), so "
+            f"--overwrite leaves it alone; choose a new OUT_DIR, or one holding only {CONFIG_FILE} "
+            f"and {WEIGHTS_FILE}."
         )
 
 
@@ -160,7 +163,8 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise UserError(
-            f"{path} does not exist; pass a run directory, a step-N checkpoint or a drafter directory."
+            f"{path} does not exist; pass a run directory, a step-N checkpoint or a drafter "
+            "directory."
         )
     if (path / CONFIG_FILE).is_file():
         return path
@@ -182,7 +186,8 @@ def resolve_drafter_dir(path: str | Path) -> Path:
         return path / DRAFTER_SUBDIR
     if steps:
         raise UserError(
-            f"run {path} has no complete checkpoint yet ({len(steps)} step dirs, none with {COMPLETE_MARKER})."
+            f"run {path} has no complete checkpoint yet ({len(steps)} step dirs, none with "
+            f"{COMPLETE_MARKER})."
         )
     raise UserError(
         f"{path} holds no config.json, no {DRAFTER_SUBDIR}/ and no step-N/ checkpoints; "
@@ -197,7 +202,8 @@ def read_drafter_dir(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.T
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of `directory/model.safetensors`; a missing or cut file is one sentence with the fix."""
+    """Every tensor of `directory/model.safetensors`; a missing or cut file is one sentence with the
+    fix."""
     path = directory / WEIGHTS_FILE
     fix = (
         "export the drafter again from its run (dflash-export RUN_DIR OUT_DIR), or pass another "
@@ -335,7 +341,10 @@ EXAMPLES = """examples:
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(
         prog="dflash-export",
-        description="Write a trained drafter as config.json + model.safetensors, the layout SGLang and vLLM load.",
+        description=(
+            "Write a trained drafter as config.json + model.safetensors, the layout SGLang and "
+            "vLLM load."
+        ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -133,7 +133,8 @@ class DraftAttention(nn.Module):
         )
 
     def forward(self, x, ctx_k, ctx_v, rope, attend: Attend, mode: LayerMode) -> torch.Tensor:
-        """x [R, H] block tokens; ctx_k/ctx_v [T, nkv, D] go *before* the block's own keys/values."""
+        """x [R, H] block tokens; ctx_k/ctx_v [T, nkv, D] go *before* the block's own
+        keys/values."""
         q = self.queries(x, rope)  # [R, nh, D]
         k, v = self.context_kv(x, rope)  # the block's own keys/values [R, nkv, D]
         dtype = (
@@ -149,7 +150,8 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    """A Qwen3 decoder layer (pre-norm, q/k norm, SwiGLU) whose keys/values start with the context."""
+    """A Qwen3 decoder layer (pre-norm, q/k norm, SwiGLU) whose keys/values start with the
+    context."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -201,7 +203,8 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """A random start, as the recipe says: linear weights ~ N(0, initializer_range), norms at 1."""
+        """A random start, as the recipe says: linear weights ~ N(0, initializer_range), norms at
+        1."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.normal_(0.0, self.cfg.initializer_range)
@@ -210,11 +213,12 @@ class DFlashDrafter(nn.Module):
 
     def compile_regions(self) -> None:
         """torch.compile, in place, the parts of every draft layer that are not the sparse attention
-        (flex compiles itself on the GPU): query and key projections with their per-head norms and RoPE,
-        the two pre-norms and the SwiGLU MLP; and the context's and the final norm. Eagerly, each norm
-        and rotation is several float32 passes over the block rows; compiled, one fused kernel each way.
-        Layers share the compiled graphs (the parameters are their inputs), shapes are dynamic (rows and
-        context vary by batch). Weight names and the state dict are unchanged."""
+        (flex compiles itself on the GPU): query and key projections with their per-head norms and
+        RoPE, the two pre-norms and the SwiGLU MLP; and the context's and the final norm. Eagerly,
+        each norm and rotation is several float32 passes over the block rows; compiled, one fused
+        kernel each way. Layers share the compiled graphs (the parameters are their inputs), shapes
+        are dynamic (rows and context vary by batch). Weight names and the state dict are
+        unchanged."""
         for layer in self.layers:
             attn = layer.self_attn
             attn.queries = torch.compile(
@@ -227,7 +231,8 @@ class DFlashDrafter(nn.Module):
             module.compile(dynamic=True)
 
     def attach_frozen(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Attach the target's embedding and lm_head ([V, H] each, may be the same tensor if tied)."""
+        """Attach the target's embedding and lm_head ([V, H] each, may be the same tensor if
+        tied)."""
         shape = (self.cfg.vocab_size, self.cfg.hidden_size)
         for name, w in (("embedding", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(w.shape) != shape:
@@ -240,7 +245,8 @@ class DFlashDrafter(nn.Module):
     def _frozen(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.embed_weight is None or self.lm_head_weight is None:
             raise RuntimeError(
-                "attach the target's embedding and lm_head first: drafter.attach_frozen(embed, lm_head)"
+                "attach the target's embedding and lm_head first: drafter.attach_frozen(embed, "
+                "lm_head)"
             )
         return self.embed_weight, self.lm_head_weight
 
@@ -256,7 +262,8 @@ class DFlashDrafter(nn.Module):
         return ids
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids -> [..., H] through the target's frozen embedding (the mask token's row included)."""
+        """Token ids -> [..., H] through the target's frozen embedding (the mask token's row
+        included)."""
         # the residual stream runs in the parameters' dtype (float32 masters under autocast)
         return F.embedding(ids, self._frozen()[0]).to(self.norm.weight.dtype)
 
@@ -302,7 +309,8 @@ class DFlashDrafter(nn.Module):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every draft layer's keys/values of the fused context: context [T, K*H] at `positions` [T]
         (within each sequence) -> per layer 2 x [T, nkv, D]. They do not depend on the anchors, so a
-        caller drafting many rounds of blocks over one batch (train/path_tau.py) computes them once."""
+        caller drafting many rounds of blocks over one batch (train/path_tau.py) computes them
+        once."""
         ctx = self.fuse_context(context)  # [T, K*H] -> [T, H]
         rope_ctx = self.rotary(positions)
         return [

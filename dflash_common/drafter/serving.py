@@ -6,13 +6,14 @@ Each loader's rules are written here as read from its code (docs/serving.md says
   `vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`, `vllm/v1/spec_decode/dflash.py`):
   causality per layer = top-level `is_causal`, else `dflash_config.causal` (both for every layer),
   else `layer_types[i] == "sliding_attention"`; the V1 runner applies one causality to all layers
-  (non-causal if any layer is) and refuses mixed sliding/full drafters (`VLLM_USE_V2_MODEL_RUNNER=1`);
-  a sliding layer's window is `dflash_config.swa_window_size`, else top-level `sliding_window`;
-  target layers are top-level `eagle_aux_hidden_state_layer_ids` if present, else
-  `dflash_config.target_layer_ids` (+1: vLLM counts hidden-state indices); the mask token is
-  `dflash_config.mask_token_id`, else top-level `mask_token_id`; RoPE comes from transformers'
-  `rope_parameters` (built from top-level `rope_theta`/`rope_scaling` when absent, theta defaulting to
-  1e6 in vLLM, 10000 in transformers); `num_speculative_tokens` (B-1 for a block of B) is the user's.
+  (non-causal if any layer is) and refuses mixed sliding/full drafters
+  (`VLLM_USE_V2_MODEL_RUNNER=1`); a sliding layer's window is `dflash_config.swa_window_size`, else
+  top-level `sliding_window`; target layers are top-level `eagle_aux_hidden_state_layer_ids` if
+  present, else `dflash_config.target_layer_ids` (+1: vLLM counts hidden-state indices); the mask
+  token is `dflash_config.mask_token_id`, else top-level `mask_token_id`; RoPE comes from
+  transformers' `rope_parameters` (built from top-level `rope_theta`/`rope_scaling` when absent,
+  theta defaulting to 1e6 in vLLM, 10000 in transformers); `num_speculative_tokens` (B-1 for a block
+  of B) is the user's.
   Weights: an unknown name fails the load; a missing one is left uninitialised, silently.
 - SGLang (`python/sglang/srt/models/dflash.py`, `python/sglang/srt/speculative/dflash_utils.py`):
   no causality key at all: `full_attention` layers (and every layer without `layer_types`) are
@@ -70,7 +71,8 @@ def vllm_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
 
 
 def sglang_layer_causal(config: Mapping[str, Any], layer: int) -> bool:
-    """SGLang: sliding_attention layers are DECODER (causal) attention, everything else ENCODER_ONLY."""
+    """SGLang: sliding_attention layers are DECODER (causal) attention, everything else
+    ENCODER_ONLY."""
     types = text_fields(config).get("layer_types", config.get("layer_types"))
     return bool(types) and types[layer] == SLIDING
 
@@ -332,7 +334,8 @@ def serve_commands(cfg: DrafterConfig, drafter_dir: str, target: str = "TARGET")
         "vllm": f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}",
         "sglang": (
             f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
-            f"--speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(str(drafter_dir))} "
+            "--speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {shlex.quote(str(drafter_dir))} "
             f"--speculative-num-draft-tokens {cfg.block_size}"
         ),
     }
@@ -355,7 +358,8 @@ def refuse_unservable(cfg: DrafterConfig, config: Mapping[str, Any], where: str)
 
 
 def lint_drafter_dir(path) -> list[Finding]:
-    """All findings on an exported directory as it lies on disk (config.json + model.safetensors)."""
+    """All findings on an exported directory as it lies on disk (config.json +
+    model.safetensors)."""
     from pathlib import Path
 
     import torch

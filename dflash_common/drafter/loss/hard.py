@@ -1,7 +1,8 @@
 """Weighted cross-entropy through the target's frozen lm_head, never materialising [N, V] logits.
 
     fused_lm_head_loss(hidden [N, H], lm_head_weight [V, H], labels int64 [N], weights [N])
-        -> LossOutput(loss = sum_i w_i * CE(hidden_i @ W^T, label_i)  (float32 scalar, grad wrt hidden),
+        -> LossOutput(loss = sum_i w_i * CE(hidden_i @ W^T, label_i)
+                             (float32 scalar, grad wrt hidden),
                       correct = argmax == label  [N] bool,
                       rows = w_i * CE_i  [N] float32, with grad wrt hidden)
 
@@ -40,8 +41,8 @@ Rows whose weight is zero or whose label is IGNORE_INDEX are dropped before any 
 of every block is such a row: 1/B of the work). Their `correct` is False.
 
 Memory: the stored gradient ([N, H], hidden's dtype) plus one logits chunk. The chunk height follows
-a byte budget, by default about the size of `hidden` itself (Liger's choice, so the peak matches it),
-in multiples of 512 rows, the heights at which cuBLAS runs fastest on an H200.
+a byte budget, by default about the size of `hidden` itself (Liger's choice, so the peak matches
+it), in multiples of 512 rows, the heights at which cuBLAS runs fastest on an H200.
 
 Top-k (DFlash2's candidates): with `top_k` = K each kept row's K largest logits and their ids come
 back too (`top_values` float32, `top_ids`), taken from the chunk's logits before the kernel writes
@@ -69,8 +70,8 @@ METHODS = ("exact", "odds", "odds_epilogue")
 # Rows per chunk are a multiple of this. Measured on an H200 (benchmarks/loss.py --sweep): heights
 # of 512, 1024, 1536, 2048 rows run at full speed, while 640 or 1280 rows run up to 9% slower.
 _ROW_QUANTUM = 512
-# Odds methods: a row whose odds sum t reaches e**80 is recomputed exactly. float32 (and bf16) end at
-# e**88.7; the margin keeps G = odds @ W finite for lm_head entries up to e**8.7 in magnitude.
+# Odds methods: a row whose odds sum t reaches e**80 is recomputed exactly. float32 (and bf16) end
+# at e**88.7; the margin keeps G = odds @ W finite for lm_head entries up to e**8.7 in magnitude.
 ODDS_LOG_LIMIT = 80.0
 
 
@@ -112,8 +113,8 @@ def fused_lm_head_loss(
     if method == "odds_epilogue" and resolve_backend(backend, hidden.device) != "triton":
         if backend != "auto":
             raise ValueError(
-                "loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or method "
-                "'odds')"
+                "loss method 'odds_epilogue' runs in a Triton matmul; use backend 'triton' (or "
+                "method 'odds')"
             )
         method = (
             "odds"  # 'auto' without Triton (a CPU): the same odds, from the torch backend's logits
@@ -158,9 +159,10 @@ class _Spec(NamedTuple):
 
 
 class _StoredGrad(NamedTuple):
-    """What the forward keeps for the backward. Exact method: values [N, H] is d rows[i] / d hidden[i]
-    row by row. Odds methods: values[i] = sum_{v != y_i} odds_v W_v, and d rows[i] / d hidden[i] =
-    scale[i] * values[i] + label_coef[i] * W[labels[i]] (zero for dropped rows: scale = coef = 0)."""
+    """What the forward keeps for the backward. Exact method: values [N, H] is d rows[i] / d
+    hidden[i] row by row. Odds methods: values[i] = sum_{v != y_i} odds_v W_v, and d rows[i] / d
+    hidden[i] = scale[i] * values[i] + label_coef[i] * W[labels[i]] (zero for dropped rows: scale =
+    coef = 0)."""
 
     values: torch.Tensor
     scale: torch.Tensor | None = None
@@ -268,11 +270,11 @@ def _chunked_loss(hidden, weight, labels, weights, backend, chunk_bytes, need_gr
 
 
 def _chunk_loop(hidden, weight, labels, weights, backend, chunk_bytes, need_grad, out, chunk):
-    """The chunks of every method: the kept rows (weight != 0, a label) in chunks of the byte budget.
-    chunk(h [c, H], labels [c], weights [c], chunk_out, index) writes its rows' results into
-    chunk_out (views of those rows of `out` when no row is dropped, index None; else `out` itself, at
-    rows `index`) and returns what the gradient matmul takes, [c, V]. -> the stored gradient [N, H]
-    (rows of dropped rows zero), G = that @ W row by row, or None without a gradient."""
+    """The chunks of every method: the kept rows (weight != 0, a label) in chunks of the byte
+    budget. chunk(h [c, H], labels [c], weights [c], chunk_out, index) writes its rows' results into
+    chunk_out (views of those rows of `out` when no row is dropped, index None; else `out` itself,
+    at rows `index`) and returns what the gradient matmul takes, [c, V]. -> the stored gradient
+    [N, H] (rows of dropped rows zero), G = that @ W row by row, or None without a gradient."""
     n, v = hidden.shape[0], weight.shape[0]
     kept = ((weights != 0) & (labels != IGNORE_INDEX)).nonzero().squeeze(1)  # one host sync
     m = kept.numel()
@@ -301,7 +303,8 @@ def _chunk_loop(hidden, weight, labels, weights, backend, chunk_bytes, need_grad
 
 
 def _write_rows(out: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...], index) -> None:
-    """Each result into its output: whole (index None: out holds the chunk's rows) or at rows `index`."""
+    """Each result into its output: whole (index None: out holds the chunk's rows) or at rows
+    `index`."""
     for o, r in zip(out, results):
         if index is None:
             o.copy_(r)
@@ -345,7 +348,8 @@ def weighted_ce_rows_torch(
 
 def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: bool, tops=()):
     """The label-odds methods (module docstring): per chunk the odds [c, V] (in place of the logits
-    with 'odds'), then G = odds @ W into the stored gradient's rows; rows whose odds overflow, exactly."""
+    with 'odds'), then G = odds @ W into the stored gradient's rows; rows whose odds overflow,
+    exactly."""
     out = (*new_odds_results(hidden.shape[0], hidden.device), *tops)
     chunk = functools.partial(_odds_rows, spec, weight, need_grad)
     grad = _chunk_loop(
@@ -372,8 +376,8 @@ def _chunked_odds_loss(hidden, weight, labels, weights, spec: _Spec, need_grad: 
 
 
 def new_odds_results(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The odds methods' per-row results, as a dropped row keeps them: loss 0, correct False, scale 0,
-    label coefficient 0 (float32, bool, float32, float32 [n]) and ok True (bool [n])."""
+    """The odds methods' per-row results, as a dropped row keeps them: loss 0, correct False, scale
+    0, label coefficient 0 (float32, bool, float32, float32 [n]) and ok True (bool [n])."""
     f32 = dict(dtype=torch.float32, device=device)
     return (
         torch.zeros(n, **f32),
@@ -385,8 +389,8 @@ def new_odds_results(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 def _odds_rows(spec: _Spec, weight, compute_grad, h, labels, weights, out, index):
-    """One chunk of the odds methods (a `chunk` of _chunk_loop): results into `out` (at rows `index`,
-    or the views given); returns the odds [c, V] when compute_grad."""
+    """One chunk of the odds methods (a `chunk` of _chunk_loop): results into `out` (at rows
+    `index`, or the views given); returns the odds [c, V] when compute_grad."""
     out, tops = out[:5], out[5:]
     if spec.method == "odds_epilogue":
         from dflash_common.drafter.loss.epilogue_triton import odds_matmul
