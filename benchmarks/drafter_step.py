@@ -1,14 +1,15 @@
-"""One full drafter training step: forward, fused loss, backward, grad clip and AdamW step (the trainer's
-clip_and_step: a fused AdamW takes the clip factor as its grad_scale).
+"""One full drafter training step: forward, fused loss, backward, grad clip and AdamW step (the
+trainer's clip_and_step: a fused AdamW takes the clip factor as its grad_scale).
 
-    PYTHONPATH=. python benchmarks/drafter_step.py           # GPU: Qwen3-8B-shaped drafter, bf16 autocast
-    PYTHONPATH=. python benchmarks/drafter_step.py --quick   # CPU smoke run, tiny drafter
-    PYTHONPATH=. python benchmarks/drafter_step.py --variants eager,dflash2   # DFlash against DFlash2
+    PYTHONPATH=. python benchmarks/drafter_step.py  # GPU: Qwen3-8B-shaped drafter, bf16 autocast
+    PYTHONPATH=. python benchmarks/drafter_step.py --quick  # CPU smoke run, tiny drafter
+    PYTHONPATH=. python benchmarks/drafter_step.py --variants eager,dflash2  # DFlash vs DFlash2
 
-Variants: eager (the DFlash step, flex compiled, the rest eager), compiled (precision.compile), dflash2
-(the DFlash2 drafter of the same shape, released geometry: 2 taps, group 16, rank 256, top-16; its step
-adds the convolutions, the fused loss's top-k and the selector loss, as train/objective.py runs them)
-and dflash2-compiled. The FLOP count and MFU are DFlash's (the DFlash2 extras are not counted).
+Variants: eager (the DFlash step, flex compiled, the rest eager), compiled (precision.compile),
+dflash2 (the DFlash2 drafter of the same shape, released geometry: 2 taps, group 16, rank 256,
+top-16; its step adds the convolutions, the fused loss's top-k and the selector loss, as
+train/objective.py runs them) and dflash2-compiled. The FLOP count and MFU are DFlash's (the DFlash2
+extras are not counted).
 
 Qwen3-8B shape: hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 12288, 5 layers,
 vocab 151936, K=5 target layers, B=16; per sequence of 3072 tokens, 512 anchors (all positions are
@@ -23,10 +24,11 @@ l from the sparse mask, N_loss rows with non-zero weight; Hq = heads*D, Hkv = kv
     loss                   4 * N_loss * V * H            (logits + grad wrt hidden; lm_head frozen)
 MFU = FLOPs / (step time * peak), peak = dense bf16 of the GPU (989 TFLOP/s for an H200).
 
-Timing: each variant's rows are its steps run back to back as the trainer runs them (one sync a round
-of --steps; the median over --repeats rounds, the spread of the rounds), and the same steps each
-synchronised alone (', synced': the GPU starts every step idle and waits for the host's first launches;
-the median over every step). The difference is the host's work that back-to-back steps hide.
+Timing: each variant's rows are its steps run back to back as the trainer runs them (one sync a
+round of --steps; the median over --repeats rounds, the spread of the rounds), and the same steps
+each synchronised alone (', synced': the GPU starts every step idle and waits for the host's first
+launches; the median over every step). The difference is the host's work that back-to-back steps
+hide.
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def make_batch(cfg: DrafterConfig, seqs: int, seq_len: int, anchors_per_seq: int
 
 
 def step_flops(cfg: DrafterConfig, cu, anchors, total: int, n_loss: int) -> float:
-    """The formula of the module docstring, with P_l counted exactly from the mask's row intervals."""
+    """The formula of the module docstring, with P_l counted exactly from the mask's row
+    intervals."""
     h, d, i, k = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_context_layers
     hq, hkv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     q = anchors.numel() * cfg.block_size
@@ -221,8 +224,8 @@ def main() -> None:
         variants[name] = (step, drafter)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    # per variant, two timings: rounds of back-to-back steps (the trainer's way: one figure a round),
-    # and every step synchronised alone (one figure a step)
+    # per variant, two timings: rounds of back-to-back steps (the trainer's way: one figure a
+    # round), and every step synchronised alone (one figure a step)
     times: dict[str, list[float]] = {}
     for _ in range(repeats):  # interleaved: a slow spell of the shared machine hits every variant
         for name, (step, _) in variants.items():
@@ -233,15 +236,16 @@ def main() -> None:
     flops = step_flops(cfg, batch[2], batch[3], total, n_loss)
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
     print(
-        f"# drafter training step on {gpu}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab "
-        f"{cfg.vocab_size}, {args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x "
-        f"{cfg.block_size}; {flops / 1e12:.2f} TFLOP per step; {repeats} interleaved repeats of {steps} steps a "
-        f"variant: 'variant' rows run them back to back (the median of the repeats' ms a step), ', synced' rows "
-        f"synchronise every step (the median of the steps)"
+        f"# drafter training step on {gpu}: {cfg.num_hidden_layers} layers, "
+        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+        f"{args.seqs if not args.quick else 1} x {seq_len} tokens, {n_anchors} anchors x "
+        f"{cfg.block_size}; {flops / 1e12:.2f} TFLOP per step; {repeats} interleaved repeats "
+        f"of {steps} steps a variant: 'variant' rows run them back to back (the median of the "
+        f"repeats' ms a step), ', synced' rows synchronise every step (the median of the steps)"
     )
     print(
-        f"| {'variant':<18} | {'ms / step':>9} | {'spread ms':>13} | {'tokens / s':>10} | {'TFLOP/s':>8} | "
-        f"{'MFU':>6} |"
+        f"| {'variant':<18} | {'ms / step':>9} | {'spread ms':>13} | {'tokens / s':>10} | "
+        f"{'TFLOP/s':>8} | {'MFU':>6} |"
     )
     print(f"|{'-' * 20}|{'-' * 11}|{'-' * 15}|{'-' * 12}|{'-' * 10}|{'-' * 8}|")
     for name in sorted(

@@ -1,19 +1,21 @@
-"""The serving check (`make serve-check`, in .venv-vllm): a drafter trained and exported by our own CLIs
-is served by vLLM's CPU build, and a broken export makes the check fail.
+"""The serving check (`make serve-check`, in .venv-vllm): a drafter trained and exported by our own
+CLIs is served by vLLM's CPU build, and a broken export makes the check fail.
 
     tiny target, head_dim 64 (vLLM's CPU attention refuses 16), rope_theta 500 (far from vLLM's and
-    transformers' defaults, so a lost theta shows) -> its own greedy answers (data/make_tiny_data.py)
-    -> dflash-precompute -> dflash-train -> dflash-export -> vLLM with and without the drafter
+    transformers' defaults, so a lost theta shows) -> its own greedy answers
+    (data/make_tiny_data.py) -> dflash-precompute -> dflash-train -> dflash-export -> vLLM with and
+    without the drafter
 
 The check (`serving_failures`): greedy output with the drafter equals vLLM's output without it token
 for token; the drafter is accepted (pooled tau > 1); and vLLM serving the export makes the same
-draft-verify cycles as our own engine (train/eval/spec_decode.py, dflash-eval --engine transformers) on the
-trained checkpoint: per prompt the same number of cycles and the same count of cycles accepting each
-draft position (so the same accepted tokens), in float32, greedy. A mean tau hides a drafter that is
-slightly wrong everywhere; its drafts part from ours on most prompts.
-A DFlash2 drafter trained by the same CLIs from the same store (--drafter.arch=dflash2) is served the
-same way on a few of the prompts: vLLM's CPU build drafts DFlash2 only in its V2 model runner, whose
-Triton kernels run here in Triton's interpreter (train/eval/vllm_triton_cpu.py), about a second a cycle.
+draft-verify cycles as our own engine (train/eval/spec_decode.py, dflash-eval --engine transformers)
+on the trained checkpoint: per prompt the same number of cycles and the same count of cycles
+accepting each draft position (so the same accepted tokens), in float32, greedy. A mean tau hides a
+drafter that is slightly wrong everywhere; its drafts part from ours on most prompts.
+A DFlash2 drafter trained by the same CLIs from the same store (--drafter.arch=dflash2) is served
+the same way on a few of the prompts: vLLM's CPU build drafts DFlash2 only in its V2 model runner,
+whose Triton kernels run here in Triton's interpreter (train/eval/vllm_triton_cpu.py), about a
+second a cycle.
 Skipped where vLLM is not importable (the main .venv).
 """
 
@@ -46,11 +48,11 @@ SPEC = dict(
     rope_theta=500.0,
     initializer_range=0.05,
 )  # a drafter accepted ~2.4 of 8, its drafts hang on the features
-# rope_theta 500: far from the defaults a loader falls back to (vLLM 1e6, transformers 10000), so a lost theta shows
+# rope_theta 500: far from the defaults a loader falls back to (vLLM 1e6, transformers 10000), so a
+# lost theta shows
 TRAIN_SAMPLES, EVAL_PROMPTS, MAX_NEW = 192, 48, 48
-MAX_PROMPTS_APART = (
-    2  # float32 near-ties between vLLM and us; measured 0 (good export), 23-31 (broken)
-)
+# float32 near-ties between vLLM and us; measured 0 (good export), 23-31 (broken)
+MAX_PROMPTS_APART = 2
 DFLASH2_PROMPTS = 6  # DFlash2 is served with vLLM's Triton kernels interpreted: a few prompts only
 
 
@@ -62,7 +64,8 @@ def _cli(*args: str) -> None:
 
 
 def _answer_batch(model, tok, prompts: list[list[int]]) -> list[tuple[list[int], list[int]]]:
-    """Greedy answers (up to and including EOS) to prompts of any lengths, in one left-padded batch."""
+    """Greedy answers (up to and including EOS) to prompts of any lengths, in one left-padded
+    batch."""
     import torch
 
     eos, pad, width = (
@@ -86,8 +89,9 @@ def _answer_batch(model, tok, prompts: list[list[int]]) -> list[tuple[list[int],
 
 
 def _generate_data(target: Path, out: Path) -> tuple[Path, list[list[int]]]:
-    """The target's own greedy answers to seeded prompts (the DFlash recipe), as make_tiny_data writes
-    them; returns the training file and the token ids of prompts the drafter was trained on."""
+    """The target's own greedy answers to seeded prompts (the DFlash recipe), as make_tiny_data
+    writes them; returns the training file and the token ids of prompts the drafter was trained
+    on."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -206,8 +210,8 @@ def _our_cycles(target: Path, run: Path, prompts: list[list[int]]) -> list[dict]
 
 
 def _cycles(row: dict) -> dict:
-    """A prompt's draft-verify cycles as vLLM counts them: how many, accepted drafts, cycles accepting
-    each draft position (the histogram of accepted lengths)."""
+    """A prompt's draft-verify cycles as vLLM counts them: how many, accepted drafts, cycles
+    accepting each draft position (the histogram of accepted lengths)."""
     return {k: row[k] for k in ("drafts", "accepted", "per_pos")}
 
 
@@ -254,14 +258,14 @@ def serving_failures(
     if len(apart) > MAX_PROMPTS_APART:
         i = apart[0]
         failures.append(
-            f"vLLM's draft-verify cycles differ from ours on {len(apart)} of {len(prompts)} prompts "
-            f"(at most {MAX_PROMPTS_APART} may), e.g. prompt {i}: vLLM {_cycles(spec['prompts'][i])}, "
-            f"ours {_cycles(ours[i])}"
+            f"vLLM's draft-verify cycles differ from ours on {len(apart)} of {len(prompts)} "
+            f"prompts (at most {MAX_PROMPTS_APART} may), e.g. prompt {i}: "
+            f"vLLM {_cycles(spec['prompts'][i])}, ours {_cycles(ours[i])}"
         )
     print(
-        f"serve-check {drafter.name}: cycles as ours on {len(prompts) - len(apart)} of {len(prompts)} prompts, "
-        f"pooled tau vLLM {tau:.3f} ours {_pooled_tau(ours):.3f}, lossless {report['lossless']['ok']}, "
-        f"{report['new_tokens']} tokens"
+        f"serve-check {drafter.name}: cycles as ours on {len(prompts) - len(apart)} of "
+        f"{len(prompts)} prompts, pooled tau vLLM {tau:.3f} ours {_pooled_tau(ours):.3f}, "
+        f"lossless {report['lossless']['ok']}, {report['new_tokens']} tokens"
     )
     return failures
 
@@ -274,7 +278,8 @@ def test_exported_drafter_serves_lossless_accepted_and_drafts_as_ours(
 
 @pytest.fixture(scope="module")
 def trained_dflash2(trained) -> tuple[Path, Path]:
-    """(run dir, exported drafter dir) of a DFlash2 drafter trained by our CLIs from the same store."""
+    """(run dir, exported drafter dir) of a DFlash2 drafter trained by our CLIs from the same
+    store."""
     target, _, run, _ = trained
     work = run.parent
     tiny = str(ROOT / "configs" / "tiny.toml")
@@ -324,9 +329,8 @@ def _broken(drafter: Path, out: Path, kind: str) -> Path:
         config["dflash_config"]["target_layer_ids"] = [
             i + 2 for i in config["dflash_config"]["target_layer_ids"]
         ]
-    elif (
-        kind == "missing-rope-theta"
-    ):  # as a transformers 5 save_pretrained without our hand-written keys
+    elif kind == "missing-rope-theta":
+        # as a transformers 5 save_pretrained without our hand-written keys
         config.pop("rope_theta")
         config.pop("rope_parameters")
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -334,8 +338,8 @@ def _broken(drafter: Path, out: Path, kind: str) -> Path:
 
 
 # What catches each: vLLM refuses an unknown weight name (its 0.32 words); a shifted layer or a lost
-# theta still serves, lossless and accepted at a pooled tau near ours (-1% to -11% measured), but drafts
-# otherwise than our engine on about half the prompts (docs/serving.md has the figures).
+# theta still serves, lossless and accepted at a pooled tau near ours (-1% to -11% measured), but
+# drafts otherwise than our engine on about half the prompts (docs/serving.md has the figures).
 CAUGHT_BY = {
     "renamed-weight": "no module or parameter named 'layers.0.mlp.gate'",
     "wrong-target-layer-ids": "cycles differ from ours",

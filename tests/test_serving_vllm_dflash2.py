@@ -40,8 +40,8 @@ SPEC = dict(
 
 
 def _child(*args: str, timeout: float = 900, **extra_env: str) -> None:
-    """tests/vllm_dflash2.py with vLLM's Triton kernels interpreted: its walk kernel runs, and its V2
-    runner's rules apply (a mixed sliding/full drafter needs them)."""
+    """tests/vllm_dflash2.py with vLLM's Triton kernels interpreted: its walk kernel runs, and its
+    V2 runner's rules apply (a mixed sliding/full drafter needs them)."""
     env = {
         **os.environ,
         **extra_env,
@@ -64,8 +64,8 @@ def _child(*args: str, timeout: float = 900, **extra_env: str) -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A tiny target and a DFlash2 drafter for it (random, norms, convolutions and selector moved off
-    their start; one sliding layer, one full), exported in float32 by dflash-export."""
+    """A tiny target and a DFlash2 drafter for it (random, norms, convolutions and selector moved
+    off their start; one sliding layer, one full), exported in float32 by dflash-export."""
     sys.path.insert(0, str(ROOT / "tests" / "dflash_common" / "drafter"))
     from drafter_testlib import randomise_dflash2
 
@@ -161,7 +161,8 @@ def _ours(drafter_dir: Path, target: Path, contexts, anchors) -> dict:
 
 
 def test_vllms_dflash2_model_loads_our_export_and_drafts_our_paths(pair, tmp_path):
-    """Hidden states, candidates, unary scores, edge scores and the path vLLM's walk kernel takes."""
+    """Hidden states, candidates, unary scores, edge scores and the path vLLM's walk kernel
+    takes."""
     target, drafter_dir = pair
     g = torch.Generator().manual_seed(1)
     width = 2 * SPEC["hidden_size"]
@@ -187,9 +188,9 @@ def test_vllms_dflash2_model_loads_our_export_and_drafts_our_paths(pair, tmp_pat
 
 
 def test_vllms_cpu_build_normalises_every_layers_context_k_with_layer_0s(pair, tmp_path):
-    """The CPU-build bug the parity child patches (tests/vllm_dflash2.py): left in, layer 1's context
-    keys take layer 0's k_norm and the hidden states part from ours. When this fails, vLLM has fixed
-    it: drop the patch and this test."""
+    """The CPU-build bug the parity child patches (tests/vllm_dflash2.py): left in, layer 1's
+    context keys take layer 0's k_norm and the hidden states part from ours. When this fails, vLLM
+    has fixed it: drop the patch and this test."""
     target, drafter_dir = pair
     g = torch.Generator().manual_seed(1)
     contexts, anchors = [torch.randn(9, 2 * SPEC["hidden_size"], generator=g)], [17]

@@ -1,11 +1,11 @@
 """vLLM 0.32's own DFlash2 code on the CPU, driven from a child process of the parity tests
-(tests/test_serving_vllm_dflash2.py), so that vLLM's distributed state and the Triton shim stay out of
-the pytest process:
+(tests/test_serving_vllm_dflash2.py), so that vLLM's distributed state and the Triton shim stay out
+of the pytest process:
 
-    python tests/vllm_dflash2.py forward DRAFTER TARGET INPUTS.pt OUT.pt   vLLM's model on our export
-    python tests/vllm_dflash2.py load DRAFTER TARGET OUT.json              vLLM's loader on variants
-    python tests/vllm_dflash2.py conv INPUTS.pt OUT.pt                     vLLM's _grouped_conv (CPU)
-    python tests/vllm_dflash2.py walk INPUTS.pt OUT.pt                     vLLM's walk on given scores
+    python tests/vllm_dflash2.py forward DRAFTER TARGET INPUTS.pt OUT.pt  vLLM's model on our export
+    python tests/vllm_dflash2.py load DRAFTER TARGET OUT.json             vLLM's loader on variants
+    python tests/vllm_dflash2.py conv INPUTS.pt OUT.pt                    vLLM's _grouped_conv (CPU)
+    python tests/vllm_dflash2.py walk INPUTS.pt OUT.pt                    vLLM's walk (given scores)
 
 What is vLLM's here: the config parsing (SpeculativeConfig for method "dflash" on our config.json),
 DFlash2Qwen3ForCausalLM and its load_weights on our model.safetensors, fc, the context K/V path
@@ -16,10 +16,10 @@ CandidateSelector's edge scores and, with DFLASH2_TRITON_WALK=1, the CandidateSa
 Attention needs a KV cache and the runner's metadata; replaced by a plain softmax attention over
 [the context K/V vLLM's own precompute produced, the block's K/V]).
 
-Patched, a vLLM CPU-build bug: the context K of every draft layer is normalised by one fused call with
-the stacked k_norm weights [L, head_dim] (`_normalize_context_k`), and the CPU kernel applies row 0 to
-every layer, so context K of layers >= 1 uses layer 0's k_norm (DFlash drafters too). The patch calls
-each layer's own vLLM k_norm, which is what the CUDA kernel computes.
+Patched, a vLLM CPU-build bug: the context K of every draft layer is normalised by one fused call
+with the stacked k_norm weights [L, head_dim] (`_normalize_context_k`), and the CPU kernel applies
+row 0 to every layer, so context K of layers >= 1 uses layer 0's k_norm (DFlash drafters too). The
+patch calls each layer's own vLLM k_norm, which is what the CUDA kernel computes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from torch import nn  # noqa: E402
 
 def build(target: Path, drafter: Path):
     """vLLM's config for the target with our drafter attached as its DFlash speculator (attached
-    after validation, which refuses DFlash2 on the V1 runner this build defaults to), and the model."""
+    after validation, which refuses DFlash2 on the V1 runner this build defaults to), and the
+    model."""
     from vllm.config import SpeculativeConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
@@ -155,9 +156,9 @@ class _BlockAttention(nn.Module):
 
 
 def draft(cfg, model, contexts: list[torch.Tensor], anchors: list[int]) -> dict:
-    """One draft step of a batch of requests: contexts[i] [S_i, K*H] at positions 0..S_i-1, anchors[i]
-    the bonus token at S_i. Returns vLLM's hidden [sum B, H], candidates / unary [R, N, K], edge scores
-    [R, N, K, K] and the walked path [R, N]."""
+    """One draft step of a batch of requests: contexts[i] [S_i, K*H] at positions 0..S_i-1,
+    anchors[i] the bonus token at S_i. Returns vLLM's hidden [sum B, H], candidates / unary
+    [R, N, K], edge scores [R, N, K, K] and the walked path [R, N]."""
     from vllm.config import set_current_vllm_config
 
     n = cfg.speculative_config.num_speculative_tokens
@@ -206,8 +207,8 @@ def draft(cfg, model, contexts: list[torch.Tensor], anchors: list[int]) -> dict:
 
 def walk(candidate_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """vLLM's CandidateSampler (its Triton walk kernel) at temperature 0, where Triton runs
-    (DFLASH2_TRITON_WALK=1); else its rule restated: per step the row of the previous choice, argmax,
-    lowest index on ties."""
+    (DFLASH2_TRITON_WALK=1); else its rule restated: per step the row of the previous choice,
+    argmax, lowest index on ties."""
     from vllm.triton_utils import HAS_TRITON
 
     reqs, steps, k = candidate_ids.shape
@@ -239,7 +240,8 @@ def walk(candidate_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 
 def probe_loader(cfg, model, good: dict) -> dict[str, str]:
-    """vLLM's load_weights on variants of our export: refused (its words), or what it left unwritten."""
+    """vLLM's load_weights on variants of our export: refused (its words), or what it left
+    unwritten."""
     from vllm.config import set_current_vllm_config
 
     base = good["layers.0.attention_conv.base_kernel"]

@@ -1,36 +1,46 @@
 """Quality benchmark runner: a small real target, its own greedy data, drafters over seeds, tau.
 
-    python benchmarks/quality/run.py --work runs/quality --stage all      # or one stage at a time:
-    python benchmarks/quality/run.py --work runs/quality --stage target   # target.py, ~2 min on an H200
-    python benchmarks/quality/run.py --work runs/quality --stage data     # dflash-generate + training store
-    python benchmarks/quality/run.py --work runs/quality --stage heldout  # where eval runs
-    python benchmarks/quality/run.py --work runs/quality --stage drafters --variants baseline --seeds 0,1,2
-    python benchmarks/quality/run.py --work runs/quality --stage eval     # dflash-eval + offline, per run
-    python benchmarks/quality/run.py --work runs/quality --stage table    # results.md / results.json
-    python benchmarks/quality/run.py --work /tmp/q --tiny --stage all     # the whole chain on a CPU
+    # every stage, or one stage at a time:
+    python benchmarks/quality/run.py --work runs/quality --stage all
+    # target.py, ~2 min on an H200
+    python benchmarks/quality/run.py --work runs/quality --stage target
+    # dflash-generate + training store
+    python benchmarks/quality/run.py --work runs/quality --stage data
+    # where eval runs
+    python benchmarks/quality/run.py --work runs/quality --stage heldout
+    python benchmarks/quality/run.py --work runs/quality --stage drafters --variants baseline \\
+        --seeds 0,1,2
+    # dflash-eval + offline, per run
+    python benchmarks/quality/run.py --work runs/quality --stage eval
+    # results.md / results.json
+    python benchmarks/quality/run.py --work runs/quality --stage table
+    # the whole chain on a CPU
+    python benchmarks/quality/run.py --work /tmp/q --tiny --stage all
 
 Stages and what they leave in --work (a stage whose output has a matching manifest is skipped):
 1. target/: benchmarks/quality/target.py (HF model dir, bf16 weights, prompts/train.jsonl,
    prompts/heldout.jsonl).
-2. data/: the target's greedy answers to the training prompts by dflash-generate (data/generated/, text
-   conversations that precompute tokenises; batched HF generate into train.jsonl token records is the
-   fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as messages for
-   dflash-eval); then dflash-precompute writes stores/train (float32 target, the regime's storage dtype,
-   final states) and, side by side with it, the chosen variants' own stores (STORES below: another
-   storage dtype, or every target layer captured) from the same answers: stores/train-<dtype>[-all].
+2. data/: the target's greedy answers to the training prompts by dflash-generate (data/generated/,
+   text conversations that precompute tokenises; batched HF generate into train.jsonl token records
+   is the fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as
+   messages for dflash-eval); then dflash-precompute writes stores/train (float32 target, the
+   regime's storage dtype, final states) and, side by side with it, the chosen variants' own stores
+   (STORES below: another storage dtype, or every target layer captured) from the same answers:
+   stores/train-<dtype>[-all].
 3. data/heldout.jsonl: the held-out prompts answered by dflash-eval's own baseline loop (float32)
    on this stage's device, as token records, so path tau replays exactly what dflash-eval's target
    emits there: on a GPU its batched loop in its batches (train/eval/batched.py), on a CPU one
    prompt at a time (`target_generate`); answers made the other way are made again. Then
    stores/heldout.
-4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU (separate
-   processes). A variant is a name and a list of `--section.field=value` overrides (VARIANTS below), and
-   maybe a store of its own (made here if the data stage did not: variants added since). At the
-   deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same command resumes it.
+4. runs/VARIANT/seed-S/: dflash-train per variant and seed, all side by side on the one GPU
+   (separate processes). A variant is a name and a list of `--section.field=value` overrides
+   (VARIANTS below), and maybe a store of its own (made here if the data stage did not: variants
+   added since). At the deadline a run is stopped with SIGTERM: it saves a checkpoint, and the same
+   command resumes it.
 5. per run: eval.json (dflash-eval, float32, lossless required; batched on a GPU, one prompt at a
-   time on a CPU: generation.batch_size's default), offline_heldout.json and
-   offline_train.json (dflash-eval --offline: the estimate and path tau on the held-out store and on the
-   training store's held-out split), at most --parallel processes at a time.
+   time on a CPU: generation.batch_size's default), offline_heldout.json and offline_train.json
+   (dflash-eval --offline: the estimate and path tau on the held-out store and on the training
+   store's held-out split), at most --parallel processes at a time.
 6. results.md / results.json: per variant, mean +- sd over seeds.
 
 CLIs run as `python -m ...` from the repository root with PYTHONPATH=. (no console scripts needed).
@@ -59,9 +69,8 @@ DSPARK = [
 ]
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
-    "label": [
-        "--objective.anchors=label"
-    ],  # every anchor with one valid label (SpecForge HEAD's rule)
+    # every anchor with one valid label (SpecForge HEAD's rule)
+    "label": ["--objective.anchors=label"],
     "dpace": ["--objective.weights=dpace"],  # D-PACE position weights instead of exp(-(k-1)/gamma)
     "label+dpace": ["--objective.anchors=label", "--objective.weights=dpace"],
     "gamma4": ["--objective.gamma=4"],  # a faster decay: small drafters accept few tokens per block
@@ -69,7 +78,8 @@ VARIANTS: dict[str, list[str]] = {
     "ema": ["--regularise.ema=0.99"],  # ~100-step average (a run is ~500 steps)
     "noise": ["--regularise.noise=0.1"],
     "dpace+lr2x": ["--objective.weights=dpace", "--optim.lr=1.2e-3"],
-    # Muon for the linear layers' matrices (AdamW for the rest), at the recipe's lr (RMS-matched update)
+    # Muon for the linear layers' matrices (AdamW for the rest), at the recipe's lr (RMS-matched
+    # update)
     "dpace+muon": ["--objective.weights=dpace", "--optim.name=muon"],
     "dpace+lr2x+label": [
         "--objective.weights=dpace",
@@ -80,18 +90,20 @@ VARIANTS: dict[str, list[str]] = {
     # blocks on greedy serving's path (anchors after a rejection) weigh 1 + path_weight times
     "dpace+path1": ["--objective.weights=dpace", "--objective.path_weight=1"],
     "dpace+path3": ["--objective.weights=dpace", "--objective.path_weight=3"],
-    # not a recipe change: the same drafter with its layers' elementwise parts compiled (fused kernels)
+    # not a recipe change: the same drafter with its layers' elementwise parts compiled (fused
+    # kernels)
     "dpace+compile": ["--objective.weights=dpace", "--precision.compile=true"],
-    # not a recipe change either: the loss's softmax against the label's logit (one pass over the logits; in the
-    # logits matmul's epilogue): the same objective, other roundings; tau must match dpace's to become the default
+    # not a recipe change either: the loss's softmax against the label's logit (one pass over the
+    # logits; in the logits matmul's epilogue): the same objective, other roundings; tau must match
+    # dpace's to become the default
     "dpace+odds": ["--objective.weights=dpace", "--precision.loss_method=odds"],
     "dpace+odds_epilogue": ["--objective.weights=dpace", "--precision.loss_method=odds_epilogue"],
-    "prompt": [
-        "--targets.prompt_anchors=true"
-    ],  # anchors on prompt tokens too, labelled by the target's greedy token
+    # anchors on prompt tokens too, labelled by the target's greedy token
+    "prompt": ["--targets.prompt_anchors=true"],
     "dpace+prompt": ["--objective.weights=dpace", "--targets.prompt_anchors=true"],
-    # the same at fewer rows a step: at most 96 (64) anchors a sequence drawn from prompt and response, where the
-    # recipe's response-only anchors are about 60 a sequence (78 answer tokens less a block)
+    # the same at fewer rows a step: at most 96 (64) anchors a sequence drawn from prompt and
+    # response, where the recipe's response-only anchors are about 60 a sequence (78 answer tokens
+    # less a block)
     "dpace+prompt96": [
         "--objective.weights=dpace",
         "--targets.prompt_anchors=true",
@@ -104,12 +116,9 @@ VARIANTS: dict[str, list[str]] = {
     ],
     "kl": ["--targets.soft=kl"],  # the target's distribution (final states), not only its token
     # DSpark's loss mix alone on a DFlash drafter: 0.1 CE + 0.9 L1 to the target's distribution
-    # (named `dspark` before DSpark drafters had that name)
     "dspark_mix": ["--targets.soft=dspark"],
-    "dpace+tv": [
-        "--objective.weights=dpace",
-        "--targets.soft=tv",
-    ],  # total variation to the target's distribution
+    # total variation to the target's distribution
+    "dpace+tv": ["--objective.weights=dpace", "--targets.soft=tv"],
     "label+dspark_mix+prompt": [
         "--objective.anchors=label",
         "--targets.soft=dspark",
@@ -135,11 +144,12 @@ VARIANTS: dict[str, list[str]] = {
     ],
     # not at equal steps: 4x the optimiser steps over the same data (a recipe knob, reported apart)
     "batch4k": ["--data.batch_tokens=4096"],
-    # DFlash2 (convolutions around every sublayer, a candidate selector over each position's top-16), at
-    # equal data and steps, against `dpace` (the issue's bar: tau >= 1.15x, step time <= 1.25x). Its
-    # objective: D-PACE CE per position + the selector's K-way CE with the label injected into the top-k
-    # when missing (speculators' trainer) or rows without it left out (+strict, SpecForge's); D-PACE's
-    # confidence from the selector's probability (served), or the unary softmax's (+unary_dpace)
+    # DFlash2 (convolutions around every sublayer, a candidate selector over each position's
+    # top-16), at equal data and steps, against `dpace` (the issue's bar: tau >= 1.15x, step time <=
+    # 1.25x). Its objective: D-PACE CE per position + the selector's K-way CE with the label
+    # injected into the top-k when missing (speculators' trainer) or rows without it left out
+    # (+strict, SpecForge's); D-PACE's confidence from the selector's probability (served), or the
+    # unary softmax's (+unary_dpace)
     "dflash2": ["--drafter.arch=dflash2", "--objective.weights=dpace"],
     "dflash2+strict": [
         "--drafter.arch=dflash2",
@@ -155,8 +165,9 @@ VARIANTS: dict[str, list[str]] = {
     "fp8": [],
     "q4": [],
     "dpace+q4": ["--objective.weights=dpace"],  # against dpace: the codec alone changes
-    # every target layer captured and read by the drafter (its fc grows to N*H): at 4 bits they cost less
-    # than DFlash's K layers in fp8 (benchmarks/store_codecs.py's bytes table); all_layers is the bf16 twin
+    # every target layer captured and read by the drafter (its fc grows to N*H): at 4 bits they cost
+    # less than DFlash's K layers in fp8 (benchmarks/store_codecs.py's bytes table); all_layers is
+    # the bf16 twin
     "q4+all_layers": [],
     "all_layers": [],
 }
@@ -176,11 +187,11 @@ class StoreSpec(NamedTuple):
         )
 
 
-DEFAULT_STORE = (
-    StoreSpec()
-)  # stores/train: the regime's dtype, DFlash's layer ids, final states (soft targets)
-# Variants that train from another store than stores/train (a dtype equal to the regime's is stores/train
-# itself: `store_spec`); the held-out store they are evaluated on is the regime's dtype with the same layers.
+# stores/train: the regime's dtype, DFlash's layer ids, final states (soft targets)
+DEFAULT_STORE = StoreSpec()
+# Variants that train from another store than stores/train (a dtype equal to the regime's is
+# stores/train itself: `store_spec`); the held-out store they are evaluated on is the regime's dtype
+# with the same layers.
 STORES: dict[str, StoreSpec] = {
     "fp8": StoreSpec("fp8_e4m3"),
     "q4": StoreSpec("q4_hadamard"),
@@ -189,9 +200,9 @@ STORES: dict[str, StoreSpec] = {
     "all_layers": StoreSpec("bf16", all_layers=True),
 }
 
-# The published DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the store's),
-# 3 draft layers, 6 epochs, AdamW 6e-4 cosine with 4% warmup, exp(-(k-1)/gamma) position weights (stated:
-# dflash-train's default weights are now D-PACE, the `dpace` variant).
+# The published DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the
+# store's), 3 draft layers, 6 epochs, AdamW 6e-4 cosine with 4% warmup, exp(-(k-1)/gamma) position
+# weights (stated: dflash-train's default weights are D-PACE, the `dpace` variant).
 RECIPE = [
     "--drafter.block_size=16",
     "--drafter.depth=3",
@@ -206,13 +217,14 @@ RECIPE = [
     "--log.every_steps=50",
     "--log.progress=false",
 ]
-# Two regimes (--regime). "small": the 8.4M-parameter target, 5,000 training prompts, 6 epochs at 450
-# steps: a drafter that sees its data six times memorises it (held-out loss far above training loss).
-# "rich": a stronger target (~36M parameters: hidden 512, 8 heads, SwiGLU 2048, 8 layers, so the DFlash
-# layer ids stay [1..5]) on twice the corpus, ~5x the answer tokens (24,000 prompts), the same 450 steps
-# of 16K tokens, which are then ~1.1 passes over the data: the regime real drafter training is in
-# (~1B tokens, few epochs), where levers that regularise cannot pass for levers that learn. Its store is
-# fp8 (half the disk of bf16, equal tau: docs/benchmarks.md) to fit the device's 64 GiB disk.
+# Two regimes (--regime). "small": the 8.4M-parameter target, 5,000 training prompts, 6 epochs at
+# 450 steps: a drafter that sees its data six times memorises it (held-out loss far above training
+# loss). "rich": a stronger target (~36M parameters: hidden 512, 8 heads, SwiGLU 2048, 8 layers, so
+# the DFlash layer ids stay [1..5]) on twice the corpus, ~5x the answer tokens (24,000 prompts), the
+# same 450 steps of 16K tokens, which are then ~1.1 passes over the data: the regime real drafter
+# training is in (~1B tokens, few epochs), where levers that regularise cannot pass for levers that
+# learn. Its store is fp8 (half the disk of bf16, equal tau: docs/benchmarks.md) to fit the device's
+# 64 GiB disk.
 REGIMES: dict[str, dict] = {
     "small": {
         "target_args": "--compile --steps 1500 --corpus-mb 100",
@@ -221,8 +233,8 @@ REGIMES: dict[str, dict] = {
         "recipe": [],
     },
     "rich": {
-        "target_args": "--compile --hidden 512 --heads 8 --kv-heads 4 --intermediate 2048 --steps 1500 "
-        "--corpus-mb 200 --train-prompts 24000 --context-chars 400",
+        "target_args": "--compile --hidden 512 --heads 8 --kv-heads 4 --intermediate 2048 "
+        "--steps 1500 --corpus-mb 200 --train-prompts 24000 --context-chars 400",
         "train_prompts": 24000,
         "store_dtype": "fp8_e4m3",
         "recipe": ["--optim.epochs=2", "--optim.max_steps=450"],
@@ -293,7 +305,8 @@ TINY_TARGET = [
 
 
 def settings(args) -> dict:
-    """What the cached artefacts depend on (not the variants or seeds, which have their own run dirs)."""
+    """What the cached artefacts depend on (not the variants or seeds, which have their own run
+    dirs)."""
     return {
         "tiny": args.tiny,
         "regime": args.regime,
@@ -306,8 +319,8 @@ def settings(args) -> dict:
 
 
 def env(threads: int | None = None) -> dict:
-    """The children's environment; `threads` caps each child's CPU threads (OMP_NUM_THREADS, which torch
-    takes for its intra-op pool) unless the caller's environment sets it."""
+    """The children's environment; `threads` caps each child's CPU threads (OMP_NUM_THREADS, which
+    torch takes for its intra-op pool) unless the caller's environment sets it."""
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else [])
@@ -332,13 +345,15 @@ STOP_GRACE_S = 30.0  # SIGTERM first, SIGKILL this long after
 
 
 def wait_all(procs: list[tuple[subprocess.Popen, Path]], *, strict: bool = True) -> list[Path]:
-    """Wait for side-by-side processes (stopping them at the deadline); the logs of those that failed.
-    strict: one failure ends the benchmark naming its log (stages whose output every later one needs)."""
+    """Wait for side-by-side processes (stopping them at the deadline); the logs of those that
+    failed. strict: one failure ends the benchmark naming its log (stages whose output every later
+    one needs)."""
     for p, _ in procs:
         try:
             p.wait(timeout=None if DEADLINE is None else max(1.0, DEADLINE - time.time()))
         except subprocess.TimeoutExpired:
-            p.terminate()  # dflash-train saves a checkpoint at the end of its step: a rerun resumes it
+            # dflash-train saves a checkpoint at the end of its step: a rerun resumes it
+            p.terminate()
             try:
                 p.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
@@ -346,7 +361,10 @@ def wait_all(procs: list[tuple[subprocess.Popen, Path]], *, strict: bool = True)
                 p.wait()
     bad = [log for p, log in procs if p.returncode != 0]
     if bad:
-        msg = f"{len(bad)} process(es) failed or ran past the deadline; see {', '.join(map(str, bad))}"
+        msg = (
+            f"{len(bad)} process(es) failed or ran past the deadline; "
+            f"see {', '.join(map(str, bad))}"
+        )
         if strict:
             raise SystemExit(msg)
         print(msg, flush=True)
@@ -401,7 +419,8 @@ def read_prompts(path: Path, limit: int) -> list[list[dict]]:
 def greedy_batched(
     model, prompts: list[list[int]], max_new: int, stops: frozenset[int], pad: int, batch: int
 ) -> list[list[int]]:
-    """Greedy answers, left-padded batches through HF generate (training data: speed over bit-equality)."""
+    """Greedy answers, left-padded batches through HF generate (training data: speed over
+    bit-equality)."""
     import torch
 
     out, device = [], next(model.parameters()).device
@@ -477,9 +496,9 @@ def start_generate(args, data: Path) -> subprocess.Popen:
 
 
 def train_answers(args, data: Path) -> str:
-    """The training answers and heldout_prompts.jsonl (messages, for dflash-eval) in `data`: data/generated/
-    by dflash-generate (returned: "generated"), or train.jsonl token records by batched HF generate
-    ("train.jsonl") when asked or when dflash-generate failed."""
+    """The training answers and heldout_prompts.jsonl (messages, for dflash-eval) in `data`:
+    data/generated/ by dflash-generate (returned: "generated"), or train.jsonl token records by
+    batched HF generate ("train.jsonl") when asked or when dflash-generate failed."""
     target, t0 = args.work / "target", time.perf_counter()
     with open(data / "heldout_prompts.jsonl", "w") as f:
         f.writelines(
@@ -498,7 +517,8 @@ def train_answers(args, data: Path) -> str:
             job.kill()
             job.wait()
         print(
-            f"dflash-generate failed or took over {args.generate_timeout_s:.0f} s (see logs/generate.log); "
+            f"dflash-generate failed or took over {args.generate_timeout_s:.0f} s "
+            "(see logs/generate.log); "
             "training answers by batched HF generate instead",
             flush=True,
         )
@@ -513,7 +533,8 @@ def train_answers(args, data: Path) -> str:
 
 
 def load_target(args):
-    """The target in float32 on the benchmark's device, its tokenizer, stop ids and chat template."""
+    """The target in float32 on the benchmark's device, its tokenizer, stop ids and chat
+    template."""
     import torch
 
     from dflash_common.chat import ChatTemplate
@@ -542,7 +563,8 @@ def precompute_command(
         "--out",
         str(store),
         f"--target.path={args.work / 'target'}",
-        f"--store.final_state={'true' if store.name == 'train' else 'false'}",  # soft-target variants
+        # final states for the soft-target variants
+        f"--store.final_state={'true' if store.name == 'train' else 'false'}",
         f"--data.inputs={json.dumps([str(records)])}",
         "--target.dtype=fp32",
         f"--store.dtype={spec.dtype or base_dtype(args)}",
@@ -615,7 +637,8 @@ def training_stores(args) -> list[tuple[str, StoreSpec]]:
 
 def stage_data(args) -> None:
     """The target answers the training prompts (dflash-generate), then the training stores: the
-    default one and the chosen variants' own (another dtype, every layer), precomputed side by side."""
+    default one and the chosen variants' own (another dtype, every layer), precomputed side by
+    side."""
     data, want = args.work / "data", data_settings(args)
     if matches(data / "manifest.json", want):
         print(f"{data}: data with these settings is there; skipping")
@@ -728,9 +751,8 @@ def train_command(args, variant: str, seed: int) -> list[str]:
 
 
 def stage_drafters(args) -> None:
-    data = (
-        args.work / "data"
-    )  # the training stores (the data stage makes them; here for variants added since)
+    # the training stores (the data stage makes them; here for variants added since)
+    data = args.work / "data"
     records = data / json.loads((data / "manifest.json").read_text())["train_input"]
     build_stores(args, records, data_settings(args), training_stores(args))
     procs = []
@@ -741,13 +763,12 @@ def stage_drafters(args) -> None:
             if matches(out / "bench_manifest.json", {"command": cmd[1:]}):
                 continue
             procs.append((launch(cmd, out.parent / f"train-seed-{seed}.log"), out, cmd))
-    bad = wait_all(
+    wait_all(
         [(p, out.parent / f"train-seed-{out.name[5:]}.log") for p, out, _ in procs], strict=False
     )
     for p, out, cmd in procs:
-        if (
-            p.returncode == 0 and (out / "drafter").is_dir()
-        ):  # a run stopped at the deadline has none
+        # a run stopped at the deadline has no drafter
+        if p.returncode == 0 and (out / "drafter").is_dir():
             write_manifest(out / "bench_manifest.json", {"command": cmd[1:]})
     if procs and all(not (out / "drafter").is_dir() for _, out, _ in procs):
         raise SystemExit("every training run failed")
@@ -761,8 +782,9 @@ def heldout_store(args, out: Path) -> Path:
 
 
 def eval_commands(args, out: Path) -> dict[str, list[str]]:
-    """The reports of one run (out = runs/VARIANT/seed-S): offline_train reads the run's own training
-    store (its trainer's held-out split), offline_heldout the held-out store of its layers."""
+    """The reports of one run (out = runs/VARIANT/seed-S): offline_train reads the run's own
+    training store (its trainer's held-out split), offline_heldout the held-out store of its
+    layers."""
     target, data = args.work / "target", args.work / "data"
     common = [
         sys.executable,
@@ -806,7 +828,8 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
 
 
 def stage_eval(args) -> None:
-    """Every run's reports, at most --parallel processes at a time, the quick offline figures first."""
+    """Every run's reports, at most --parallel processes at a time, the quick offline figures
+    first."""
     todo = []
     for name in args.evals:
         for variant in args.variants:
@@ -825,8 +848,8 @@ def stage_eval(args) -> None:
             todo and len(running) < args.parallel and (DEADLINE is None or time.time() < DEADLINE)
         ):
             cmd, log = todo.pop(0)
-            # the cores shared out: two evaluations each with every core's threads ran 10x slower on 2
-            # cores (OpenMP threads contending) than with one thread each
+            # the cores shared out: two evaluations each with every core's threads ran 10x slower
+            # on 2 cores (OpenMP threads contending) than with one thread each
             running.append(
                 (launch(cmd, log, threads=max(1, (os.cpu_count() or 1) // args.parallel)), log)
             )
@@ -838,9 +861,8 @@ def stage_eval(args) -> None:
         done += finished
         if DEADLINE is not None and time.time() >= DEADLINE:
             break
-    wait_all(
-        running + done, strict=False
-    )  # stops what still runs at the deadline, names the failures
+    # stops what still runs at the deadline, names the failures
+    wait_all(running + done, strict=False)
 
 
 # ---------------------------------------------------------------- 5. table
@@ -851,7 +873,8 @@ def _report(path: Path) -> dict:
 
 
 def one_run(out: Path) -> dict:
-    """The figures of one training run, from its reports and metrics (None for a report not written)."""
+    """The figures of one training run, from its reports and metrics (None for a report not
+    written)."""
     ev, held, train = (
         _report(out / f"{n}.json") for n in ("eval", "offline_heldout", "offline_train")
     )
@@ -943,7 +966,8 @@ def stage_table(args) -> None:
     print(table)
     per_seed = [
         "",
-        "| variant | seed | tau | pooled tau | path tau (held-out) | offline est. (held-out) | tok/s |",
+        "| variant | seed | tau | pooled tau | path tau (held-out) | offline est. (held-out) "
+        "| tok/s |",
         "|---|---|---|---|---|---|---|",
     ]
     for v, runs in results.items():
@@ -1032,8 +1056,8 @@ def parse(argv=None):
     p.add_argument(
         "--evals",
         default="offline_heldout,eval,offline_train",
-        help="the eval stage's reports, in this order: offline_heldout (path tau and the estimate on "
-        "the held-out store), eval (dflash-eval), offline_train (the training store's split)",
+        help="the eval stage's reports, in this order: offline_heldout (path tau and the estimate "
+        "on the held-out store), eval (dflash-eval), offline_train (the training store's split)",
     )
     p.add_argument(
         "--generate-timeout-s",
@@ -1059,7 +1083,8 @@ def parse(argv=None):
     args.evals = [e for e in args.evals.split(",") if e]
     if set(args.evals) - {"offline_heldout", "eval", "offline_train"}:
         p.error(
-            f"--evals: unknown report(s) {sorted(set(args.evals) - {'offline_heldout', 'eval', 'offline_train'})}"
+            "--evals: unknown report(s) "
+            f"{sorted(set(args.evals) - {'offline_heldout', 'eval', 'offline_train'})}"
         )
     if (
         args.tiny

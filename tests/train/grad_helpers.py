@@ -1,5 +1,6 @@
 """Two real batches of the tiny store and a drafter, for the gradient-accumulation tests; run as a
-script under torchrun (gloo), each rank trains one of the two batches and rank 0 saves the gradients."""
+script under torchrun (gloo), each rank trains one of the two batches and rank 0 saves the
+gradients."""
 
 from __future__ import annotations
 

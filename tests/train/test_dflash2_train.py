@@ -249,7 +249,8 @@ def test_two_ranks_average_the_selectors_gradients_too(
 
 
 def test_soft_targets_train_a_dflash2_drafter(tiny_store_final, tiny_target, tmp_path):
-    """The soft loss hands over no top-k: the selector's candidates come from a pass of their own."""
+    """The soft loss hands over no top-k: the selector's candidates come from a pass of their
+    own."""
     main(
         _args(
             tiny_store_final,

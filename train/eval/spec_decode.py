@@ -1,11 +1,12 @@
-"""Speculative decoding, one prompt at a time: the drafter proposes, the target verifies in one forward.
+"""Speculative decoding, one prompt at a time: the drafter proposes, the target verifies in one
+forward.
 
 One draft-verify cycle, at `start` = the position of the last committed token (the *anchor*, whose
 keys/values are not yet in the target's cache):
 
-    drafts  = drafter.propose(new context, anchor, start, B-1)          # tokens for start+1 .. start+B-1
+    drafts  = drafter.propose(new context, anchor, start, B-1)  # tokens for start+1 .. start+B-1
     logits  = target([anchor, drafts...] at positions start .. start+B-1, KV cache)
-    accepted, next = accept(drafts, logits)                             # longest agreeing prefix + 1 token
+    accepted, next = accept(drafts, logits)                     # longest agreeing prefix + 1 token
     commit drafts[:accepted] + [next]; crop the cache to start+accepted+1; next becomes the anchor
 
 The loop and its counting are the DFlash authors' (z-lab/dflash `dflash/model.py`, `spec_generate`):
@@ -14,9 +15,9 @@ runs while the anchor's position is below the length limit (`while start < max_l
 cycle may emit only tokens past the limit, and stops after the first cycle whose output holds a stop
 token (a prefill token that is one still gets its cycle); the output is then cut at the limit and
 after the first stop token. The prefill's token is not a cycle. Beside those uncut counts
-(`Decoded.acceptance_lengths`, the authors' tau), `Decoded.emitted` holds what each cycle contributes
-to the cut output, cycles that contribute nothing dropped: it differs only in the last cycle, and it
-is what a replay from stored responses can reproduce exactly (train/path_tau.py).
+(`Decoded.acceptance_lengths`, the authors' tau), `Decoded.emitted` holds what each cycle
+contributes to the cut output, cycles that contribute nothing dropped: it differs only in the last
+cycle, and it is what a replay from stored responses can reproduce exactly (train/path_tau.py).
 
 A drafter only ever sees *committed* context (features of the anchor and the accepted drafts of the
 previous cycle), so it never has to roll back: it keeps the context keys/values it has seen and
@@ -25,9 +26,9 @@ forgets its block's own after each proposal.
 Acceptance rules (`accept`):
 - temperature 0: accept the longest prefix of drafts equal to the target's argmax, then the target's
   argmax at the first disagreement (or after the last draft). The output equals greedy decoding.
-- temperature > 0: standard speculative sampling (Leviathan et al.; Chen et al.): accept draft x with
-  probability min(1, p(x)/q(x)), on rejection sample from norm(max(p - q, 0)). DFlash drafts are
-  greedy even when the target samples, so q is a point mass on x (q(x) = 1), which gives:
+- temperature > 0: standard speculative sampling (Leviathan et al.; Chen et al.): accept draft x
+  with probability min(1, p(x)/q(x)), on rejection sample from norm(max(p - q, 0)). DFlash drafts
+  are greedy even when the target samples, so q is a point mass on x (q(x) = 1), which gives:
     accept x with probability p(x); on rejection sample from p with x removed, renormalised.
   The emitted token is then distributed as p: P(x) = p(x), and for y != x,
   P(y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y). p is the target's distribution after temperature,
@@ -60,9 +61,10 @@ class Drafter(Protocol):
     def propose(
         self, context: torch.Tensor, anchor: int, start: int, num_drafts: int
     ) -> torch.Tensor:
-        """`context` [n, K*H]: target features (layer outputs of `layer_ids`, concatenated) at positions
-        start-n .. start-1, all committed and never handed over before. `anchor` is the token at
-        `start`. Returns `num_drafts` token ids (long) for positions start+1 .. start+num_drafts."""
+        """`context` [n, K*H]: target features (layer outputs of `layer_ids`, concatenated) at
+        positions start-n .. start-1, all committed and never handed over before. `anchor` is the
+        token at `start`. Returns `num_drafts` token ids (long) for positions
+        start+1 .. start+num_drafts."""
 
 
 GREEDY = Sampling()
@@ -70,7 +72,8 @@ GREEDY = Sampling()
 
 @dataclass
 class Decoded:
-    """One prompt's decoding: new tokens (the prefill's first) and the acceptance length of each cycle."""
+    """One prompt's decoding: new tokens (the prefill's first) and the acceptance length of each
+    cycle."""
 
     tokens: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted + 1 per cycle, uncut
@@ -116,7 +119,8 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(self, tokens, start: int, cache, *, features: bool, last_only: bool = False):
-        """tokens at positions start.. -> (float32 logits [n or 1, V], features [n, K*H] or None)."""
+        """tokens at positions start.. -> (float32 logits [n or 1, V], features [n, K*H] or
+        None)."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)[None]  # [1, n]
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         want_states = features and bool(self.layer_ids)
@@ -204,8 +208,9 @@ def accept(drafts, logits, s: Sampling, generator) -> tuple[int, int]:
 
 
 def emitted_lengths(starts: Sequence[int], lengths: Sequence[int], end: int) -> list[int]:
-    """Per cycle (anchor at `starts[i]`, `lengths[i]` tokens committed after it) the tokens that land
-    before `end`, the position after the cut output's last token; cycles with none are dropped."""
+    """Per cycle (anchor at `starts[i]`, `lengths[i]` tokens committed after it) the tokens that
+    land before `end`, the position after the cut output's last token; cycles with none are
+    dropped."""
     out = [min(n, end - 1 - s) for s, n in zip(starts, lengths)]
     return [n for n in out if n > 0]
 

@@ -1,20 +1,22 @@
 """Speculative decoding through vLLM (`dflash-eval --engine vllm`, `make serve-check`).
 
-vLLM runs in a child process per engine (`python -m train.eval.vllm_engine REQUEST.json RESULT.json`):
-`LLM(...)` spawns its engine core, so the caller needs a `__main__` guard, and a process holds one
-engine. Prompts are decoded one at a time, greedy, in float32, so that vLLM's cumulative counters
-(`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`, read
-with `disable_log_stats=False`) give every prompt's own drafts and accepted tokens: a prompt's tau is
-1 + accepted / drafts (its mean over cycles), the pooled tau 1 + sum accepted / sum drafts, and the
-histogram of tokens per cycle follows from the per-position counts (a cycle emits k + 1 tokens when
-exactly k drafts are accepted). vLLM drafts whole blocks and counts every cycle uncut, as the DFlash
-authors' loop (train/eval/spec_decode.py) does, but it ends a prompt sooner: it runs a cycle only while
-fewer than max_new_tokens tokens are out (the authors' loop also runs one when exactly that many are)
-and none after a stop token from the prefill. `expected_counters` turns our engine's cycles into the
-counters vLLM must then report.
+vLLM runs in a child process per engine
+(`python -m train.eval.vllm_engine REQUEST.json RESULT.json`): `LLM(...)` spawns its engine core, so
+the caller needs a `__main__` guard, and a process holds one engine. Prompts are decoded one at a
+time, greedy, in float32, so that vLLM's cumulative counters (`vllm:spec_decode_num_drafts`,
+`..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`, read with `disable_log_stats=False`)
+give every prompt's own drafts and accepted tokens: a prompt's tau is 1 + accepted / drafts (its
+mean over cycles), the pooled tau 1 + sum accepted / sum drafts, and the histogram of tokens per
+cycle follows from the per-position counts (a cycle emits k + 1 tokens when exactly k drafts are
+accepted). vLLM drafts whole blocks and counts every cycle uncut, as the DFlash authors' loop
+(train/eval/spec_decode.py) does, but it ends a prompt sooner: it runs a cycle only while fewer than
+max_new_tokens tokens are out (the authors' loop also runs one when exactly that many are) and none
+after a stop token from the prefill. `expected_counters` turns our engine's cycles into the counters
+vLLM must then report.
 
-On a CPU: vLLM's CPU attention takes head_dim 64 (not 16), its V1 runner serves drafters whose layers
-are all full or all sliding (mixed ones need VLLM_USE_V2_MODEL_RUNNER=1, which needs triton-cpu).
+On a CPU: vLLM's CPU attention takes head_dim 64 (not 16), its V1 runner serves drafters whose
+layers are all full or all sliding (mixed ones need VLLM_USE_V2_MODEL_RUNNER=1, which needs
+triton-cpu).
 
 DSpark drafters (request "method": "dspark", num_speculative_tokens = B) and DFlash2 drafters
 (method "dflash", architectures ["DFlash2DraftModel"]) run in vLLM's V2 model runner only, which the
@@ -86,9 +88,9 @@ def expected_counters(
     max_new_tokens: int,
     stop_ids: Collection[int],
 ) -> dict:
-    """The counters vLLM reports for a prompt that our engine decoded in these cycles (accepted + 1 each,
-    uncut, as `Decoded.acceptance_lengths`; `first_token` is the prefill's): the same cycles, cut where
-    vLLM stops. `per_pos[k]`: cycles whose draft k + 1 was accepted."""
+    """The counters vLLM reports for a prompt that our engine decoded in these cycles (accepted + 1
+    each, uncut, as `Decoded.acceptance_lengths`; `first_token` is the prefill's): the same cycles,
+    cut where vLLM stops. `per_pos[k]`: cycles whose draft k + 1 was accepted."""
     kept, emitted = [], 1  # the prefill's token is out before any cycle
     if first_token not in stop_ids:
         for n in acceptance_lengths:
@@ -101,8 +103,9 @@ def expected_counters(
 
 
 def serve(request: dict) -> dict:
-    """Run one engine over `request` (target, drafter or None, num_speculative_tokens, prompts as token
-    ids, max_new_tokens, stop_ids, max_model_len); per prompt: tokens, seconds and spec counters."""
+    """Run one engine over `request` (target, drafter or None, num_speculative_tokens, prompts as
+    token ids, max_new_tokens, stop_ids, max_model_len); per prompt: tokens, seconds and spec
+    counters."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
     _prepare_runner(request)
@@ -173,8 +176,8 @@ def _prepare_runner(request: dict) -> None:
 def run_engine(
     request: dict, workdir: Path, name: str, python: str = sys.executable, timeout: float = 1800
 ) -> dict:
-    """`serve(request)` in a child process (its log in workdir/name.log); raises RuntimeError naming the
-    log when vLLM fails (e.g. it refuses the drafter)."""
+    """`serve(request)` in a child process (its log in workdir/name.log); raises RuntimeError naming
+    the log when vLLM fails (e.g. it refuses the drafter)."""
     workdir.mkdir(parents=True, exist_ok=True)
     req, res, log = (
         workdir / f"{name}.request.json",
@@ -203,7 +206,8 @@ def run_engine(
 def summarize_engine(
     spec: dict, base: dict | None, block_size: int, names: list[str], prompt_lens: list[int]
 ) -> dict:
-    """The dflash-eval report's numbers from vLLM's per-prompt counters (see the module docstring)."""
+    """The dflash-eval report's numbers from vLLM's per-prompt counters (see the module
+    docstring)."""
     rows = spec["prompts"]
     drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
     taus = [1 + r["accepted"] / r["drafts"] for r in rows if r["drafts"]]
