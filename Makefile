@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# ruff (pinned in the test extra, configured in pyproject.toml): the format and the lint first, then
+# the tests
 test: $(STAMP)
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
