@@ -1,5 +1,4 @@
-"""Helpers of the fault tests (no tests here): damaging a store the ways disks and people do, and
-the arguments of short dflash-train runs on the tiny target."""
+"""Helpers of the fault tests (no tests here): damaging a store the ways disks and people do."""
 
 from __future__ import annotations
 
@@ -50,27 +49,6 @@ def copy_store(src: Path, dst: Path) -> Path:
 
 def shard_names(store: Path) -> list[str]:
     return sorted(p.name for p in (store / "shards").iterdir() if p.is_dir())
-
-
-def train_args(store, target, out, *extra: str) -> list[str]:
-    """A short, quiet dflash-train run on the tiny target (block 4, one draft layer, fp32)."""
-    return [
-        "--config",
-        str(ROOT / "configs" / "tiny.toml"),
-        "--store",
-        str(store),
-        "--out",
-        str(out),
-        f"--run.target={target}",
-        "--data.batch_tokens=1024",
-        "--data.holdout_sequences=4",
-        "--drafter.block_size=4",
-        "--objective.max_anchors=8",
-        "--log.every_steps=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
-        *extra,
-    ]
 
 
 def train_cmd(*args: str) -> list[str]:

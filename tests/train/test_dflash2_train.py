@@ -23,6 +23,7 @@ from dflash_common.drafter.export import export, load_drafter
 from dflash_common.drafter.record import read_drafter_config
 from dflash_common.errors import UserError
 from dflash_common.drafter.target_head import load_target_head
+from train_helpers import train_args
 from train.checkpoint import complete_checkpoints
 from train.cli import main, parse
 from train.eval.load import load_proposer
@@ -35,24 +36,7 @@ DFLASH2 = ["--drafter.arch=dflash2", "--drafter.selector_rank=16", "--drafter.se
 
 
 def _args(store, target, out, *extra):
-    return [
-        "--config",
-        str(ROOT / "configs" / "tiny.toml"),
-        "--store",
-        str(store),
-        "--out",
-        str(out),
-        f"--run.target={target}",
-        "--data.batch_tokens=1024",
-        "--data.holdout_sequences=4",
-        "--drafter.block_size=4",
-        "--objective.max_anchors=8",
-        "--log.every_steps=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
-        *DFLASH2,
-        *extra,
-    ]
+    return train_args(store, target, out, *DFLASH2, *extra)
 
 
 def _curve(run_dir):

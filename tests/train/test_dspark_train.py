@@ -25,6 +25,7 @@ from dflash_common.drafter.arch import config_class, new_drafter
 from dflash_common.drafter.objective import AcceptanceCounts, default_gamma, dpace_weights
 from dflash_common.drafter.target_head import load_target_head
 from dflash_common.store import Store
+from train_helpers import train_args
 from train.checkpoint import complete_checkpoints
 from train.cli import parse
 from train.config import TrainConfig
@@ -194,25 +195,8 @@ def _reference(drafter, batch, weights_kind, soft, label, detach, conf_weight, a
 
 
 def _args(store, target, out, *extra):
-    return [
-        "--config",
-        str(ROOT / "configs" / "tiny.toml"),
-        "--store",
-        str(store),
-        "--out",
-        str(out),
-        f"--run.target={target}",
-        "--data.batch_tokens=1024",
-        "--data.holdout_sequences=4",
-        f"--drafter.block_size={BLOCK}",
-        "--drafter.arch=dspark",
-        f"--drafter.markov_rank={RANK}",
-        "--objective.max_anchors=8",
-        "--log.every_steps=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
-        *extra,
-    ]
+    dspark = ["--drafter.arch=dspark", f"--drafter.markov_rank={RANK}"]
+    return train_args(store, target, out, *dspark, *extra, block_size=BLOCK)
 
 
 def _curve(run_dir):

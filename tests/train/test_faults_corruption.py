@@ -31,10 +31,9 @@ from fault_helpers import (
     corrupt,
     shard_names,
     subprocess_env,
-    train_args,
     train_cmd,
 )
-from train_helpers import write_tiny_store
+from train_helpers import train_args, write_tiny_store
 
 
 @pytest.fixture(scope="module")

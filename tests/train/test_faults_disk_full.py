@@ -9,7 +9,7 @@ import errno
 import json
 
 import pytest
-from fault_helpers import train_args
+from train_helpers import train_args
 
 import train.checkpoint as checkpoint
 import train.loop as loop

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import torch
-from fault_helpers import ROOT, subprocess_env, train_args, train_cmd
+from fault_helpers import ROOT, subprocess_env, train_cmd
+from train_helpers import train_args
 from safetensors.torch import load_file
 
 import train.loop as loop

@@ -22,7 +22,8 @@ from dflash_common.tiny import MASK_TOKEN, TinySpec, build_tiny_target
 from train.checkpoint import complete_checkpoints
 from train.cli import main as train_main
 
-from fault_helpers import copy_store, train_args
+from fault_helpers import copy_store
+from train_helpers import train_args
 from train_helpers import write_tiny_store
 
 

@@ -16,7 +16,8 @@ from train import loop
 from train.cli import main as train_main
 from train.cli import parse
 
-from fault_helpers import ROOT, copy_store, shard_names, train_args
+from fault_helpers import ROOT, copy_store, shard_names
+from train_helpers import train_args
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from train.cli import parse
 from train.metrics import read_metrics
 from train.resume import changed_settings
 
-from fault_helpers import train_args
+from train_helpers import train_args
 
 STEPS = [
     "--optim.max_steps=4",

@@ -25,29 +25,12 @@ from train.cli import main, parse
 from train.config import TrainConfig
 from train.eval.offline import evaluate_offline
 from train.metrics import read_metrics
-from train_helpers import write_tiny_store
+from train_helpers import write_tiny_store, train_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _args(store, target, out, *extra):
-    return [
-        "--config",
-        str(ROOT / "configs" / "tiny.toml"),
-        "--store",
-        str(store),
-        "--out",
-        str(out),
-        f"--run.target={target}",
-        "--data.batch_tokens=1024",
-        "--data.holdout_sequences=4",
-        "--drafter.block_size=4",
-        "--objective.max_anchors=8",
-        "--log.every_steps=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
-        *extra,
-    ]
+_args = train_args
 
 
 def _cfg(*args) -> TrainConfig:

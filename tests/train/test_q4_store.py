@@ -14,7 +14,7 @@ import train.loop as loop
 from train.cli import main, parse
 from train.metrics import read_metrics
 
-from train_helpers import write_tiny_store
+from train_helpers import write_tiny_store, train_args
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -25,25 +25,15 @@ CLOSE = 0.005
 
 
 def _args(stores, target, out, *extra):
-    return [
-        "--config",
-        str(ROOT / "configs" / "tiny.toml"),
-        *[a for s in stores for a in ("--store", str(s))],
-        "--out",
-        str(out),
-        f"--run.target={target}",
-        "--data.batch_tokens=1024",
-        "--data.holdout_sequences=4",
-        "--drafter.block_size=4",
-        "--objective.max_anchors=8",
-        "--log.every_steps=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
+    return train_args(
+        stores,
+        target,
+        out,
         f"--optim.max_steps={STEPS}",
         "--data.gpu_prefetch=0",
         "--validation.every_steps=0",
         *extra,
-    ]
+    )
 
 
 def _losses(run: Path) -> list[float]:

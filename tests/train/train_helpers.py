@@ -92,3 +92,25 @@ def write_tiny_store(
         digest = hashlib.sha256("\n".join(sample_ids).encode()).hexdigest()
         writer.write_shard(shard_name(unit, digest), payload)
     return path
+
+
+def train_args(stores, target, out, *extra: str, block_size: int = 4) -> list[str]:
+    """A short, quiet dflash-train run on the tiny target (one draft layer, fp32) from one store
+    or a list of them; `extra` overrides come last."""
+    stores = stores if isinstance(stores, (list, tuple)) else [stores]
+    return [
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        *[a for s in stores for a in ("--store", str(s))],
+        "--out",
+        str(out),
+        f"--run.target={target}",
+        "--data.batch_tokens=1024",
+        "--data.holdout_sequences=4",
+        f"--drafter.block_size={block_size}",
+        "--objective.max_anchors=8",
+        "--log.every_steps=1",
+        "--log.progress=false",
+        "--log.tensorboard=false",
+        *extra,
+    ]
