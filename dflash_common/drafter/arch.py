@@ -38,14 +38,20 @@ def config_class(arch: str) -> type[DrafterConfig]:
     return ARCHS[arch][0]
 
 
-def config_from_json(data: Mapping[str, Any]) -> DrafterConfig:
-    """The config of a released config.json, of the class its `architectures` names (DFlash's when
-    it names none we know: that reader then says what it expected)."""
+def class_of_json(data: Mapping[str, Any]) -> type[DrafterConfig]:
+    """The config class a released config.json's `architectures` names (DFlash's when it names none
+    we know), without reading the rest of it."""
     names = data.get("architectures") or []
     for config_cls, _ in ARCHS.values():
         if config_cls.ARCHITECTURE in names:
-            return config_cls.from_config_json(data)
-    return DrafterConfig.from_config_json(data)
+            return config_cls
+    return DrafterConfig
+
+
+def config_from_json(data: Mapping[str, Any]) -> DrafterConfig:
+    """The config of a released config.json, of the class its `architectures` names (DFlash's when
+    it names none we know: that reader then says what it expected)."""
+    return class_of_json(data).from_config_json(data)
 
 
 def new_drafter(cfg: DrafterConfig) -> DFlashDrafter:

@@ -161,10 +161,11 @@ def _prepare_runner(request: dict) -> None:
 
     v2 = bool(request.get("triton_interpreter"))
     if request.get("drafter"):
-        from dflash_common.drafter.arch import config_from_json
+        # only the class: what vLLM makes of the rest of the config is what a serving check tests
+        from dflash_common.drafter.arch import class_of_json
 
         config = json.loads((Path(request["drafter"]) / "config.json").read_text())
-        v2 = v2 or config_from_json(config).V2_RUNNER
+        v2 = v2 or class_of_json(config).V2_RUNNER
     if v2:
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     if request.get("triton_interpreter") or (v2 and not torch.cuda.is_available()):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_common.config import ConfigError
-from dflash_common.drafter.arch import config_class, config_from_json, new_drafter
+from dflash_common.drafter.arch import class_of_json, config_class, config_from_json, new_drafter
 from dflash_common.drafter.dspark import DSparkConfig, DSparkDrafter, confident_prefix
 from dflash_common.drafter.model import DFlashDrafter
 
@@ -83,6 +83,19 @@ def test_config_json_without_the_markov_rank_or_with_another_head_is_refused(tin
     assert config_from_json(absent).confidence_head is False  # vLLM's defaults: no head
     with pytest.raises(ConfigError, match="unknown"):
         config_class("medusa")
+
+
+def test_the_class_of_a_config_json_is_read_from_its_architectures_alone(tiny_target):
+    """The vLLM engine picks its model runner by the class before vLLM reads the config: a config
+    our reader would refuse (no rope theta) still names its class, so vLLM's own refusal or
+    behaviour is what a serving check sees."""
+    data = dspark_config(tiny_target).to_config_json()
+    data.pop("rope_theta", None)
+    data.pop("rope_parameters", None)
+    with pytest.raises(ConfigError, match="rope_theta"):
+        config_from_json(data)
+    assert class_of_json(data) is DSparkConfig and DSparkConfig.V2_RUNNER
+    assert class_of_json({}) is config_class("dflash")
 
 
 @pytest.mark.parametrize("with_markov", [True, False])
