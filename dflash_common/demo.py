@@ -168,9 +168,9 @@ def summary(
     )
     nan = float("nan")
     print(
-        f"  training run  {rel(run)}  final loss {train.get('loss', nan):.3f}, "
-        f"accuracy {train.get('acc', nan):.3f};"
-        f" held out: loss {val.get('loss', nan):.3f}, estimated tau {val.get('tau', nan):.2f}"
+        f"  training run  {rel(run)}  final cross-entropy {train.get('ce', nan):.3f}, "
+        f"accuracy {train.get('acc', nan):.3f}; held out: cross-entropy {val.get('ce', nan):.3f}, "
+        f"accuracy {val.get('acc', nan):.3f}, estimated tau {val.get('tau', nan):.2f}"
     )
     print(
         f"  picture       {rel(run / 'report.png')}  "

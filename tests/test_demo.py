@@ -17,10 +17,11 @@ FIGURES = {
     "generated_tokens": (r"generated .* (\d+) answers of the target, ([\d,]+) tokens", 2, "tokens"),
     "shards": (r"store .* ([\d,]+) tokens in (\d+) shards", 2, "count"),
     "store_tokens": (r"store .* ([\d,]+) tokens in (\d+) shards", 1, "tokens"),
-    "final_loss": (r"final loss (\d+\.\d+), accuracy (\d+\.\d+)", 1, "loss"),
-    "final_accuracy": (r"final loss (\d+\.\d+), accuracy (\d+\.\d+)", 2, "accuracy"),
-    "heldout_loss": (r"held out: loss (\d+\.\d+), estimated tau (\d+\.\d+)", 1, "loss"),
-    "heldout_tau": (r"held out: loss (\d+\.\d+), estimated tau (\d+\.\d+)", 2, "tau"),
+    "final_ce": (r"final cross-entropy (\d+\.\d+), accuracy (\d+\.\d+)", 1, "loss"),
+    "final_accuracy": (r"final cross-entropy (\d+\.\d+), accuracy (\d+\.\d+)", 2, "accuracy"),
+    "heldout_ce": (r"held out: cross-entropy (\d+\.\d+), accuracy (\d+\.\d+)", 1, "loss"),
+    "heldout_accuracy": (r"held out: cross-entropy (\d+\.\d+), accuracy (\d+\.\d+)", 2, "accuracy"),
+    "heldout_tau": (r"held out: .* estimated tau (\d+\.\d+)", 1, "tau"),
     "eval_tau": (r"eval .* tau (\d+\.\d+) \(block 8\)", 1, "tau"),
 }
 # How far a figure may stray from the README's. The demo is deterministic on a CPU: one machine

@@ -154,7 +154,7 @@ def total_steps(cfg: TrainConfig, data: TrainData) -> int:
 
 
 # Layout of the per-step sums kept on the device between logging steps (one all_reduce per log).
-_LOSS, _WEIGHT, _TOKENS, _GNORM, _WAIT, _N = range(6)
+_LOSS, _WEIGHT, _CE, _CE_ROWS, _TOKENS, _GNORM, _WAIT, _N = range(8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +275,7 @@ def _accumulate(
             add_feature_noise(batch.features, drafter.cfg.hidden_size, cfg.regularise.noise, gen)
         last = micro == accum - 1
         sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        found: dict[str, torch.Tensor] = {}
         with sync:
             loss_sum, weight, batch_counts = batch_objective(
                 drafter,
@@ -290,11 +291,13 @@ def _accumulate(
                 path_weight=objective.path_weight,
                 loss_method=cfg.precision.loss_method,
                 objective=objective,
+                extras=found,
             )
             loss_sum.backward()
         weight_sum += weight.detach().double()
         sums[_LOSS] += loss_sum.detach().double()
         sums[_WEIGHT] += weight.double()
+        sums[_CE : _CE_ROWS + 1] += found["ce"]
         sums[_TOKENS] += batch.tokens
         sums[_WAIT] += batch.data_wait_s
         counts += batch_counts
@@ -351,6 +354,7 @@ class LogInterval:
             "step": step,
             "epoch": epoch + 1,  # from 1: the last step of a 4-epoch run is in epoch 4
             "loss": figures["loss"],
+            "ce": float(sums[_CE] / sums[_CE_ROWS]) if sums[_CE_ROWS] else math.nan,
             "acc": figures["acc"],
             "acc_by_pos": figures["acc_by_pos"],
             "tau": figures["tau"],

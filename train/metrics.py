@@ -46,13 +46,19 @@ def format_train_line(
     epoch = f"{r['epoch']}/{epochs}" if epochs else f"{r['epoch']}"
     return (
         f"step {r['step']}/{total_steps}{_window(r, every_steps, resumed_at)} | ep {epoch} | "
-        f"loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
+        f"loss {r['loss']:.4f}{_ce(r)} | acc {r['acc']:.3f} | "
         f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f} | lr {r['lr']:.1e} | "
         f"gnorm {r['grad_norm']:.2f} | {r['tok_s'] / 1e3:.1f}k tok/s | "
         f"wait {r['data_wait_ms']:.1f} ms | "
         f"cache {100 * r['cache_hit_rate']:.0f}% | mem {mem}"
         + (f" | {r['bad_shards']} bad shard(s) skipped" if r.get("bad_shards") else "")
     )
+
+
+def _ce(r: dict[str, Any]) -> str:
+    """' | ce X': the CE of every block position alike, which train and val lines share (the loss
+    is each one's own weighting)."""
+    return f" | ce {r['ce']:.4f}" if r.get("ce") is not None else ""
 
 
 def _window(r: dict[str, Any], every_steps: int | None, resumed_at: int) -> str:
@@ -66,7 +72,7 @@ def _window(r: dict[str, Any], every_steps: int | None, resumed_at: int) -> str:
 
 def format_val_line(r: dict[str, Any]) -> str:
     return (
-        f"val  step {r['step']} | loss {r['loss']:.4f} | acc {r['acc']:.3f} | "
+        f"val  step {r['step']} | loss {r['loss']:.4f}{_ce(r)} | acc {r['acc']:.3f} | "
         f"acc@k {_positions(r['acc_by_pos'])} | tau {r['tau']:.2f}"
         + (f" | path tau {r['path_tau']:.2f}" if r.get("path_tau") is not None else "")
         + (

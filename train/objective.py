@@ -52,6 +52,14 @@ def block_counts(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     )
 
 
+def unweighted_ce(ce_rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """float64 [2] on the device: (sum of the valid rows' CE, their number). Their quotient is the
+    CE of every labelled block position alike, whatever the objective weighs: what a training
+    interval and validation both report as `ce`, so the two compare."""
+    ce = torch.where(valid, ce_rows.detach().float(), 0.0)
+    return torch.stack([ce.sum(), valid.sum()]).double()
+
+
 def batch_objective(
     drafter: DFlashDrafter,
     model: torch.nn.Module,
@@ -85,9 +93,10 @@ def batch_objective(
     `selector_stop_gradient`: loss/selector.py) under the same row weights; its counts are the
     served walk's; D-PACE's confidence is the served proposal's probability of the label
     (`dpace_confidence` = 'served': the selector's, 0 when the label is not a candidate) or the
-    unary softmax's ('unary'). `extras`, when given, receives DFlash2's diagnostics ('unary': counts
-    of the argmax, laid out as the counts; 'selector': [weighted selector CE, labels among the
-    candidates, prediction rows], float64). A DSpark drafter's objective is `dspark_objective`.
+    unary softmax's ('unary'). `extras`, when given, receives 'ce' (`unweighted_ce`) and DFlash2's
+    diagnostics ('unary': counts of the argmax, laid out as the counts; 'selector': [weighted
+    selector CE, labels among the candidates, prediction rows], float64). A DSpark drafter's
+    objective is `dspark_objective`.
     Returns (weighted loss sum: float32 scalar with grad, its normaliser: the weight sum or the
     number of blocks with a valid label, those on the serving path counted 1 + path_weight times,
     float32 scalar, counts [2B+2]).
@@ -105,6 +114,7 @@ def batch_objective(
             normalise=normalise,
             targets=targets,
             objective=o,
+            extras=extras,
         )
     device = batch.features.device
     top_k = drafter.cfg.selector_top_k if drafter.cfg.arch == "dflash2" else 0
@@ -161,6 +171,9 @@ def batch_objective(
                 o.selector_candidates,
                 o.selector_stop_gradient,
             )
+    if extras is not None:  # CE to the label, every valid row alike: train and held-out compare
+        ce_rows = out.ce if out.ce is not None else out.rows.detach() / row_w.flatten()
+        extras["ce"] = unweighted_ce(ce_rows, valid.flatten())
     unary_correct = out.correct.view_as(labels)  # [A*B] -> [A, B]
     correct = unary_correct if sel is None else sel.correct & valid  # what is served
     row_scale = (
@@ -214,6 +227,7 @@ def dspark_objective(
     normalise: str = "weight",
     targets: SoftTargetsSection | None = None,
     objective: ObjectiveSection | None = None,
+    extras: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A DSpark drafter's objective on a packed batch, as `batch_objective` returns it (counts laid
     out over the verified block [anchor, B drafts]: 2(B+1)+2).
@@ -228,7 +242,8 @@ def dspark_objective(
       the row's greedy draft is its token ('match') or 1 - TV ('tv'), detached; the confidence head
       reads the block's hidden states and Markov embeddings, detached too under confidence_detach.
     `objective` holds confidence_weight, confidence_label, confidence_detach (its defaults when
-    None: 1.0, 'match', detached)."""
+    None: 1.0, 'match', detached). `extras`, when given, receives 'ce': the Markov-corrected
+    logits' CE (`unweighted_ce`)."""
     b = drafter.cfg.block_size
     labels, w = block_labels(
         batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, b + 1, gamma
@@ -273,6 +288,8 @@ def dspark_objective(
         )
     w = out.weights.view_as(labels)
     correct = out.correct.view_as(labels)
+    if extras is not None:
+        extras["ce"] = unweighted_ce(out.ce, valid.flatten())
     o = objective if objective is not None else ObjectiveSection()
     loss = out.loss + _confidence_loss(drafter, hidden, embed, out, w, o)
     norm = valid.any(1).float().sum() if normalise == "anchors" else w.sum()

@@ -2,8 +2,10 @@
 and validation), accuracy by block position (latest), and the estimated acceptance length tau over
 steps (with validation's path tau, greedy decoding replayed from the held-out responses). Written at
 every checkpoint and at the end of the run, from `metrics.jsonl` (and `run.toml`, whose [objective]
-says what the training loss weighs: D-PACE weights by default, where validation always reports the
-gamma-weighted loss; the legend says which, so the gap between them is not read as overfitting).
+says what the training loss weighs). The loss panel draws the CE of every block position alike for
+train and validation (`ce`: the two compare, so a gap between them is overfitting); for records
+without it, each one's own loss (D-PACE weights by default in training, gamma weights in
+validation), the legend saying which.
 
     python -m train.report RUN_DIR
 """
@@ -63,22 +65,27 @@ def draw_report(run_dir: str | Path, title: str | None = None):
         return None
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     losses, comparable = loss_labels(run_dir)
+    loss_key = "ce" if all(r.get("ce") is not None for r in train + val) else "loss"
+    if loss_key == "ce":
+        losses, comparable = {"train": "train", "validation": "validation"}, True
     panels = (
-        (axes[0, 0], "loss", "loss"),
+        (axes[0, 0], loss_key, "cross-entropy" if loss_key == "ce" else "loss"),
         (axes[0, 1], "acc", "accuracy"),
         (axes[1, 1], "tau", "tau"),
     )
     for ax, key, label in panels:
         for records_, name, style in ((train, "train", "-"), (val, "validation", "o-")):
             if records_:
-                name = losses[name] if key == "loss" else name
+                name = losses[name] if key == loss_key else name
                 ax.plot(*_series(records_, key), style, label=name, markersize=4)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole, also on short runs
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
-    if not comparable:
+    if loss_key == "ce":
+        axes[0, 0].set_title("cross-entropy to the label, every block position alike", fontsize=10)
+    elif not comparable:
         axes[0, 0].set_title(
             "loss: train and validation weigh block positions differently", fontsize=10
         )

@@ -7,6 +7,9 @@ The trainer calls `evaluate_batches` every `validation.every_steps` on its held-
     metrics = evaluate_batches(drafter, device_batches, block_size=B)
     metrics["loss"], metrics["acc"], metrics["acc_by_pos"], metrics["tau"], metrics["path_tau"]
 
+`ce` is the CE of every labelled block position alike, as the trainer's records report it beside
+their objective's loss: the two compare (train/objective.py unweighted_ce).
+
 A DFlash2 drafter's acc and tau are those of the path its selector walks (what is served); beside
 them `acc_unary` / `tau_unary` (each position's argmax, as DFlash serves), `top_k_recall` (labels
 among the selector's candidates) and `selector_loss` (its weighted CE per unit weight).
@@ -59,7 +62,8 @@ def evaluate_batches(
     was_training = drafter.training
     drafter.eval()
     device = next(drafter.parameters()).device
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, weight, sequences
+    # loss, weight, sequences, CE sum, CE rows
+    sums = torch.zeros(5, dtype=torch.float64, device=device)
     counts = torch.zeros(2 * block_size + 2, dtype=torch.float64, device=device)
     paths = torch.zeros(5, dtype=torch.float64, device=device)  # train/path_tau.py path_counts
     dflash2 = drafter.cfg.arch == "dflash2"
@@ -86,6 +90,7 @@ def evaluate_batches(
                 loss.double(),
                 weight.double(),
                 torch.tensor(batch.cu_seqlens.numel() - 1.0, dtype=torch.float64, device=device),
+                *found["ce"],
             ]
         )
         counts += batch_counts
@@ -95,10 +100,11 @@ def evaluate_batches(
         both = torch.cat([sums, counts, paths, extra])
         dist.all_reduce(both)
         n = counts.numel()
-        sums, counts, paths, extra = both[:3], both[3 : 3 + n], both[3 + n : 8 + n], both[8 + n :]
+        sums, counts, paths, extra = both[:5], both[5 : 5 + n], both[5 + n : 10 + n], both[10 + n :]
     drafter.train(was_training)
     out = summarize_sums(float(sums[0]), float(sums[1]), counts.cpu())
     out["sequences"] = int(sums[2])
+    out["ce"] = float(sums[3] / sums[4]) if sums[4] else math.nan
     if dflash2:
         out.update(_dflash2_figures(extra.cpu(), float(sums[1])))
     if path:

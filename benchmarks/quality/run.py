@@ -885,7 +885,8 @@ def one_run(out: Path) -> dict:
         for line in (metrics.read_text().splitlines() if metrics.is_file() else [])
         if line.strip()
     ]
-    tok_s = [r["tok_s"] for r in records if r.get("kind") == "train"]
+    trained = [r for r in records if r.get("kind") == "train"]
+    tok_s = [r["tok_s"] for r in trained]
     val = [r for r in records if r.get("kind") == "val"]
     return {
         "tau": ev.get("tau"),
@@ -904,6 +905,20 @@ def one_run(out: Path) -> dict:
         # where dflash-eval decoded: "cuda:0, batches of up to 256" or "cpu, one at a time"
         "eval_on": _decoded_on(ev),
         "tok_s": statistics.fmean(tok_s[1:] or tok_s) if tok_s else None,
+        **generalisation(trained[-1] if trained else {}, val[-1] if val else {}),
+    }
+
+
+def generalisation(last_train: dict, last_val: dict) -> dict:
+    """How the held-out split compares with the training data at the end of a run: held-out CE
+    over training CE (every block position alike in both: the `ce` of the records; None in runs
+    from before it) and training accuracy less held-out accuracy. About 1 and 0 for a drafter that
+    generalises; a memorising one has a ratio well above 1 and a positive gap."""
+    ce = last_train.get("ce"), last_val.get("ce")
+    acc = last_train.get("acc"), last_val.get("acc")
+    return {
+        "ce_ratio": ce[1] / ce[0] if None not in ce and ce[0] else None,
+        "acc_gap": acc[0] - acc[1] if None not in acc else None,
     }
 
 
@@ -942,6 +957,8 @@ COLUMNS = [
     ("val_tau", "offline est. (train split, trainer's last validation)"),
     ("val_path_tau", "path tau (train split, trainer's last validation)"),
     ("offline_train", "offline est. (train split, dflash-eval)"),
+    ("ce_ratio", "held-out / train CE (last)"),
+    ("acc_gap", "train - held-out acc (last)"),
     ("tok_s", "trainer tok/s"),
 ]
 

@@ -197,3 +197,22 @@ def test_heldout_answers_and_the_table_say_how_dflash_eval_decodes(tmp_path):
     assert batched == "cuda:0, batches of up to 256"
     assert run._decoded_on({"device": "cpu", "batch_size": 1}) == "cpu, one at a time"
     assert run._decoded_on({}) is None
+
+
+def test_the_table_says_whether_the_drafter_generalises(tmp_path):
+    """one_run reads the last training record and the last validation of metrics.jsonl: held-out CE
+    over training CE, and the accuracy gap; runs from before `ce` have the gap alone."""
+    run = _runner()
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = [
+        {"kind": "train", "step": 10, "tok_s": 1.0, "loss": 0.5, "ce": 3.0, "acc": 0.30},
+        {"kind": "val", "step": 10, "loss": 3.5, "ce": 3.2, "acc": 0.31, "tau": 2.0},
+        {"kind": "train", "step": 20, "tok_s": 1.0, "loss": 0.4, "ce": 2.0, "acc": 0.40},
+        {"kind": "val", "step": 20, "loss": 3.4, "ce": 2.5, "acc": 0.32, "tau": 2.1},
+    ]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = run.one_run(out)
+    assert got["ce_ratio"] == pytest.approx(1.25) and got["acc_gap"] == pytest.approx(0.08)
+    old = run.generalisation({"acc": 0.3, "loss": 0.5}, {"acc": 0.29, "loss": 3.4})
+    assert old["ce_ratio"] is None and old["acc_gap"] == pytest.approx(0.01)

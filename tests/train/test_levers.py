@@ -96,6 +96,48 @@ def test_dpace_loss_and_gradient_equal_the_explicit_objective(two_batches, norma
     assert not torch.allclose(gamma_loss, loss, rtol=0.05)  # the lever changes the objective
 
 
+@pytest.mark.parametrize(
+    "weights, normalise, path_weight, loss_method",
+    [
+        ("dpace", "weight", 0.0, "exact"),
+        ("gamma", "weight", 0.0, "exact"),
+        ("gamma", "anchors", 1.0, "exact"),
+        ("dpace", "weight", 0.0, "odds"),
+    ],
+)
+def test_the_ce_figure_is_every_labelled_positions_mean_ce_whatever_the_objective_weighs(
+    two_batches, weights, normalise, path_weight, loss_method
+):
+    """What a training record reports as `ce` beside its objective's loss: the plain mean CE over
+    the labelled rows (logits materialised, F.cross_entropy), the same under every weighting, so
+    it compares with validation's."""
+    _, drafter, (batch, _) = two_batches
+    found: dict = {}
+    batch_objective(
+        drafter,
+        drafter,
+        batch,
+        block_size=drafter.cfg.block_size,
+        gamma=None,
+        autocast="none",
+        weights=weights,
+        normalise=normalise,
+        path_weight=path_weight,
+        loss_method=loss_method,
+        extras=found,
+    )
+    labels, _ = block_labels(
+        batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size
+    )
+    with torch.no_grad():
+        hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)
+        logits = hidden.float() @ drafter.lm_head_weight.float().T
+    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    ce_sum, rows = found["ce"].tolist()
+    assert rows == (labels != IGNORE_INDEX).sum().item()
+    torch.testing.assert_close(ce_sum / rows, want.item(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights", ["gamma", "dpace"])
 def test_normalise_anchors_over_two_micro_batches_divides_by_all_their_blocks(two_batches, weights):
     cfg, drafter, batches = two_batches

@@ -38,7 +38,7 @@ def _cfg(*args) -> TrainConfig:
 
 
 def _curve(run_dir):
-    keys = ("kind", "step", "epoch", "loss", "acc", "acc_by_pos", "tau", "lr", "grad_norm")
+    keys = ("kind", "step", "epoch", "loss", "ce", "acc", "acc_by_pos", "tau", "lr", "grad_norm")
     return [tuple(json.dumps(r.get(k)) for k in keys) for r in read_metrics(run_dir)]
 
 
@@ -110,8 +110,9 @@ def test_stop_and_resume_repeats_the_uninterrupted_losses_bit_for_bit(
         drafter, tiny_store, max_anchors=8, holdout_sequences=4, batch_tokens=1024, autocast="none"
     )
     val = [r for r in read_metrics(stopped) if r["kind"] == "val"][-1]
-    for key in ("loss", "acc", "tau", "acc_by_pos", "sequences"):
+    for key in ("loss", "ce", "acc", "tau", "acc_by_pos", "sequences"):
         assert offline[key] == pytest.approx(val[key], rel=1e-6), key
+    assert all(0 < r["ce"] < 20 for r in read_metrics(stopped))  # every record, train and val
 
 
 def _check_the_average_is_resumed_and_exported(

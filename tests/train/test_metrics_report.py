@@ -124,3 +124,31 @@ def test_the_loss_panel_says_what_each_loss_weighs_and_steps_are_whole(tmp_path)
     legend = [t.get_text() for t in loss.get_legend().get_texts()]
     assert legend[0] == "train (objective: gamma weights)"
     assert loss.get_title() == ""  # the same weights: one scale
+
+
+def test_train_and_val_lines_show_the_ce_and_the_loss_panel_draws_it_when_records_have_it(tmp_path):
+    """`ce` weighs every block position alike in both records: the panel draws it for train and
+    validation on one comparable axis (the objective's own loss stays in the line and the JSON)."""
+    from train.metrics import format_val_line
+
+    assert "loss 2.0000 | ce 3.2500 | acc" in format_train_line(_train(5, ce=3.25), 100)
+    val = {
+        "kind": "val",
+        "step": 3,
+        "loss": 3.5,
+        "ce": 3.3,
+        "acc": 0.3,
+        "acc_by_pos": [0.6, 0.3, 0.1],
+        "tau": 1.8,
+        "sequences": 8,
+    }
+    assert "loss 3.5000 | ce 3.3000 | acc" in format_val_line(val)
+    w = MetricsWriter(tmp_path, 3, tensorboard=False, resume_step=0)
+    for step in (1, 2, 3):
+        w.write(_train(step, loss=0.8, ce=3.0 + step / 10))
+    w.write(val)
+    w.close()
+    loss = draw_report(tmp_path).axes[0]
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train", "validation"]
+    assert loss.get_ylabel() == "cross-entropy" and "alike" in loss.get_title()
+    assert [float(y) for y in loss.get_lines()[0].get_ydata()] == [3.1, 3.2, 3.3]

@@ -126,7 +126,9 @@ def format_offline(report: dict) -> str:
         f"{report.get('path_sequences', 0)} responses (greedy decoding replayed; exact on "
         "target-greedy data)",
         f"  {'accuracy':<28}{_fmt(report['acc'], '.4f')}",
-        f"  {'loss':<28}{_fmt(report['loss'], '.4f')}",
+        f"  {'loss':<28}{_fmt(report['loss'], '.4f')}   gamma-weighted",
+        f"  {'cross-entropy':<28}{_fmt(report.get('ce'), '.4f')}   every block position alike "
+        "(as the trainer's ce)",
         "  accuracy by block position (k = 1 predicts the token after the anchor)",
     ]
     lines += [
