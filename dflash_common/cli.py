@@ -228,6 +228,15 @@ def interrupt_says(sentence: Callable[[], str]) -> Iterator[None]:
         sys.exit(INTERRUPTED_EXIT)
 
 
+def shards_kept(out: Any) -> str:
+    """What a stage that publishes shards keeps when interrupted (`interrupt_says`' sentence for
+    dflash-generate and dflash-precompute)."""
+    return (
+        f"the shards already published in {out} are kept (a shard being written is not visible); "
+        "rerun the same command to resume."
+    )
+
+
 def progress_bar(iterable: Any = None, *, enabled: bool = True, **kwargs: Any) -> Any:
     """A tqdm bar that draws only on a terminal: tqdm's `disable=None` switches it off when its
     stream (stderr) is not a tty (CI, `| tee`, nohup), where every frame would be one more line of

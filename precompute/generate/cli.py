@@ -17,7 +17,13 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from dflash_common.cli import interrupt_says, parse_args, setup_logging, user_errors_exit
+from dflash_common.cli import (
+    interrupt_says,
+    parse_args,
+    setup_logging,
+    shards_kept,
+    user_errors_exit,
+)
 from precompute.generate.config import GenerateConfig
 
 _SWITCHES = {"dry-run": ("run.dry_run", "print the plan and stop; writes nothing, loads no model")}
@@ -45,12 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     to sys.exit, which would print anything else."""
     cfg = parse(argv)
     setup_logging()
-    with interrupt_says(
-        lambda: (
-            f"the shards already published in {cfg.output.dir} are kept (a shard being "
-            f"written is not visible); rerun the same command to resume."
-        )
-    ):
+    with interrupt_says(lambda: shards_kept(cfg.output.dir)):
         from precompute.generate.job import run  # after argument parsing: --help stays fast
 
         run(cfg)
