@@ -220,11 +220,11 @@ class DSparkDrafter(DFlashDrafter):
         return torch.sigmoid(self.confidence_logits(hidden, self.markov_embed(prev)))
 
 
-def confident_prefix(confidences: torch.Tensor, threshold: float) -> int:
+def confident_prefix(confidences: torch.Tensor, threshold: float) -> torch.Tensor:
     """Drafts to verify under DeepSpec's threshold rule (its eval's `_confident_prefix_length`): up
-    to the first one whose confidence [b] is below `threshold`; all of them when the threshold is
-    0."""
+    to the first one whose confidence is below `threshold`; all of them when the threshold is 0.
+    confidences [..., b] -> counts [...] (long): one row's or a batch's."""
     if threshold <= 0:
-        return int(confidences.shape[0])
-    below = torch.nonzero(confidences < threshold)
-    return int(below[0, 0]) if below.numel() else int(confidences.shape[0])
+        shape, b = confidences.shape[:-1], confidences.shape[-1]
+        return torch.full(shape, b, dtype=torch.long, device=confidences.device)
+    return (~(confidences < threshold)).long().cumprod(-1).sum(-1)

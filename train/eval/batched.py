@@ -28,6 +28,11 @@ while the anchor is below the row's limit, every cycle counted uncut, a row stop
 whose output holds a stop token; in float32 each row's cycles are the one-at-a-time loop's
 (tests/train/eval/test_batched.py).
 
+A DSpark drafter's confidence schedule verifies a number of drafts of each row's own: its
+unverified drafts are UNVERIFIED, which no target choice equals, so `accepted` stops before them and
+the target's next token is the one after the verified ones, as when the one-at-a-time loop sends
+only those (the target still runs the whole block: the rows stay one shape).
+
 Rows that finish stop advancing (their position is frozen and their output no longer read); once
 half of the batch has finished, the caches are compacted to the live rows, so the tail of long
 answers runs at the width it needs. Finished rows are not refilled with new prompts: a new prompt
@@ -70,6 +75,9 @@ CHECK_EVERY = 16
 # Compact the batch to its live rows when at most this share of it is still decoding.
 COMPACT_AT = 0.5
 
+# A draft the target does not verify: no token equals it, so acceptance stops before it.
+UNVERIFIED = -1
+
 OnTokens = Callable[[int], None]  # progress: this many more of the batch's tokens are done
 
 
@@ -94,7 +102,8 @@ class BatchedDrafter(Protocol):
         self, anchors: torch.Tensor, starts: torch.Tensor, num_drafts: int
     ) -> torch.Tensor:
         """anchors [N] (the tokens at positions starts [N]) -> drafts [N, num_drafts] for the
-        positions after them."""
+        positions after them; a draft the target is not to verify (a confidence schedule's) is
+        UNVERIFIED, and so is every draft after it in its row."""
 
     def keep(self, rows: torch.Tensor) -> None:
         """Drop every row not in `rows` (indices into the batch); the rest keep their order."""
@@ -342,7 +351,8 @@ def speculative_generate_batch(
     live = list(range(n))  # batch index -> row
     while live:
         drafts = drafter.propose_block(anchors, starts, block_size - 1).to(device)  # [n, B-1]
-        block = torch.cat([anchors[:, None], drafts], dim=1)  # [n, B]
+        # UNVERIFIED drafts (a confidence schedule's) go to the target as any token and match none
+        block = torch.cat([anchors[:, None], drafts.clamp(min=0)], dim=1)  # [n, B]
         # [n, B, V], [n, B, K*H]
         logits, feats = target.forward(block, starts[:, None] + offsets, features=True)
         choice = logits.argmax(-1)  # [n, B]; an accepted draft equals the target's choice there
@@ -555,7 +565,13 @@ class BatchedDFlash:
     ) -> torch.Tensor:
         # the block's rows: DFlash's anchor row is no prediction (B rows, B-1 drafts), DSpark's is
         rows = num_drafts + 1 - self.proposer.anchor_predicts
-        return self.proposer.draft(self.block_hidden(anchors, starts, rows), anchors)
+        hidden = self.block_hidden(anchors, starts, rows)
+        drafts = self.proposer.draft(hidden, anchors)
+        if self.proposer.confidence_threshold <= 0:
+            return drafts
+        verified = self.proposer.verified(hidden, anchors, drafts)  # [N]
+        keep = torch.arange(drafts.shape[1], device=drafts.device) < verified[:, None]
+        return torch.where(keep, drafts, UNVERIFIED)
 
 
 def as_batched(drafter) -> BatchedDrafter:
@@ -577,7 +593,7 @@ def drafter_refusal(drafter) -> str | None:
     if hasattr(drafter, "propose_block"):
         return None
     if isinstance(drafter, DFlashProposer):
-        return drafter.batch_refusal()
+        return None
     return f"the drafter ({type(drafter).__name__}) has no batched form"
 
 

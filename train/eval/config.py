@@ -87,7 +87,8 @@ class GenerationSection:
         "DSpark drafters with a confidence head: verify only the drafts before the first "
         "whose confidence is below this (DeepSpec's eval rule); 0 verifies every draft, as vLLM "
         "0.32 does unless its adaptive verification is on (whose cost-model schedule is not "
-        "reproduced here). A threshold decodes one prompt at a time (generation.batch_size 1).",
+        "reproduced here). Batched, the target still runs whole blocks and counts no draft "
+        "past the verified ones.",
     )
     seed: int = option(0, "Seed of the sampling generator (temperature > 0).")
     ignore_eos: bool = option(

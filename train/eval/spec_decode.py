@@ -345,11 +345,24 @@ class DFlashProposer:
         hidden = self.drafter.draft(self.cache, context.to(dtype), block)[None]
         drafts = self.draft(hidden, block[:1])  # [1, n]
         if self.confidence_threshold > 0:
-            from dflash_common.drafter.dspark import confident_prefix
-
-            confidences = self.drafter.draft_confidences(hidden, block[:1], drafts)[0]
-            return drafts[0, : confident_prefix(confidences, self.confidence_threshold)]
+            return drafts[0, : int(self.verified(hidden, block[:1], drafts)[0])]
         return drafts[0]  # [n]
+
+    def verified(
+        self, block_hidden: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor
+    ) -> torch.Tensor:
+        """How many of each row's drafts [N, n] the confidence schedule verifies: [N] long, the
+        drafts before the first whose confidence is below the threshold (all of them without a
+        threshold). Both loops cut by it: this one sends only those drafts, the batched one counts
+        none past them as accepted."""
+        from dflash_common.drafter.dspark import confident_prefix
+
+        if self.confidence_threshold <= 0:
+            return torch.full(
+                drafts.shape[:1], drafts.shape[1], dtype=torch.long, device=drafts.device
+            )
+        confidences = self.drafter.draft_confidences(block_hidden, anchors, drafts)  # [N, n]
+        return confident_prefix(confidences, self.confidence_threshold)
 
     def draft(self, block_hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """The draft step: block hidden states [N, b, H] (after `norm`) and the tokens at the
@@ -359,15 +372,3 @@ class DFlashProposer:
         through each position's top-k candidates: the drafter's `greedy_drafts`. Both loops, one
         prompt at a time and batched (batched.py), draft through it."""
         return self.drafter.greedy_drafts(block_hidden, anchors)
-
-    def batch_refusal(self) -> str | None:
-        """Why batched.py cannot decode with this proposer (None when it can): the confidence
-        threshold verifies a number of drafts of each prompt's own, where the batched loop verifies
-        whole blocks."""
-        if self.confidence_threshold > 0:
-            return (
-                f"generation.confidence_threshold = {self.confidence_threshold} verifies a "
-                "number of drafts of each prompt's own, which the batched loop (whole blocks "
-                "for every prompt) does not"
-            )
-        return None

@@ -227,20 +227,44 @@ def test_batched_decoding_has_the_one_at_a_time_cycles(model, dspark_dir, tiny_t
     assert max(seen) >= 3, "the drafter must accept drafts for the test to mean anything"
 
 
-def test_a_confidence_schedule_decodes_one_prompt_at_a_time(model, dspark_dir):
-    """The schedule verifies a number of drafts of each prompt's own; the batched loop verifies
-    whole blocks: no batched form, said in one sentence when a batch is asked for."""
+def test_a_confidence_schedule_decodes_batched_with_the_one_at_a_time_cycles(
+    model, dspark_dir, tiny_target
+):
+    """float32: under the schedule each row verifies a number of drafts of its own; the batched
+    loop counts none past them (UNVERIFIED) and gives every prompt the one-at-a-time loop's tokens
+    and cycles, which the schedule makes more and shorter than without it. `confident_prefix` of a
+    batch is that of each of its rows."""
     from dflash_common.config import load_config
-    from dflash_common.errors import UserError
+    from dflash_common.drafter.dspark import confident_prefix
     from train.eval import batched
+    from train.eval.batched import BatchedTarget, as_batched, speculative_generate_batch
     from train.eval.config import EvalConfig
     from train.eval.load import attach_target
     from train.eval.run import resolve_batch_size
 
     scheduled = attach_target(load_proposer(str(dspark_dir), model).drafter, model, None, 0.5)
-    assert not batched.batchable(scheduled)
-    auto = load_config(EvalConfig, None, []).generation
-    assert resolve_batch_size(auto, model, scheduled, torch.device("cuda")) == 1
+    assert batched.batchable(scheduled)
     explicit = load_config(EvalConfig, None, ["--generation.batch_size=4"]).generation
-    with pytest.raises(UserError, match="confidence_threshold = 0.5 verifies a number of drafts"):
-        resolve_batch_size(explicit, model, scheduled, torch.device("cpu"))
+    assert resolve_batch_size(explicit, model, scheduled, torch.device("cpu")) == 4
+    prompts = [p.ids for p in _prompts(tiny_target)]
+    target, block, max_new = TargetRunner(model, scheduled.layer_ids), scheduled.block_size, 40
+    together = speculative_generate_batch(
+        BatchedTarget(model, scheduled.layer_ids),
+        as_batched(scheduled),
+        prompts,
+        block_size=block,
+        max_new_tokens=max_new,
+    )
+    every = load_proposer(str(dspark_dir), model)
+    cycles = {"schedule": 0, "every": 0}
+    for ids, b in zip(prompts, together):
+        a = speculative_generate(target, scheduled, ids, block_size=block, max_new_tokens=max_new)
+        assert b.acceptance_lengths == a.acceptance_lengths
+        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
+        full = speculative_generate(target, every, ids, block_size=block, max_new_tokens=max_new)
+        cycles["schedule"] += len(a.acceptance_lengths)
+        cycles["every"] += len(full.acceptance_lengths)
+    assert cycles["schedule"] > cycles["every"], cycles  # the schedule cut some blocks short
+    conf = torch.tensor([[0.9, 0.8, 0.3, 0.95], [0.1, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]])
+    counts = confident_prefix(conf, 0.5)
+    assert counts.tolist() == [2, 0, 4] == [int(confident_prefix(r, 0.5)) for r in conf]
