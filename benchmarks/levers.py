@@ -8,13 +8,16 @@ per variant of `--objective.*` / `--regularise.*` overrides, against the paper's
         --variant "--objective.weights=dpace --objective.dpace_alpha=0.3"
     PYTHONPATH=. python benchmarks/levers.py --dspark  # DSpark against DFlash, both under D-PACE
     PYTHONPATH=. python benchmarks/levers.py --dspark --small   # the same on a CPU-sized drafter
+    PYTHONPATH=. python benchmarks/levers.py --dflash2 # DFlash2 against DFlash, both under D-PACE
 
 Random weights and random context features; each sequence is a 10% prompt and a 90% response, so the
 anchor rules differ only at the end of each response (as in real data). Prints a table: variant,
 median step time with its spread (lowest-highest step), context tok/s, and the ratio of the medians
 to the recipe's (1.00 = free). A variant may set `--drafter.arch=dspark` and its heads (the
 drafter's sizes stay the benchmark's; its block is one shorter, so it drafts as many tokens as
-DFlash's; its Markov rank is hidden / 16, DeepSpec's 256 at hidden 4096, unless a variant sets it).
+DFlash's; its Markov rank is hidden / 16, DeepSpec's 256 at hidden 4096, unless a variant sets it),
+or `--drafter.arch=dflash2` (DFlash's block; its convolutions and selector as the variant's
+`--drafter.conv_*` / `--drafter.selector_*` say, the defaults otherwise).
 """
 
 from __future__ import annotations
@@ -64,6 +67,16 @@ DSPARK_VARIANTS = [
     f"{DSPARK} --targets.soft=dspark --objective.confidence_label=tv "
     "--objective.confidence_detach=false",
 ]
+# --dflash2: DFlash against DFlash2 (the same block), all under D-PACE; then DFlash2's parts: the
+# convolutions alone (no selector loss, so no top-k either), a wider selector (top-32), one more tap
+DFLASH2 = "--objective.weights=dpace --drafter.arch=dflash2"
+DFLASH2_VARIANTS = [
+    "--objective.weights=dpace",
+    DFLASH2,
+    f"{DFLASH2} --objective.selector_weight=0",
+    f"{DFLASH2} --drafter.selector_top_k=32",
+    f"{DFLASH2} --drafter.conv_kernel_size=3",
+]
 
 
 def small_drafter():
@@ -96,6 +109,13 @@ def drafter_for(cfg: TrainConfig, dcfg):
             markov_rank=rank,
             confidence_head=d.confidence_head,
             confidence_head_with_markov=d.confidence_head_with_markov,
+        )
+    if d.arch == "dflash2":
+        fields.update(
+            conv_kernel_size=d.conv_kernel_size,
+            conv_group_size=d.conv_group_size,
+            selector_rank=d.selector_rank,
+            selector_top_k=d.selector_top_k,
         )
     return config_class(d.arch)(**fields)
 
@@ -225,6 +245,9 @@ def main() -> None:
         "--dspark", action="store_true", help="the DSpark variants (DSPARK_VARIANTS)"
     )
     parser.add_argument(
+        "--dflash2", action="store_true", help="the DFlash2 variants (DFLASH2_VARIANTS)"
+    )
+    parser.add_argument(
         "--interleave",
         action="store_true",
         help="time the variants step by step in turn, all in memory (shared machines)",
@@ -246,7 +269,9 @@ def main() -> None:
         args.seq_len, args.anchors, args.steps, args.warmup = 256, 16, 5, 1
     if args.small:
         args.seq_len, args.anchors, args.steps, args.warmup = 1024, 128, 5, 1
-    chosen = args.variant or (DSPARK_VARIANTS if args.dspark else VARIANTS)
+    chosen = args.variant or (
+        DSPARK_VARIANTS if args.dspark else DFLASH2_VARIANTS if args.dflash2 else VARIANTS
+    )
     variants = [""] + [v for v in chosen if v]
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(

@@ -40,6 +40,7 @@ def test_wall_times_skips_the_warmup_calls():
     [
         ("levers.py", 10),  # the recipe and the nine variants of levers.VARIANTS
         ("levers.py --dspark", 6),  # the recipe, D-PACE and the four DSpark variants
+        ("levers.py --dflash2", 6),  # the recipe, D-PACE and the four DFlash2 variants
         ("drafter_step.py", 0),  # its own columns: ms, then lowest-highest
         ("precompute_batching.py", 4),  # four batch layouts
         ("eval_batched.py", 2),  # batched and one at a time
