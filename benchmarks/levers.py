@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,8 +68,9 @@ DSPARK_VARIANTS = [
     f"{DSPARK} --targets.soft=dspark --objective.confidence_label=tv "
     "--objective.confidence_detach=false",
 ]
-# --dflash2: DFlash against DFlash2 (the same block), all under D-PACE; then DFlash2's parts: the
-# convolutions alone (no selector loss, so no top-k either), a wider selector (top-32), one more tap
+# --dflash2: DFlash against DFlash2 (the same block), all under D-PACE; then DFlash2's parts: its
+# selector untrained (selector_weight 0: the walk still runs, the served path's correctness needs
+# it; no selector backward), a wider selector (top-32), one more tap
 DFLASH2 = "--objective.weights=dpace --drafter.arch=dflash2"
 DFLASH2_VARIANTS = [
     "--objective.weights=dpace",
@@ -195,10 +197,11 @@ def time_variants(variants: list[str], dcfg, args, device) -> dict[str, Spread]:
     it is timed: an 8B-shaped one at a time), or with --interleave round by round (all in memory; a
     slow spell of a shared machine then hits every variant alike)."""
     cuda = device.type == "cuda"
+    clock = time.process_time if args.cpu_time else time.perf_counter
     if not args.interleave:
         return {
             v: Spread.of(
-                wall_times(make_step(v, dcfg, args, device), args.steps, args.warmup, cuda)
+                wall_times(make_step(v, dcfg, args, device), args.steps, args.warmup, cuda, clock)
             )
             for v in variants
         }
@@ -208,7 +211,7 @@ def time_variants(variants: list[str], dcfg, args, device) -> dict[str, Spread]:
         wall_times(step, 0, args.warmup, cuda)
     for _ in range(args.steps):
         for v, step in steps.items():
-            times[v] += wall_times(step, 1, 0, cuda)
+            times[v] += wall_times(step, 1, 0, cuda, clock)
     if args.profile:
         _profile(steps)
     return {v: Spread.of(t) for v, t in times.items()}
@@ -253,6 +256,12 @@ def main() -> None:
         help="time the variants step by step in turn, all in memory (shared machines)",
     )
     parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="CPU only: time each step by the process's CPU seconds (other jobs on a shared "
+        "machine do not inflate them; run with OMP_NUM_THREADS=1)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="with --interleave: each variant's top operators"
     )
     parser.add_argument(
@@ -262,7 +271,7 @@ def main() -> None:
         "tokens, 128 anchors), its loss weighing in the step as an 8B drafter's",
     )
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.quick
+    cuda = torch.cuda.is_available() and not args.quick and not args.cpu_time
     device = torch.device("cuda" if cuda else "cpu")
     dcfg = tiny_drafter() if args.quick else small_drafter() if args.small else qwen3_8b_drafter()
     if args.quick:
@@ -279,8 +288,9 @@ def main() -> None:
         f"hidden {dcfg.hidden_size}, vocab {dcfg.vocab_size}, {args.seqs} x {args.seq_len} tokens, "
         f"up to {args.anchors} anchors per sequence"
     )
+    what = "CPU ms" if args.cpu_time else "step ms"
     print(
-        f"| {'variant':<60} | {'step ms [lowest-highest]':>26} | {'tok/s':>10} | {'vs recipe':>9} |"
+        f"| {'variant':<60} | {what + ' [lowest-highest]':>26} | {'tok/s':>10} | {'vs recipe':>9} |"
     )
     print(f"|{'-' * 62}|{'-' * 28}|{'-' * 12}|{'-' * 11}|")
     base = None
