@@ -32,6 +32,7 @@ from train.config import TrainConfig
 from train.data import TrainData
 from train.metrics import read_metrics
 from train.objective import batch_objective
+from train.validate import evaluate_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK, RANK = 4, 8
@@ -107,6 +108,7 @@ def test_objective_and_gradients_equal_a_reference(
     )
     batch = next(data.start())
     drafter = _drafter(tiny_target, head, with_markov)
+    found: dict = {}
     loss, norm, counts = batch_objective(
         drafter,
         drafter,
@@ -117,12 +119,20 @@ def test_objective_and_gradients_equal_a_reference(
         weights=weights,
         targets=cfg.targets,
         objective=cfg.objective,
+        extras=found,
     )
     loss.backward()
     got = {n: p.grad.clone() for n, p in drafter.named_parameters()}
     drafter.zero_grad()
     want, want_norm, correct, valid = _reference(drafter, batch, weights, soft, label, detach, 0.7)
     want.backward()
+    ce_sum, rows = found["ce"].tolist()  # the Markov-corrected CE of every labelled row alike
+    with torch.no_grad():
+        plain = _reference(drafter, batch, "gamma", "none", "match", detach, 0.0, unit=True)[0]
+    assert rows == valid.sum().item()
+    torch.testing.assert_close(ce_sum / rows, plain.item() / rows, rtol=1e-5, atol=1e-5)
+    val = evaluate_batches(drafter, [batch], block_size=BLOCK + 1, autocast="none", path=False)
+    torch.testing.assert_close(val["ce"], ce_sum / rows, rtol=1e-6, atol=1e-6)  # held out alike
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=1e-5)
     c = AcceptanceCounts.from_tensor(counts)
@@ -138,9 +148,11 @@ def test_objective_and_gradients_equal_a_reference(
     store.close()
 
 
-def _reference(drafter, batch, weights_kind, soft, label, detach, conf_weight, alpha=0.5):
+def _reference(
+    drafter, batch, weights_kind, soft, label, detach, conf_weight, alpha=0.5, unit=False
+):
     """Row j of the block at a predicts the token at a+j+1 from lm_head(h_j) + W2 W1[token at a+j];
-    everything materialised, one (anchor, row) at a time."""
+    everything materialised, one (anchor, row) at a time. `unit`: every valid row weighs 1."""
     b = BLOCK
     hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)  # [A, B, H]
     ids, t = batch.input_ids, batch.tokens
@@ -179,6 +191,8 @@ def _reference(drafter, batch, weights_kind, soft, label, detach, conf_weight, a
         w = dpace_weights(ce.detach(), valid, alpha)
     else:
         w = torch.exp(-torch.arange(b).float() / default_gamma(b + 1)) * valid
+    if unit:
+        w = valid.float()
     correct = (logits.argmax(-1) == labels) & valid
     conf_in = torch.cat([hidden, embed], -1) if drafter.confidence_head.with_markov else hidden
     if detach:
