@@ -40,7 +40,7 @@ def _with(cfg, **objective):
 
 def _explicit_parts(drafter, batch, weights: str, alpha: float = 0.5):
     """(sum of w * CE, weight sum, valid blocks) with the logits materialised and
-    F.cross_entropy."""
+    F.cross_entropy; `weights` 'dpace', 'gamma' or 'unit' (every labelled row 1)."""
     labels, gamma_w = block_labels(
         batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size
     )
@@ -50,7 +50,10 @@ def _explicit_parts(drafter, batch, weights: str, alpha: float = 0.5):
         logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
     ).view_as(labels)
     valid = labels != IGNORE_INDEX
-    w = dpace_weights(ce.detach(), valid, alpha) if weights == "dpace" else gamma_w
+    if weights == "dpace":
+        w = dpace_weights(ce.detach(), valid, alpha)
+    else:
+        w = gamma_w if weights == "gamma" else valid.float()
     return (w * ce).sum(), w.sum(), valid[:, 1:].any(1).sum().float()
 
 
@@ -126,16 +129,11 @@ def test_the_ce_figure_is_every_labelled_positions_mean_ce_whatever_the_objectiv
         loss_method=loss_method,
         extras=found,
     )
-    labels, _ = block_labels(
-        batch.input_ids, batch.loss_mask, batch.cu_seqlens, batch.anchors, drafter.cfg.block_size
-    )
     with torch.no_grad():
-        hidden = drafter(batch.features, batch.input_ids, batch.cu_seqlens, batch.anchors)
-        logits = hidden.float() @ drafter.lm_head_weight.float().T
-    want = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        want_sum, want_rows, _ = _explicit_parts(drafter, batch, "unit")
     ce_sum, rows = found["ce"].tolist()
-    assert rows == (labels != IGNORE_INDEX).sum().item()
-    torch.testing.assert_close(ce_sum / rows, want.item(), rtol=1e-5, atol=1e-5)
+    assert rows == want_rows.item()
+    torch.testing.assert_close(ce_sum / rows, (want_sum / want_rows).item(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weights", ["gamma", "dpace"])

@@ -9,19 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from test_evaluate_dflash import BLOCK, _briefly_trained_drafter
+from eval_helpers import batched_decodes_as_one_at_a_time
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.drafter.arch import as_arch
 from dflash_common.drafter.dflash2 import DFlash2Drafter
 from train.eval import batched
-from train.eval.batched import BatchedTarget, speculative_generate_batch
 from train.eval.prompts import load_prompts
-from train.eval.spec_decode import (
-    DFlashProposer,
-    TargetRunner,
-    speculative_generate,
-    target_generate,
-)
+from train.eval.spec_decode import DFlashProposer
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -79,20 +74,7 @@ def test_batched_dflash2_decoding_has_the_one_at_a_time_cycles(model, tiny_targe
         return out
 
     proposer.draft = counting
-    target, max_new = TargetRunner(model, proposer.layer_ids), 40
-    together = speculative_generate_batch(
-        BatchedTarget(model, proposer.layer_ids),
-        batched.as_batched(proposer),
-        prompts,
-        block_size=BLOCK,
-        max_new_tokens=max_new,
-    )
-    seen = []
-    for ids, b in zip(prompts, together):
-        a = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=max_new)
-        assert b.acceptance_lengths == a.acceptance_lengths
-        assert b.emitted == a.emitted
-        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
-        seen += b.acceptance_lengths
+    single = batched_decodes_as_one_at_a_time(model, proposer, prompts, BLOCK)
+    seen = [n for a in single for n in a.acceptance_lengths]
     assert max(seen) >= 3, "the drafter should get drafts accepted for the check to bite"
     assert sum(walked) > 0, "the selector should draft other tokens than the argmax"

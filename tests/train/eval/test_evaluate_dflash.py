@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from conftest import EVAL_BLOCK
+from eval_helpers import batched_decodes_as_one_at_a_time
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.errors import UserError
@@ -16,7 +17,7 @@ from dflash_common.sampling import Sampling
 from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.tiny import MASK_TOKEN
-from train.eval.batched import BatchedDFlash, BatchedTarget, speculative_generate_batch
+from train.eval.batched import BatchedDFlash
 from train.eval.cli import main
 from train.eval.load import load_proposer
 from train.eval.prompts import Prompt, load_prompts
@@ -323,21 +324,8 @@ def test_batched_decoding_has_the_one_at_a_time_cycles(model, tiny_target, train
     root = Path(__file__).resolve().parents[3]
     tok = AutoTokenizer.from_pretrained(tiny_target)
     prompts = [p.ids for p in load_prompts([str(root / "data" / "tiny-prompts.jsonl")], tok, {})]
-    proposer = DFlashProposer(trained)
-    target, max_new = TargetRunner(model, proposer.layer_ids), 40
-    together = speculative_generate_batch(
-        BatchedTarget(model, proposer.layer_ids),
-        BatchedDFlash(proposer),
-        prompts,
-        block_size=BLOCK,
-        max_new_tokens=max_new,
-    )
-    seen = []
-    for ids, b in zip(prompts, together):
-        a = speculative_generate(target, proposer, ids, block_size=BLOCK, max_new_tokens=max_new)
-        assert b.acceptance_lengths == a.acceptance_lengths
-        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
-        seen += b.acceptance_lengths
+    single = batched_decodes_as_one_at_a_time(model, DFlashProposer(trained), prompts, BLOCK)
+    seen = [n for a in single for n in a.acceptance_lengths]
     assert max(seen) >= 3, "the drafter should get drafts accepted for the check to bite"
 
 

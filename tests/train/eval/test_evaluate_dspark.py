@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eval_helpers import batched_decodes_as_one_at_a_time
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_common.drafter.export import export
@@ -18,6 +19,7 @@ from train.eval.cli import main
 from train.eval.load import load_proposer
 from train.eval.prompts import load_prompts
 from train.eval.spec_decode import TargetRunner, speculative_generate, target_generate
+
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK, RANK = 4, 16
@@ -205,25 +207,12 @@ def test_batched_decoding_has_the_one_at_a_time_cycles(model, dspark_dir, tiny_t
     (accepted lengths, cycle for cycle) are the one-at-a-time loop's, the Markov head drafting
     each row's B drafts left to right in both, and the output is the target's own."""
     from train.eval import batched
-    from train.eval.batched import BatchedTarget, as_batched, speculative_generate_batch
 
     proposer = load_proposer(str(dspark_dir), model)
     assert batched.batchable(proposer)
     prompts = [p.ids for p in _prompts(tiny_target)]
-    target, block, max_new = TargetRunner(model, proposer.layer_ids), proposer.block_size, 40
-    together = speculative_generate_batch(
-        BatchedTarget(model, proposer.layer_ids),
-        as_batched(proposer),
-        prompts,
-        block_size=block,
-        max_new_tokens=max_new,
-    )
-    seen = []
-    for ids, b in zip(prompts, together):
-        a = speculative_generate(target, proposer, ids, block_size=block, max_new_tokens=max_new)
-        assert b.acceptance_lengths == a.acceptance_lengths
-        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
-        seen += b.acceptance_lengths
+    single = batched_decodes_as_one_at_a_time(model, proposer, prompts, proposer.block_size)
+    seen = [n for a in single for n in a.acceptance_lengths]
     assert max(seen) >= 3, "the drafter must accept drafts for the test to mean anything"
 
 
@@ -237,7 +226,6 @@ def test_a_confidence_schedule_decodes_batched_with_the_one_at_a_time_cycles(
     from dflash_common.config import load_config
     from dflash_common.drafter.dspark import confident_prefix
     from train.eval import batched
-    from train.eval.batched import BatchedTarget, as_batched, speculative_generate_batch
     from train.eval.config import EvalConfig
     from train.eval.load import attach_target
     from train.eval.run import resolve_batch_size
@@ -247,23 +235,20 @@ def test_a_confidence_schedule_decodes_batched_with_the_one_at_a_time_cycles(
     explicit = load_config(EvalConfig, None, ["--generation.batch_size=4"]).generation
     assert resolve_batch_size(explicit, model, scheduled, torch.device("cpu")) == 4
     prompts = [p.ids for p in _prompts(tiny_target)]
-    target, block, max_new = TargetRunner(model, scheduled.layer_ids), scheduled.block_size, 40
-    together = speculative_generate_batch(
-        BatchedTarget(model, scheduled.layer_ids),
-        as_batched(scheduled),
-        prompts,
-        block_size=block,
-        max_new_tokens=max_new,
-    )
-    every = load_proposer(str(dspark_dir), model)
-    cycles = {"schedule": 0, "every": 0}
-    for ids, b in zip(prompts, together):
-        a = speculative_generate(target, scheduled, ids, block_size=block, max_new_tokens=max_new)
-        assert b.acceptance_lengths == a.acceptance_lengths
-        assert b.tokens == a.tokens == target_generate(target, ids, max_new_tokens=max_new).tokens
-        full = speculative_generate(target, every, ids, block_size=block, max_new_tokens=max_new)
-        cycles["schedule"] += len(a.acceptance_lengths)
-        cycles["every"] += len(full.acceptance_lengths)
+    block = scheduled.block_size
+    single = batched_decodes_as_one_at_a_time(model, scheduled, prompts, block)
+    target, every = TargetRunner(model, scheduled.layer_ids), load_proposer(str(dspark_dir), model)
+    cycles = {
+        "schedule": sum(len(a.acceptance_lengths) for a in single),
+        "every": sum(
+            len(
+                speculative_generate(
+                    target, every, ids, block_size=block, max_new_tokens=40
+                ).acceptance_lengths
+            )
+            for ids in prompts
+        ),
+    }
     assert cycles["schedule"] > cycles["every"], cycles  # the schedule cut some blocks short
     conf = torch.tensor([[0.9, 0.8, 0.3, 0.95], [0.1, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]])
     counts = confident_prefix(conf, 0.5)
