@@ -64,10 +64,11 @@ def draw_report(run_dir: str | Path, title: str | None = None):
     if not train and not val:
         return None
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    losses, comparable = loss_labels(run_dir)
     loss_key = "ce" if all(r.get("ce") is not None for r in train + val) else "loss"
-    if loss_key == "ce":
+    if loss_key == "ce":  # every block position alike in both: one scale
         losses, comparable = {"train": "train", "validation": "validation"}, True
+    else:
+        losses, comparable = loss_labels(run_dir)
     panels = (
         (axes[0, 0], loss_key, "cross-entropy" if loss_key == "ce" else "loss"),
         (axes[0, 1], "acc", "accuracy"),

@@ -590,9 +590,7 @@ def batchable(drafter) -> bool:
 
 def drafter_refusal(drafter) -> str | None:
     """Why `drafter` has no batched form (None when it has)."""
-    if hasattr(drafter, "propose_block"):
-        return None
-    if isinstance(drafter, DFlashProposer):
+    if hasattr(drafter, "propose_block") or isinstance(drafter, DFlashProposer):
         return None
     return f"the drafter ({type(drafter).__name__}) has no batched form"
 
