@@ -19,6 +19,9 @@
 # With data/heldout.jsonl carried in (heldout.tgz.part-*) and no `eval`, every finished run's path
 # tau on those answers comes back too (offline_heldout.json).
 # PACK_DRAFTERS=0 leaves the drafters out of runs.tgz (an eval stage judged them already).
+# EVALS picks the eval stage's reports (run.py --evals; default all three); GPU_CHECK=0 skips the
+# flex-kernel check before the drafters (a warm machine that passed it in an earlier call); PACK_S
+# (90) is the time kept for packing after the drafters (a few seconds without drafters and base).
 # Unpack here with: cat OUT/base.tgz.part-* | tar xz -C WORK (the same for runs.tgz.part-*).
 # The machine has no network and lacks zarr, numcodecs, torchdata, crc32c, google-crc32c (zarr's crc32c
 # codec imports it), donfig and tomli-w: they travel as Python 3.12 wheels in .whl/ (docs/benchmarks.md).
@@ -78,10 +81,12 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
     fi
   fi
   EVAL=0; [[ ,$STAGES, == *,eval,* ]] && EVAL=1
-  if [[ ,$STAGES, == *,drafters,* ]]; then
+  if [[ ,$STAGES, == *,drafters,* ]] && [ "${GPU_CHECK:-1}" != 0 ]; then
     log "GPU check: the compiled flex kernel without grad on a few blocks (validation's path replay)"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/dflash_common/drafter/test_attention.py -k "flex" || exit 1
-    LEFT=$(( DEADLINE - $(elapsed) - 90 - EVAL * ${EVAL_S:-150} ))  # reports and packing after it
+  fi
+  if [[ ,$STAGES, == *,drafters,* ]]; then
+    LEFT=$(( DEADLINE - $(elapsed) - ${PACK_S:-90} - EVAL * ${EVAL_S:-150} ))  # reports, packing after
     log "drafters $VARIANTS x $SEEDS, deadline in $LEFT s"
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage drafters --variants "$VARIANTS" --seeds "$SEEDS" \
       --deadline-s "$LEFT"
@@ -97,7 +102,7 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage heldout --variants "$VARIANTS" || exit 1
     # a few processes side by side: each decodes its 200 prompts in one batch, host-bound
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage eval --variants "$VARIANTS" \
-      --seeds "$SEEDS" --parallel "${EVAL_PARALLEL:-4}" \
+      --seeds "$SEEDS" ${EVALS:+--evals "$EVALS"} --parallel "${EVAL_PARALLEL:-4}" \
       --deadline-s $(( DEADLINE - $(elapsed) - 45 ))
     python3 benchmarks/quality/run.py "${COMMON[@]}" --stage table --variants "$VARIANTS" \
       --seeds "$SEEDS"

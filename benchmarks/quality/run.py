@@ -170,6 +170,7 @@ VARIANTS: dict[str, list[str]] = {
     # the bf16 twin
     "q4+all_layers": [],
     "all_layers": [],
+    "dpace+q4+all_layers": ["--objective.weights=dpace"],  # against dpace and dpace+q4
 }
 
 
@@ -197,6 +198,7 @@ STORES: dict[str, StoreSpec] = {
     "q4": StoreSpec("q4_hadamard"),
     "dpace+q4": StoreSpec("q4_hadamard"),
     "q4+all_layers": StoreSpec("q4_hadamard", all_layers=True),
+    "dpace+q4+all_layers": StoreSpec("q4_hadamard", all_layers=True),
     "all_layers": StoreSpec("bf16", all_layers=True),
 }
 
