@@ -63,6 +63,13 @@ class DataSection:
         "Held-out share of each store's sequences; the larger of this and holdout_sequences "
         "applies.",
     )
+    holdout_by: Literal["unit", "name"] = option(
+        "unit",
+        "How the held-out walk orders a store's shards: 'unit', by a hash of each shard's work "
+        "unit (stores of the same conversations in any storage dtype, with or without final "
+        "states, hold out the same ones); 'name', by a hash of its whole name, which digests the "
+        "dtype (runs started before this option; a resume of one needs it).",
+    )
     on_bad_shard: Literal["stop", "skip"] = option(
         "stop",
         "What a corrupt shard (a failed checksum, a cut or missing file, missing metadata) or a "

@@ -609,7 +609,12 @@ class TrainData:
         )
         shards = scan_stores(stores, d.reader_threads, d.batch_tokens, bad)
         split = holdout_split(
-            shards, len(stores), d.holdout_sequences, d.holdout_fraction, 2 * block_size
+            shards,
+            len(stores),
+            d.holdout_sequences,
+            d.holdout_fraction,
+            2 * block_size,
+            d.holdout_by,
         )  # sequences with < 2B response tokens are dropped
         plan = DataPlan(
             shards,

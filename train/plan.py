@@ -27,6 +27,8 @@ import threading
 
 import numpy as np
 
+from dflash_common.store.format import shard_unit
+
 # Tags keep the random streams of different purposes apart (numpy SeedSequence mixes the whole key).
 _SHARD_ORDER, _MIX, _SHUFFLE_WINDOW = 1, 2, 3
 
@@ -66,6 +68,16 @@ def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
+def _holdout_key(name: str, by: str) -> int:
+    """Where a shard comes in the held-out walk. by='unit': a hash of its work unit (the input's
+    position), not of its whole name, whose digest covers the storage dtype and the stored layers,
+    so stores of the same conversations in another codec, or with final states, hold out the same
+    ones: their validation figures compare, and mixed in one training none trains on what another
+    holds out. by='name': a hash of the whole name (runs started before data.holdout_by)."""
+    unit = shard_unit(name) if by == "unit" else None
+    return _stable_hash(name if unit is None else f"unit {unit}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """Per shard, the sequences trained on and those held out for validation."""
@@ -75,18 +87,23 @@ class Split:
 
 
 def holdout_split(
-    shards: list[ShardMeta], n_stores: int, count: int, fraction: float, min_response: int
+    shards: list[ShardMeta],
+    n_stores: int,
+    count: int,
+    fraction: float,
+    min_response: int,
+    by: str = "unit",
 ) -> Split:
     """Hold out the first max(count, fraction * sequences) sequences of each store, walking its
-    shards in the order of a hash of their names (no seed: every run of every drafter holds out the
-    same ones). Sequences with fewer than `min_response` response tokens are neither trained nor
-    validated on."""
+    shards in the order of a hash of their work units (`by`, `_holdout_key`; no seed: every run of
+    every drafter holds out the same ones). Sequences with fewer than `min_response` response
+    tokens are neither trained nor validated on."""
     held = [np.zeros(len(s.lengths), dtype=bool) for s in shards]
     for store in range(n_stores):
         mine = [i for i, s in enumerate(shards) if s.store == store]
         total = sum(len(shards[i].lengths) for i in mine)
         left = max(count, int(np.ceil(fraction * total)))
-        for i in sorted(mine, key=lambda i: _stable_hash(shards[i].name)):
+        for i in sorted(mine, key=lambda i: (_holdout_key(shards[i].name, by), shards[i].name)):
             take = min(left, len(shards[i].lengths))
             held[i][:take] = True
             left -= take

@@ -35,7 +35,7 @@ log = logging.getLogger("dflash")
 # weights, optimiser state or data order an uninterrupted run would reach. Every other setting is
 # the checkpoint's or refused. A setting added since a checkpoint was written is absent from its
 # run.toml: that run trained with the behaviour the new field's default keeps, so it matches the
-# default and nothing else.
+# default and nothing else, unless _BEFORE_THEY_EXISTED says what that run did instead.
 APPLIED_ON_RESUME = (
     "log.",
     "checkpoint.",
@@ -62,6 +62,8 @@ _RESOLVED = (
 )
 _PATHS = ("data.stores", "drafter.init_from")  # compared as the places they name
 _DEFAULTS = {key: default for key, _, default, _ in iter_fields(TrainConfig)}
+# Settings whose default is not what runs before them did: a checkpoint without one ran this value
+_BEFORE_THEY_EXISTED = {"data.holdout_by": "name"}
 
 
 def applied_on_resume(key: str) -> bool:
@@ -122,21 +124,25 @@ def changed_settings(path: Path, cfg: TrainConfig, out: Path) -> dict[str, Any]:
     ]
     refused = [k for k in keys if not applied_on_resume(k)]
     if refused:
+        # settings the checkpoint predates: its run.toml does not name them, the resume must
+        older = {k: v for k, v in _BEFORE_THEY_EXISTED.items() if k in refused and k not in before}
+        before = {**older, **before}
         detail = ", ".join(
             f"{k} = {_setting_value(before.get(k))} there vs {_setting_value(now.get(k))} here"
             for k in refused
         )
+        also = "".join(f" and --{k}={v}" for k, v in older.items())
         raise UserError(
             f"cannot resume from {path} with other settings of what it trains ({detail}): the "
             f"optimiser, its schedule and the data order go on from the checkpoint; rerun with "
-            f"the settings of {path / 'run.toml'} to resume it, or {new_run_hint(out)}."
+            f"the settings of {path / 'run.toml'}{also} to resume it, or {new_run_hint(out)}."
         )
     return {k: [before.get(k), now.get(k)] for k in keys if k != "run.out_dir"}
 
 
 def _differs(key: str, before: dict[str, Any], now: dict[str, Any]) -> bool:
     if key not in before and key in now:  # a setting added since: the checkpoint ran its default
-        return now[key] != _DEFAULTS.get(key, now[key])
+        return now[key] != _BEFORE_THEY_EXISTED.get(key, _DEFAULTS.get(key, now[key]))
     a, b = before.get(key), now.get(key)
     if key in _PATHS:  # the same places however spelt (relative, through another working directory)
         a, b = _places(a), _places(b)

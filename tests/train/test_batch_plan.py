@@ -3,8 +3,12 @@ shards per rank, equal step counts, mixing weights, a held-out split that ignore
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
+
+from dflash_common.store.format import shard_name, shard_unit
 
 from train.plan import DataPlan, ShardMeta, holdout_split, pack
 
@@ -95,6 +99,35 @@ def test_holdout_is_fixed_by_names_not_the_seed_and_never_trained():
     assert sorted(tuple(r) for b in val for r in b[:, :2].tolist()) == sorted(
         (s, q) for s, v in enumerate(split.val) for q in v.tolist()
     )
+
+
+def test_stores_of_the_same_units_in_other_codecs_hold_out_the_same_units():
+    """Shard names digest the storage dtype and the stored layers; the held-out walk follows the
+    work unit alone, so a bf16, an fp8 and a q4 store of the same conversations hold out the same
+    ones (and, mixed in one training, none trains on another's held-out sequences)."""
+    r = np.random.default_rng(1)
+    lengths = [r.integers(5, 60, 10).astype(np.int64) for _ in range(12)]
+    names = {
+        codec: [
+            shard_name(u, hashlib.sha256(f"{codec}{u}".encode()).hexdigest()) for u in range(12)
+        ]
+        for codec in ("bf16", "fp8_e4m3", "q4_hadamard")
+    }
+    shards = [
+        ShardMeta(store, name, lengths[u], lengths[u] // 2)
+        for store, codec in enumerate(names)
+        for u, name in enumerate(names[codec])
+    ]
+    split = holdout_split(shards, 3, 25, 0.0, 0)
+    held = [
+        {(shard_unit(s.name), q) for s, v in zip(shards, split.val) if s.store == store for q in v}
+        for store in range(3)
+    ]
+    assert len(held[0]) == 25 and held[0] == held[1] == held[2]
+    trained = {(shard_unit(s.name), q) for s, t in zip(shards, split.train) for q in t}
+    assert not trained & held[0]
+    # the walk is not the units' order: a hash of them
+    assert {u for u, _ in held[0]} != set(range(len({u for u, _ in held[0]})))
 
 
 def test_a_window_as_large_as_the_store_shuffles_every_sequence_with_every_other():

@@ -239,3 +239,23 @@ def test_a_setting_added_since_the_checkpoint_resumes_at_its_default_only(tmp_pa
     )
     with pytest.raises(Exception, match=r"optim\.name = unset there vs 'muon' here"):
         changed_settings(step, muon, tmp_path / "run")
+
+
+def test_a_run_from_before_holdout_by_resumes_only_with_the_walk_it_held_out_by(tmp_path):
+    """data.holdout_by's default ('unit') is not what earlier runs did ('name'): a checkpoint
+    without the line resumes only with --data.holdout_by=name, and the refusal says so."""
+    args = (tmp_path / "store", tmp_path / "target", tmp_path / "run")
+    cfg = parse(train_args(*args, *STEPS))
+    step = tmp_path / "run" / "step-2"
+    step.mkdir(parents=True)
+    old = to_dict(cfg)
+    del old["data"]["holdout_by"]
+    (step / "run.toml").write_text(tomli_w.dumps(old))
+    with pytest.raises(Exception) as e:
+        changed_settings(step, cfg, tmp_path / "run")
+    assert "data.holdout_by = 'name' there vs 'unit' here" in str(e.value)
+    assert f"the settings of {step / 'run.toml'} and --data.holdout_by=name to resume" in str(
+        e.value
+    )
+    by_name = parse(train_args(*args, *STEPS, "--data.holdout_by=name"))
+    assert changed_settings(step, by_name, tmp_path / "run") == {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -52,6 +53,7 @@ log = logging.getLogger("dflash")
 _RUN_SETTINGS = {
     "holdout_sequences": ("data", "holdout_sequences"),
     "holdout_fraction": ("data", "holdout_fraction"),
+    "holdout_by": ("data", "holdout_by"),
     "batch_tokens": ("data", "batch_tokens"),
     "max_anchors": ("objective", "max_anchors"),
     "gamma": ("objective", "gamma"),
@@ -79,6 +81,8 @@ def _training_run_settings(drafter_path: str) -> dict:
             values = {
                 key: getattr(getattr(run, sec), name) for key, (sec, name) in _RUN_SETTINGS.items()
             }
+            if "holdout_by" not in tomllib.loads(candidate.read_text()).get("data", {}):
+                values["holdout_by"] = "name"  # a run from before the option walked by names
             return {key: value for key, value in values.items() if value is not None}
     return {}
 
@@ -115,7 +119,7 @@ def run_offline(cfg: EvalConfig) -> dict:
     )
     split = {
         k: settings[k]
-        for k in ("holdout_sequences", "holdout_fraction", "batch_tokens")
+        for k in ("holdout_sequences", "holdout_fraction", "holdout_by", "batch_tokens")
         if k in settings
     }
     path = path_tau_offline(
@@ -187,6 +191,7 @@ def evaluate_offline(
     max_anchors: int = 512,
     holdout_sequences: int = 256,
     holdout_fraction: float = 0.0,
+    holdout_by: str = "unit",
     batch_tokens: int = 65536,
     reader_threads: int = 4,
     autocast: str = "bf16",
@@ -212,6 +217,7 @@ def evaluate_offline(
         max_anchors=max_anchors,
         holdout_sequences=holdout_sequences,
         holdout_fraction=holdout_fraction,
+        holdout_by=holdout_by,
         batch_tokens=batch_tokens,
         reader_threads=reader_threads,
         autocast=autocast,
@@ -229,6 +235,7 @@ def path_tau_offline(
     max_new_tokens: int | None = None,
     holdout_sequences: int = 256,
     holdout_fraction: float = 0.0,
+    holdout_by: str = "unit",
     batch_tokens: int = 65536,
     reader_threads: int = 4,
     autocast: str = "none",
@@ -243,6 +250,7 @@ def path_tau_offline(
         max_anchors=1,
         holdout_sequences=holdout_sequences,
         holdout_fraction=holdout_fraction,
+        holdout_by=holdout_by,
         batch_tokens=batch_tokens,
         reader_threads=reader_threads,
         autocast=autocast,
@@ -270,6 +278,7 @@ def heldout_batches(
     reader_threads: int,
     autocast: str,
     min_response: int | None = None,
+    holdout_by: str = "unit",
 ):
     """Device batches of a store's held-out sequences, split as the trainer splits them (it drops
     sequences with fewer than `min_response` response tokens, 2B by default, as training does)."""
@@ -278,7 +287,7 @@ def heldout_batches(
     check_contents([store])  # a shard missing from the store stops it, as it stops training
     shards = scan_stores([store], reader_threads, batch_tokens)
     min_response = 2 * drafter_cfg.verify_block_size if min_response is None else min_response
-    split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response)
+    split = holdout_split(shards, 1, holdout_sequences, holdout_fraction, min_response, holdout_by)
     plan = DataPlan(
         shards,
         split,

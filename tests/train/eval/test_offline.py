@@ -57,8 +57,16 @@ def test_offline_estimate_reads_the_held_out_split_of_the_training_run(
     drafter, _ = load_drafter(drafter_dir, dtype=torch.float32)
     head = load_target_head(tiny_target, dtype=torch.float32)
     drafter.attach_frozen(head.embed, head.lm_head)
+    # a run.toml without data.holdout_by is a run from before it: its split walked shard names
+    assert out["holdout_by"] == "name"
     direct = evaluate_offline(
-        drafter, tiny_store, holdout_sequences=8, batch_tokens=4096, max_anchors=64, autocast="none"
+        drafter,
+        tiny_store,
+        holdout_sequences=8,
+        holdout_by="name",
+        batch_tokens=4096,
+        max_anchors=64,
+        autocast="none",
     )
     assert direct["tau"] == pytest.approx(out["tau"]) and direct["acc_by_pos"] == pytest.approx(
         out["acc_by_pos"]
@@ -93,3 +101,17 @@ def test_the_usage_line_shows_offline(capsys):
     assert (
         caught.value.code == 0 and usage.startswith("usage: dflash-eval") and "[--offline]" in usage
     )
+
+
+def test_the_offline_split_follows_the_walk_the_run_recorded(tmp_path):
+    """data.holdout_by from the training run's run.toml; a run.toml from before the option
+    (no line for it) held out by shard names."""
+    from train.eval.offline import _training_run_settings
+
+    for text, want in (
+        ('[data]\nholdout_by = "unit"\n', "unit"),
+        ('[data]\nholdout_by = "name"\n', "name"),
+        ("[data]\nholdout_sequences = 8\n", "name"),
+    ):
+        (tmp_path / "run.toml").write_text(text)
+        assert _training_run_settings(str(tmp_path))["holdout_by"] == want, text
