@@ -184,7 +184,7 @@ def test_the_selector_term_moves_the_gradient_and_unary_confidence_differs(tiny_
         drafter, drafter, batch, **args, objective=ObjectiveSection(selector_weight=0.0)
     )
     full, _, _ = batch_objective(drafter, drafter, batch, **args)
-    assert float(full) > float(base)
+    assert full.item() > base.item()
     served, _, _ = batch_objective(drafter, drafter, batch, **args, weights="dpace")
     unary, _, _ = batch_objective(
         drafter,
@@ -194,7 +194,7 @@ def test_the_selector_term_moves_the_gradient_and_unary_confidence_differs(tiny_
         weights="dpace",
         objective=ObjectiveSection(dpace_confidence="unary"),
     )
-    assert float(served) != float(unary)
+    assert served.item() != unary.item()
     extras = {}
     batch_objective(drafter, drafter, batch, **args, extras=extras)
     assert extras["unary"].shape == (2 * cfg.block_size + 2,) and extras["selector"][2] > 0
