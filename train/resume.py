@@ -124,7 +124,7 @@ def changed_settings(path: Path, cfg: TrainConfig, out: Path) -> dict[str, Any]:
     ]
     refused = [k for k in keys if not applied_on_resume(k)]
     if refused:
-        # settings the checkpoint predates: its run.toml does not name them, the resume must
+        # settings the checkpoint predates: its run.toml lacks them, the command line must name them
         older = {k: v for k, v in _BEFORE_THEY_EXISTED.items() if k in refused and k not in before}
         before = {**older, **before}
         detail = ", ".join(
