@@ -166,7 +166,8 @@ def round_time(fn, steps: int, cuda: bool) -> float:
 
 def build(cfg: DrafterConfig, device, cuda: bool, compiled: bool):
     torch.manual_seed(0)
-    drafter = new_drafter(cfg).to(device)  # float32 master weights
+    with torch.device(device):  # float32 master weights, initialised where they train
+        drafter = new_drafter(cfg)
     v, h = cfg.vocab_size, cfg.hidden_size
     drafter.attach_frozen(
         torch.randn(v, h, device=device, dtype=torch.bfloat16),
