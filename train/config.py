@@ -12,9 +12,18 @@ decay (`objective.weights`), which reach a higher tau on the quality benchmark (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
-from dflash_common.config import check, check_device, option, section
+from dflash_common.config import (
+    check,
+    check_device,
+    load_config,
+    option,
+    read_toml,
+    section,
+    stage_table,
+)
 from dflash_common.drafter.config import Arch
 
 
@@ -596,3 +605,20 @@ class TrainConfig:
             "objective.confidence_label = 'tv' reads the total variation of the soft loss; set "
             "--targets.soft=tv or dspark (temperature 1), or --objective.confidence_label=match.",
         )
+
+
+# Settings whose default is not what runs from before them did: a run.toml without one is of a run
+# that behaved as this value (train/resume.py holds a resume to it; dflash-eval reads the run so).
+BEFORE_THEY_EXISTED = {"data.holdout_by": "name"}
+
+
+def load_run_config(path: str | Path) -> TrainConfig:
+    """A run's run.toml as that run trained: the settings it predates (BEFORE_THEY_EXISTED) at
+    their value before they existed, the others at their defaults."""
+    written = stage_table(TrainConfig, read_toml(path), path)
+    older = [
+        f"--{key}={value}"
+        for key, value in BEFORE_THEY_EXISTED.items()
+        if key.split(".")[-1] not in written.get(key.split(".")[0], {})
+    ]
+    return load_config(TrainConfig, path, older)

@@ -27,7 +27,7 @@ from dflash_common.drafter.config import DrafterConfig
 from dflash_common.drafter.record import read_drafter_config
 from dflash_common.errors import UserError
 from train.checkpoint import COMPLETE, complete_checkpoints, latest_checkpoint
-from train.config import TrainConfig
+from train.config import BEFORE_THEY_EXISTED, TrainConfig
 
 log = logging.getLogger("dflash")
 
@@ -35,7 +35,7 @@ log = logging.getLogger("dflash")
 # weights, optimiser state or data order an uninterrupted run would reach. Every other setting is
 # the checkpoint's or refused. A setting added since a checkpoint was written is absent from its
 # run.toml: that run trained with the behaviour the new field's default keeps, so it matches the
-# default and nothing else, unless _BEFORE_THEY_EXISTED says what that run did instead.
+# default and nothing else, unless BEFORE_THEY_EXISTED says what that run did instead.
 APPLIED_ON_RESUME = (
     "log.",
     "checkpoint.",
@@ -62,8 +62,6 @@ _RESOLVED = (
 )
 _PATHS = ("data.stores", "drafter.init_from")  # compared as the places they name
 _DEFAULTS = {key: default for key, _, default, _ in iter_fields(TrainConfig)}
-# Settings whose default is not what runs before them did: a checkpoint without one ran this value
-_BEFORE_THEY_EXISTED = {"data.holdout_by": "name"}
 
 
 def applied_on_resume(key: str) -> bool:
@@ -125,7 +123,7 @@ def changed_settings(path: Path, cfg: TrainConfig, out: Path) -> dict[str, Any]:
     refused = [k for k in keys if not applied_on_resume(k)]
     if refused:
         # settings the checkpoint predates: its run.toml lacks them, the command line must name them
-        older = {k: v for k, v in _BEFORE_THEY_EXISTED.items() if k in refused and k not in before}
+        older = {k: v for k, v in BEFORE_THEY_EXISTED.items() if k in refused and k not in before}
         before = {**older, **before}
         detail = ", ".join(
             f"{k} = {_setting_value(before.get(k))} there vs {_setting_value(now.get(k))} here"
@@ -142,7 +140,7 @@ def changed_settings(path: Path, cfg: TrainConfig, out: Path) -> dict[str, Any]:
 
 def _differs(key: str, before: dict[str, Any], now: dict[str, Any]) -> bool:
     if key not in before and key in now:  # a setting added since: the checkpoint ran its default
-        return now[key] != _BEFORE_THEY_EXISTED.get(key, _DEFAULTS.get(key, now[key]))
+        return now[key] != BEFORE_THEY_EXISTED.get(key, _DEFAULTS.get(key, now[key]))
     a, b = before.get(key), now.get(key)
     if key in _PATHS:  # the same places however spelt (relative, through another working directory)
         a, b = _places(a), _places(b)

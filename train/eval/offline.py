@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -24,12 +23,12 @@ import torch
 
 from dflash_common.drafter.model import DFlashDrafter
 from dflash_common.dist import resolve_device
-from dflash_common.config import ConfigError, load_config
+from dflash_common.config import ConfigError
 from dflash_common.errors import UserError
 from dflash_common.hf import check_model_dir, load_text_config
 from dflash_common.store import Store
 from train.cache import ShardCache, SlotSlab
-from train.config import TrainConfig
+from train.config import load_run_config
 from train.data import (
     check_contents,
     make_feeder,
@@ -68,7 +67,7 @@ def _training_run_settings(drafter_path: str) -> dict:
     for candidate in (here / "run.toml", here.parent / "run.toml"):
         if candidate.is_file():
             try:
-                run = load_config(TrainConfig, candidate)
+                run = load_run_config(candidate)
             except ConfigError as e:
                 log.warning(
                     "%s does not load (%s): the trainer's defaults stand for its "
@@ -81,8 +80,6 @@ def _training_run_settings(drafter_path: str) -> dict:
             values = {
                 key: getattr(getattr(run, sec), name) for key, (sec, name) in _RUN_SETTINGS.items()
             }
-            if "holdout_by" not in tomllib.loads(candidate.read_text()).get("data", {}):
-                values["holdout_by"] = "name"  # a run from before the option walked by names
             return {key: value for key, value in values.items() if value is not None}
     return {}
 

@@ -238,16 +238,13 @@ def test_a_confidence_schedule_decodes_batched_with_the_one_at_a_time_cycles(
     block = scheduled.block_size
     single = batched_decodes_as_one_at_a_time(model, scheduled, prompts, block)
     target, every = TargetRunner(model, scheduled.layer_ids), load_proposer(str(dspark_dir), model)
+    full = [
+        speculative_generate(target, every, ids, block_size=block, max_new_tokens=40)
+        for ids in prompts
+    ]
     cycles = {
         "schedule": sum(len(a.acceptance_lengths) for a in single),
-        "every": sum(
-            len(
-                speculative_generate(
-                    target, every, ids, block_size=block, max_new_tokens=40
-                ).acceptance_lengths
-            )
-            for ids in prompts
-        ),
+        "every": sum(len(f.acceptance_lengths) for f in full),
     }
     assert cycles["schedule"] > cycles["every"], cycles  # the schedule cut some blocks short
     conf = torch.tensor([[0.9, 0.8, 0.3, 0.95], [0.1, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]])
