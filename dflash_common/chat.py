@@ -23,7 +23,14 @@ Two ways to find the assistant tokens, which give the same mask where both apply
    conversation is refused with reason `template_rewrites_history` instead of getting a guessed
    mask.
 
-Template options (`enable_thinking` and the like) pass through as `template_kwargs`.
+Template options (`enable_thinking` and the like) pass through as `template_kwargs`, and a record's
+tool specs (`tools`) to every render, as dflash-generate renders its prompts.
+
+An answer dflash-generate wrote keeps the token ids the target emitted (`answer_ids`), and
+`tokenize_as_generated` builds the sequence from them: the prompt's tokens as the target was fed
+them, then those ids. Re-tokenising the answer's text instead would not give them back wherever the
+target spelt a word in other tokens than the tokenizer's own (or emitted bytes that are no UTF-8
+alone, which decode to U+FFFD): the drafter would learn tokens the target does not emit.
 """
 
 from __future__ import annotations
@@ -38,9 +45,48 @@ from dflash_common.errors import SkippedRecord, UserError
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
 class ChatMaskError(SkippedRecord):
     """A conversation the template cannot turn into tokens + mask; `reason` is the counted
     category."""
+
+
+def assistant_message(text: str) -> dict[str, Any]:
+    """A generated answer as a message; a thinking block goes to `reasoning_content`, as reasoning
+    chat templates (Qwen3) expect assistant turns."""
+    if THINK_CLOSE not in text:
+        return {"role": "assistant", "content": text}
+    reasoning, content = text.split(THINK_CLOSE, 1)
+    reasoning = reasoning.split(THINK_OPEN, 1)[1] if THINK_OPEN in reasoning else reasoning
+    return {"role": "assistant", "content": content.strip(), "reasoning_content": reasoning.strip()}
+
+
+def answer_text(tokenizer: Any, ids: list[int]) -> str:
+    """The text of answer tokens, special tokens kept (what dflash-generate writes)."""
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def prompt_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[Any] | None = None,
+) -> list[int]:
+    """Token ids of a prompt that asks for the next assistant turn: the template rendered with its
+    generation prompt, then tokenized as text (generation, evaluation and the prompts of generated
+    answers in a store, all alike). A template error raises ChatMaskError('template_error')."""
+    text = run_template(
+        lambda: tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=True,
+            **({"tools": tools} if tools else {}),
+            **(template_kwargs or {}),
+        )
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def has_generation_markers(tokenizer: Any) -> bool:
@@ -79,56 +125,102 @@ class ChatTemplate:
         return cls(load_tokenizer(path), template_kwargs)
 
     def tokenize(
-        self, messages: list[dict[str, Any]], last_turn_cut: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        last_turn_cut: bool = False,
+        tools: list[Any] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """-> input_ids int32 [T], loss_mask uint8 [T] (1 on assistant tokens).
 
         `last_turn_cut`: the last assistant turn was cut by a length limit (dflash-generate's
         finish_reason "length"), so the end-of-turn token(s) the template appends to it were never
         generated; they get no loss, or the drafter would learn to end turns where the target did
-        not."""
+        not. `tools`: the record's tool specs, passed to the template."""
         if self.use_markers:
-            ids, mask = self._tokenize_marked(messages)
+            ids, mask = self._tokenize_marked(messages, tools)
         else:
-            ids, mask = self._tokenize_by_rendering(messages)
+            ids, mask = self._tokenize_by_rendering(messages, tools)
         if last_turn_cut:
             unmask_end_of_turn(ids, mask, set(getattr(self.tokenizer, "all_special_ids", [])))
         return ids, mask
 
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a prompt that asks for the next assistant turn (for generation and
-        evaluation)."""
-        text = self.render(messages, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def tokenize_as_generated(
+        self,
+        messages: list[dict[str, Any]],
+        answer_ids: list[int],
+        stopped: bool,
+        tools: list[Any] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """-> (input_ids, loss_mask) of a conversation whose last assistant turn is `answer_ids`,
+        the tokens the target emitted (its stop token last when `stopped`): the prompt that asked
+        for that turn, tokenized as dflash-generate fed it to the target, then `answer_ids`, all in
+        the loss (the stop token too: the drafter learns to end the turn where the target did).
+        Earlier assistant turns are masked by their characters, as `tokenize` does. None when the
+        ids do not spell the last turn (the text was edited, or the store's tokenizer is not the one
+        that generated): the caller tokenizes the text."""
+        if not messages or messages[-1]["role"] != "assistant" or not answer_ids:
+            return None
+        said = answer_ids[:-1] if stopped else answer_ids
+        if assistant_message(answer_text(self.tokenizer, list(said))) != messages[-1]:
+            return None
+        history = messages[:-1]
+        prompt = prompt_ids(self.tokenizer, history, self.template_kwargs, tools)
+        mask = np.zeros(len(prompt), np.uint8)
+        earlier = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+        if earlier:  # their characters in the prompt's text, as the rendering path finds them
+            if not getattr(self.tokenizer, "is_fast", False):
+                return None  # no offsets to place them by
+            text = self.render(history, add_generation_prompt=True, tools=tools)
+            spans = [self._assistant_span(history, i, text, tools) for i in earlier]
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            mask = mask_from_spans(enc["offset_mapping"], spans)
+        ids = np.asarray(prompt + list(answer_ids), np.int32)
+        return ids, np.concatenate([mask, np.ones(len(answer_ids), np.uint8)])
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None
+    ) -> list[int]:
+        """Token ids of a prompt that asks for the next assistant turn (for generation and
+        evaluation): the module's `prompt_ids` with this template's options."""
+        return prompt_ids(self.tokenizer, messages, self.template_kwargs, tools)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[Any] | None = None,
+    ) -> str:
         return run_template(
             lambda: self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
                 **self.template_kwargs,
             )
         )
 
-    def _tokenize_marked(self, messages: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    def _tokenize_marked(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         out = run_template(
             lambda: self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=True,
                 return_dict=True,
                 return_assistant_tokens_mask=True,
+                **({"tools": tools} if tools else {}),
                 **self.template_kwargs,
             )
         )
         return np.asarray(out["input_ids"], np.int32), np.asarray(out["assistant_masks"], np.uint8)
 
     def _tokenize_by_rendering(
-        self, messages: list[dict[str, Any]]
+        self, messages: list[dict[str, Any]], tools: list[Any] | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        full = self.render(messages)
+        full = self.render(messages, tools=tools)
         spans = [
-            self._assistant_span(messages, i, full)
+            self._assistant_span(messages, i, full, tools)
             for i, m in enumerate(messages)
             if m["role"] == "assistant"
         ]
@@ -137,7 +229,9 @@ class ChatTemplate:
         ids = np.asarray(enc["input_ids"], np.int32)
         return ids, mask_from_spans(offsets, spans)
 
-    def _assistant_span(self, messages: list[dict[str, Any]], i: int, full: str) -> tuple[int, int]:
+    def _assistant_span(
+        self, messages: list[dict[str, Any]], i: int, full: str, tools: list[Any] | None = None
+    ) -> tuple[int, int]:
         # no history to render a generation prompt from (transformers refuses empty chats)
         if i == 0:
             raise ChatMaskError(
@@ -145,7 +239,7 @@ class ChatTemplate:
                 "the conversation opens with an assistant turn; without generation "
                 "markers in the template its prompt cannot be told from its text",
             )
-        prompt = self.render(messages[:i], add_generation_prompt=True)
+        prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
         if not full.startswith(prompt):
             raise ChatMaskError(
                 "template_rewrites_history",
@@ -153,7 +247,7 @@ class ChatTemplate:
                 "once later turns follow",
             )
         start = len(prompt)
-        turn = self.render(messages[: i + 1])
+        turn = self.render(messages[: i + 1], tools=tools)
         if full.startswith(turn) and len(turn) > start:
             return start, self._trim_after_end_of_turn(full, start, len(turn))
         end = full.find(self.end_of_turn, start) if self.end_of_turn else -1

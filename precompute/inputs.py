@@ -103,6 +103,9 @@ class Conversation:
     # the record's finish_reason is "length" (dflash-generate): its last assistant turn was cut by
     # max_new_tokens, so the end-of-turn token the template appends to it was never generated
     last_turn_cut: bool = False
+    # dflash-generate's `answer_ids`: the tokens the target emitted for the last assistant turn
+    answer_ids: list[int] | None = None
+    tools: list[Any] | None = None  # the record's tool specs, which the template renders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +281,19 @@ def parse_record(
     fmt = _detect_format(obj) if fmt == "auto" else fmt
     cut = obj.get("finish_reason") == "length"
     if fmt in ("messages", "sharegpt"):
-        return Conversation(raw.source_id, conversation_messages(obj, fmt, require_assistant), cut)
+        messages = conversation_messages(obj, fmt, require_assistant)
+        ids = obj.get("answer_ids")
+        if ids is not None and not _token_ids(ids):
+            raise BadRecord(
+                "wrong_field_type", "'answer_ids' must be a list of non-negative integers"
+            )
+        tools = obj.get("tools") if isinstance(obj.get("tools"), list) else None
+        return Conversation(raw.source_id, messages, cut, ids or None, tools or None)
     return _pre_tokenized(raw.source_id, obj)
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
 
 
 def record_object(raw: RawRecord) -> dict:
@@ -332,7 +346,7 @@ def _field(obj: dict, key: str) -> Any:
 
 def _pre_tokenized(source_id: str, obj: dict) -> PreTokenized:
     ids, mask = _field(obj, "input_ids"), _field(obj, "loss_mask")
-    if not (isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)):
+    if not _token_ids(ids):
         raise BadRecord("wrong_field_type", "'input_ids' must be a list of non-negative integers")
     if not (isinstance(mask, list) and all(type(m) in (int, bool) and m in (0, 1) for m in mask)):
         raise BadRecord("wrong_field_type", "'loss_mask' must be a list of 0/1")

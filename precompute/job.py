@@ -512,6 +512,8 @@ def make_summary(
         "tokens": plan.tokens,
         "response_tokens": plan.response_tokens,
         "truncated": plan.truncated,
+        "as_generated": plan.as_generated,
+        "ids_unused": plan.ids_unused,
         "skips": plan.skips.to_dict(),
         "empty_units": plan.empty_units,
         "shards": list(plan.shards),

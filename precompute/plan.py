@@ -99,6 +99,8 @@ class Plan:
     # every shard the finished store holds (units with sequences): the summary lists them, so a
     # shard lost later is named by verify, info and train
     shards: tuple[str, ...] = ()
+    as_generated: int = 0  # answers taken as the target emitted them (dflash-generate's answer_ids)
+    ids_unused: int = 0  # answers whose answer_ids did not spell their text: tokenized from it
 
     @property
     def state_arrays(self) -> int:
@@ -120,6 +122,7 @@ class Plan:
             f"truncated {self.truncated:,}",
             f"  tokens after templating: {self.tokens:,} (response tokens "
             f"{self.response_tokens:,})",
+            *self._answer_lines(),
             f"  layers {self.layer_ids}{' + the final state' if self.final_state else ''} x hidden "
             f"{self.hidden_size} as {self.store_dtype}: "
             f"{per:,} array bytes/token ({formula} + 5 for id and mask) + 8 per sequence (offsets)",
@@ -136,6 +139,20 @@ class Plan:
         for source_id, reason, detail in self.skips.examples:
             lines.append(f"  e.g. skipped {source_id}: {reason} ({detail})")
         return "\n".join(lines)
+
+    def _answer_lines(self) -> list[str]:
+        if not (self.as_generated or self.ids_unused):
+            return []
+        line = (
+            f"  answers as the target emitted them (dflash-generate's answer_ids): "
+            f"{self.as_generated:,}"
+        )
+        if self.ids_unused:
+            line += (
+                f"; {self.ids_unused:,} tokenized from their text instead: their answer_ids do not "
+                "spell it (edited since, or generated with another tokenizer)"
+            )
+        return [line]
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -175,6 +192,8 @@ def make_plan(
         tokens=sum(s.tokens for s in summaries),
         response_tokens=sum(s.response_tokens for s in summaries),
         truncated=sum(s.truncated for s in summaries),
+        as_generated=sum(s.as_generated for s in summaries),
+        ids_unused=sum(s.ids_unused for s in summaries),
         skips=skips,
         hidden_size=hidden_size,
         layer_ids=list(layer_ids),

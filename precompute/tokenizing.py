@@ -15,6 +15,12 @@ Skip reasons added here (see precompute/inputs.py for the reader's): the chat te
 (`template_error`, `template_rewrites_history`, `assistant_turn_first`), `token_id_out_of_range`,
 `too_long` (with data.overlength = 'drop') and `too_few_response_tokens` (< 2 x data.block_size).
 Truncated sequences are kept and counted as `truncated`.
+
+A conversation dflash-generate answered carries the tokens of its last answer (`answer_ids`): its
+sequence is that answer's prompt as the target was fed it, then those tokens
+(dflash_common.chat `tokenize_as_generated`), counted as `as_generated`; where the ids do not spell
+the stored text (edited since, or another tokenizer) the text is tokenized, counted as
+`ids_unused`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import io
 import json
 import logging
 import multiprocessing
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,7 +55,7 @@ from precompute.units import iter_unit_records, num_units, owner
 
 # Part of the token cache's key: raised whenever the tokenization rules change (which tokens, loss
 # mask, sample ids), so a cache made under other rules is never read back.
-TOKENIZE_VERSION = 3
+TOKENIZE_VERSION = 4
 
 
 # ---------------------------------------------------------------------------------- tokenized units
@@ -66,6 +73,8 @@ class TokenizedUnit:
     sample_ids: list[str]
     skips: SkipLog
     truncated: int = 0
+    as_generated: int = 0  # answers from their answer_ids
+    ids_unused: int = 0  # answers whose answer_ids did not spell their text: tokenized from it
 
     @property
     def num_samples(self) -> int:
@@ -97,6 +106,8 @@ class TokenizedUnit:
             self.truncated,
             self.skips.to_dict(),
             self.content_digest(),
+            self.as_generated,
+            self.ids_unused,
         )
 
     def to_bytes(self) -> bytes:
@@ -105,6 +116,8 @@ class TokenizedUnit:
             "index": self.index,
             "num_records": self.num_records,
             "truncated": self.truncated,
+            "as_generated": self.as_generated,
+            "ids_unused": self.ids_unused,
             "skips": self.skips.to_dict(),
             "sample_ids": self.sample_ids,
         }
@@ -130,6 +143,8 @@ class TokenizedUnit:
                 meta["sample_ids"],
                 SkipLog.from_dict(meta["skips"], report_first),
                 meta["truncated"],
+                meta["as_generated"],
+                meta["ids_unused"],
             )
 
 
@@ -145,6 +160,8 @@ class UnitSummary:
     truncated: int
     skips: dict[str, Any]
     digest: str
+    as_generated: int = 0
+    ids_unused: int = 0
 
 
 # ------------------------------------------------------------------------------------ tokenizing
@@ -157,6 +174,7 @@ class UnitTokenizer:
         self.chat = chat
         self.data = data
         self.vocab_size = vocab_size
+        self._answers: Counter[str] = Counter()  # of the unit being tokenized
 
     @classmethod
     def from_target(
@@ -174,6 +192,7 @@ class UnitTokenizer:
     def __call__(self, index: int, records: list[RawRecord]) -> TokenizedUnit:
         skips, truncated = SkipLog(self.data.report_first), 0
         ids, masks, sample_ids = [], [], []
+        self._answers = Counter()
         for record in records:
             sample = self._sample(record, skips)
             if sample is None:
@@ -198,6 +217,8 @@ class UnitTokenizer:
             sample_ids,
             skips,
             truncated,
+            self._answers["as_generated"],
+            self._answers["ids_unused"],
         )
 
     def _sample(self, record: RawRecord, skips: SkipLog):
@@ -230,14 +251,30 @@ class UnitTokenizer:
 
     def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray]:
         if isinstance(parsed, Conversation):
-            return self.chat.tokenize(parsed.messages, parsed.last_turn_cut)
-        ids = np.asarray(parsed.input_ids, np.int64)
-        if ids.max() >= self.vocab_size:
+            if parsed.answer_ids:
+                got = (
+                    self.chat.tokenize_as_generated(
+                        parsed.messages, parsed.answer_ids, not parsed.last_turn_cut, parsed.tools
+                    )
+                    if max(parsed.answer_ids) < self.vocab_size  # else another tokenizer's
+                    else None
+                )
+                self._answers["as_generated" if got is not None else "ids_unused"] += 1
+                if got is not None:
+                    return got
+            return self.chat.tokenize(parsed.messages, parsed.last_turn_cut, parsed.tools)
+        self._check_range(parsed.input_ids)
+        return (
+            np.asarray(parsed.input_ids, np.int32),
+            np.asarray(parsed.loss_mask, np.uint8),
+        )
+
+    def _check_range(self, ids: list[int]) -> None:
+        if max(ids) >= self.vocab_size:
             raise ChatMaskError(
                 "token_id_out_of_range",
-                f"token id {int(ids.max())} >= the target's {self.vocab_size} embeddings",
+                f"token id {max(ids)} >= the target's {self.vocab_size} embeddings",
             )
-        return ids.astype(np.int32), np.asarray(parsed.loss_mask, np.uint8)
 
 
 # ------------------------------------------------------------------------------------ token cache

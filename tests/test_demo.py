@@ -27,7 +27,7 @@ FIGURES = {
 # How far a figure may stray from the README's. The demo is deterministic on a CPU: one machine
 # and thread count give the same bits on every run, and the README's figures are those bits. On
 # another CPU or thread count the float sums inside each matmul add up in another order, which
-# moves the last bits of the target's logits and of every training step; over 328 steps that
+# moves the last bits of the target's logits and of every training step; over 280 steps that
 # reaches the third decimal of a loss, and it may flip a near-tied argmax: one greedy token of the
 # generated answers (a few tokens more or fewer downstream) or one draft of the ~400 eval cycles
 # (the mean tau of 8 prompts moves by a few thousandths per flip). The tolerances allow a handful

@@ -34,7 +34,8 @@ included) ends a response at p + max_new_tokens.
 Where the replay equals real decoding's `emitted` (the test in tests/train/test_path_tau.py
 shows it):
 - the response is the target's greedy continuation of the stored prompt, token for token (token ids,
-  not re-tokenised text), and it ends with a stop token or at p + max_new_tokens;
+  not re-tokenised text: a store of dflash-generate's answers holds each last answer's own ids),
+  and it ends with a stop token or at p + max_new_tokens;
 - the stored sequence up to p is the prompt dflash-eval renders (same chat template);
 - the drafter sees the same features: the store holds them in bf16 (or fp8), dflash-eval hands over
   float32 ones, so the two agree exactly only when the real path's features are rounded the same

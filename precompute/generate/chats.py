@@ -13,7 +13,10 @@ Plain prompts: a JSONL record `{"prompt": "...", "system": "..."}` ("system" opt
 of a `.txt` file. Tools (`tools`, OpenAI function specs) pass to the chat template and into the
 output. An answer holding `</think>` is split: the text before it (less `<think>`) becomes
 `reasoning_content`, the rest `content`, which is how reasoning chat templates (Qwen3) expect
-assistant turns.
+assistant turns (dflash_common.chat `assistant_message`). The record also keeps the token ids of
+its last answer as the target emitted them (`answer_ids`, its stop token last when it stopped), so
+dflash-precompute trains on those tokens, not on a re-tokenisation of their text
+(dflash_common.chat `tokenize_as_generated`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,9 @@ import hashlib
 import json
 from typing import Any
 
+from dflash_common.chat import assistant_message
 from dflash_common.conversations import BadRecord
 from precompute.inputs import Conversation, RawRecord, parse_record, record_object
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclasses.dataclass
@@ -41,6 +43,7 @@ class Chat:
     segments: list[list[dict[str, Any]]]  # the messages to add before each turn still to generate
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     generated_tokens: int = 0
+    answer_ids: list[int] | None = None  # the last answer's tokens, its stop token last if any
     prompt: list[int] | None = None  # token ids asking for the next turn, once rendered
     failed: bool = False  # a template error: skipped, counted
 
@@ -58,10 +61,13 @@ class Chat:
         self.history.extend(self.segments.pop(0))
         return self.history
 
-    def answer(self, text: str, finish_reason: str, num_tokens: int) -> None:
+    def answer(self, text: str, finish_reason: str, num_tokens: int, ids: list[int]) -> None:
+        """The next turn's answer: its text, why it ended, its tokens without the stop token, and
+        `ids`, the tokens the target emitted (the stop token last when it stopped)."""
         self.history.append(assistant_message(text))
         self.finish_reasons.append(finish_reason)
         self.generated_tokens += num_tokens
+        self.answer_ids = ids
         if finish_reason == "length":
             self.segments.clear()
 
@@ -79,18 +85,11 @@ class Chat:
             "generated_turns": len(self.finish_reasons),
             "source": self.source_id,
         }
+        if self.answer_ids is not None:
+            out["answer_ids"] = self.answer_ids
         if self.tools:
             out["tools"] = self.tools
         return out
-
-
-def assistant_message(text: str) -> dict[str, Any]:
-    """A generated answer as a message; a thinking block goes to `reasoning_content`."""
-    if THINK_CLOSE not in text:
-        return {"role": "assistant", "content": text}
-    reasoning, content = text.split(THINK_CLOSE, 1)
-    reasoning = reasoning.split(THINK_OPEN, 1)[1] if THINK_OPEN in reasoning else reasoning
-    return {"role": "assistant", "content": content.strip(), "reasoning_content": reasoning.strip()}
 
 
 def payload_digest(raw: RawRecord) -> str:

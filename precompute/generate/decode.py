@@ -56,6 +56,12 @@ class Request:
 class Generated:
     tokens: list[int]  # the answer, without the end-of-turn token that stopped it
     finish_reason: str  # "stop" | "length"
+    stop: int | None = None  # the stop token that ended it (finish_reason "stop")
+
+    @property
+    def emitted(self) -> list[int]:
+        """Every token the target emitted, the stop token last when it stopped."""
+        return self.tokens + ([self.stop] if self.stop is not None else [])
 
 
 OnTokens = Callable[[int], None]  # answer tokens (no end-of-turn token) since its last call
@@ -260,7 +266,7 @@ class TransformersDecoder:
     def _finish(self, row: list[int]) -> Generated:
         for k, tok in enumerate(row):
             if tok in self.stop_ids:
-                return Generated(row[:k], "stop")
+                return Generated(row[:k], "stop", tok)
         return Generated(row[: self.sampling.max_new_tokens], "length")
 
 
@@ -311,9 +317,9 @@ class VllmDecoder:
         for o in outputs:
             c = o.outputs[0]
             toks = list(c.token_ids)
-            if toks and toks[-1] in self.stop_ids:
-                toks = toks[:-1]
-            result.append(Generated(toks, "length" if c.finish_reason == "length" else "stop"))
+            stop = toks.pop() if toks and toks[-1] in self.stop_ids else None
+            reason = "length" if c.finish_reason == "length" else "stop"
+            result.append(Generated(toks, reason, stop if reason == "stop" else None))
             if on_tokens is not None:
                 on_tokens(len(toks))  # answer tokens, as the transformers decoder counts them
         return result

@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash_common.chat import ChatMaskError, run_template
+from dflash_common.chat import ChatMaskError, answer_text, prompt_ids
 from dflash_common.cli import RateBar, write_run_record
 from dflash_common.conversations import BadRecord
 from dflash_common.dist import WINDOWS_TIMEOUT, Ranks, run_on_ranks
@@ -333,17 +333,8 @@ def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog)
     template error or a first prompt too long skip the record; a later prompt too long ends the
     conversation."""
     messages = chat.next_messages()
-    extra = {"tools": chat.tools} if chat.tools else {}
     try:
-        text = run_template(
-            lambda: tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=True,
-                **extra,
-                **cfg.data.chat_template_kwargs,
-            )
-        )
+        ids = prompt_ids(tokenizer, messages, cfg.data.chat_template_kwargs, chat.tools)
     except ChatMaskError as e:
         skips.add(chat.source_id, e.reason, e.detail)
         chat.prompt, chat.failed = (
@@ -352,7 +343,6 @@ def render_next(chat: Chat, tokenizer: Any, cfg: GenerateConfig, skips: SkipLog)
         )  # the record is skipped, even after turns were answered
         chat.segments.clear()
         return
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if len(ids) > cfg.data.max_prompt_length:
         chat.stop()
         chat.prompt = None
@@ -542,9 +532,7 @@ def answer_sort_window(
         answers = decoder.generate(requests, progress.add_tokens)
         for chat, ans in zip(pending, answers):
             chat.answer(
-                tokenizer.decode(ans.tokens, skip_special_tokens=False),
-                ans.finish_reason,
-                len(ans.tokens),
+                answer_text(tokenizer, ans.tokens), ans.finish_reason, len(ans.tokens), ans.emitted
             )
             progress.update(1)
             if chat.pending:

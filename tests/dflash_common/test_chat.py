@@ -216,3 +216,25 @@ def _with_template(tok, template):
     tok = AutoTokenizer.from_pretrained(tok.name_or_path)
     tok.chat_template = template
     return tok
+
+
+def test_a_records_tools_reach_every_render_as_generate_renders_its_prompts(plain):
+    """Tool specs pass to the template in the masked tokens, the prompt ids and the path from the
+    answer's own ids alike (a template that prints them: without `tools` it prints nothing)."""
+    tok = _with_template(
+        plain,
+        "{% if tools %}TOOLS {{ tools | length }}\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "yes"}]
+    chat = ChatTemplate(tok)
+    ids, mask = chat.tokenize(msgs, tools=tools)
+    assert tok.decode(ids).startswith("TOOLS 1\n") and tok.decode(ids[mask == 1]) == "yes<|im_end|>"
+    prompt = chat.prompt_ids(msgs[:1], tools)
+    assert tok.decode(prompt).startswith("TOOLS 1\n") and ids[: len(prompt)].tolist() == prompt
+    emitted = tok("yes", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    got, got_mask = chat.tokenize_as_generated(msgs, emitted, stopped=True, tools=tools)
+    assert got.tolist() == prompt + emitted and got_mask.tolist() == [0] * len(prompt) + [1] * 4
+    assert chat.tokenize_as_generated(msgs, emitted[:-1], stopped=True, tools=tools) is None

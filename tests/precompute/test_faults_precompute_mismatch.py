@@ -16,6 +16,7 @@ from dflash_common.store import Store
 from dflash_common.tiny import TinySpec, build_tiny_target
 from precompute import job
 from precompute.cli import main
+from precompute.tokenizing import TOKENIZE_VERSION
 
 from precompute_helpers import cli_args, demo_inputs, job_overrides, make_config, store_files
 
@@ -85,7 +86,8 @@ def test_a_store_of_an_older_tokenization_is_refused_naming_the_version(
     line = _refused(capsys, cli_args(tiny_target, inputs, store, "bf16", samples_per_unit=6), store)
     assert line == (
         f"error: Store {store} was made with precompute.tokenize_version = 2, but this run has "
-        "precompute.tokenize_version = 3; use a new store path, or the dflash version that made it."
+        f"precompute.tokenize_version = {TOKENIZE_VERSION}; use a new store path, or the dflash "
+        "version that made it."
     ), line
 
 

@@ -19,7 +19,8 @@ from dflash_common.errors import UserError
 from dflash_common.config import load_config
 from dflash_common.sampling import Sampling
 from precompute.generate import job
-from precompute.generate.chats import assistant_message, split_turns
+from dflash_common.chat import assistant_message
+from precompute.generate.chats import split_turns
 from precompute.generate.config import GenerateConfig
 from precompute.generate.decode import Request, TransformersDecoder, batch_requests
 from precompute.inputs import resolve_inputs
@@ -474,6 +475,69 @@ def test_two_gloo_ranks_write_the_files_of_one(chatty_target, inputs, one_rank, 
     assert done.stdout.count("plan:") == 1 and done.stdout.count("done:") == 1
     assert _files(out) == _files(one_rank)
     assert json.loads((out / "manifest.json").read_text())["runs"][0]["world_size"] == 2
+
+
+def test_precompute_takes_each_last_answer_as_the_target_emitted_it(tiny_target, inputs, tmp_path):
+    """A generated record keeps its last answer's tokens (`answer_ids`, the stop token last), and
+    dflash-precompute's tokenizer builds the sequence from them: the prompt as generate fed it to
+    the target, then those tokens. The reference, computed another way: transformers' greedy
+    `model.generate` from that prompt. The tiny target's byte tokens spell no UTF-8 alone, so its
+    answers' text, re-tokenised, is not its tokens: the text path would train on other tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_common.chat import ChatTemplate, prompt_ids
+    from precompute.config import DataSection
+    from precompute.inputs import RawRecord
+    from precompute.tokenizing import UnitTokenizer
+
+    target = tmp_path / "target"  # stops on a byte some answers emit: answers stop and are cut
+    shutil.copytree(tiny_target, target)
+    stops = [258, 110]
+    gen = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": stops}))
+    # turns = last: the input's earlier assistant turns stay in the prompts
+    job.run(
+        _cfg(target, inputs, tmp_path / "gen", "sampling.max_new_tokens=16", "generate.turns=last")
+    )
+    records = {r["source"]: r for r in _records(tmp_path / "gen").values()}
+    assert {r["finish_reason"] for r in records.values()} == {"stop", "length"}
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    raws = [RawRecord(i, k, json.dumps(r).encode()) for i, (k, r) in enumerate(records.items())]
+    unit = UnitTokenizer.from_target(str(target), DataSection(block_size=2))(0, raws)
+    assert unit.num_samples >= 5 and unit.as_generated == len(records) and unit.ids_unused == 0
+    text_path, earlier, chat = 0, 0, ChatTemplate(tok)
+    for n, key in enumerate(unit.sample_ids):
+        r = records[key]
+        ids = unit.input_ids[unit.offsets[n] : unit.offsets[n + 1]].tolist()
+        mask = unit.loss_mask[unit.offsets[n] : unit.offsets[n + 1]].tolist()
+        history, answer = r["messages"][:-1], r["answer_ids"]
+        prompt = prompt_ids(tok, history)
+        assert ids == prompt + answer and mask[len(prompt) :] == [1] * len(answer)
+        ref = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=256,
+        )[0, len(prompt) :].tolist()
+        assert answer == ref  # the stop token included, where the answer stopped
+        assert (answer[-1] in stops) == (r["finish_reason"] == "stop")
+        if any(m["role"] == "assistant" for m in history):  # masked as the text path masks it
+            ids_h, mask_h = chat.tokenize(history[:-1])
+            assert ids[: len(ids_h)] == ids_h.tolist() and mask[: len(mask_h)] == mask_h.tolist()
+            assert sum(mask[: len(prompt)]) == sum(mask_h) > 0
+            earlier += 1
+        text_path += chat.tokenize(r["messages"])[0].tolist()[: len(ids)] != ids
+    assert text_path > 0  # the test can fail: re-tokenised text is not what the target emitted
+    assert earlier >= 1
+    first = next(iter(records.values()))
+    edited = dict(first, messages=first["messages"][:-1] + [assistant_message("an edit")])
+    again = UnitTokenizer.from_target(str(target), DataSection(block_size=2))(
+        0, [RawRecord(0, "e", json.dumps(edited).encode())]
+    )
+    assert (again.as_generated, again.ids_unused) == (0, 1)  # ids that do not spell it: the text
+    assert again.input_ids.tolist() == chat.tokenize(edited["messages"])[0].tolist()
 
 
 def test_cut_answers_are_kept_with_their_reason_or_dropped(tiny_target, inputs, tmp_path):

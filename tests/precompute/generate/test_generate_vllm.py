@@ -90,6 +90,7 @@ def test_vllm_backend_gives_the_transformers_backends_greedy_answers(tmp_path):
     for a, b in zip(ours, theirs):
         assert b["messages"] == a["messages"], a["source"]
         assert b["finish_reason"] == a["finish_reason"], a["source"]
+        assert b["answer_ids"] == a["answer_ids"], a["source"]  # the stop token, where it stopped
     assert any(r["messages"][-1]["content"] for r in ours)  # something was answered
     manifest = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert manifest["settings"]["generate"]["backend"] == "vllm"
