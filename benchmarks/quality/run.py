@@ -21,12 +21,12 @@ Stages and what they leave in --work (a stage whose output has a matching manife
 1. target/: benchmarks/quality/target.py (HF model dir, bf16 weights, prompts/train.jsonl,
    prompts/heldout.jsonl).
 2. data/: the target's greedy answers to the training prompts by dflash-generate (data/generated/,
-   text conversations that precompute tokenises; batched HF generate into train.jsonl token records
-   is the fallback), data/heldout_prompts.jsonl (the first --eval-prompts held-out prompts, as
-   messages for dflash-eval); then dflash-precompute writes stores/train (float32 target, the
-   regime's storage dtype, final states) and, side by side with it, the chosen variants' own stores
-   (STORES below: another storage dtype, or every target layer captured) from the same answers:
-   stores/train-<dtype>[-all].
+   conversations with each answer's token ids, which precompute stores as they are; batched HF
+   generate into train.jsonl token records is the fallback), data/heldout_prompts.jsonl (the
+   first --eval-prompts held-out prompts, as messages for dflash-eval); then dflash-precompute
+   writes stores/train (float32 target, the regime's storage dtype, final states) and, side by side
+   with it, the chosen variants' own stores (STORES below: another storage dtype, or every target
+   layer captured) from the same answers: stores/train-<dtype>[-all].
 3. data/heldout.jsonl: the held-out prompts answered by dflash-eval's own baseline loop (float32)
    on this stage's device, as token records, so path tau replays exactly what dflash-eval's target
    emits there: on a GPU its batched loop in its batches (train/eval/batched.py), on a CPU one
@@ -1068,7 +1068,7 @@ def parse(argv=None):
         "--train-data",
         default="generate",
         choices=["generate", "hf"],
-        help="training answers by dflash-generate (text conversations, re-tokenised by precompute) "
+        help="training answers by dflash-generate (conversations with their answers' token ids) "
         "or by batched HF generate (token records); generate falls back to hf if it fails",
     )
     p.add_argument("--parallel", type=int, default=16, help="evaluation processes at a time")
