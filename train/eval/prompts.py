@@ -62,21 +62,27 @@ def _record_to_prompt(record: Any, where: str, tokenizer, template_kwargs: dict)
         raise UserError(
             f"{where}: the conversation has no message before its reply; drop the line."
         )
-    return Prompt(where, ids=render_chat(tokenizer, messages, template_kwargs, where))
+    tools = record.get("tools") if isinstance(record.get("tools"), list) else None
+    return Prompt(where, ids=render_chat(tokenizer, messages, template_kwargs, where, tools))
 
 
 def render_chat(
-    tokenizer, messages: list[dict], template_kwargs: dict, where: str = ""
+    tokenizer,
+    messages: list[dict],
+    template_kwargs: dict,
+    where: str = "",
+    tools: list | None = None,
 ) -> list[int]:
-    """Token ids of `messages` with the target's chat template and the generation prompt."""
-    from dflash_common.chat import ChatMaskError, ChatTemplate
+    """Token ids of `messages` (and the record's `tools`) with the target's chat template and the
+    generation prompt, as dflash-generate renders its prompts (dflash_common.chat `prompt_ids`)."""
+    from dflash_common.chat import ChatMaskError, prompt_ids
 
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
             "the target's tokenizer has no chat template; use {'prompt': ...} lines for raw text."
         )
     try:
-        return ChatTemplate(tokenizer, template_kwargs).prompt_ids(messages)
+        return prompt_ids(tokenizer, messages, template_kwargs, tools)
     except ChatMaskError as e:
         raise UserError(
             f"{where or 'a prompt'}: the chat template refused the conversation ({e}); fix the "

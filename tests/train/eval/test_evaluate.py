@@ -424,6 +424,24 @@ def test_prompt_files_of_every_kind(tiny, tmp_path):
     assert len(load_prompts([str(path)], tok, {}, limit=2)) == 2
 
 
+def test_a_prompts_tools_reach_the_template_as_in_generate(tiny, tmp_path):
+    """A prompt record's `tools` are rendered as dflash-generate renders them (a template that
+    prints them; without them it prints nothing)."""
+    import copy
+
+    tok = copy.deepcopy(tiny[1])
+    tok.chat_template = (
+        "{% if tools %}TOOLS {{ tools | length }}\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools}))
+    (got,) = load_prompts([str(path)], tok, {})
+    assert tok.decode(got.ids) == "TOOLS 1\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
 @pytest.mark.parametrize(
     "line, fragment",
     [
