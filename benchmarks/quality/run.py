@@ -131,6 +131,14 @@ VARIANTS: dict[str, list[str]] = {
     # - our objective (the default): CE under D-PACE, the confidence head taught greedy matches on
     #   detached features
     "dspark": [*DSPARK, "--objective.weights=dpace"],
+    # - the same with DeepSpec's Markov rank, 256 (the selector of the DFlash2 drafter, which wins
+    #   here, has rank 256 over the same 8,192 tokens: the head's capacity may be what DSpark lacks)
+    "dspark+r256": [
+        "--drafter.arch=dspark",
+        "--drafter.block_size={dspark_block}",
+        "--drafter.markov_rank=256",
+        "--objective.weights=dpace",
+    ],
     # - the same, the confidence loss also training the backbone and the Markov head (DeepSpec's)
     "dspark+joint": [*DSPARK, "--objective.weights=dpace", "--objective.confidence_detach=false"],
     # - DeepSpec's objective: 0.1 CE + 0.9 L1 to the target's softmax, gamma decay, the confidence
