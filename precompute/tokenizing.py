@@ -174,7 +174,6 @@ class UnitTokenizer:
         self.chat = chat
         self.data = data
         self.vocab_size = vocab_size
-        self._answers: Counter[str] = Counter()  # of the unit being tokenized
 
     @classmethod
     def from_target(
@@ -191,17 +190,17 @@ class UnitTokenizer:
 
     def __call__(self, index: int, records: list[RawRecord]) -> TokenizedUnit:
         skips, truncated = SkipLog(self.data.report_first), 0
-        ids, masks, sample_ids = [], [], []
-        self._answers = Counter()
+        ids, masks, sample_ids, answers = [], [], [], Counter()
         for record in records:
             sample = self._sample(record, skips)
             if sample is None:
                 continue
-            (tokens, mask), cut = sample
+            (tokens, mask, how), cut = sample
             ids.append(tokens)
             masks.append(mask)
             sample_ids.append(record.source_id)
             truncated += cut
+            answers[how] += 1
         offsets = np.zeros(len(ids) + 1, np.int64)
         offsets[1:] = np.cumsum([len(t) for t in ids])
 
@@ -217,17 +216,18 @@ class UnitTokenizer:
             sample_ids,
             skips,
             truncated,
-            self._answers["as_generated"],
-            self._answers["ids_unused"],
+            answers["as_generated"],
+            answers["ids_unused"],
         )
 
     def _sample(self, record: RawRecord, skips: SkipLog):
-        """-> ((input_ids, loss_mask), was_truncated) or None (counted in skips)."""
+        """-> ((input_ids, loss_mask, how: `_tokens`'), was_truncated) or None (counted in
+        skips)."""
         parsed = parse_or_skip(record, self.data.format, skips)
         if parsed is None:
             return None
         try:
-            ids, mask = self._tokens(parsed)
+            ids, mask, how = self._tokens(parsed)
         except ChatMaskError as e:
             skips.add(record.source_id, e.reason, e.detail)
             return None
@@ -247,27 +247,25 @@ class UnitTokenizer:
                 f"{int(mask.sum())} response tokens < 2 x data.block_size {self.data.block_size}",
             )
             return None
-        return (ids, mask), int(cut)
+        return (ids, mask, how), int(cut)
 
-    def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray]:
+    def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray, str]:
+        """-> (input_ids, loss_mask, how): 'as_generated' (the last answer's answer_ids),
+        'ids_unused' (answer_ids that do not spell the text: the text), 'text' or 'tokens'."""
         if isinstance(parsed, Conversation):
+            got, how = None, "text"
             if parsed.answer_ids:
-                got = (
-                    self.chat.tokenize_as_generated(
+                if max(parsed.answer_ids) < self.vocab_size:  # else another tokenizer's
+                    got = self.chat.tokenize_as_generated(
                         parsed.messages, parsed.answer_ids, not parsed.last_turn_cut, parsed.tools
                     )
-                    if max(parsed.answer_ids) < self.vocab_size  # else another tokenizer's
-                    else None
-                )
-                self._answers["as_generated" if got is not None else "ids_unused"] += 1
-                if got is not None:
-                    return got
-            return self.chat.tokenize(parsed.messages, parsed.last_turn_cut, parsed.tools)
+                how = "as_generated" if got is not None else "ids_unused"
+            if got is None:
+                got = self.chat.tokenize(parsed.messages, parsed.last_turn_cut, parsed.tools)
+            return (*got, how)
         self._check_range(parsed.input_ids)
-        return (
-            np.asarray(parsed.input_ids, np.int32),
-            np.asarray(parsed.loss_mask, np.uint8),
-        )
+        ids = np.asarray(parsed.input_ids, np.int32)
+        return ids, np.asarray(parsed.loss_mask, np.uint8), "tokens"
 
     def _check_range(self, ids: list[int]) -> None:
         if max(ids) >= self.vocab_size:
