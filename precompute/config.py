@@ -68,7 +68,8 @@ class DataSection:
         "Input files, globs or directories, read in this order (each glob sorted by path): JSONL "
         "(.jsonl or .jsonl.gz) with OpenAI 'messages', ShareGPT 'conversations' or pre-tokenized "
         "'input_ids' + 'loss_mask' records; a directory holding a `datasets` dataset saved with "
-        "save_to_disk; any other directory means its *.jsonl files.",
+        "save_to_disk; any other directory means its *.jsonl files (dflash-generate's output: its "
+        "records' 'answer_ids', the tokens the target emitted, are stored as they are).",
     )
     format: Literal["auto", "messages", "sharegpt", "tokenized"] = option(
         "auto", "Record format; 'auto' decides per record from its keys."
