@@ -181,6 +181,37 @@ def test_qwen3_like_template_multi_turn_strips_earlier_thinking(plain):
     np.testing.assert_array_equal(mask, want[1])
 
 
+def test_an_answer_as_emitted_follows_the_prompt_it_answered(plain):
+    """Qwen3-like, two turns: the last answer is the ids the target emitted (its thinking as it
+    spelt it, its stop token) after the prompt it was fed; the earlier answer, which that prompt
+    renders without its thinking, is masked as the text path masks it. The text path would render
+    the last answer otherwise (the template's own spacing of an empty think block)."""
+    from dflash_common.chat import assistant_message
+
+    tok = _with_template(plain, QWEN3_LIKE)
+    emitted = tok("<think>r2</think>a2", add_special_tokens=False)["input_ids"]
+    emitted += [tok.convert_tokens_to_ids(tok.eos_token)]
+    msgs = [
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "<think>r1</think>a1"},
+        {"role": "user", "content": "u2"},
+        assistant_message("<think>r2</think>a2"),
+    ]
+    ids, mask = ChatTemplate(tok).tokenize_as_generated(msgs, emitted, stopped=True)
+    prompt, prompt_mask = expected(
+        tok,
+        [
+            ("<|im_start|>user\nu1<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("a1<|im_end|>", 1),
+            ("\n<|im_start|>user\nu2<|im_end|>\n<|im_start|>assistant\n", 0),
+        ],
+    )
+    np.testing.assert_array_equal(ids, np.concatenate([prompt, emitted]))
+    np.testing.assert_array_equal(mask, np.concatenate([prompt_mask, np.ones(len(emitted))]))
+    text_ids, _ = ChatTemplate(tok).tokenize(msgs)
+    assert text_ids[len(prompt) :].tolist() != emitted
+
+
 def test_template_that_rewrites_history_is_refused_not_guessed(plain):
     plain = _with_template(plain, "{{ messages|length }} turns\n" + plain.chat_template)
     with pytest.raises(ChatMaskError) as e:
