@@ -179,20 +179,28 @@ VARIANTS: dict[str, list[str]] = {
     "q4+all_layers": [],
     "all_layers": [],
     "dpace+q4+all_layers": ["--objective.weights=dpace"],  # against dpace and dpace+q4
+    # the recipe from the same answers' text re-tokenised (dflash-generate's shards without their
+    # answer_ids: what precompute stored before it kept them), against dpace
+    "dpace+text": ["--objective.weights=dpace"],
 }
 
 
 class StoreSpec(NamedTuple):
-    """What a training store holds: its storage dtype (None: the regime's, REGIMES) and its layers
-    (DFlash's K, or every layer)."""
+    """What a training store holds: its storage dtype (None: the regime's, REGIMES), its layers
+    (DFlash's K, or every layer) and whether dflash-generate's answers enter it as their text
+    re-tokenised (their answer_ids dropped) rather than as the ids the target emitted."""
 
     dtype: str | None = None
     all_layers: bool = False
+    text_answers: bool = False
 
     def name(self, split: str) -> str:
-        """stores/<split>[-<dtype>][-all]: 'train' and 'heldout' for the default."""
+        """stores/<split>[-<dtype>][-all][-text]: 'train' and 'heldout' for the default."""
         return (
-            split + (f"-{self.dtype}" if self.dtype else "") + ("-all" if self.all_layers else "")
+            split
+            + (f"-{self.dtype}" if self.dtype else "")
+            + ("-all" if self.all_layers else "")
+            + ("-text" if self.text_answers else "")
         )
 
 
@@ -208,6 +216,7 @@ STORES: dict[str, StoreSpec] = {
     "q4+all_layers": StoreSpec("q4_hadamard", all_layers=True),
     "dpace+q4+all_layers": StoreSpec("q4_hadamard", all_layers=True),
     "all_layers": StoreSpec("bf16", all_layers=True),
+    "dpace+text": StoreSpec(text_answers=True),
 }
 
 # The published DFlash recipe for the 8-layer target: block 16, layer ids by the DFlash rule (the
@@ -591,6 +600,10 @@ def precompute_command(
 def precompute(
     args, records: Path, store: Path, spec: StoreSpec = DEFAULT_STORE
 ) -> subprocess.Popen:
+    if spec.text_answers and records.is_dir():  # dflash-generate's shards (not HF's token records)
+        from benchmarks.answer_tokens import without_ids
+
+        records = without_ids(records, records.with_name(records.name + "-text"))
     cmd = precompute_command(args, records, store, spec)
     if args.tiny:
         cmd += [
