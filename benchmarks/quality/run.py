@@ -600,10 +600,13 @@ def precompute_command(
 def precompute(
     args, records: Path, store: Path, spec: StoreSpec = DEFAULT_STORE
 ) -> subprocess.Popen:
-    if spec.text_answers and records.is_dir():  # dflash-generate's shards (not HF's token records)
+    if spec.text_answers and records.is_dir():  # dflash-generate's shards
         from benchmarks.answer_tokens import without_ids
 
         records = without_ids(records, records.with_name(records.name + "-text"))
+    elif spec.text_answers:
+        print(f"{store}: the training answers are token records ({records.name}), not text: this "
+              "store holds what stores/train holds")  # fmt: skip
     cmd = precompute_command(args, records, store, spec)
     if args.tiny:
         cmd += [
@@ -1126,11 +1129,8 @@ def parse(argv=None):
             "--evals: unknown report(s) "
             f"{sorted(set(args.evals) - {'offline_heldout', 'eval', 'offline_train'})}"
         )
-    if (
-        args.tiny
-    ):  # the tiny target's whitespace answers re-tokenise shorter than a block: keep its tokens
+    if args.tiny:  # dflash-generate's answers as their ids: its plumbing on a CPU too
         args.device, args.eval_prompts, args.max_new_tokens = "cpu", min(args.eval_prompts, 8), 32
-        args.train_data = "hf"
     args.work = args.work.resolve()
     global DEADLINE
     DEADLINE = time.time() + args.deadline_s if args.deadline_s else None
