@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_common.cli import ArgumentParser  # noqa: E402
 from dflash_common.demo import ONE_THREAD, TARGET, stage  # noqa: E402
+from dflash_common.store import Store  # noqa: E402
+from dflash_common.store.verify import store_info  # noqa: E402
 from dflash_common.tiny import TinySpec, build_tiny_target  # noqa: E402
 
 CONFIG = "configs/tiny.toml"
@@ -75,16 +76,11 @@ def measure(name: str, inputs: Path, prompts: Path, work: Path) -> dict:
           f"--report={d / 'eval.json'}", *common, env=ONE_THREAD)  # fmt: skip
     offline = json.loads((d / "offline.json").read_text())
     real = json.loads((d / "eval.json").read_text())
-    info = subprocess.run(
-        [sys.executable, "-m", "dflash_common.store.cli", "info", str(store), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    with Store.open(store) as opened:
+        tokens = store_info(opened)["tokens"]  # what `dflash-store info` prints
     return {
         "variant": name,
-        "tokens": json.loads(info)["tokens"],
+        "tokens": tokens,
         "path_tau": offline["path_tau"],
         "tau_emitted": real["tau_emitted"],
         "tau": real["tau"],
