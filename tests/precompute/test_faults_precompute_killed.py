@@ -11,12 +11,14 @@ train/test_faults_killed.py: test modules are imported by their base name.)"""
 
 from __future__ import annotations
 
+import fcntl
 import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from dflash_common.dirlock import LOCK_FILE
 from dflash_common.store import Store
 from dflash_common.store.verify import verify_store
 from precompute import job
@@ -60,7 +62,7 @@ class Job:
             "precompute.cli",
             *cli_args(target, inputs, store, "bf16", samples_per_unit=SAMPLES_PER_UNIT),
         ]
-        self.log = log
+        self.log, self.store = log, store
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd,
@@ -81,6 +83,21 @@ class Job:
             time.sleep(0.002)
         assert self.proc.poll() is None, f"the job ended before its kill point:\n{self.text()}"
         kill_process_tree(self.proc)
+        self._wait_unlocked()
+
+    def _wait_unlocked(self, timeout: float = 30.0) -> None:
+        """Return once no process holds the store's lock: a child a rank forked after the tree was
+        listed dies by its group's SIGKILL, but it may still be dying (inside an fsync) with the
+        lock it inherited, and the next run would find the store in use."""
+        path, deadline = self.store / LOCK_FILE, time.monotonic() + timeout
+        while path.exists():
+            with open(path, "rb") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return  # closing the file releases it
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, f"{path} still held {timeout:.0f} s on"
+            time.sleep(0.01)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
