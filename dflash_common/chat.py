@@ -68,6 +68,26 @@ def answer_text(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def render_messages(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = False,
+    tools: list[Any] | None = None,
+) -> str:
+    """The chat template's text of `messages` (and the record's `tools`), with its options; a
+    template error raises ChatMaskError('template_error')."""
+    return run_template(
+        lambda: tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),
+            **(template_kwargs or {}),
+        )
+    )
+
+
 def prompt_ids(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -76,16 +96,8 @@ def prompt_ids(
 ) -> list[int]:
     """Token ids of a prompt that asks for the next assistant turn: the template rendered with its
     generation prompt, then tokenized as text (generation, evaluation and the prompts of generated
-    answers in a store, all alike). A template error raises ChatMaskError('template_error')."""
-    text = run_template(
-        lambda: tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=True,
-            **({"tools": tools} if tools else {}),
-            **(template_kwargs or {}),
-        )
-    )
+    answers in a store, all alike)."""
+    text = render_messages(tokenizer, messages, template_kwargs, True, tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -164,16 +176,17 @@ class ChatTemplate:
         if assistant_message(answer_text(self.tokenizer, list(said))) != messages[-1]:
             return None
         history = messages[:-1]
-        prompt = prompt_ids(self.tokenizer, history, self.template_kwargs, tools)
-        mask = np.zeros(len(prompt), np.uint8)
         earlier = [i for i, m in enumerate(history) if m["role"] == "assistant"]
-        if earlier:  # their characters in the prompt's text, as the rendering path finds them
-            if not getattr(self.tokenizer, "is_fast", False):
-                return None  # no offsets to place them by
+        if not earlier:
+            prompt = prompt_ids(self.tokenizer, history, self.template_kwargs, tools)
+            mask = np.zeros(len(prompt), np.uint8)
+        elif not getattr(self.tokenizer, "is_fast", False):
+            return None  # no offsets to place the earlier answers by
+        else:  # the prompt's tokens (as `prompt_ids` makes them), its earlier answers by character
             text = self.render(history, add_generation_prompt=True, tools=tools)
             spans = [self._assistant_span(history, i, text, tools) for i in earlier]
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            mask = mask_from_spans(enc["offset_mapping"], spans)
+            prompt, mask = list(enc["input_ids"]), mask_from_spans(enc["offset_mapping"], spans)
         ids = np.asarray(prompt + list(answer_ids), np.int32)
         return ids, np.concatenate([mask, np.ones(len(answer_ids), np.uint8)])
 
@@ -190,14 +203,8 @@ class ChatTemplate:
         add_generation_prompt: bool = False,
         tools: list[Any] | None = None,
     ) -> str:
-        return run_template(
-            lambda: self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **({"tools": tools} if tools else {}),
-                **self.template_kwargs,
-            )
+        return render_messages(
+            self.tokenizer, messages, self.template_kwargs, add_generation_prompt, tools
         )
 
     def _tokenize_marked(
