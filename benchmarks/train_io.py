@@ -10,7 +10,7 @@ In one run, the same drafter trains on the same batches twice:
 The two phases alternate `--repeats` times (resident, disk, resident, disk, ...). It prints the
 median tok/s of each phase with its spread (lowest-highest repeat), the median data-stall fraction
 (host time blocked waiting for a batch), the peak GPU memory, the cache hits of the disk phases, and
-the ratio of the medians from-disk / resident (goal: >= 0.97).
+the ratio of the medians from-disk / resident (goal: >= 0.99).
 
 The script is self-contained: it writes its own store of random states with a Qwen3-8B-like shape
 (hidden 4096, 5 target layers, vocabulary 151,936, 5 draft layers) through the store API: 18
@@ -81,6 +81,8 @@ FULL = dict(
     steps=30,
     warmup=3,
 )
+# from disk / resident, every storage dtype (bf16 and fp8_e4m3 met 1.000 and 1.003 on 2026-12-01)
+GOAL = 0.99
 # 16,384 tokens x 256 anchors per batch: ~37K block rows, ~60 GB of activations for this drafter on
 # one GPU (measured ~1.6 MB per block row); 65,536 tokens x 512 anchors would not fit in 141 GB.
 QUICK = dict(
@@ -127,6 +129,12 @@ def parse() -> argparse.Namespace:
         "--cache-fraction", type=float, default=0.5, help="shard cache size / store size (< 1)"
     )
     p.add_argument("--steps", type=int, help="timed optimiser steps per phase")
+    p.add_argument(
+        "--anchors",
+        type=int,
+        help="anchors (blocks) per sequence (default 256; 128 fits an 80 GB H100: half the "
+        "compute per batch, so the store must be read twice as fast, a stricter test)",
+    )
     p.add_argument(
         "--repeats", type=int, help="rounds of (resident, disk) phases (default 3; 2 with --quick)"
     )
@@ -187,6 +195,7 @@ def write_store(path: Path, s: dict, dtype: str, device: torch.device) -> Store:
         writer.write_shard(
             shard_name(unit, hashlib.sha256(str(unit).encode()).hexdigest()), payload
         )
+    writer.write_summary({"synthetic": True, "shards": n_shards})  # complete: no warning on open
     return Store.open(path)
 
 
@@ -266,6 +275,8 @@ def main() -> None:
     s = dict(QUICK if args.quick else FULL)
     if args.store_gb:
         s["store_gb"] = args.store_gb
+    if args.anchors:
+        s["anchors"] = args.anchors
     steps = args.steps or s["steps"]
     repeats = args.repeats or (2 if args.quick else 3)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -324,7 +335,16 @@ def run(args, s, store, store_path, store_bytes, steps, repeats, device) -> None
         stats.append(data.cache.stats)
         data.close()
     report(
-        disk, gpu, stats, dropped, cache_bytes / store_bytes, held, steps, s["batch_tokens"], device
+        disk,
+        gpu,
+        stats,
+        dropped,
+        cache_bytes / store_bytes,
+        held,
+        steps,
+        s["batch_tokens"],
+        s["anchors"],
+        device,
     )
 
 
@@ -348,6 +368,7 @@ def report(
     held: int,
     steps: int,
     batch_tokens: int,
+    anchors: int,
     device: torch.device,
 ) -> None:
     disk_tok, gpu_tok = Spread.of([p["tok_s"] for p in disk]), Spread.of([p["tok_s"] for p in gpu])
@@ -374,8 +395,8 @@ def report(
     ratio = disk_tok.median / gpu_tok.median
     print(
         f"from disk / resident = {ratio:.3f} "
-        f"(goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'}); "
-        f"{steps} steps of {batch_tokens} tokens per phase on {device}"
+        f"(goal >= {GOAL}: {'met' if ratio >= GOAL else 'NOT met'}); "
+        f"{steps} steps of {batch_tokens} tokens x {anchors} anchors per phase on {device}"
     )
     for k, st in enumerate(stats):
         print(
