@@ -30,7 +30,10 @@ An answer dflash-generate wrote keeps the token ids the target emitted (`answer_
 `tokenize_as_generated` builds the sequence from them: the prompt's tokens as the target was fed
 them, then those ids. Re-tokenising the answer's text instead would not give them back wherever the
 target spelt a word in other tokens than the tokenizer's own (or emitted bytes that are no UTF-8
-alone, which decode to U+FFFD): the drafter would learn tokens the target does not emit.
+alone, which decode to U+FFFD): the drafter would learn tokens the target does not emit. For the
+same reason an earlier answer whose ids dflash-generate kept (`earlier_answer_ids`) stays in the
+loss only where the prompt holds it as those ids: a template that renders it otherwise in later
+turns (without its thinking) leaves it as context only.
 """
 
 from __future__ import annotations
@@ -162,14 +165,19 @@ class ChatTemplate:
         answer_ids: list[int],
         stopped: bool,
         tools: list[Any] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray] | None:
-        """-> (input_ids, loss_mask) of a conversation whose last assistant turn is `answer_ids`,
-        the tokens the target emitted (its stop token last when `stopped`): the prompt that asked
-        for that turn, tokenized as dflash-generate fed it to the target, then `answer_ids`, all in
-        the loss (the stop token too: the drafter learns to end the turn where the target did).
-        Earlier assistant turns are masked by their characters, as `tokenize` does. None when the
-        ids do not spell the last turn (the text was edited, or the store's tokenizer is not the one
-        that generated): the caller tokenizes the text."""
+        earlier_ids: list[list[int]] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """-> (input_ids, loss_mask, earlier answers masked) of a conversation whose last assistant
+        turn is `answer_ids`, the tokens the target emitted (its stop token last when `stopped`):
+        the prompt that asked for that turn, tokenized as dflash-generate fed it to the target, then
+        `answer_ids`, all in the loss (the stop token too: the drafter learns to end the turn where
+        the target did). Earlier assistant turns are masked by their characters, as `tokenize`
+        does; with `earlier_ids`, the tokens the target emitted for each of them, a turn whose
+        tokens in that prompt are not those (a reasoning template drops the thinking of earlier
+        turns; a re-tokenisation of its text differs) is taken out of the loss instead, and counted:
+        its tokens stay in the sequence, as the context the target saw, but are not the target's
+        output there. None when the ids do not spell the last turn (the text was edited, or the
+        store's tokenizer is not the one that generated): the caller tokenizes the text."""
         if not messages or messages[-1]["role"] != "assistant" or not answer_ids:
             return None
         said = answer_ids[:-1] if stopped else answer_ids
@@ -177,6 +185,7 @@ class ChatTemplate:
             return None
         history = messages[:-1]
         earlier = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+        masked = 0
         if not earlier:
             prompt = prompt_ids(self.tokenizer, history, self.template_kwargs, tools)
             mask = np.zeros(len(prompt), np.uint8)
@@ -186,9 +195,16 @@ class ChatTemplate:
             text = self.render(history, add_generation_prompt=True, tools=tools)
             spans = [self._assistant_span(history, i, text, tools) for i in earlier]
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            prompt, mask = list(enc["input_ids"]), mask_from_spans(enc["offset_mapping"], spans)
+            prompt, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+            mask = mask_from_spans(offsets, spans)
+            if earlier_ids is not None and len(earlier_ids) == len(spans):  # else edited: text
+                for span, emitted in zip(spans, earlier_ids):
+                    at = np.flatnonzero(mask_from_spans(offsets, [span]))
+                    if [prompt[t] for t in at] != list(emitted):
+                        mask[at] = 0
+                        masked += 1
         ids = np.asarray(prompt + list(answer_ids), np.int32)
-        return ids, np.concatenate([mask, np.ones(len(answer_ids), np.uint8)])
+        return ids, np.concatenate([mask, np.ones(len(answer_ids), np.uint8)]), masked
 
     def prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None

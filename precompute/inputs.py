@@ -106,6 +106,8 @@ class Conversation:
     # dflash-generate's `answer_ids`: the tokens the target emitted for the last assistant turn
     answer_ids: list[int] | None = None
     tools: list[Any] | None = None  # the record's tool specs, which the template renders
+    # dflash-generate's `earlier_answer_ids`: those of each earlier assistant turn (turns = "all")
+    earlier_answer_ids: list[list[int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,13 +284,22 @@ def parse_record(
     cut = obj.get("finish_reason") == "length"
     if fmt in ("messages", "sharegpt"):
         messages = conversation_messages(obj, fmt, require_assistant)
-        ids = obj.get("answer_ids")
+        ids, earlier = obj.get("answer_ids"), obj.get("earlier_answer_ids")
         if ids is not None and not _token_ids(ids):
             raise BadRecord(
                 "wrong_field_type", "'answer_ids' must be a list of non-negative integers"
             )
+        if earlier is not None and not (
+            isinstance(earlier, list) and all(_token_ids(e) for e in earlier)
+        ):
+            raise BadRecord(
+                "wrong_field_type",
+                "'earlier_answer_ids' must be a list of lists of non-negative integers",
+            )
         tools = obj.get("tools") if isinstance(obj.get("tools"), list) else None
-        return Conversation(raw.source_id, messages, cut, ids or None, tools or None)
+        return Conversation(
+            raw.source_id, messages, cut, ids or None, tools or None, earlier or None
+        )
     return _pre_tokenized(raw.source_id, obj)
 
 

@@ -514,6 +514,7 @@ def make_summary(
         "truncated": plan.truncated,
         "as_generated": plan.as_generated,
         "ids_unused": plan.ids_unused,
+        "earlier_masked": plan.earlier_masked,
         "skips": plan.skips.to_dict(),
         "empty_units": plan.empty_units,
         "shards": list(plan.shards),

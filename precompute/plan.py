@@ -101,6 +101,7 @@ class Plan:
     shards: tuple[str, ...] = ()
     as_generated: int = 0  # answers taken as the target emitted them (dflash-generate's answer_ids)
     ids_unused: int = 0  # answers whose answer_ids did not spell their text: tokenized from it
+    earlier_masked: int = 0  # earlier answers of multi-turn records out of the loss (context only)
 
     @property
     def state_arrays(self) -> int:
@@ -152,6 +153,12 @@ class Plan:
                 f"; {self.ids_unused:,} tokenized from their text instead: their answer_ids do not "
                 "spell it (edited since, or generated with another tokenizer)"
             )
+        if self.earlier_masked:
+            line += (
+                f"; {self.earlier_masked:,} earlier answers of multi-turn conversations kept as "
+                "context but out of the loss: the template renders them in later turns otherwise "
+                "than the target emitted them (a reasoning template drops their thinking)"
+            )
         return [line]
 
     def to_dict(self) -> dict[str, Any]:
@@ -194,6 +201,7 @@ def make_plan(
         truncated=sum(s.truncated for s in summaries),
         as_generated=sum(s.as_generated for s in summaries),
         ids_unused=sum(s.ids_unused for s in summaries),
+        earlier_masked=sum(s.earlier_masked for s in summaries),
         skips=skips,
         hidden_size=hidden_size,
         layer_ids=list(layer_ids),

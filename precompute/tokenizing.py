@@ -20,7 +20,9 @@ A conversation dflash-generate answered carries the tokens of its last answer (`
 sequence is that answer's prompt as the target was fed it, then those tokens
 (dflash_common.chat `tokenize_as_generated`), counted as `as_generated`; where the ids do not spell
 the stored text (edited since, or another tokenizer) the text is tokenized, counted as
-`ids_unused`.
+`ids_unused`. Its earlier answers (`earlier_answer_ids`, turns = "all") stay in the loss where the
+prompt holds them as the target emitted them; one the template renders otherwise there (a reasoning
+template drops its thinking) is context only, counted as `earlier_masked`.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from precompute.units import iter_unit_records, num_units, owner
 
 # Part of the token cache's key: raised whenever the tokenization rules change (which tokens, loss
 # mask, sample ids), so a cache made under other rules is never read back.
-TOKENIZE_VERSION = 4
+TOKENIZE_VERSION = 5
 
 
 # ---------------------------------------------------------------------------------- tokenized units
@@ -75,6 +77,7 @@ class TokenizedUnit:
     truncated: int = 0
     as_generated: int = 0  # answers from their answer_ids
     ids_unused: int = 0  # answers whose answer_ids did not spell their text: tokenized from it
+    earlier_masked: int = 0  # earlier answers out of the loss: not rendered as the target emitted
 
     @property
     def num_samples(self) -> int:
@@ -108,6 +111,7 @@ class TokenizedUnit:
             self.content_digest(),
             self.as_generated,
             self.ids_unused,
+            self.earlier_masked,
         )
 
     def to_bytes(self) -> bytes:
@@ -118,6 +122,7 @@ class TokenizedUnit:
             "truncated": self.truncated,
             "as_generated": self.as_generated,
             "ids_unused": self.ids_unused,
+            "earlier_masked": self.earlier_masked,
             "skips": self.skips.to_dict(),
             "sample_ids": self.sample_ids,
         }
@@ -145,6 +150,7 @@ class TokenizedUnit:
                 meta["truncated"],
                 meta["as_generated"],
                 meta["ids_unused"],
+                meta["earlier_masked"],
             )
 
 
@@ -162,6 +168,7 @@ class UnitSummary:
     digest: str
     as_generated: int = 0
     ids_unused: int = 0
+    earlier_masked: int = 0
 
 
 # ------------------------------------------------------------------------------------ tokenizing
@@ -195,12 +202,13 @@ class UnitTokenizer:
             sample = self._sample(record, skips)
             if sample is None:
                 continue
-            (tokens, mask, how), cut = sample
+            (tokens, mask, how, masked), cut = sample
             ids.append(tokens)
             masks.append(mask)
             sample_ids.append(record.source_id)
             truncated += cut
             answers[how] += 1
+            answers["earlier_masked"] += masked
         offsets = np.zeros(len(ids) + 1, np.int64)
         offsets[1:] = np.cumsum([len(t) for t in ids])
 
@@ -218,16 +226,17 @@ class UnitTokenizer:
             truncated,
             answers["as_generated"],
             answers["ids_unused"],
+            answers["earlier_masked"],
         )
 
     def _sample(self, record: RawRecord, skips: SkipLog):
-        """-> ((input_ids, loss_mask, how: `_tokens`'), was_truncated) or None (counted in
-        skips)."""
+        """-> ((input_ids, loss_mask, how, earlier answers masked: `_tokens`'), was_truncated) or
+        None (counted in skips)."""
         parsed = parse_or_skip(record, self.data.format, skips)
         if parsed is None:
             return None
         try:
-            ids, mask, how = self._tokens(parsed)
+            ids, mask, how, masked = self._tokens(parsed)
         except ChatMaskError as e:
             skips.add(record.source_id, e.reason, e.detail)
             return None
@@ -247,25 +256,34 @@ class UnitTokenizer:
                 f"{int(mask.sum())} response tokens < 2 x data.block_size {self.data.block_size}",
             )
             return None
-        return (ids, mask, how), int(cut)
+        return (ids, mask, how, masked), int(cut)
 
-    def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray, str]:
-        """-> (input_ids, loss_mask, how): 'as_generated' (the last answer's answer_ids),
-        'ids_unused' (answer_ids that do not spell the text: the text), 'text' or 'tokens'."""
+    def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray, str, int]:
+        """-> (input_ids, loss_mask, how, earlier answers masked): how is 'as_generated' (the last
+        answer's answer_ids), 'ids_unused' (answer_ids that do not spell the text: the text),
+        'text' or 'tokens'."""
         if isinstance(parsed, Conversation):
             got, how = None, "text"
             if parsed.answer_ids:
-                if max(parsed.answer_ids) < self.vocab_size:  # else another tokenizer's
+                earlier = parsed.earlier_answer_ids or []
+                if max(max(ids, default=0) for ids in [parsed.answer_ids, *earlier]) < (
+                    self.vocab_size
+                ):  # else another tokenizer's
                     got = self.chat.tokenize_as_generated(
-                        parsed.messages, parsed.answer_ids, not parsed.last_turn_cut, parsed.tools
+                        parsed.messages,
+                        parsed.answer_ids,
+                        not parsed.last_turn_cut,
+                        parsed.tools,
+                        parsed.earlier_answer_ids,
                     )
                 how = "as_generated" if got is not None else "ids_unused"
             if got is None:
-                got = self.chat.tokenize(parsed.messages, parsed.last_turn_cut, parsed.tools)
-            return (*got, how)
+                got = (*self.chat.tokenize(parsed.messages, parsed.last_turn_cut, parsed.tools), 0)
+            ids, mask, masked = got
+            return ids, mask, how, masked
         self._check_range(parsed.input_ids)
         ids = np.asarray(parsed.input_ids, np.int32)
-        return ids, np.asarray(parsed.loss_mask, np.uint8), "tokens"
+        return ids, np.asarray(parsed.loss_mask, np.uint8), "tokens", 0
 
     def _check_range(self, ids: list[int]) -> None:
         if max(ids) >= self.vocab_size:

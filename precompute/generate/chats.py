@@ -16,7 +16,11 @@ output. An answer holding `</think>` is split: the text before it (less `<think>
 assistant turns (dflash_common.chat `assistant_message`). The record also keeps the token ids of
 its last answer as the target emitted them (`answer_ids`, its stop token last when it stopped), so
 dflash-precompute trains on those tokens, not on a re-tokenisation of their text
-(dflash_common.chat `tokenize_as_generated`).
+(dflash_common.chat `tokenize_as_generated`), and those of the answers before it that it generated
+(`earlier_answer_ids`, one list per earlier assistant turn, all of them under `turns = "all"`), so
+that dflash-precompute can tell an earlier answer the later context renders as the target emitted
+it from one it renders otherwise (a reasoning template drops its thinking) and keep only the first
+in the loss.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class Chat:
     segments: list[list[dict[str, Any]]]  # the messages to add before each turn still to generate
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     generated_tokens: int = 0
-    answer_ids: list[int] | None = None  # the last answer's tokens, its stop token last if any
+    turn_ids: list[list[int]] = dataclasses.field(default_factory=list)  # each answer's tokens
     prompt: list[int] | None = None  # token ids asking for the next turn, once rendered
     failed: bool = False  # a template error: skipped, counted
 
@@ -67,7 +71,7 @@ class Chat:
         self.history.append(assistant_message(text))
         self.finish_reasons.append(finish_reason)
         self.generated_tokens += num_tokens
-        self.answer_ids = ids
+        self.turn_ids.append(ids)
         if finish_reason == "length":
             self.segments.clear()
 
@@ -85,8 +89,10 @@ class Chat:
             "generated_turns": len(self.finish_reasons),
             "source": self.source_id,
         }
-        if self.answer_ids is not None:
-            out["answer_ids"] = self.answer_ids
+        if self.turn_ids:  # the last answer's tokens, its stop token last if any
+            out["answer_ids"] = self.turn_ids[-1]
+        if len(self.turn_ids) > 1:  # every earlier assistant turn was generated: turns = "all"
+            out["earlier_answer_ids"] = self.turn_ids[:-1]
         if self.tools:
             out["tools"] = self.tools
         return out

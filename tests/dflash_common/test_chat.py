@@ -197,7 +197,8 @@ def test_an_answer_as_emitted_follows_the_prompt_it_answered(plain):
         {"role": "user", "content": "u2"},
         assistant_message("<think>r2</think>a2"),
     ]
-    ids, mask = ChatTemplate(tok).tokenize_as_generated(msgs, emitted, stopped=True)
+    ids, mask, masked = ChatTemplate(tok).tokenize_as_generated(msgs, emitted, stopped=True)
+    assert masked == 0  # no earlier ids: the earlier answer masked by its characters
     prompt, prompt_mask = expected(
         tok,
         [
@@ -210,6 +211,53 @@ def test_an_answer_as_emitted_follows_the_prompt_it_answered(plain):
     np.testing.assert_array_equal(mask, np.concatenate([prompt_mask, np.ones(len(emitted))]))
     text_ids, _ = ChatTemplate(tok).tokenize(msgs)
     assert text_ids[len(prompt) :].tolist() != emitted
+
+
+def test_an_earlier_answer_is_in_the_loss_only_where_the_prompt_holds_it_as_emitted(plain):
+    """With the earlier answers' emitted ids (dflash-generate, turns = all): an earlier answer the
+    later prompt renders as the target emitted it stays in the loss; one a reasoning template
+    renders without its thinking (Qwen3-like) is context only, and counted; ids that do not pair
+    with the earlier turns (an edited record) leave the character mask."""
+    eos = lambda tok: [tok.convert_tokens_to_ids(tok.eos_token)]  # noqa: E731
+    msgs = [
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    chat = ChatTemplate(plain)
+    first = plain("a1", add_special_tokens=False)["input_ids"] + eos(plain)
+    last = plain("a2", add_special_tokens=False)["input_ids"] + eos(plain)
+    base, base_mask, masked = chat.tokenize_as_generated(msgs, last, stopped=True)
+    assert masked == 0 and plain.decode(base[base_mask == 1]) == "a1<|im_end|>a2<|im_end|>"
+    ids, mask, masked = chat.tokenize_as_generated(msgs, last, True, earlier_ids=[first])
+    assert masked == 0 and ids.tolist() == base.tolist() and mask.tolist() == base_mask.tolist()
+    other = plain("a 1", add_special_tokens=False)["input_ids"] + eos(plain)  # not its tokens
+    ids, mask, masked = chat.tokenize_as_generated(msgs, last, True, earlier_ids=[other])
+    assert masked == 1 and ids.tolist() == base.tolist()
+    assert plain.decode(ids[mask == 1]) == "a2<|im_end|>"
+    ids, mask, masked = chat.tokenize_as_generated(msgs, last, True, earlier_ids=[other, other])
+    assert masked == 0 and mask.tolist() == base_mask.tolist()  # unpaired: the character mask
+
+    from dflash_common.chat import assistant_message
+
+    tok = _with_template(plain, QWEN3_LIKE)
+    emitted = [
+        tok(f"<think>r{k}</think>a{k}", add_special_tokens=False)["input_ids"] + eos(tok)
+        for k in (1, 2)
+    ]
+    msgs = [
+        {"role": "user", "content": "u1"},
+        assistant_message("<think>r1</think>a1"),
+        {"role": "user", "content": "u2"},
+        assistant_message("<think>r2</think>a2"),
+    ]
+    ids, mask, masked = ChatTemplate(tok).tokenize_as_generated(
+        msgs, emitted[1], True, earlier_ids=emitted[:1]
+    )
+    assert masked == 1 and ids.tolist()[-len(emitted[1]) :] == emitted[1]
+    assert mask.tolist() == [0] * (len(ids) - len(emitted[1])) + [1] * len(emitted[1])
+    assert "a1<|im_end|>" in tok.decode(ids)  # the context the target saw, kept
 
 
 def test_template_that_rewrites_history_is_refused_not_guessed(plain):
@@ -266,6 +314,6 @@ def test_a_records_tools_reach_every_render_as_generate_renders_its_prompts(plai
     prompt = chat.prompt_ids(msgs[:1], tools)
     assert tok.decode(prompt).startswith("TOOLS 1\n") and ids[: len(prompt)].tolist() == prompt
     emitted = tok("yes", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    got, got_mask = chat.tokenize_as_generated(msgs, emitted, stopped=True, tools=tools)
+    got, got_mask, _ = chat.tokenize_as_generated(msgs, emitted, stopped=True, tools=tools)
     assert got.tolist() == prompt + emitted and got_mask.tolist() == [0] * len(prompt) + [1] * 4
     assert chat.tokenize_as_generated(msgs, emitted[:-1], stopped=True, tools=tools) is None

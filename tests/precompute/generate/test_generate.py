@@ -540,6 +540,90 @@ def test_precompute_takes_each_last_answer_as_the_target_emitted_it(tiny_target,
     assert again.input_ids.tolist() == chat.tokenize(edited["messages"])[0].tolist()
 
 
+def test_an_earlier_answer_stays_in_the_loss_only_where_the_prompt_holds_it_as_emitted(
+    tiny_target, tmp_path
+):
+    """turns = all: a record keeps the tokens of every earlier answer (`earlier_answer_ids`), each
+    the target's greedy answer to its own prompt (the reference: transformers' `model.generate`).
+    dflash-precompute keeps an earlier answer in the loss where the last turn's prompt holds exactly
+    those tokens after that answer's own prompt, and takes it out (context only, counted) where it
+    does not: the tiny target's bytes spell no UTF-8 alone, so their text, rendered again in the
+    later prompt, is other tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_common.chat import prompt_ids
+    from precompute.config import DataSection
+    from precompute.inputs import RawRecord
+    from precompute.tokenizing import UnitTokenizer
+
+    target = tmp_path / "target"  # stops on one byte in eight: most turns stop, a few tokens in
+    shutil.copytree(tiny_target, target)
+    stops = [258] + list(range(0, 256, 8))
+    gen = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": stops}))
+    write_jsonl(tmp_path / "in.jsonl", [_conv(i, 3) for i in range(12)])
+    job.run(
+        _cfg(target, [str(tmp_path / "in.jsonl")], tmp_path / "gen", "sampling.max_new_tokens=24")
+    )
+    records = {r["source"]: r for r in _records(tmp_path / "gen").values()}
+    multi = {k: r for k, r in records.items() if "earlier_answer_ids" in r}
+    assert len(multi) >= 3 and all(r["generated_turns"] > 1 for r in multi.values())
+    assert all(r["generated_turns"] == 1 for k, r in records.items() if k not in multi)
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    turns = {
+        k: [i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"]
+        for k, r in multi.items()
+    }
+    for k, r in multi.items():
+        assert len(r["earlier_answer_ids"]) == len(turns[k]) - 1
+        for i, emitted in zip(turns[k], r["earlier_answer_ids"]):
+            prompt = prompt_ids(tok, r["messages"][:i])
+            ref = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=stops,
+                pad_token_id=256,
+            )[0, len(prompt) :].tolist()
+            assert emitted == ref and emitted[-1] in stops  # it stopped: a next turn followed
+
+    def tokenized(recs: dict[str, dict]):
+        raws = [RawRecord(i, k, json.dumps(r).encode()) for i, (k, r) in enumerate(recs.items())]
+        return UnitTokenizer.from_target(str(target), DataSection(block_size=2))(0, raws)
+
+    unit = tokenized(multi)
+    assert unit.num_samples >= 3 and unit.as_generated == unit.num_samples
+    held = masked = 0
+    for n, key in enumerate(unit.sample_ids):
+        r = multi[key]
+        ids = unit.input_ids[unit.offsets[n] : unit.offsets[n + 1]].tolist()
+        mask = unit.loss_mask[unit.offsets[n] : unit.offsets[n + 1]].tolist()
+        prompt = prompt_ids(tok, r["messages"][:-1])
+        assert ids == prompt + r["answer_ids"] and mask[len(prompt) :] == [1] * len(r["answer_ids"])
+        bounds = [len(prompt_ids(tok, r["messages"][:i])) for i in turns[key]]
+        for j, emitted in enumerate(r["earlier_answer_ids"]):
+            start, end = bounds[j], bounds[j + 1]  # the answer, then the next user turn
+            as_emitted = prompt[start : start + len(emitted)] == emitted
+            assert sum(mask[start:end]) == (len(emitted) if as_emitted else 0)
+            held, masked = held + as_emitted, masked + (not as_emitted)
+    assert masked > 0 and unit.earlier_masked == masked  # the test can fail: not all round-trip
+    # a record without them (written before they were kept): every earlier answer by its text
+    before = tokenized({k: {**r, "earlier_answer_ids": None} for k, r in multi.items()})
+
+    def samples(u) -> dict[str, tuple[list[int], int]]:
+        o = u.offsets
+        return {
+            k: (u.input_ids[o[n] : o[n + 1]].tolist(), int(u.loss_mask[o[n] : o[n + 1]].sum()))
+            for n, k in enumerate(u.sample_ids)
+        }
+
+    now, then = samples(unit), samples(before)
+    assert before.earlier_masked == 0 and set(now) <= set(then)  # fewer trained tokens: skips
+    assert all(now[k][0] == then[k][0] and now[k][1] <= then[k][1] for k in now)
+    assert sum(then[k][1] for k in now) > sum(now[k][1] for k in now)
+
+
 def test_cut_answers_are_kept_with_their_reason_or_dropped(tiny_target, inputs, tmp_path):
     keep = tmp_path / "keep"
     job.run(_cfg(tiny_target, inputs, keep, "sampling.max_new_tokens=4"))
