@@ -166,18 +166,20 @@ class ChatTemplate:
         stopped: bool,
         tools: list[Any] | None = None,
         earlier_ids: list[list[int]] | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, int] | None:
-        """-> (input_ids, loss_mask, earlier answers masked) of a conversation whose last assistant
-        turn is `answer_ids`, the tokens the target emitted (its stop token last when `stopped`):
+    ) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+        """-> (input_ids, loss_mask, the earlier answers masked: their message indices) of a
+        conversation whose last assistant turn is `answer_ids`, the tokens the target emitted (its
+        stop token last when `stopped`):
         the prompt that asked for that turn, tokenized as dflash-generate fed it to the target, then
         `answer_ids`, all in the loss (the stop token too: the drafter learns to end the turn where
         the target did). Earlier assistant turns are masked by their characters, as `tokenize`
         does; with `earlier_ids`, the tokens the target emitted for each of them, a turn whose
         tokens in that prompt are not those (a reasoning template drops the thinking of earlier
-        turns; a re-tokenisation of its text differs) is taken out of the loss instead, and counted:
+        turns; a re-tokenisation of its text differs) is taken out of the loss instead and listed:
         its tokens stay in the sequence, as the context the target saw, but are not the target's
-        output there. None when the ids do not spell the last turn (the text was edited, or the
-        store's tokenizer is not the one that generated): the caller tokenizes the text."""
+        output there (`turn_as_generated` makes it a sequence of its own). None when the ids do not
+        spell the last turn (the text was edited, or the store's tokenizer is not the one that
+        generated): the caller tokenizes the text."""
         if not messages or messages[-1]["role"] != "assistant" or not answer_ids:
             return None
         said = answer_ids[:-1] if stopped else answer_ids
@@ -185,7 +187,7 @@ class ChatTemplate:
             return None
         history = messages[:-1]
         earlier = [i for i, m in enumerate(history) if m["role"] == "assistant"]
-        masked = 0
+        masked: list[int] = []
         if not earlier:
             prompt = prompt_ids(self.tokenizer, history, self.template_kwargs, tools)
             mask = np.zeros(len(prompt), np.uint8)
@@ -198,13 +200,29 @@ class ChatTemplate:
             prompt, offsets = list(enc["input_ids"]), enc["offset_mapping"]
             mask = mask_from_spans(offsets, spans)
             if earlier_ids is not None and len(earlier_ids) == len(spans):  # else edited: text
-                for span, emitted in zip(spans, earlier_ids):
+                for i, span, emitted in zip(earlier, spans, earlier_ids):
                     at = np.flatnonzero(mask_from_spans(offsets, [span]))
                     if [prompt[t] for t in at] != list(emitted):
                         mask[at] = 0
-                        masked += 1
+                        masked.append(i)
         ids = np.asarray(prompt + list(answer_ids), np.int32)
         return ids, np.concatenate([mask, np.ones(len(answer_ids), np.uint8)]), masked
+
+    def turn_as_generated(
+        self,
+        messages: list[dict[str, Any]],
+        i: int,
+        emitted: list[int],
+        tools: list[Any] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """-> (input_ids, loss_mask) of assistant turn `i` alone, as the target answered it: the
+        prompt it was fed (the messages before it, rendered as dflash-generate rendered them), then
+        `emitted`, its tokens, all in the loss."""
+        prompt = self.prompt_ids(messages[:i], tools)
+        ids = np.asarray(prompt + list(emitted), np.int32)
+        return ids, np.concatenate(
+            [np.zeros(len(prompt), np.uint8), np.ones(len(emitted), np.uint8)]
+        )
 
     def prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None

@@ -88,6 +88,14 @@ class DataSection:
         "Drafter block size; sequences with fewer than 2 x block_size loss-mask (response) tokens "
         "are dropped, as the drafter cannot place anchors in them.",
     )
+    earlier_answers: Literal["apart", "context"] = option(
+        "apart",
+        "An earlier answer of a dflash-generate conversation (its earlier_answer_ids) that the "
+        "later turns' prompt renders otherwise than the target emitted it (a reasoning template "
+        "drops its thinking) is context there, out of the loss; 'apart' also trains it as a "
+        "sequence of its own (the prompt the target answered, then its tokens: more tokens to "
+        "store), 'context' does not.",
+    )
     report_first: int = option(
         5, "How many skipped records are logged with file and line (all are counted)."
     )

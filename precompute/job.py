@@ -515,6 +515,7 @@ def make_summary(
         "as_generated": plan.as_generated,
         "ids_unused": plan.ids_unused,
         "earlier_masked": plan.earlier_masked,
+        "earlier_apart": plan.earlier_apart,
         "skips": plan.skips.to_dict(),
         "empty_units": plan.empty_units,
         "shards": list(plan.shards),

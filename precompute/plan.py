@@ -102,6 +102,7 @@ class Plan:
     as_generated: int = 0  # answers taken as the target emitted them (dflash-generate's answer_ids)
     ids_unused: int = 0  # answers whose answer_ids did not spell their text: tokenized from it
     earlier_masked: int = 0  # earlier answers of multi-turn records out of the loss (context only)
+    earlier_apart: int = 0  # of those, sequences of their own (data.earlier_answers = 'apart')
 
     @property
     def state_arrays(self) -> int:
@@ -156,8 +157,10 @@ class Plan:
         if self.earlier_masked:
             line += (
                 f"; {self.earlier_masked:,} earlier answers of multi-turn conversations kept as "
-                "context but out of the loss: the template renders them in later turns otherwise "
-                "than the target emitted them (a reasoning template drops their thinking)"
+                "context but out of the loss there: the template renders them in later turns "
+                "otherwise than the target emitted them (a reasoning template drops their "
+                f"thinking); {self.earlier_apart:,} of them trained as sequences of their own "
+                "(data.earlier_answers)"
             )
         return [line]
 
@@ -202,6 +205,7 @@ def make_plan(
         as_generated=sum(s.as_generated for s in summaries),
         ids_unused=sum(s.ids_unused for s in summaries),
         earlier_masked=sum(s.earlier_masked for s in summaries),
+        earlier_apart=sum(s.earlier_apart for s in summaries),
         skips=skips,
         hidden_size=hidden_size,
         layer_ids=list(layer_ids),

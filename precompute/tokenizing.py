@@ -78,6 +78,7 @@ class TokenizedUnit:
     as_generated: int = 0  # answers from their answer_ids
     ids_unused: int = 0  # answers whose answer_ids did not spell their text: tokenized from it
     earlier_masked: int = 0  # earlier answers out of the loss: not rendered as the target emitted
+    earlier_apart: int = 0  # of those, trained as sequences of their own (data.earlier_answers)
 
     @property
     def num_samples(self) -> int:
@@ -112,6 +113,7 @@ class TokenizedUnit:
             self.as_generated,
             self.ids_unused,
             self.earlier_masked,
+            self.earlier_apart,
         )
 
     def to_bytes(self) -> bytes:
@@ -123,6 +125,7 @@ class TokenizedUnit:
             "as_generated": self.as_generated,
             "ids_unused": self.ids_unused,
             "earlier_masked": self.earlier_masked,
+            "earlier_apart": self.earlier_apart,
             "skips": self.skips.to_dict(),
             "sample_ids": self.sample_ids,
         }
@@ -151,6 +154,7 @@ class TokenizedUnit:
                 meta["as_generated"],
                 meta["ids_unused"],
                 meta["earlier_masked"],
+                meta["earlier_apart"],
             )
 
 
@@ -169,6 +173,7 @@ class UnitSummary:
     as_generated: int = 0
     ids_unused: int = 0
     earlier_masked: int = 0
+    earlier_apart: int = 0
 
 
 # ------------------------------------------------------------------------------------ tokenizing
@@ -199,16 +204,18 @@ class UnitTokenizer:
         skips, truncated = SkipLog(self.data.report_first), 0
         ids, masks, sample_ids, answers = [], [], [], Counter()
         for record in records:
-            sample = self._sample(record, skips)
-            if sample is None:
+            got = self._samples(record, skips)
+            if got is None:
                 continue
-            (tokens, mask, how, masked), cut = sample
-            ids.append(tokens)
-            masks.append(mask)
-            sample_ids.append(record.source_id)
-            truncated += cut
+            how, masked, samples = got
+            for sample_id, tokens, mask, cut in samples:
+                ids.append(tokens)
+                masks.append(mask)
+                sample_ids.append(sample_id)
+                truncated += cut
             answers[how] += 1
             answers["earlier_masked"] += masked
+            answers["earlier_apart"] += sum(s[0] != record.source_id for s in samples)
         offsets = np.zeros(len(ids) + 1, np.int64)
         offsets[1:] = np.cumsum([len(t) for t in ids])
 
@@ -227,41 +234,54 @@ class UnitTokenizer:
             answers["as_generated"],
             answers["ids_unused"],
             answers["earlier_masked"],
+            answers["earlier_apart"],
         )
 
-    def _sample(self, record: RawRecord, skips: SkipLog):
-        """-> ((input_ids, loss_mask, how, earlier answers masked: `_tokens`'), was_truncated) or
-        None (counted in skips)."""
+    def _samples(self, record: RawRecord, skips: SkipLog):
+        """-> (how, earlier answers masked, [(sample id, input_ids, loss_mask, was_truncated)]) or
+        None (counted in skips): the record's sequence and, with data.earlier_answers = 'apart',
+        one per earlier answer its sequence masks (sample id `<source id>#<message index>`), each
+        under the length rules; None when none is left."""
         parsed = parse_or_skip(record, self.data.format, skips)
         if parsed is None:
             return None
         try:
             ids, mask, how, masked = self._tokens(parsed)
+            sequences = [(record.source_id, ids, mask)]
+            if self.data.earlier_answers == "apart" and masked:
+                emitted = dict(zip(_assistant_turns(parsed.messages), parsed.earlier_answer_ids))
+                for i in masked:
+                    turn = self.chat.turn_as_generated(parsed.messages, i, emitted[i], parsed.tools)
+                    sequences.append((f"{record.source_id}#{i}", *turn))
         except ChatMaskError as e:
             skips.add(record.source_id, e.reason, e.detail)
             return None
+        samples = [s for s in (self._fit(*seq, skips) for seq in sequences) if s is not None]
+        return (how, len(masked), samples) if samples else None
+
+    def _fit(self, sample_id: str, ids: np.ndarray, mask: np.ndarray, skips: SkipLog):
+        """-> (sample id, input_ids, loss_mask, was_truncated) under the length rules, or None
+        (counted in skips)."""
         cut = len(ids) > self.data.max_length
         if cut and self.data.overlength == "drop":
             skips.add(
-                record.source_id,
-                "too_long",
-                f"{len(ids)} tokens > data.max_length {self.data.max_length}",
+                sample_id, "too_long", f"{len(ids)} tokens > data.max_length {self.data.max_length}"
             )
             return None
         ids, mask = ids[: self.data.max_length], mask[: self.data.max_length]
         if int(mask.sum()) < 2 * self.data.block_size:
             skips.add(
-                record.source_id,
+                sample_id,
                 "too_few_response_tokens",
                 f"{int(mask.sum())} response tokens < 2 x data.block_size {self.data.block_size}",
             )
             return None
-        return (ids, mask, how, masked), int(cut)
+        return sample_id, ids, mask, int(cut)
 
-    def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray, str, int]:
-        """-> (input_ids, loss_mask, how, earlier answers masked): how is 'as_generated' (the last
-        answer's answer_ids), 'ids_unused' (answer_ids that do not spell the text: the text),
-        'text' or 'tokens'."""
+    def _tokens(self, parsed) -> tuple[np.ndarray, np.ndarray, str, list[int]]:
+        """-> (input_ids, loss_mask, how, the earlier answers masked: message indices): how is
+        'as_generated' (the last answer's answer_ids), 'ids_unused' (answer_ids that do not spell
+        the text: the text), 'text' or 'tokens'."""
         if isinstance(parsed, Conversation):
             got, how = None, "text"
             if parsed.answer_ids:
@@ -278,12 +298,12 @@ class UnitTokenizer:
                     )
                 how = "as_generated" if got is not None else "ids_unused"
             if got is None:
-                got = (*self.chat.tokenize(parsed.messages, parsed.last_turn_cut, parsed.tools), 0)
+                got = (*self.chat.tokenize(parsed.messages, parsed.last_turn_cut, parsed.tools), [])
             ids, mask, masked = got
             return ids, mask, how, masked
         self._check_range(parsed.input_ids)
         ids = np.asarray(parsed.input_ids, np.int32)
-        return ids, np.asarray(parsed.loss_mask, np.uint8), "tokens", 0
+        return ids, np.asarray(parsed.loss_mask, np.uint8), "tokens", []
 
     def _check_range(self, ids: list[int]) -> None:
         if max(ids) >= self.vocab_size:
@@ -291,6 +311,10 @@ class UnitTokenizer:
                 "token_id_out_of_range",
                 f"token id {max(ids)} >= the target's {self.vocab_size} embeddings",
             )
+
+
+def _assistant_turns(messages: list[dict[str, Any]]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 # ------------------------------------------------------------------------------------ token cache

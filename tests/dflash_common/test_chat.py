@@ -198,7 +198,7 @@ def test_an_answer_as_emitted_follows_the_prompt_it_answered(plain):
         assistant_message("<think>r2</think>a2"),
     ]
     ids, mask, masked = ChatTemplate(tok).tokenize_as_generated(msgs, emitted, stopped=True)
-    assert masked == 0  # no earlier ids: the earlier answer masked by its characters
+    assert masked == []  # no earlier ids: the earlier answer masked by its characters
     prompt, prompt_mask = expected(
         tok,
         [
@@ -229,15 +229,15 @@ def test_an_earlier_answer_is_in_the_loss_only_where_the_prompt_holds_it_as_emit
     first = plain("a1", add_special_tokens=False)["input_ids"] + eos(plain)
     last = plain("a2", add_special_tokens=False)["input_ids"] + eos(plain)
     base, base_mask, masked = chat.tokenize_as_generated(msgs, last, stopped=True)
-    assert masked == 0 and plain.decode(base[base_mask == 1]) == "a1<|im_end|>a2<|im_end|>"
+    assert masked == [] and plain.decode(base[base_mask == 1]) == "a1<|im_end|>a2<|im_end|>"
     ids, mask, masked = chat.tokenize_as_generated(msgs, last, True, earlier_ids=[first])
-    assert masked == 0 and ids.tolist() == base.tolist() and mask.tolist() == base_mask.tolist()
+    assert masked == [] and ids.tolist() == base.tolist() and mask.tolist() == base_mask.tolist()
     other = plain("a 1", add_special_tokens=False)["input_ids"] + eos(plain)  # not its tokens
     ids, mask, masked = chat.tokenize_as_generated(msgs, last, True, earlier_ids=[other])
-    assert masked == 1 and ids.tolist() == base.tolist()
+    assert masked == [1] and ids.tolist() == base.tolist()
     assert plain.decode(ids[mask == 1]) == "a2<|im_end|>"
     ids, mask, masked = chat.tokenize_as_generated(msgs, last, True, earlier_ids=[other, other])
-    assert masked == 0 and mask.tolist() == base_mask.tolist()  # unpaired: the character mask
+    assert masked == [] and mask.tolist() == base_mask.tolist()  # unpaired: the character mask
 
     from dflash_common.chat import assistant_message
 
@@ -255,9 +255,16 @@ def test_an_earlier_answer_is_in_the_loss_only_where_the_prompt_holds_it_as_emit
     ids, mask, masked = ChatTemplate(tok).tokenize_as_generated(
         msgs, emitted[1], True, earlier_ids=emitted[:1]
     )
-    assert masked == 1 and ids.tolist()[-len(emitted[1]) :] == emitted[1]
+    assert masked == [1] and ids.tolist()[-len(emitted[1]) :] == emitted[1]
     assert mask.tolist() == [0] * (len(ids) - len(emitted[1])) + [1] * len(emitted[1])
     assert "a1<|im_end|>" in tok.decode(ids)  # the context the target saw, kept
+    # the masked answer alone, as the target answered it: its own prompt, then its tokens
+    alone, alone_mask = ChatTemplate(tok).turn_as_generated(msgs, 1, emitted[0])
+    prompt = tok(
+        "<|im_start|>user\nu1<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    assert alone.tolist() == prompt["input_ids"] + emitted[0]
+    assert alone_mask.tolist() == [0] * len(prompt["input_ids"]) + [1] * len(emitted[0])
 
 
 def test_template_that_rewrites_history_is_refused_not_guessed(plain):

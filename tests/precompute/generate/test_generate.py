@@ -548,7 +548,8 @@ def test_an_earlier_answer_stays_in_the_loss_only_where_the_prompt_holds_it_as_e
     dflash-precompute keeps an earlier answer in the loss where the last turn's prompt holds exactly
     those tokens after that answer's own prompt, and takes it out (context only, counted) where it
     does not: the tiny target's bytes spell no UTF-8 alone, so their text, rendered again in the
-    later prompt, is other tokens."""
+    later prompt, is other tokens. Such an answer is then a sequence of its own (`<id>#<turn>`: its
+    prompt, then its tokens) unless data.earlier_answers = 'context'."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_common.chat import prompt_ids
@@ -588,13 +589,24 @@ def test_an_earlier_answer_stays_in_the_loss_only_where_the_prompt_holds_it_as_e
             )[0, len(prompt) :].tolist()
             assert emitted == ref and emitted[-1] in stops  # it stopped: a next turn followed
 
-    def tokenized(recs: dict[str, dict]):
+    def tokenized(recs: dict[str, dict], earlier: str = "context"):
         raws = [RawRecord(i, k, json.dumps(r).encode()) for i, (k, r) in enumerate(recs.items())]
-        return UnitTokenizer.from_target(str(target), DataSection(block_size=2))(0, raws)
+        data = DataSection(block_size=2, earlier_answers=earlier)
+        return UnitTokenizer.from_target(str(target), data)(0, raws)
 
+    # the reference, per record: which earlier answers the last prompt holds as emitted
+    masked_turns, apart = {}, {}
+    for key, r in multi.items():
+        prompt = prompt_ids(tok, r["messages"][:-1])
+        bounds = [len(prompt_ids(tok, r["messages"][:i])) for i in turns[key]]
+        masked_turns[key] = []
+        for j, emitted in enumerate(r["earlier_answer_ids"]):
+            if prompt[bounds[j] : bounds[j] + len(emitted)] != emitted:
+                masked_turns[key].append(j)
+                if len(emitted) >= 4:  # 2 x block_size: long enough to train apart
+                    apart[f"{key}#{turns[key][j]}"] = (bounds[j], emitted)
     unit = tokenized(multi)
     assert unit.num_samples >= 3 and unit.as_generated == unit.num_samples
-    held = masked = 0
     for n, key in enumerate(unit.sample_ids):
         r = multi[key]
         ids = unit.input_ids[unit.offsets[n] : unit.offsets[n + 1]].tolist()
@@ -604,10 +616,23 @@ def test_an_earlier_answer_stays_in_the_loss_only_where_the_prompt_holds_it_as_e
         bounds = [len(prompt_ids(tok, r["messages"][:i])) for i in turns[key]]
         for j, emitted in enumerate(r["earlier_answer_ids"]):
             start, end = bounds[j], bounds[j + 1]  # the answer, then the next user turn
-            as_emitted = prompt[start : start + len(emitted)] == emitted
-            assert sum(mask[start:end]) == (len(emitted) if as_emitted else 0)
-            held, masked = held + as_emitted, masked + (not as_emitted)
+            held = j not in masked_turns[key]
+            assert sum(mask[start:end]) == (len(emitted) if held else 0)
+    masked = sum(len(masked_turns[k]) for k in unit.sample_ids)
     assert masked > 0 and unit.earlier_masked == masked  # the test can fail: not all round-trip
+    both = tokenized(multi, "apart")  # the default: each masked answer also a sequence of its own
+    got = {k: n for n, k in enumerate(both.sample_ids)}
+    assert apart and set(got) == set(unit.sample_ids) | set(apart)
+    kept = {k.rsplit("#", 1)[0] for k in got}
+    assert both.earlier_masked == sum(len(masked_turns[k]) for k in kept)
+    assert both.earlier_apart == len(apart) and unit.earlier_apart == 0
+    for key, (length, emitted) in apart.items():
+        n, o = got[key], both.offsets
+        ids, mask = both.input_ids[o[n] : o[n + 1]].tolist(), both.loss_mask[o[n] : o[n + 1]]
+        record, turn = key.rsplit("#", 1)
+        assert ids == prompt_ids(tok, multi[record]["messages"][: int(turn)]) + emitted
+        assert len(ids) == length + len(emitted)
+        assert mask.tolist() == [0] * length + [1] * len(emitted)
     # a record without them (written before they were kept): every earlier answer by its text
     before = tokenized({k: {**r, "earlier_answer_ids": None} for k, r in multi.items()})
 
