@@ -150,34 +150,33 @@ def measure(
     return row
 
 
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| training answers | store tokens | path tau (store) | real tau, emitted | path / real "
-        "| real tau | responses / prompts |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['tokens']:,} | {r['path_tau']:.3f} | {r['tau_emitted']:.3f} "
-            f"| {r['path_tau'] / r['tau_emitted']:.3f} | {r['tau']:.3f} "
-            f"| {r['responses']} / {r['prompts']} |"
-        )
-    return "\n".join(lines)
+# (header, cell) of each column of the two tables
+ANSWER_COLUMNS = [
+    ("training answers", lambda r: r["variant"]),
+    ("store tokens", lambda r: f"{r['tokens']:,}"),
+    ("path tau (store)", lambda r: f"{r['path_tau']:.3f}"),
+    ("real tau, emitted", lambda r: f"{r['tau_emitted']:.3f}"),
+    ("path / real", lambda r: f"{r['path_tau'] / r['tau_emitted']:.3f}"),
+    ("real tau", lambda r: f"{r['tau']:.3f}"),
+    ("responses / prompts", lambda r: f"{r['responses']} / {r['prompts']}"),
+]
+TURN_COLUMNS = [
+    ("earlier answers", lambda r: r["variant"]),
+    ("store tokens", lambda r: f"{r['tokens']:,}"),
+    ("loss tokens", lambda r: f"{r['loss_tokens']:,}"),
+    ("path tau (store)", lambda r: f"{r['path_tau']:.3f}"),
+    ("real tau, turn 2", lambda r: f"{r['tau-turn2']:.3f}"),
+    ("real tau, turn 1", lambda r: f"{r['tau-turn1']:.3f}"),
+    ("prompts", lambda r: f"{r['prompts-turn2']} + {r['prompts-turn1']}"),
+]
 
 
-def turns_table(rows: list[dict]) -> str:
-    lines = [
-        "| earlier answers | store tokens | loss tokens | path tau (store) | real tau, turn 2 "
-        "| real tau, turn 1 | prompts |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['tokens']:,} | {r['loss_tokens']:,} | {r['path_tau']:.3f} "
-            f"| {r['tau-turn2']:.3f} | {r['tau-turn1']:.3f} "
-            f"| {r['prompts-turn2']} + {r['prompts-turn1']} |"
-        )
-    return "\n".join(lines)
+def table(rows: list[dict], columns=ANSWER_COLUMNS) -> str:
+    """A markdown table of `rows`: the first and last columns left-aligned, the rest right."""
+    align = ["---"] + ["---:"] * (len(columns) - 2) + ["---"]
+    cells = [[cell(r) for _, cell in columns] for r in rows]
+    lines = [[head for head, _ in columns], align, *cells]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 def two_turns(work: Path) -> None:
@@ -211,7 +210,7 @@ def two_turns(work: Path) -> None:
     for r in rows:
         with Store.open(work / r["variant"] / "store") as opened:
             r["loss_tokens"] = int(opened.summary["response_tokens"])
-    print(turns_table(rows))
+    print(table(rows, TURN_COLUMNS))
     (work / "results-2turns.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -22,7 +22,9 @@ sequence is that answer's prompt as the target was fed it, then those tokens
 the stored text (edited since, or another tokenizer) the text is tokenized, counted as
 `ids_unused`. Its earlier answers (`earlier_answer_ids`, turns = "all") stay in the loss where the
 prompt holds them as the target emitted them; one the template renders otherwise there (a reasoning
-template drops its thinking) is context only, counted as `earlier_masked`.
+template drops its thinking) is context only there, counted as `earlier_masked`, and with
+`data.earlier_answers = "apart"` (default) a sample of its own (`<source id>#<message index>`: the
+prompt it answered, then its ids), counted as `earlier_apart`.
 """
 
 from __future__ import annotations

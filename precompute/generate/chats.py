@@ -19,8 +19,8 @@ dflash-precompute trains on those tokens, not on a re-tokenisation of their text
 (dflash_common.chat `tokenize_as_generated`), and those of the answers before it that it generated
 (`earlier_answer_ids`, one list per earlier assistant turn, all of them under `turns = "all"`), so
 that dflash-precompute can tell an earlier answer the later context renders as the target emitted
-it from one it renders otherwise (a reasoning template drops its thinking) and keep only the first
-in the loss.
+it from one it renders otherwise (a reasoning template drops its thinking): the first stays in the
+conversation's loss, the second becomes a sequence of its own (its prompt, then its ids).
 """
 
 from __future__ import annotations

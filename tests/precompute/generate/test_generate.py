@@ -477,6 +477,18 @@ def test_two_gloo_ranks_write_the_files_of_one(chatty_target, inputs, one_rank, 
     assert json.loads((out / "manifest.json").read_text())["runs"][0]["world_size"] == 2
 
 
+def _greedy(model, prompt: list[int], max_new: int, stops: list[int]) -> list[int]:
+    """transformers' own greedy answer to `prompt` (the stop token last where it stopped)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=256,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def test_precompute_takes_each_last_answer_as_the_target_emitted_it(tiny_target, inputs, tmp_path):
     """A generated record keeps its last answer's tokens (`answer_ids`, the stop token last), and
     dflash-precompute's tokenizer builds the sequence from them: the prompt as generate fed it to
@@ -514,13 +526,7 @@ def test_precompute_takes_each_last_answer_as_the_target_emitted_it(tiny_target,
         history, answer = r["messages"][:-1], r["answer_ids"]
         prompt = prompt_ids(tok, history)
         assert ids == prompt + answer and mask[len(prompt) :] == [1] * len(answer)
-        ref = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=16,
-            do_sample=False,
-            eos_token_id=stops,
-            pad_token_id=256,
-        )[0, len(prompt) :].tolist()
+        ref = _greedy(model, prompt, 16, stops)
         assert answer == ref  # the stop token included, where the answer stopped
         assert (answer[-1] in stops) == (r["finish_reason"] == "stop")
         if any(m["role"] == "assistant" for m in history):  # masked as the text path masks it
@@ -580,13 +586,7 @@ def test_an_earlier_answer_stays_in_the_loss_only_where_the_prompt_holds_it_as_e
         assert len(r["earlier_answer_ids"]) == len(turns[k]) - 1
         for i, emitted in zip(turns[k], r["earlier_answer_ids"]):
             prompt = prompt_ids(tok, r["messages"][:i])
-            ref = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=stops,
-                pad_token_id=256,
-            )[0, len(prompt) :].tolist()
+            ref = _greedy(model, prompt, 24, stops)
             assert emitted == ref and emitted[-1] in stops  # it stopped: a next turn followed
 
     def tokenized(recs: dict[str, dict], earlier: str = "context"):
