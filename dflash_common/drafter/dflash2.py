@@ -368,3 +368,8 @@ class DFlash2Drafter(DFlashDrafter):
         )  # the bilinear term in the weights' dtype
         scores = self.candidate_selector.edge_scores(rows.to(dtype), ids, unary, first_tokens)
         return walk(ids, scores)
+
+    def sampled_drafts(self, hidden, first_tokens, draw):
+        """Not defined: a DFlash2 drafter proposes its selector's walk through the candidates,
+        which is not a draw from a distribution the accept rule could weigh."""
+        raise ValueError("a DFlash2 drafter drafts greedily only (its selector's walk)")

@@ -211,6 +211,26 @@ class DSparkDrafter(DFlashDrafter):
         return torch.stack(drafts, 1) if drafts else first_tokens.new_zeros((hidden.shape[0], 0))
 
     @torch.no_grad()
+    def sampled_drafts(
+        self, hidden: torch.Tensor, first_tokens: torch.Tensor, draw
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block hidden states [n, b, H] and each block's anchor [n] -> (drafts [n, b], the
+        distributions they were drawn from [n, b, V]), left to right as `greedy_drafts` but each
+        draft drawn by `draw` (logits [n, V] -> (tokens [n], their distribution [n, V])) from the
+        logits corrected by the Markov bias of the draft before it, as vLLM's
+        DSparkSpeculator._sample_sequential samples them."""
+        base = self.logits(hidden)  # [n, b, V]
+        if hidden.shape[1] == 0:
+            return first_tokens.new_zeros((hidden.shape[0], 0)), base.float()
+        prev, drafts, probs = first_tokens.long(), [], []
+        for k in range(hidden.shape[1]):
+            bias = self.markov_head.bias(self.markov_embed(prev))  # [n, V]
+            prev, q = draw(base[:, k] + bias.to(base.dtype))
+            drafts.append(prev)
+            probs.append(q)
+        return torch.stack(drafts, 1), torch.stack(probs, 1)
+
+    @torch.no_grad()
     def draft_confidences(
         self, hidden: torch.Tensor, first_tokens: torch.Tensor, drafts: torch.Tensor
     ) -> torch.Tensor:

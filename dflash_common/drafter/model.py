@@ -392,3 +392,15 @@ class DFlashDrafter(nn.Module):
         prediction (position 0 is the given anchor, not a prediction). `first_tokens` [n], the
         anchors, are for drafters that read them: DSpark's Markov head, DFlash2's selector walk."""
         return self.logits(hidden[:, 1:]).argmax(-1)
+
+    @torch.no_grad()
+    def sampled_drafts(
+        self, hidden: torch.Tensor, first_tokens: torch.Tensor, draw
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block hidden states [n, b, H] -> (drafts [n, b - 1], the distributions they were drawn
+        from [n, b - 1, V]), each prediction's draft drawn by `draw` (logits [m, V] -> (tokens
+        [m], their distribution [m, V])): drafts sampled from the drafter, as vLLM's
+        `draft_sample_method = "probabilistic"` drafts them."""
+        logits = self.logits(hidden[:, 1:])  # [n, b - 1, V]
+        tokens, probs = draw(logits.flatten(0, 1))
+        return tokens.view(logits.shape[:2]), probs.view(logits.shape)

@@ -90,6 +90,15 @@ class GenerationSection:
         "reproduced here). Batched, the target still runs whole blocks and counts no draft "
         "past the verified ones.",
     )
+    draft_sampling: Literal["greedy", "probabilistic"] = option(
+        "greedy",
+        "How the drafter drafts when the target samples (temperature > 0), as vLLM's "
+        "speculative_config.draft_sample_method: 'greedy' drafts the argmax (the draft counts as "
+        "certain in the accept rule; vLLM's default); 'probabilistic' samples each draft from "
+        "softmax(draft logits / temperature) (a DSpark drafter left to right through its Markov "
+        "head) and accepts it with probability min(1, p/q), as the DSpark paper measures. DFlash "
+        "and DSpark drafters.",
+    )
     seed: int = option(0, "Seed of the sampling generator (temperature > 0).")
     ignore_eos: bool = option(
         False, "Do not stop at the end-of-sequence token(s); always decode max_new_tokens."
@@ -118,6 +127,11 @@ class GenerationSection:
             f"generation.confidence_threshold must be in [0, 1), got {self.confidence_threshold}",
         )
         check(self.batch_size >= 0, f"generation.batch_size must be >= 0, got {self.batch_size}")
+        check(
+            self.draft_sampling == "greedy" or self.temperature > 0,
+            "generation.draft_sampling = 'probabilistic' samples drafts as the target samples; "
+            "set generation.temperature > 0 or generation.draft_sampling = 'greedy'",
+        )
         check(
             self.batch_size <= 1 or self.temperature == 0,
             f"generation.batch_size = {self.batch_size} decodes greedily only; set "

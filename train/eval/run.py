@@ -121,6 +121,7 @@ class Settings:
     check_lossless: bool  # greedy, with a baseline to compare against
     baseline_cache: BaselineCache | None = None  # the target-alone decodes of earlier evaluations
     batch_size: int = 1  # prompts decoded at once (batched.py when > 1)
+    draft_sampling: str = "greedy"  # or "probabilistic": drafts drawn from the drafter (sampling)
 
 
 def settings_from(
@@ -143,6 +144,7 @@ def settings_from(
         baseline=baseline,
         check_lossless=sampling.greedy and baseline and check_lossless != "off",
         batch_size=batch_size,
+        draft_sampling=gen.draft_sampling,
     )
 
 
@@ -186,6 +188,7 @@ def decode_one(
         stop_ids=s.stop_ids,
         sampling=s.sampling,
         generator=_generator(target.device, seed),
+        draft_sampling=s.draft_sampling,
     )
     base = None
     if s.baseline:
@@ -500,6 +503,7 @@ def summarize(results: Sequence[PromptResult], s: Settings) -> dict:
             "temperature": s.sampling.temperature,
             "top_p": s.sampling.top_p,
             "top_k": s.sampling.top_k,
+            "draft_sampling": s.draft_sampling,
         },
         "lossless": {
             "checked": s.check_lossless,
@@ -592,6 +596,12 @@ def run(cfg: EvalConfig) -> dict:
     drafter = load_dflash(
         cfg.drafter.path, load_text_config(cfg.target.path), device, torch_dtype(cfg.target.dtype)
     )
+    if cfg.generation.draft_sampling == "probabilistic" and drafter.cfg.arch == "dflash2":
+        raise UserError(
+            "generation.draft_sampling = 'probabilistic': a DFlash2 drafter proposes its "
+            "selector's walk, not a draw from a distribution; set generation.draft_sampling = "
+            "'greedy'."
+        )
     model = load_causal_lm(
         cfg.target.path,
         dtype=cfg.target.dtype,

@@ -27,12 +27,16 @@ Acceptance rules (`accept`):
 - temperature 0: accept the longest prefix of drafts equal to the target's argmax, then the target's
   argmax at the first disagreement (or after the last draft). The output equals greedy decoding.
 - temperature > 0: standard speculative sampling (Leviathan et al.; Chen et al.): accept draft x
-  with probability min(1, p(x)/q(x)), on rejection sample from norm(max(p - q, 0)). DFlash drafts
-  are greedy even when the target samples, so q is a point mass on x (q(x) = 1), which gives:
+  with probability min(1, p(x)/q(x)), on rejection sample from norm(max(p - q, 0)). Drafts are
+  greedy by default even when the target samples (vLLM's default `draft_sample_method`), so q is a
+  point mass on x (q(x) = 1), which gives:
     accept x with probability p(x); on rejection sample from p with x removed, renormalised.
   The emitted token is then distributed as p: P(x) = p(x), and for y != x,
   P(y) = (1 - p(x)) * p(y) / (1 - p(x)) = p(y). p is the target's distribution after temperature,
-  top-k and top-p.
+  top-k and top-p. With `draft_sampling = "probabilistic"` (vLLM's "probabilistic") each draft is
+  drawn from q = softmax(draft logits / temperature), the temperature alone as vLLM applies it to
+  the draft logits (a DSpark drafter's left to right through its Markov head, each after the
+  drawn one), and the general rule applies with that q.
 """
 
 from __future__ import annotations
@@ -59,12 +63,13 @@ class Drafter(Protocol):
         """Start a new prompt: forget all context."""
 
     def propose(
-        self, context: torch.Tensor, anchor: int, start: int, num_drafts: int
-    ) -> torch.Tensor:
+        self, context: torch.Tensor, anchor: int, start: int, num_drafts: int, draw=None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`context` [n, K*H]: target features (layer outputs of `layer_ids`, concatenated) at
         positions start-n .. start-1, all committed and never handed over before. `anchor` is the
         token at `start`. Returns `num_drafts` token ids (long) for positions
-        start+1 .. start+num_drafts."""
+        start+1 .. start+num_drafts; with `draw` (`draw_from`: drafts sampled from the drafter),
+        those ids and the distributions they were drawn from [num_drafts, V]."""
 
 
 GREEDY = Sampling()
@@ -181,30 +186,53 @@ def accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]
 
 
 def accept_sampled(
-    drafts: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None
+    drafts: torch.Tensor,
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[int, int]:
-    """drafts [n] (greedy, so q is a point mass), target probabilities [n+1, V] -> (accepted, next).
+    """drafts [n], target probabilities [n+1, V] -> (accepted, next); `draft_probs` [n, V], the
+    distributions the drafts were drawn from (none: greedy drafts, q a point mass).
 
-    Draft x is accepted with probability min(1, p(x)/q(x)) = p(x); on the first rejection the token
-    comes from max(p - q, 0) renormalised, i.e. p without x.
+    Draft x is accepted with probability min(1, p(x)/q(x)) (= p(x) for a point mass); on the first
+    rejection the token comes from max(p - q, 0) renormalised (p without x for a point mass).
     """
     n = drafts.shape[0]
     p_draft = probs[:n].gather(1, drafts[:, None])[:, 0]  # [n]
     u = torch.rand(n, generator=generator, device=probs.device)
-    accepted = int((u < p_draft).int().cumprod(0).sum())
+    if draft_probs is None:
+        keep = u < p_draft
+    else:  # u < p/q without dividing: q(x) > 0 for a drawn x
+        keep = u * draft_probs.gather(1, drafts[:, None])[:, 0] < p_draft
+    accepted = int(keep.int().cumprod(0).sum())
     if accepted == n:
         return n, _draw(probs[n], generator)
-    residual = probs[accepted].clone()
-    residual[drafts[accepted]] = 0.0
+    if draft_probs is None:
+        residual = probs[accepted].clone()
+        residual[drafts[accepted]] = 0.0
+    else:
+        residual = (probs[accepted] - draft_probs[accepted].to(probs.dtype)).clamp_min(0.0)
     total = residual.sum()
-    # A rejection needs p(x) < 1, so total > 0 up to rounding; fall back to p if rounding ate it.
+    # A rejection needs p(x) < q(x), so total > 0 up to rounding; fall back to p if rounding ate it.
     return accepted, _draw(residual / total if total > 0 else probs[accepted], generator)
 
 
-def accept(drafts, logits, s: Sampling, generator) -> tuple[int, int]:
+def accept(drafts, logits, s: Sampling, generator, draft_probs=None) -> tuple[int, int]:
     if s.greedy:
         return accept_greedy(drafts, logits)
-    return accept_sampled(drafts, sampling_probs(logits, s), generator)
+    return accept_sampled(drafts, sampling_probs(logits, s), generator, draft_probs)
+
+
+def draw_from(s: Sampling, generator: torch.Generator | None):
+    """Drafts sampled from the drafter (`draft_sampling = "probabilistic"`): logits [m, V] ->
+    (one token per row [m], q [m, V]), q = softmax(logits / temperature) in float32, the temperature
+    alone, as vLLM applies it to the draft logits."""
+
+    def draw(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.softmax(logits.float() / s.temperature, dim=-1)
+        return torch.multinomial(q, 1, generator=generator)[:, 0], q
+
+    return draw
 
 
 def emitted_lengths(starts: Sequence[int], lengths: Sequence[int], end: int) -> list[int]:
@@ -233,8 +261,13 @@ def speculative_generate(
     stop_ids: frozenset[int] = frozenset(),
     sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
+    draft_sampling: str = "greedy",
 ) -> Decoded:
-    """Decode `max_new_tokens` (or up to a stop token) with draft-verify cycles of `block_size`."""
+    """Decode `max_new_tokens` (or up to a stop token) with draft-verify cycles of `block_size`;
+    `draft_sampling` "probabilistic" draws the drafts from the drafter when the target samples."""
+    draw = None
+    if draft_sampling == "probabilistic" and not sampling.greedy:
+        draw = draw_from(sampling, generator)
     ids, cache = list(prompt_ids), target.new_cache()
     start, max_len = len(ids), len(ids) + max_new_tokens
     t0 = target.clock()
@@ -249,13 +282,18 @@ def speculative_generate(
     stopped = False  # the authors' loop checks for stop tokens after a cycle only
     while start < max_len and not stopped:
         num_drafts = block_size - 1  # always a whole block, as the authors' loop
-        drafts = drafter.propose(context, ids[start], start, num_drafts)
+        q = None  # the drafts' distributions, when drawn from the drafter
+        if draw is None:
+            drafts = drafter.propose(context, ids[start], start, num_drafts)
+        else:
+            drafts, q = drafter.propose(context, ids[start], start, num_drafts, draw=draw)
         # a drafter may propose fewer (DSpark's confidence schedule): the cycle checks only those
         drafts = torch.as_tensor(drafts, dtype=torch.long).to(target.device)
         drafts = drafts.reshape(-1)[:num_drafts]
+        q = None if q is None else q[: drafts.shape[0]]
         block = torch.cat([drafts.new_tensor([ids[start]]), drafts])  # [1 + num_drafts]
         logits, feats = target.forward(block, start, cache, features=True)  # [n+1, V], [n+1, K*H]
-        accepted, next_token = accept(drafts, logits, sampling, generator)
+        accepted, next_token = accept(drafts, logits, sampling, generator, q)
         new = drafts[:accepted].tolist() + [next_token]
         stopped = any(t in stop_ids for t in [ids[start], *new])  # the prefill's token counts too
         ids.extend(new)
@@ -306,7 +344,8 @@ class DFlashProposer:
     through the Markov head (dspark.py), as vLLM's DSpark speculator drafts: n = B drafts from a
     block of B. DFlash2: DFlash's block, the drafts the selector's greedy walk through each
     position's top-k candidates (as vLLM's DFlash2 speculator drafts; dflash2.py `walk`). Drafts are
-    greedy even when the target samples (as all three are served). `block_size` is
+    greedy even when the target samples (as all three are served by default), or, given `draw`,
+    drawn from the drafter (DFlash and DSpark: `sampled_drafts`). `block_size` is
     the drafter's block B (the loop's is the verified block [anchor, drafts]: B, or B+1 for DSpark).
     `confidence_threshold` (DSpark with a confidence head; 0 = off, vLLM 0.32's default of verifying
     every draft): verify only the drafts before the first whose confidence is below it (DeepSpec's
@@ -330,8 +369,8 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(
-        self, context: torch.Tensor, anchor: int, start: int, num_drafts: int
-    ) -> torch.Tensor:
+        self, context: torch.Tensor, anchor: int, start: int, num_drafts: int, draw=None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.cache.length + context.shape[0] != start:
             ends = self.cache.length + context.shape[0]
             raise RuntimeError(f"drafter context ends at {ends}, block starts at {start}")
@@ -343,10 +382,16 @@ class DFlashProposer:
         block[0] = anchor
         # [1, rows, H]; the cache holds the context only, after as before
         hidden = self.drafter.draft(self.cache, context.to(dtype), block)[None]
-        drafts = self.draft(hidden, block[:1])  # [1, n]
+        if draw is None:
+            drafts, probs = self.draft(hidden, block[:1]), None  # [1, n]
+        else:  # drawn from the drafter: [1, n], [1, n, V]
+            drafts, probs = self.drafter.sampled_drafts(hidden, block[:1], draw)
+        verified = drafts.shape[1]
         if self.confidence_threshold > 0:
-            return drafts[0, : int(self.verified(hidden, block[:1], drafts)[0])]
-        return drafts[0]  # [n]
+            verified = int(self.verified(hidden, block[:1], drafts)[0])
+        if probs is None:
+            return drafts[0, :verified]  # [n]
+        return drafts[0, :verified], probs[0, :verified]
 
     def verified(
         self, block_hidden: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor

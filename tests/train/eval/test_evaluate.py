@@ -334,6 +334,76 @@ def test_accept_rule_with_a_greedy_draft_emits_the_target_distribution():
         assert abs(accepted_count / trials - float(p[0, draft])) < 0.02
 
 
+def test_accept_rule_with_a_drawn_draft_emits_the_target_distribution():
+    """Drafts drawn from q (generation.draft_sampling = 'probabilistic'): accept x with probability
+    min(1, p(x)/q(x)), else draw from max(p - q, 0): the emitted token is distributed as p, and a
+    draft is accepted with probability sum_x min(p(x), q(x))."""
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.3, 0.3]])
+    g = torch.Generator().manual_seed(0)
+    trials = 10000  # standard error <= 0.005: the 0.02 tolerance is 4 sigma
+    counts, accepted_count = torch.zeros(5), 0
+    for _ in range(trials):
+        draft = torch.multinomial(q[0], 1, generator=g)
+        accepted, token = accept_sampled(draft, p, g, q)
+        counts[int(draft) if accepted else token] += 1
+        accepted_count += accepted
+    torch.testing.assert_close(counts / trials, p[0], atol=0.02, rtol=0)
+    assert abs(accepted_count / trials - float(torch.minimum(p[0], q[0]).sum())) < 0.02
+
+
+def test_drawn_drafts_against_a_point_mass_target_decode_greedily(
+    tiny, drafter_dir, prompts, monkeypatch
+):
+    """Drafts drawn from an untrained DFlash drafter at temperature 1 (nearly every one not the
+    argmax), verified by a target whose top_k = 1 makes p a point mass on its argmax: a draft is
+    kept only where it is that argmax and a rejection draws the argmax, so the output is greedy
+    decoding's, token for token."""
+    from train.eval.load import load_proposer
+
+    model = tiny[0]
+    proposer = load_proposer(str(drafter_dir), model)
+    drawn, sampled = [], proposer.drafter.sampled_drafts
+
+    def counted(*args):
+        drafts, q = sampled(*args)
+        drawn.append((drafts, q))
+        return drafts, q
+
+    monkeypatch.setattr(proposer.drafter, "sampled_drafts", counted)
+    target = TargetRunner(model, proposer.layer_ids)
+    point, max_new = Sampling(temperature=1.0, top_k=1), 24
+    for i, p in enumerate(prompts):
+        out = speculative_generate(
+            target,
+            proposer,
+            p,
+            block_size=proposer.block_size,
+            max_new_tokens=max_new,
+            sampling=point,
+            generator=torch.Generator().manual_seed(i),
+            draft_sampling="probabilistic",
+        )
+        assert out.tokens == target_generate(target, p, max_new_tokens=max_new).tokens
+    assert len(drawn) >= len(prompts)  # every cycle drew its drafts
+    for drafts, q in drawn:  # distributions over the vocabulary, each draft inside its own
+        torch.testing.assert_close(q.sum(-1), torch.ones(q.shape[:-1]))
+        assert bool((q.gather(-1, drafts[..., None]) > 0).all())
+    argmax = sum(int((d == q.argmax(-1)).sum()) for d, q in drawn)
+    assert argmax < sum(d.numel() for d, _ in drawn) // 2  # drawn, not the argmax
+
+
+def test_probabilistic_drafts_need_a_sampling_target():
+    with pytest.raises(Exception, match="generation.temperature > 0"):
+        load_config(EvalConfig, None, ["--generation.draft_sampling=probabilistic"])
+    cfg = load_config(
+        EvalConfig,
+        None,
+        ["--generation.draft_sampling=probabilistic", "--generation.temperature=0.7"],
+    )
+    assert cfg.generation.draft_sampling == "probabilistic"
+
+
 def _result(name, lengths, mismatch=None, prompt_tokens=10, emitted=None):
     spec = Decoded(
         [1] * (1 + sum(lengths)),

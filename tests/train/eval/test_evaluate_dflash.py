@@ -132,6 +132,34 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
     )  # stderr is no terminal: no bar frames
 
 
+def test_cli_draws_drafts_from_the_drafter_when_asked(tiny_target, drafter_dir, tmp_path):
+    """--generation.draft_sampling=probabilistic (temperature > 0) decodes through the CLI and the
+    report says how the drafts were made."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    report = tmp_path / "eval.json"
+    main(
+        [
+            "--config",
+            str(root / "configs" / "tiny.toml"),
+            "--drafter",
+            str(drafter_dir),
+            "--report",
+            str(report),
+            f"--target.path={tiny_target}",
+            f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}",
+            "--prompts.num_prompts=2",
+            "--generation.max_new_tokens=16",
+            "--generation.temperature=0.8",
+            "--generation.draft_sampling=probabilistic",
+        ]
+    )
+    out = json.loads(report.read_text())
+    assert out["sampling"]["draft_sampling"] == "probabilistic" and out["num_prompts"] == 2
+    assert 1 <= out["tau"] <= BLOCK
+
+
 def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):
     from pathlib import Path
 

@@ -250,3 +250,60 @@ def test_a_confidence_schedule_decodes_batched_with_the_one_at_a_time_cycles(
     conf = torch.tensor([[0.9, 0.8, 0.3, 0.95], [0.1, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]])
     counts = confident_prefix(conf, 0.5)
     assert counts.tolist() == [2, 0, 4] == [int(confident_prefix(r, 0.5)) for r in conf]
+
+
+def test_drafts_drawn_through_the_markov_head_are_draws_from_its_corrected_logits(
+    model, dspark_dir, tiny_target
+):
+    """generation.draft_sampling = 'probabilistic': each draft is drawn, left to right, from
+    softmax((logits + the Markov bias of the draft drawn before it) / T). The reference computes
+    every row's distribution at once, the drawn drafts as the previous tokens (teacher forcing);
+    an argmax 'draw' gives the greedy drafts; and a decode against a point-mass target (top_k 1)
+    is greedy decoding's output."""
+    from dflash_common.sampling import Sampling
+    from train.eval.spec_decode import draw_from
+
+    proposer = load_proposer(str(dspark_dir), model)
+    drafter = proposer.drafter
+    prompt = _prompts(tiny_target)[0].ids
+    seq = (
+        prompt
+        + target_generate(TargetRunner(model, proposer.layer_ids), prompt, max_new_tokens=24).tokens
+    )
+    anchors = torch.tensor([len(prompt), len(prompt) + 5, len(prompt) + 11])
+    with torch.inference_mode():
+        states = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        feats = torch.cat([states[i + 1][0] for i in proposer.layer_ids], -1)
+        cu = torch.tensor([0, len(seq)], dtype=torch.int32)
+        hidden = drafter(feats, torch.tensor(seq), cu, anchors)  # [3, B, H]
+        first = torch.tensor(seq)[anchors]
+        greedy, drawn = drafter.greedy_drafts(hidden, first), 0
+        for temperature in (8.0, 1.0, 0.6):  # 8: flat enough that draws leave the argmax
+            g = torch.Generator().manual_seed(3)
+            drafts, q = drafter.sampled_drafts(hidden, first, draw_from(Sampling(temperature), g))
+            prev = torch.cat([first[:, None], drafts[:, :-1]], 1)  # [3, B]
+            bias = drafter.markov_head.bias(drafter.markov_embed(prev))
+            ref = torch.softmax((drafter.logits(hidden) + bias).float() / temperature, -1)
+            torch.testing.assert_close(q, ref, atol=1e-5, rtol=1e-4)
+            drawn += int((drafts != greedy).sum())
+        assert drawn > 0  # the draws are not the argmax: the reference's previous tokens differ
+
+        def argmax(logits):
+            return logits.argmax(-1), torch.nn.functional.one_hot(
+                logits.argmax(-1), logits.shape[-1]
+            )
+
+        top, _ = drafter.sampled_drafts(hidden, first, argmax)
+        assert torch.equal(top, drafter.greedy_drafts(hidden, first))
+    target = TargetRunner(model, proposer.layer_ids)
+    out = speculative_generate(
+        target,
+        proposer,
+        prompt,
+        block_size=proposer.block_size,
+        max_new_tokens=24,
+        sampling=Sampling(temperature=1.0, top_k=1),
+        generator=torch.Generator().manual_seed(0),
+        draft_sampling="probabilistic",
+    )
+    assert out.tokens == seq[len(prompt) :]
