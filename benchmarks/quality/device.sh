@@ -113,9 +113,9 @@ log() { echo "[device.sh $(elapsed) s] $*"; }
     # log, metrics, run record (how far it got) and reports
     FILES=(); DRAFTER=drafter; [ "${PACK_DRAFTERS:-1}" = 0 ] && DRAFTER=metrics.jsonl  # evaluated here
     for v in ${VARIANTS//,/ }; do for s in ${SEEDS//,/ }; do
-      for f in runs/$v/{train,eval,offline_heldout,offline_train}-seed-$s.log \
+      for f in runs/$v/{train,eval,eval_t1,offline_heldout,offline_train}-seed-$s.log \
           runs/$v/seed-$s/{$DRAFTER,metrics.jsonl,run.toml,run.json,bench_manifest.json} \
-          runs/$v/seed-$s/{eval,offline_heldout,offline_train}.json \
+          runs/$v/seed-$s/{eval,eval_t1,offline_heldout,offline_train}.json \
           runs/$v/seed-$s/eval.run.toml; do
         [ -e "$W/$f" ] && FILES+=("$f")
       done

@@ -833,6 +833,21 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
             # every run is evaluated on the same target and prompts: decode the target alone once
             f"--check.baseline_cache={args.work / 'baseline-cache'}",
         ],
+        # the DSpark paper's protocol: temperature 1, drafts drawn from the drafter (DFlash2: its
+        # greedy walk, the only proposal it has), one prompt at a time, the first 64 prompts
+        "eval_t1": common
+        + [
+            f"--prompts.files={json.dumps([str(data / 'heldout_prompts.jsonl')])}",
+            "--prompts.num_prompts=64",
+            "--target.dtype=float32",
+            "--generation.temperature=1.0",
+            "--generation.draft_sampling="
+            + ("greedy" if _arch(out) == "DFlash2DraftModel" else "probabilistic"),
+            "--check.baseline=false",  # sampled: no greedy reference to compare against
+            "--check.lossless=off",
+            "--report",
+            str(out / "eval_t1.json"),
+        ],
         "offline_heldout": common
         + [
             "--offline",
@@ -851,6 +866,16 @@ def eval_commands(args, out: Path) -> dict[str, list[str]]:
             str(out / "offline_train.json"),
         ],
     }
+
+
+def _arch(out: Path) -> str:
+    """The exported drafter's architecture (config.json's `architectures`, e.g.
+    DFlash2DraftModel)."""
+    config = out / "drafter" / "config.json"
+    return json.loads(config.read_text())["architectures"][0] if config.is_file() else ""
+
+
+EVALS = ("offline_heldout", "eval", "offline_train", "eval_t1")  # eval_commands' reports
 
 
 def stage_eval(args) -> None:
@@ -901,8 +926,8 @@ def _report(path: Path) -> dict:
 def one_run(out: Path) -> dict:
     """The figures of one training run, from its reports and metrics (None for a report not
     written)."""
-    ev, held, train = (
-        _report(out / f"{n}.json") for n in ("eval", "offline_heldout", "offline_train")
+    ev, held, train, hot = (
+        _report(out / f"{n}.json") for n in ("eval", "offline_heldout", "offline_train", "eval_t1")
     )
     counts = {int(k): v for k, v in ev.get("histogram_counts", {}).items()}
     metrics = out / "metrics.jsonl"
@@ -919,6 +944,7 @@ def one_run(out: Path) -> dict:
         "tau_pooled": sum(n * c for n, c in counts.items()) / sum(counts.values())
         if counts
         else None,
+        "tau_t1": hot.get("tau"),
         "lossless": ev.get("lossless", {}).get("ok"),
         "prompts": ev.get("num_prompts"),
         "offline_train": train.get("tau"),
@@ -977,6 +1003,7 @@ def _ms(xs: list[float | None]) -> str:
 COLUMNS = [
     ("tau", "tau (dflash-eval)"),
     ("tau_pooled", "pooled tau"),
+    ("tau_t1", "tau at temperature 1, drawn drafts (64 prompts)"),
     ("path_tau_heldout", "path tau (held-out)"),
     ("path_tau_pooled_heldout", "pooled path tau"),
     ("offline_heldout", "offline est. (held-out)"),
@@ -1100,7 +1127,9 @@ def parse(argv=None):
         "--evals",
         default="offline_heldout,eval,offline_train",
         help="the eval stage's reports, in this order: offline_heldout (path tau and the estimate "
-        "on the held-out store), eval (dflash-eval), offline_train (the training store's split)",
+        "on the held-out store), eval (dflash-eval), offline_train (the training store's split), "
+        "eval_t1 (dflash-eval at temperature 1 with drafts drawn from the drafter, the DSpark "
+        "paper's protocol, 64 prompts one at a time; not by default)",
     )
     p.add_argument(
         "--generate-timeout-s",
@@ -1124,11 +1153,8 @@ def parse(argv=None):
     if args.train_prompts is None:
         args.train_prompts = REGIMES[args.regime]["train_prompts"]
     args.evals = [e for e in args.evals.split(",") if e]
-    if set(args.evals) - {"offline_heldout", "eval", "offline_train"}:
-        p.error(
-            "--evals: unknown report(s) "
-            f"{sorted(set(args.evals) - {'offline_heldout', 'eval', 'offline_train'})}"
-        )
+    if set(args.evals) - set(EVALS):
+        p.error(f"--evals: unknown report(s) {sorted(set(args.evals) - set(EVALS))}")
     if args.tiny:  # dflash-generate's answers as their ids: its plumbing on a CPU too
         args.device, args.eval_prompts, args.max_new_tokens = "cpu", min(args.eval_prompts, 8), 32
     args.work = args.work.resolve()

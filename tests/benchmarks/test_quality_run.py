@@ -164,6 +164,13 @@ def test_eval_commands_parse_and_ask_for_float32_and_lossless(tmp_path):
         assert cfg.generation.max_new_tokens == args.max_new_tokens
     real = load_config(EvalConfig, None, [a for a in cmds["eval"][3:] if "=" in a])
     assert real.target.dtype == "float32" and real.check.lossless == "error"
+    hot = load_config(EvalConfig, None, [a for a in cmds["eval_t1"][3:] if "=" in a])
+    assert hot.generation.temperature == 1.0 and hot.generation.draft_sampling == "probabilistic"
+    dflash2 = tmp_path / "runs" / "dflash2" / "seed-0"  # its walk is no draw: greedy drafts
+    (dflash2 / "drafter").mkdir(parents=True)
+    (dflash2 / "drafter" / "config.json").write_text('{"architectures": ["DFlash2DraftModel"]}')
+    walk = run.eval_commands(args, dflash2)["eval_t1"]
+    assert "--generation.draft_sampling=greedy" in walk
 
 
 def test_unknown_variant_is_refused(tmp_path):
