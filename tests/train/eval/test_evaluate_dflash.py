@@ -96,11 +96,11 @@ def test_untrained_dflash_drafter_is_lossless_with_tau_in_range(model, drafter_d
         assert 1 + sum(spec.acceptance_lengths) >= len(spec.tokens)  # the last cycle counts uncut
 
 
-def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir, tmp_path, capsys):
+def _eval_cli(tiny_target, drafter_dir, report, *options: str) -> dict:
+    """dflash-eval's CLI on the tiny config's prompts -> the report."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
-    report = tmp_path / "out" / "eval.json"
     main(
         [
             "--config",
@@ -111,11 +111,21 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
             str(report),
             f"--target.path={tiny_target}",
             f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}",
-            "--prompts.num_prompts=3",
-            "--generation.max_new_tokens=20",
+            *options,
         ]
     )
-    out = json.loads(report.read_text())
+    return json.loads(report.read_text())
+
+
+def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir, tmp_path, capsys):
+    report = tmp_path / "out" / "eval.json"
+    out = _eval_cli(
+        tiny_target,
+        drafter_dir,
+        report,
+        "--prompts.num_prompts=3",
+        "--generation.max_new_tokens=20",
+    )
     assert out["num_prompts"] == 3 and out["block_size"] == BLOCK
     assert 1 <= out["tau"] <= BLOCK
     assert out["lossless"] == {"checked": True, "ok": True, "mismatches": []}
@@ -135,53 +145,29 @@ def test_cli_reports_tau_and_passes_the_lossless_check(tiny_target, drafter_dir,
 def test_cli_draws_drafts_from_the_drafter_when_asked(tiny_target, drafter_dir, tmp_path):
     """--generation.draft_sampling=probabilistic (temperature > 0) decodes through the CLI and the
     report says how the drafts were made."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    report = tmp_path / "eval.json"
-    main(
-        [
-            "--config",
-            str(root / "configs" / "tiny.toml"),
-            "--drafter",
-            str(drafter_dir),
-            "--report",
-            str(report),
-            f"--target.path={tiny_target}",
-            f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}",
-            "--prompts.num_prompts=2",
-            "--generation.max_new_tokens=16",
-            "--generation.temperature=0.8",
-            "--generation.draft_sampling=probabilistic",
-        ]
+    out = _eval_cli(
+        tiny_target,
+        drafter_dir,
+        tmp_path / "eval.json",
+        "--prompts.num_prompts=2",
+        "--generation.max_new_tokens=16",
+        "--generation.temperature=0.8",
+        "--generation.draft_sampling=probabilistic",
     )
-    out = json.loads(report.read_text())
     assert out["sampling"]["draft_sampling"] == "probabilistic" and out["num_prompts"] == 2
     assert 1 <= out["tau"] <= BLOCK
 
 
 def test_cli_block_size_override(tiny_target, drafter_dir, tmp_path):
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    report = tmp_path / "eval.json"
-    main(
-        [
-            "--config",
-            str(root / "configs" / "tiny.toml"),
-            "--drafter",
-            str(drafter_dir),
-            "--report",
-            str(report),
-            f"--target.path={tiny_target}",
-            "--generation.block_size=3",
-            f"--prompts.files={root / 'data' / 'tiny-prompts.jsonl'}",
-            "--prompts.num_prompts=1",
-            "--generation.max_new_tokens=9",
-            "--generation.warmup=false",
-        ]
+    out = _eval_cli(
+        tiny_target,
+        drafter_dir,
+        tmp_path / "eval.json",
+        "--generation.block_size=3",
+        "--prompts.num_prompts=1",
+        "--generation.max_new_tokens=9",
+        "--generation.warmup=false",
     )
-    out = json.loads(report.read_text())
     assert out["block_size"] == 3 and all(n <= 3 for n in out["prompts"][0]["acceptance_lengths"])
 
 
