@@ -188,23 +188,22 @@ class ChatTemplate:
         history = messages[:-1]
         earlier = [i for i, m in enumerate(history) if m["role"] == "assistant"]
         masked: list[int] = []
-        if not earlier:
-            prompt = prompt_ids(self.tokenizer, history, self.template_kwargs, tools)
-            mask = np.zeros(len(prompt), np.uint8)
-        elif not getattr(self.tokenizer, "is_fast", False):
+        if not earlier:  # the answer alone after its prompt
+            return (*self.turn_as_generated(messages, len(history), answer_ids, tools), masked)
+        if not getattr(self.tokenizer, "is_fast", False):
             return None  # no offsets to place the earlier answers by
-        else:  # the prompt's tokens (as `prompt_ids` makes them), its earlier answers by character
-            text = self.render(history, add_generation_prompt=True, tools=tools)
-            spans = [self._assistant_span(history, i, text, tools) for i in earlier]
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            prompt, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-            mask = mask_from_spans(offsets, spans)
-            if earlier_ids is not None and len(earlier_ids) == len(spans):  # else edited: text
-                for i, span, emitted in zip(earlier, spans, earlier_ids):
-                    at = np.flatnonzero(mask_from_spans(offsets, [span]))
-                    if [prompt[t] for t in at] != list(emitted):
-                        mask[at] = 0
-                        masked.append(i)
+        # the prompt's tokens (as `prompt_ids` makes them), its earlier answers by character
+        text = self.render(history, add_generation_prompt=True, tools=tools)
+        spans = [self._assistant_span(history, i, text, tools) for i in earlier]
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        prompt, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        mask = mask_from_spans(offsets, spans)
+        if earlier_ids is not None and len(earlier_ids) == len(spans):  # else edited: text
+            for i, span, emitted in zip(earlier, spans, earlier_ids):
+                at = np.flatnonzero(mask_from_spans(offsets, [span]))
+                if [prompt[t] for t in at] != list(emitted):
+                    mask[at] = 0
+                    masked.append(i)
         ids = np.asarray(prompt + list(answer_ids), np.int32)
         return ids, np.concatenate([mask, np.ones(len(answer_ids), np.uint8)]), masked
 
