@@ -16,7 +16,8 @@ hidden_states[i + 1]) plus the final normed state is put through each codec. Pri
    quantiser (with q4_hadamard's own settings it reproduces quant.py's codes, checked at start);
 2. bytes per token of the drafter's layers (DFlash's K) and of every layer, per store dtype;
 3. median (lowest-highest) over `--repeats` of the encode and decode time of one layer's [T, H]
-   states per store dtype on `--device`, and the two forms of the Hadamard transform.
+   states per store dtype on `--device` (on CUDA, q4_hadamard decodes with the Triton kernel, and
+   once more with the torch decoder), and the two forms of the Hadamard transform.
 """
 
 from __future__ import annotations
@@ -247,6 +248,10 @@ def speed_table(hidden: int, tokens: int, device: str, repeats: int) -> list[str
             wall_times(lambda: quant.decode_states(enc.data, enc.scale, d), repeats, 1, cuda)
         )
         lines.append(f"| {d} | {e.text('.2f')} | {dec.scaled(1e3).text('.2f')} |")
+        if d == "q4_hadamard" and cuda:  # the row above is the Triton kernel's ("auto" on CUDA)
+            torch_decode = lambda: quant.decode_states(enc.data, enc.scale, d, backend="torch")  # noqa: E731
+            dec = Spread.of(wall_times(torch_decode, repeats, 1, cuda))
+            lines.append(f"| {d}, torch decoder | | {dec.scaled(1e3).text('.2f')} |")
     y = x.float()
     for name, fn in (
         ("hadamard (butterflies: encode)", quant.hadamard),
@@ -337,7 +342,8 @@ def main(argv=None) -> None:
         "--variants", default="all", help="comma list of VARIANTS names, 'all' or 'none'"
     )
     args = p.parse_args(argv)
-    variants = {"all": list(VARIANTS), "none": []}.get(args.variants) or args.variants.split(",")
+    named = {"all": list(VARIANTS), "none": []}
+    variants = named[args.variants] if args.variants in named else args.variants.split(",")
     if args.synthetic:
         states = {
             k: v.to(args.device) for k, v in synthetic_states(args.synthetic, args.tokens).items()

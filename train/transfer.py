@@ -7,10 +7,11 @@ dflash_common/store/quant.py). A batch is copied into a free set on a side strea
 the pinned cache slots (non-blocking; one copy per sequence and layer, both sides contiguous; a
 sequence's rows go to the buffers of its store's dtype), and an event marks the end of the copy. The
 compute stream waits for that event, decodes the raw set into the context features [T, K*H] (fp8
-and q4_hadamard are decoded here, on the GPU; rows of stores of different dtypes are decoded per
-dtype and put back in batch order) and records a second event, after which the raw set may take the
-next batch. No `record_stream`: the buffers are never freed, and their reuse is ordered by those two
-events, so nothing handed to the step may alias them (a bf16 final state is copied out).
+and q4_hadamard are decoded here, on the GPU, q4_hadamard by one Triton kernel; rows of stores of
+different dtypes are decoded per dtype and put back in batch order) and records a second event,
+after which the raw set may take the next batch. No `record_stream`: the buffers are never freed,
+and their reuse is ordered by those two events, so nothing handed to the step may alias them (a
+bf16 final state is copied out).
 
 A shard's cache slots are held (its handles are kept) until the event after its copies has
 completed; only then are the handles released and the slots free for another shard. On a CPU there

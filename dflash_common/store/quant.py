@@ -21,9 +21,11 @@ reinterprets the bits (`view` as bfloat16 or float8_e4m3fn, or the 4-bit unpacki
 floating-point states. Scales are float32 throughout. Encoding mirrors it: `encode_states` runs
 where the states are (the GPU, in precompute) and hands integer arrays to the device-to-host copy.
 
-Encoding and decoding are plain torch, so they run on the GPU: precompute encodes before the
+Encoding and decoding run where the data is, the GPU included: precompute encodes before the
 device-to-host copy (fewer bytes to move), and the trainer decodes after the host-to-device copy.
-The functions accept CPU numpy arrays as well (zero-copy through ``torch.from_numpy``).
+Both are plain torch, except that on CUDA q4_hadamard decodes with one Triton kernel
+(store/q4_triton.py: the packed row in, the states out, no float32 temporaries; `decode_states`'s
+`backend`). The functions accept CPU numpy arrays as well (zero-copy through ``torch.from_numpy``).
 
 fp8 round-trip bound (asserted by tests/dflash_common/store/test_quant.py): with s = amax_t / 448,
 every element obeys ``|decoded - x| <= 2**-4 * |x| + 2**-10 * s``. The first term is half an e4m3
@@ -60,6 +62,7 @@ import numpy as np
 import torch
 
 StorageDtype = Literal["bf16", "fp8_e4m3", "q4_hadamard"]
+DecodeBackend = Literal["auto", "triton", "torch"]
 STORAGE_DTYPES: tuple[str, ...] = ("bf16", "fp8_e4m3", "q4_hadamard")
 SCALED_DTYPES: tuple[str, ...] = ("fp8_e4m3", "q4_hadamard")  # with a float32 scale per token
 
@@ -193,8 +196,13 @@ def decode_states(
     dtype: str,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    backend: DecodeBackend = "auto",
 ) -> torch.Tensor:
-    """Stored bits [T, row] (+ scale [T]) -> states [T, H] in `out_dtype`, on data's device."""
+    """Stored bits [T, row] (+ scale [T]) -> states [T, H] in `out_dtype`, on data's device.
+
+    `backend` decodes q4_hadamard with the Triton kernel (store/q4_triton.py: one pass, what the
+    trainer runs on a GPU) or with torch; "auto" takes Triton on CUDA where the hidden size allows
+    it, torch elsewhere (the tests run the kernel on a CPU under TRITON_INTERPRET=1)."""
     check_storage_dtype(dtype)
     bits = _as_tensor(data)
     if bits.dtype != _STORAGE_TORCH[dtype]:
@@ -205,7 +213,7 @@ def decode_states(
         raise ValueError(f"{dtype} states need their per-token scale to decode")
     s = _as_tensor(scale).to(device=bits.device, dtype=torch.float32)
     if dtype == "q4_hadamard":
-        return _q4_decode(bits, s, out_dtype)
+        return _q4_decode(bits, s, out_dtype, backend)
     return (bits.view(torch.float8_e4m3fn).float() * s[:, None]).to(out_dtype)
 
 
@@ -237,7 +245,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 def hadamard_by_matmul(x: torch.Tensor) -> torch.Tensor:
     """The same transform as `hadamard` up to rounding, as two small matrix products: a block of
     B = a * b values is an [a, b] matrix X, and H_B x = H_a X H_b (H_B = H_a (x) H_b). Two passes
-    over the data instead of log2(B): the decoder's choice (several times faster,
+    over the data instead of log2(B): the torch decoder's choice (several times faster,
     docs/benchmarks.md)."""
     n, h = x.shape
     block = hadamard_block(h)
@@ -323,7 +331,9 @@ def _q4_quantise(groups: torch.Tensor, code: torch.Tensor, scale: torch.Tensor):
     return idx.to(torch.uint8), err[..., 0]
 
 
-def _q4_decode(bits: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _q4_decode(
+    bits: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, backend: DecodeBackend
+) -> torch.Tensor:
     t, row = bits.shape
     h = row * Q4_GROUP // (Q4_GROUP // 2 + 1)  # row = H/2 + H/16
     if bits.dim() != 2 or row_size("q4_hadamard", h) != row or scale.shape != (t,):
@@ -331,8 +341,12 @@ def _q4_decode(bits: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) 
             f"q4_hadamard rows of {row} bytes with {tuple(scale.shape)} scales do not "
             f"decode to [T, H] (rows of 9H/16 bytes, one scale per row)"
         )
-    _, _, pairs = _q4_tables(bits.device)
     out = torch.empty(t, h, dtype=out_dtype, device=bits.device)
+    if _q4_backend(backend, bits.device, h) == "triton":
+        from dflash_common.store import q4_triton
+
+        return q4_triton.q4_decode(bits, scale, h, Q4_LEVELS, out)
+    _, _, pairs = _q4_tables(bits.device)
     for rows in _row_slices(t, h):
         n = rows.stop - rows.start
         values = pairs[bits[rows, : h // 2].int()].view(n, h // Q4_GROUP, Q4_GROUP)  # [n, H/16, 16]
@@ -340,6 +354,20 @@ def _q4_decode(bits: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) 
         step = bits[rows, h // 2 :].view(torch.float8_e4m3fn).float() * scale[rows, None]
         out[rows] = hadamard_by_matmul((values * step[..., None]).view(n, h))
     return out
+
+
+def _q4_backend(backend: DecodeBackend, device: torch.device, hidden: int) -> str:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"decode backend {backend!r} unknown; use 'auto', 'triton' or 'torch'")
+    if backend != "auto":
+        return backend
+    if device.type != "cuda":
+        return "torch"
+    try:
+        from dflash_common.store import q4_triton
+    except ImportError:  # no Triton: torch decodes
+        return "torch"
+    return "triton" if q4_triton.supported(hidden) else "torch"
 
 
 # -- NaN / Inf -------------------------------------------------------------------------------------

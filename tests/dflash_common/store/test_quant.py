@@ -24,6 +24,10 @@ from dflash_common.store.quant import (
 )
 
 
+# the Triton kernel's device: a GPU where there is one, else the CPU under TRITON_INTERPRET=1
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _states(t=300, h=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g)
@@ -181,18 +185,26 @@ def test_q4_round_trip_within_the_stated_bound(h):
     assert 0.06 < rel < 0.08, rel  # 4 bits on normal vectors: ~0.072 (fp8: ~0.026)
 
 
-def test_q4_decoding_follows_the_spec_for_every_code():
+@pytest.mark.parametrize(
+    "backend,h",
+    [("torch", 96), ("triton", 256), ("triton", 512), ("triton", 1536)],  # 1536: 3 blocks of 512
+)
+def test_q4_decoding_follows_the_spec_for_every_code(backend, h):
     """Hand-made rows: code bytes (low nibble = the even value), e4m3 group scale bytes, a float32
-    token scale, then the rotation; checked against the spec's words in float64."""
+    token scale, then the rotation; checked against the spec's words in float64, for the torch
+    decoder and the Triton kernel (on the CPU under TRITON_INTERPRET=1)."""
     g = torch.Generator().manual_seed(3)
-    t, h = 20, 96
+    t = 20
     codes = torch.randint(0, 16, (t, h), generator=g)
     codes[0, :16] = torch.arange(16)
     # every non-NaN code
     gscale = torch.randint(0, 0x7F, (t, h // Q4_GROUP), generator=g).to(torch.uint8)
     scale = torch.rand(t, generator=g) * 3
     data = torch.cat([(codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8), gscale], dim=1)
-    got = decode_states(data, scale, "q4_hadamard", out_dtype=torch.float32)
+    dev = _DEVICE if backend == "triton" else "cpu"
+    got = decode_states(
+        data.to(dev), scale.to(dev), "q4_hadamard", out_dtype=torch.float32, backend=backend
+    ).cpu()
     values = [_e4m3_value(int(c)) for c in gscale.flatten()]
     step = torch.tensor(values, dtype=torch.float64).view(t, -1) * scale.double()[:, None]
     y = torch.tensor(Q4_LEVELS, dtype=torch.float64)[codes] * step.repeat_interleave(
@@ -200,6 +212,41 @@ def test_q4_decoding_follows_the_spec_for_every_code():
     )
     want = _rotate64(y)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * want.abs().max())
+
+
+@pytest.mark.parametrize("h", [256, 512, 5120])
+def test_q4_triton_kernel_decodes_as_torch(h):
+    """The kernel against the torch decoder on encoded states: float32 within a few float32 ulps of
+    the row's largest value, bf16 the same bits wherever the float32 values round alike (a block
+    of a power-of-4 size has an exact 1/sqrt(B): every bit), and into a strided output (one layer's
+    columns of a batch's features)."""
+    from dflash_common.store import q4_triton
+
+    x = _states(40, h).float().to(_DEVICE)
+    enc = encode_states(x, "q4_hadamard")
+    want = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32,
+                         backend="torch")  # fmt: skip
+    got = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=torch.float32,
+                        backend="triton")  # fmt: skip
+    tol = 1e-5 * want.abs().amax(dim=1, keepdim=True)  # tf32x3 products on a GPU
+    assert ((got - want).abs() <= tol).all(), ((got - want).abs() / tol).max()
+    bf = decode_states(enc.data, enc.scale, "q4_hadamard", backend="triton")
+    assert bf.dtype == torch.bfloat16
+    alike = got.to(torch.bfloat16) == want.to(torch.bfloat16)
+    assert torch.equal(bf[alike], want.to(torch.bfloat16)[alike])
+    assert alike.float().mean() > 0.95 and (h != 256 or alike.all())
+    wide = torch.full((40, 3 * h), 7.0, device=_DEVICE)
+    q4_triton.q4_decode(enc.data, enc.scale, h, Q4_LEVELS, wide[:, h : 2 * h])
+    assert torch.equal(wide[:, h : 2 * h], got)
+    assert (wide[:, :h] == 7).all() and (wide[:, 2 * h :] == 7).all()
+
+
+def test_q4_triton_kernel_refuses_blocks_below_16_by_16():
+    enc = encode_states(torch.randn(4, 96), "q4_hadamard")  # block 32 = 4 x 8
+    with pytest.raises(ValueError, match="backend='torch'"):
+        decode_states(enc.data, enc.scale, "q4_hadamard", backend="triton")
+    with pytest.raises(ValueError, match="decode backend"):
+        decode_states(enc.data, enc.scale, "q4_hadamard", backend="cuda")
 
 
 def test_q4_chooses_the_better_of_two_scales_and_encodes_in_slices_alike(monkeypatch):

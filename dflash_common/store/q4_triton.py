@@ -1,0 +1,138 @@
+"""q4_hadamard decoding as one Triton kernel: codes -> levels -> group steps -> inverse rotation.
+
+The torch decoder (quant.py `_q4_decode`) makes five passes over [T, H] float32 temporaries (the
+code bytes as int32, the two levels per byte, the scaled values, then the two matrix products of
+`hadamard_by_matmul`) and converts the result to the output dtype. Here one program takes one
+token's Hadamard block of B = a * b values: it loads the block's B/2 code bytes and B/16 group
+scale bytes, builds the scaled values as an [a, b] matrix X in registers and writes
+R X = H_a X H_b / sqrt(B) once, in the output dtype: the bytes read are the packed row, the bytes
+written are the states, and nothing else crosses memory. The trainer decodes every batch read from
+a 4-bit store after its host-to-device copy, so this is the part of a step that a store of decoded
+states would not pay.
+
+Exactness: the Sylvester matrices are built in the kernel as +-1 (H[i, j] = (-1)^popcount(i & j)),
+exact in any precision, and the 1/sqrt(B) is applied once, in float32, after both products. The
+products take float32 operands in three tensor-core passes (`tf32x3`), which keeps float32's
+precision to within a few units of its last place (the tests compare against the torch decoder).
+
+Shapes: a and b are powers of two (B = the largest power of two dividing H, a = 2^floor(log2(B)/2),
+b = B / a: quant.py's split) and `tl.dot` needs both >= 16, so B >= 256; `supported` says whether
+a hidden size qualifies, and quant.py decodes the others with torch.
+
+Runs on the CPU under TRITON_INTERPRET=1 (the test suite does so).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_MIN_SIDE = 16  # tl.dot's smallest matrix side
+
+
+def split(hidden: int) -> tuple[int, int]:
+    """(a, b): the Hadamard block B = a * b of this hidden size, as quant.hadamard_by_matmul cuts
+    it."""
+    block = hidden & -hidden
+    a = 1 << (block.bit_length() - 1) // 2
+    return a, block // a
+
+
+def supported(hidden: int) -> bool:
+    """Whether the kernel decodes rows of this hidden size (a multiple of 16 whose Hadamard block is
+    at least 16 x 16)."""
+    a, b = split(hidden)
+    return hidden % 16 == 0 and min(a, b) >= _MIN_SIDE
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(device: torch.device, levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 16 levels and the value of every e4m3 byte [256], float32 on `device`."""
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.tensor(levels, dtype=torch.float32, device=device), e4m3.to(device)
+
+
+@triton.jit
+def _signs(n: tl.constexpr):
+    """The +-1 Sylvester Hadamard matrix [n, n] (n <= 128): (-1)^popcount(i & j)."""
+    i = tl.arange(0, n)
+    v = i[:, None] & i[None, :]
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+
+
+@triton.jit
+def _q4_decode_kernel(
+    bits_ptr,
+    scale_ptr,
+    levels_ptr,
+    e4m3_ptr,
+    out_ptr,
+    stride_bits,
+    stride_out,
+    half,  # H / 2: where a row's group scale bytes start
+    norm,  # 1 / sqrt(B)
+    A: tl.constexpr,
+    B: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * (A * B)  # the block's first value within the row
+    r = tl.arange(0, A)
+    c = tl.arange(0, B)
+    i = first + r[:, None] * B + c[None, :]  # [A, B] value indices within the row
+    row = bits_ptr + token * stride_bits
+    byte = tl.load(row + i // 2).to(tl.int32)
+    code = (byte >> ((i % 2) * 4)) & 0xF  # the even value in the low nibble
+    step = tl.load(e4m3_ptr + tl.load(row + half + i // 16).to(tl.int32)) * tl.load(
+        scale_ptr + token
+    )
+    x = tl.load(levels_ptr + code) * step  # [A, B] float32: the rotated values
+    y = tl.dot(_signs(A), x, input_precision="tf32x3")
+    y = tl.dot(y, _signs(B), input_precision="tf32x3") * norm
+    if ROUND_BF16:  # round to nearest even by hand: the interpreter's cast truncates
+        u = y.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        y = u.to(tl.float32, bitcast=True)  # now exact in bfloat16
+    tl.store(out_ptr + token * stride_out + i, y.to(out_ptr.dtype.element_ty))
+
+
+def q4_decode(
+    bits: torch.Tensor,
+    scale: torch.Tensor,
+    hidden: int,
+    levels: tuple[float, ...],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """uint8 [T, 9H/16] codes and float32 [T] scales -> `out` [T, H] (rows may be strided, e.g. one
+    layer's columns of a batch's features), decoded as quant.py specifies."""
+    t = bits.shape[0]
+    if not supported(hidden):
+        raise ValueError(f"the Triton q4 decoder takes hidden sizes with a Hadamard block >= 256, "
+                         f"not {hidden}: decode it with backend='torch'")  # fmt: skip
+    if bits.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("the Triton q4 decoder needs rows whose bytes and values are contiguous")
+    if t == 0:
+        return out
+    a, b = split(hidden)
+    level_table, e4m3 = _tables(bits.device, levels)
+    _q4_decode_kernel[(t, hidden // (a * b))](
+        bits,
+        scale.contiguous(),
+        level_table,
+        e4m3,
+        out,
+        bits.stride(0),
+        out.stride(0),
+        hidden // 2,
+        (a * b) ** -0.5,
+        A=a,
+        B=b,
+        ROUND_BF16=out.dtype == torch.bfloat16,
+    )
+    return out
