@@ -73,6 +73,7 @@ def _q4_decode_kernel(
     levels_ptr,
     e4m3_ptr,
     out_ptr,
+    tokens,
     stride_bits,
     stride_out,
     half,  # H / 2: where a row's group scale bytes start
@@ -80,26 +81,48 @@ def _q4_decode_kernel(
     A: tl.constexpr,
     B: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    TOKENS: tl.constexpr,  # tokens per program (the autotuner's choice)
 ):
-    token = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1) * (A * B)  # the block's first value within the row
-    r = tl.arange(0, A)
-    c = tl.arange(0, B)
-    i = first + r[:, None] * B + c[None, :]  # [A, B] value indices within the row
-    row = bits_ptr + token * stride_bits
-    byte = tl.load(row + i // 2).to(tl.int32)
-    code = (byte >> ((i % 2) * 4)) & 0xF  # the even value in the low nibble
-    step = tl.load(e4m3_ptr + tl.load(row + half + i // 16).to(tl.int32)) * tl.load(
-        scale_ptr + token
+    # rows [TOKENS * A] of the program's [A, B] matrices, token after token
+    rows = tl.arange(0, TOKENS * A)
+    token = tl.program_id(0).to(tl.int64) * TOKENS + rows // A
+    ok = (token < tokens)[:, None]
+    # the row's first value within the token's state: block, then row of the block
+    first = tl.program_id(1) * (A * B) + (rows % A) * B
+    src = bits_ptr + token[:, None] * stride_bits
+    # B/2 code bytes a row, the even value in the low nibble: [R, B/2] -> [R, B/2, 2] -> [R, B]
+    byte = tl.load(src + first[:, None] // 2 + tl.arange(0, B // 2)[None, :], mask=ok, other=0)
+    byte = byte.to(tl.int32)
+    code = tl.reshape(tl.join(byte & 0xF, byte >> 4), (TOKENS * A, B))
+    # B/16 group scale bytes a row: the step of each group of 16 values
+    group = tl.load(
+        src + half + first[:, None] // 16 + tl.arange(0, B // 16)[None, :], mask=ok, other=0
     )
-    x = tl.load(levels_ptr + code) * step  # [A, B] float32: the rotated values
-    y = tl.dot(_signs(A), x, input_precision="tf32x3")
-    y = tl.dot(y, _signs(B), input_precision="tf32x3") * norm
+    scale = tl.load(scale_ptr + token, mask=token < tokens, other=0.0)
+    step = tl.load(e4m3_ptr + group.to(tl.int32)) * scale[:, None]  # [R, B/16]
+    x = tl.reshape(tl.load(levels_ptr + code), (TOKENS * A, B // 16, 16)) * step[:, :, None]
+    # R X = H_a X H_b / sqrt(B): X H_b for all rows at once, then H_a X' per token
+    y = tl.dot(tl.reshape(x, (TOKENS * A, B)), _signs(B), input_precision="tf32x3")
+    ha = tl.broadcast_to(_signs(A)[None, :, :], (TOKENS, A, A))
+    y = tl.dot(ha, tl.reshape(y, (TOKENS, A, B)), input_precision="tf32x3")
+    y = tl.reshape(y, (TOKENS * A, B)) * norm
     if ROUND_BF16:  # round to nearest even by hand: the interpreter's cast truncates
         u = y.to(tl.uint32, bitcast=True)
         u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
         y = u.to(tl.float32, bitcast=True)  # now exact in bfloat16
-    tl.store(out_ptr + token * stride_out + i, y.to(out_ptr.dtype.element_ty))
+    dst = out_ptr + token[:, None] * stride_out + first[:, None] + tl.arange(0, B)[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Tokens per program and warps, chosen by timing on the first decode of each shape (a GPU only: the
+# interpreter runs the kernel with one token per program)
+_q4_decode_tuned = triton.autotune(
+    configs=[
+        triton.Config({"TOKENS": t}, num_warps=w)
+        for t, w in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (8, 8))
+    ],
+    key=["A", "B", "ROUND_BF16"],
+)(_q4_decode_kernel)
 
 
 def q4_decode(
@@ -108,9 +131,11 @@ def q4_decode(
     hidden: int,
     levels: tuple[float, ...],
     out: torch.Tensor,
+    tokens_per_program: int | None = None,
 ) -> torch.Tensor:
     """uint8 [T, 9H/16] codes and float32 [T] scales -> `out` [T, H] (rows may be strided, e.g. one
-    layer's columns of a batch's features), decoded as quant.py specifies."""
+    layer's columns of a batch's features), decoded as quant.py specifies. `tokens_per_program`
+    (a power of two) fixes what the autotuner otherwise picks on a GPU (1 under the interpreter)."""
     t = bits.shape[0]
     if not supported(hidden):
         raise ValueError(f"the Triton q4 decoder takes hidden sizes with a Hadamard block >= 256, "
@@ -121,18 +146,14 @@ def q4_decode(
         return out
     a, b = split(hidden)
     level_table, e4m3 = _tables(bits.device, levels)
-    _q4_decode_kernel[(t, hidden // (a * b))](
-        bits,
-        scale.contiguous(),
-        level_table,
-        e4m3,
-        out,
-        bits.stride(0),
-        out.stride(0),
-        hidden // 2,
-        (a * b) ** -0.5,
-        A=a,
-        B=b,
-        ROUND_BF16=out.dtype == torch.bfloat16,
-    )
+    args = (bits, scale.contiguous(), level_table, e4m3, out, t, bits.stride(0), out.stride(0))
+    shape = dict(A=a, B=b, ROUND_BF16=out.dtype == torch.bfloat16)
+    blocks = hidden // (a * b)
+    if bits.device.type == "cuda" and tokens_per_program is None:
+        grid = lambda meta: (triton.cdiv(t, meta["TOKENS"]), blocks)  # noqa: E731
+        _q4_decode_tuned[grid](*args, hidden // 2, (a * b) ** -0.5, **shape)
+    else:  # fixed, or TRITON_INTERPRET=1
+        n = tokens_per_program or 1
+        grid = (triton.cdiv(t, n), blocks)
+        _q4_decode_kernel[grid](*args, hidden // 2, (a * b) ** -0.5, **shape, TOKENS=n)
     return out
