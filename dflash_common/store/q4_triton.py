@@ -119,7 +119,7 @@ def _q4_decode_kernel(
 _q4_decode_tuned = triton.autotune(
     configs=[
         triton.Config({"TOKENS": t}, num_warps=w)
-        for t, w in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (8, 8))
+        for t, w in ((1, 4), (1, 8), (2, 8), (4, 8), (8, 8))
     ],
     key=["A", "B", "ROUND_BF16"],
 )(_q4_decode_kernel)
