@@ -16,8 +16,8 @@ products take float32 operands in three tensor-core passes (`tf32x3`), which kee
 precision to within a few units of its last place (the tests compare against the torch decoder).
 
 Shapes: a and b are powers of two (B = the largest power of two dividing H, a = 2^floor(log2(B)/2),
-b = B / a: quant.py's split) and `tl.dot` needs both >= 16, so B >= 256; `supported` says whether
-a hidden size qualifies, and quant.py decodes the others with torch.
+b = B / a: quant.py's split) and `tl.dot` needs both >= 16, so B >= 256; `decodes_hidden` says
+whether a hidden size qualifies, and quant.py decodes the others with torch.
 
 Runs on the CPU under TRITON_INTERPRET=1 (the test suite does so).
 """
@@ -41,7 +41,7 @@ def split(hidden: int) -> tuple[int, int]:
     return a, block // a
 
 
-def supported(hidden: int) -> bool:
+def decodes_hidden(hidden: int) -> bool:
     """Whether the kernel decodes rows of this hidden size (a multiple of 16 whose Hadamard block is
     at least 16 x 16)."""
     a, b = split(hidden)
@@ -137,7 +137,7 @@ def q4_decode(
     layer's columns of a batch's features), decoded as quant.py specifies. `tokens_per_program`
     (a power of two) fixes what the autotuner otherwise picks on a GPU (1 under the interpreter)."""
     t = bits.shape[0]
-    if not supported(hidden):
+    if not decodes_hidden(hidden):
         raise ValueError(f"the Triton q4 decoder takes hidden sizes with a Hadamard block >= 256, "
                          f"not {hidden}: decode it with backend='torch'")  # fmt: skip
     if bits.stride(1) != 1 or out.stride(1) != 1:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Literal
 
 import numpy as np
@@ -202,7 +203,8 @@ def decode_states(
 
     `backend` decodes q4_hadamard with the Triton kernel (store/q4_triton.py: one pass, what the
     trainer runs on a GPU) or with torch; "auto" takes Triton on CUDA where the hidden size allows
-    it, torch elsewhere (the tests run the kernel on a CPU under TRITON_INTERPRET=1)."""
+    it and its first decode there agrees with torch's (`_triton_checked`), torch elsewhere (the
+    tests run the kernel on a CPU under TRITON_INTERPRET=1)."""
     check_storage_dtype(dtype)
     bits = _as_tensor(data)
     if bits.dtype != _STORAGE_TORCH[dtype]:
@@ -342,7 +344,10 @@ def _q4_decode(
             f"decode to [T, H] (rows of 9H/16 bytes, one scale per row)"
         )
     out = torch.empty(t, h, dtype=out_dtype, device=bits.device)
-    if _q4_backend(backend, bits.device, h) == "triton":
+    use = _q4_backend(backend, bits.device, h)
+    if use == "triton" and backend == "auto":
+        use = _triton_checked(bits, scale, h)
+    if use == "triton":
         from dflash_common.store import q4_triton
 
         return q4_triton.q4_decode(bits, scale, h, Q4_LEVELS, out)
@@ -367,7 +372,40 @@ def _q4_backend(backend: DecodeBackend, device: torch.device, hidden: int) -> st
         from dflash_common.store import q4_triton
     except ImportError:  # no Triton: torch decodes
         return "torch"
-    return "triton" if q4_triton.supported(hidden) else "torch"
+    return "triton" if q4_triton.decodes_hidden(hidden) else "torch"
+
+
+# (device, H) -> the decoder "auto" takes there, once the kernel's first decode was checked
+_CHECKED: dict[tuple[str, int], str] = {}
+_CHECK_ROWS = 64
+_CHECK_TOLERANCE = 1e-5  # of the row's largest value: float32 products in three tf32 passes
+
+
+def _triton_checked(bits: torch.Tensor, scale: torch.Tensor, hidden: int) -> str:
+    """The Triton kernel where its first decode of this shape on this device agrees with the torch
+    decoder (float32, the first 64 rows), else torch, with a warning: a kernel is compiled for each
+    GPU and Triton version, and a wrong one must not train a drafter silently."""
+    key = (str(bits.device), hidden)
+    if key in _CHECKED or len(bits) == 0:
+        return _CHECKED.get(key, "triton")
+    from dflash_common.store import q4_triton
+
+    rows, sc = bits[:_CHECK_ROWS], scale[:_CHECK_ROWS]
+    want = _q4_decode(rows, sc, torch.float32, "torch")
+    got = torch.empty_like(want)
+    q4_triton.q4_decode(rows, sc, hidden, Q4_LEVELS, got)
+    err = ((got - want).abs() / want.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)).nan_to_num()
+    worst = float(err.max())
+    _CHECKED[key] = "triton" if worst <= _CHECK_TOLERANCE else "torch"
+    if _CHECKED[key] == "torch":
+        warnings.warn(
+            f"the Triton q4_hadamard decoder disagrees with the torch decoder on {bits.device} "
+            f"(H={hidden}: an error of {worst:.2g} of a row's largest value, above "
+            f"{_CHECK_TOLERANCE:g}); states of this size are decoded with torch here instead "
+            "(correct, slower): report it with your GPU and Triton version",
+            stacklevel=4,
+        )
+    return _CHECKED[key]
 
 
 # -- NaN / Inf -------------------------------------------------------------------------------------

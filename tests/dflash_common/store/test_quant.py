@@ -244,6 +244,43 @@ def test_q4_triton_kernel_decodes_as_torch(h):
             assert (wide[:, :h] == 7).all() and (wide[:, 2 * h :] == 7).all()
 
 
+def test_auto_takes_the_kernel_only_where_its_first_decode_agrees_with_torch(monkeypatch):
+    """ "auto" checks the kernel's first decode of a shape on a device against the torch decoder:
+    the real kernel passes and decodes from then on; a wrong one is refused with a warning and torch
+    decodes, that batch included ("auto" is made to pick the kernel on the CPU here)."""
+    from dflash_common.store import q4_triton
+
+    enc = encode_states(_states(80, 256).float(), "q4_hadamard")
+    want = decode_states(enc.data, enc.scale, "q4_hadamard", backend="torch")
+    real = q4_triton.q4_decode
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(
+        quant, "_q4_backend", lambda backend, device, hidden: backend.replace("auto", "triton")
+    )
+    monkeypatch.setattr(quant, "_CHECKED", {})
+    monkeypatch.setattr(q4_triton, "q4_decode", counted)
+    got = decode_states(enc.data, enc.scale, "q4_hadamard")
+    assert calls == [64, 80] and quant._CHECKED == {("cpu", 256): "triton"}
+    assert (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max()
+    decode_states(enc.data, enc.scale, "q4_hadamard")
+    assert calls == [64, 80, 80]  # checked once
+
+    def wrong(bits, scale, hidden, levels, out, tokens_per_program=None):
+        out.copy_(real(bits, scale, hidden, levels, out).roll(1, dims=1))
+        return out
+
+    monkeypatch.setattr(quant, "_CHECKED", {})
+    monkeypatch.setattr(q4_triton, "q4_decode", wrong)
+    with pytest.warns(UserWarning, match="disagrees with the torch decoder"):
+        got = decode_states(enc.data, enc.scale, "q4_hadamard")
+    assert torch.equal(got, want) and quant._CHECKED == {("cpu", 256): "torch"}
+
+
 def test_q4_triton_kernel_refuses_blocks_below_16_by_16():
     enc = encode_states(torch.randn(4, 96), "q4_hadamard")  # block 32 = 4 x 8
     with pytest.raises(ValueError, match="backend='torch'"):
