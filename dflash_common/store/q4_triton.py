@@ -2,13 +2,14 @@
 
 The torch decoder (quant.py `_q4_decode`) makes five passes over [T, H] float32 temporaries (the
 code bytes as int32, the two levels per byte, the scaled values, then the two matrix products of
-`hadamard_by_matmul`) and converts the result to the output dtype. Here one program takes one
-token's Hadamard block of B = a * b values: it loads the block's B/2 code bytes and B/16 group
-scale bytes, builds the scaled values as an [a, b] matrix X in registers and writes
-R X = H_a X H_b / sqrt(B) once, in the output dtype: the bytes read are the packed row, the bytes
-written are the states, and nothing else crosses memory. The trainer decodes every batch read from
-a 4-bit store after its host-to-device copy, so this is the part of a step that a store of decoded
-states would not pay.
+`hadamard_by_matmul`) and converts the result to the output dtype. Here one program takes the
+Hadamard block of B = a * b values of a few tokens (as many as the autotuner finds fastest on the
+GPU): it loads each block's B/2 code bytes and B/16 group scale bytes, builds the scaled values as
+[a, b] matrices X in registers, multiplies all their rows by H_b in one product and each token's
+by H_a, and writes R X = H_a X H_b / sqrt(B) once, in the output dtype: the bytes read are the
+packed rows, the bytes written are the states, and nothing else crosses memory. The trainer
+decodes every batch read from a 4-bit store after its host-to-device copy, so this is the part of a
+step that a store of decoded states would not pay.
 
 Exactness: the Sylvester matrices are built in the kernel as +-1 (H[i, j] = (-1)^popcount(i & j)),
 exact in any precision, and the 1/sqrt(B) is applied once, in float32, after both products. The
@@ -16,8 +17,8 @@ products take float32 operands in three tensor-core passes (`tf32x3`), which kee
 precision to within a few units of its last place (the tests compare against the torch decoder).
 
 Shapes: a and b are powers of two (B = the largest power of two dividing H, a = 2^floor(log2(B)/2),
-b = B / a: quant.py's split) and `tl.dot` needs both >= 16, so B >= 256; `decodes_hidden` says
-whether a hidden size qualifies, and quant.py decodes the others with torch.
+b = B / a: quant.hadamard_split) and `tl.dot` needs both >= 16 (`MIN_SIDE`), so B >= 256;
+quant.py decodes the others with torch.
 
 Runs on the CPU under TRITON_INTERPRET=1 (the test suite does so).
 """
@@ -30,22 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-_MIN_SIDE = 16  # tl.dot's smallest matrix side
-
-
-def split(hidden: int) -> tuple[int, int]:
-    """(a, b): the Hadamard block B = a * b of this hidden size, as quant.hadamard_by_matmul cuts
-    it."""
-    block = hidden & -hidden
-    a = 1 << (block.bit_length() - 1) // 2
-    return a, block // a
-
-
-def decodes_hidden(hidden: int) -> bool:
-    """Whether the kernel decodes rows of this hidden size (a multiple of 16 whose Hadamard block is
-    at least 16 x 16)."""
-    a, b = split(hidden)
-    return hidden % 16 == 0 and min(a, b) >= _MIN_SIDE
+MIN_SIDE = 16  # tl.dot's smallest matrix side: blocks of a, b >= 16 (quant.py decodes others)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,23 +114,25 @@ _q4_decode_tuned = triton.autotune(
 def q4_decode(
     bits: torch.Tensor,
     scale: torch.Tensor,
-    hidden: int,
+    split: tuple[int, int],
     levels: tuple[float, ...],
     out: torch.Tensor,
     tokens_per_program: int | None = None,
 ) -> torch.Tensor:
     """uint8 [T, 9H/16] codes and float32 [T] scales -> `out` [T, H] (rows may be strided, e.g. one
-    layer's columns of a batch's features), decoded as quant.py specifies. `tokens_per_program`
-    (a power of two) fixes what the autotuner otherwise picks on a GPU (1 under the interpreter)."""
-    t = bits.shape[0]
-    if not decodes_hidden(hidden):
-        raise ValueError(f"the Triton q4 decoder takes hidden sizes with a Hadamard block >= 256, "
-                         f"not {hidden}: decode it with backend='torch'")  # fmt: skip
+    layer's columns of a batch's features), decoded as quant.py specifies; `split` = (a, b), the
+    block's factors (quant.hadamard_split). `tokens_per_program` (a power of two) fixes what the
+    autotuner otherwise picks on a GPU (1 under the interpreter)."""
+    t, hidden = out.shape
+    a, b = split
+    if min(a, b) < MIN_SIDE:
+        raise ValueError(f"the Triton q4 decoder takes Hadamard blocks of at least "
+                         f"{MIN_SIDE} x {MIN_SIDE}, not {a} x {b} (H={hidden}): decode it with "
+                         f"backend='torch'")  # fmt: skip
     if bits.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("the Triton q4 decoder needs rows whose bytes and values are contiguous")
     if t == 0:
         return out
-    a, b = split(hidden)
     level_table, e4m3 = _tables(bits.device, levels)
     args = (bits, scale.contiguous(), level_table, e4m3, out, t, bits.stride(0), out.stride(0))
     shape = dict(A=a, B=b, ROUND_BF16=out.dtype == torch.bfloat16)

@@ -227,6 +227,13 @@ def hadamard_block(hidden: int) -> int:
     return hidden & -hidden
 
 
+def hadamard_split(hidden: int) -> tuple[int, int]:
+    """(a, b): the decoder's factors of the block, B = a * b, a = 2^floor(log2(B) / 2)."""
+    block = hadamard_block(hidden)
+    a = 1 << (block.bit_length() - 1) // 2
+    return a, block // a
+
+
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """x [N, H] float32 -> R x: the normalised Walsh-Hadamard transform of every block of
     `hadamard_block(H)` values, by butterflies. Additions and subtractions only, in one fixed order,
@@ -250,10 +257,9 @@ def hadamard_by_matmul(x: torch.Tensor) -> torch.Tensor:
     over the data instead of log2(B): the torch decoder's choice (several times faster,
     docs/benchmarks.md)."""
     n, h = x.shape
-    block = hadamard_block(h)
-    a = 1 << (block.bit_length() - 1) // 2
-    ha, hb = _sylvester(a, x.device), _sylvester(block // a, x.device)
-    y = torch.matmul(ha, x.reshape(-1, a, block // a))  # [N*H/B, a, b]
+    a, b = hadamard_split(h)
+    ha, hb = _sylvester(a, x.device), _sylvester(b, x.device)
+    y = torch.matmul(ha, x.reshape(-1, a, b))  # [N*H/B, a, b]
     return torch.matmul(y, hb).view(n, h)
 
 
@@ -350,7 +356,7 @@ def _q4_decode(
     if use == "triton":
         from dflash_common.store import q4_triton
 
-        return q4_triton.q4_decode(bits, scale, h, Q4_LEVELS, out)
+        return q4_triton.q4_decode(bits, scale, hadamard_split(h), Q4_LEVELS, out)
     _, _, pairs = _q4_tables(bits.device)
     for rows in _row_slices(t, h):
         n = rows.stop - rows.start
@@ -372,7 +378,7 @@ def _q4_backend(backend: DecodeBackend, device: torch.device, hidden: int) -> st
         from dflash_common.store import q4_triton
     except ImportError:  # no Triton: torch decodes
         return "torch"
-    return "triton" if q4_triton.decodes_hidden(hidden) else "torch"
+    return "triton" if min(hadamard_split(hidden)) >= q4_triton.MIN_SIDE else "torch"
 
 
 # (device, H) -> the decoder "auto" takes there, once the kernel's first decode was checked
@@ -393,7 +399,7 @@ def _triton_checked(bits: torch.Tensor, scale: torch.Tensor, hidden: int) -> str
     rows, sc = bits[:_CHECK_ROWS], scale[:_CHECK_ROWS]
     want = _q4_decode(rows, sc, torch.float32, "torch")
     got = torch.empty_like(want)
-    q4_triton.q4_decode(rows, sc, hidden, Q4_LEVELS, got)
+    q4_triton.q4_decode(rows, sc, hadamard_split(hidden), Q4_LEVELS, got)
     err = ((got - want).abs() / want.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)).nan_to_num()
     worst = float(err.max())
     _CHECKED[key] = "triton" if worst <= _CHECK_TOLERANCE else "torch"

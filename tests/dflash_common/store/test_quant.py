@@ -238,7 +238,12 @@ def test_q4_triton_kernel_decodes_as_torch(h):
         for n in (40, 37):
             wide = torch.full((n, 3 * h), 7.0, device=_DEVICE)
             q4_triton.q4_decode(
-                enc.data[:n], enc.scale[:n], h, Q4_LEVELS, wide[:, h : 2 * h], tokens
+                enc.data[:n],
+                enc.scale[:n],
+                quant.hadamard_split(h),
+                Q4_LEVELS,
+                wide[:, h : 2 * h],
+                tokens,
             )
             assert torch.equal(wide[:, h : 2 * h], got[:n])
             assert (wide[:, :h] == 7).all() and (wide[:, 2 * h :] == 7).all()
@@ -270,8 +275,8 @@ def test_auto_takes_the_kernel_only_where_its_first_decode_agrees_with_torch(mon
     decode_states(enc.data, enc.scale, "q4_hadamard")
     assert calls == [64, 80, 80]  # checked once
 
-    def wrong(bits, scale, hidden, levels, out, tokens_per_program=None):
-        out.copy_(real(bits, scale, hidden, levels, out).roll(1, dims=1))
+    def wrong(bits, scale, split, levels, out, tokens_per_program=None):
+        out.copy_(real(bits, scale, split, levels, out).roll(1, dims=1))
         return out
 
     monkeypatch.setattr(quant, "_CHECKED", {})
@@ -283,7 +288,7 @@ def test_auto_takes_the_kernel_only_where_its_first_decode_agrees_with_torch(mon
 
 def test_q4_triton_kernel_refuses_blocks_below_16_by_16():
     enc = encode_states(torch.randn(4, 96), "q4_hadamard")  # block 32 = 4 x 8
-    with pytest.raises(ValueError, match="backend='torch'"):
+    with pytest.raises(ValueError, match="at least 16 x 16, not 4 x 8"):
         decode_states(enc.data, enc.scale, "q4_hadamard", backend="triton")
     with pytest.raises(ValueError, match="decode backend"):
         decode_states(enc.data, enc.scale, "q4_hadamard", backend="cuda")
