@@ -250,9 +250,10 @@ def test_q4_triton_kernel_decodes_as_torch(h):
 
 
 def test_auto_takes_the_kernel_only_where_its_first_decode_agrees_with_torch(monkeypatch):
-    """ "auto" checks the kernel's first decode of a shape on a device against the torch decoder:
-    the real kernel passes and decodes from then on; a wrong one is refused with a warning and torch
-    decodes, that batch included ("auto" is made to pick the kernel on the CPU here)."""
+    """ "auto" checks the kernel's first decode of a hidden size on a device against the torch
+    decoder (its first 64 rows): the real kernel passes and decodes from then on; a wrong one is
+    refused with a warning and torch decodes, that batch included and every one after it ("auto"
+    is made to reach the kernel on the CPU here)."""
     from dflash_common.store import q4_triton
 
     enc = encode_states(_states(80, 256).float(), "q4_hadamard")
@@ -260,30 +261,32 @@ def test_auto_takes_the_kernel_only_where_its_first_decode_agrees_with_torch(mon
     real = q4_triton.q4_decode
     calls = []
 
-    def counted(*args, **kwargs):
-        calls.append(len(args[0]))
-        return real(*args, **kwargs)
+    def counted(bits, *args, **kwargs):
+        calls.append(len(bits))
+        return real(bits, *args, **kwargs)
 
-    monkeypatch.setattr(
-        quant, "_q4_backend", lambda backend, device, hidden: backend.replace("auto", "triton")
-    )
+    def reach_the_kernel(backend, device, hidden):  # _q4_backend as on a GPU
+        return quant._CHECKED.get((str(device), hidden), "triton") if backend == "auto" else backend
+
+    monkeypatch.setattr(quant, "_q4_backend", reach_the_kernel)
     monkeypatch.setattr(quant, "_CHECKED", {})
     monkeypatch.setattr(q4_triton, "q4_decode", counted)
-    got = decode_states(enc.data, enc.scale, "q4_hadamard")
-    assert calls == [64, 80] and quant._CHECKED == {("cpu", 256): "triton"}
-    assert (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max()
-    decode_states(enc.data, enc.scale, "q4_hadamard")
-    assert calls == [64, 80, 80]  # checked once
+    for dtype in (torch.bfloat16, torch.float32):
+        got = decode_states(enc.data, enc.scale, "q4_hadamard", out_dtype=dtype)
+        assert (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max()
+    assert calls == [80, 80] and quant._CHECKED == {("cpu", 256): "triton"}  # checked once
 
     def wrong(bits, scale, split, levels, out, tokens_per_program=None):
-        out.copy_(real(bits, scale, split, levels, out).roll(1, dims=1))
-        return out
+        return out.copy_(real(bits, scale, split, levels, out).roll(1, dims=1))
 
     monkeypatch.setattr(quant, "_CHECKED", {})
     monkeypatch.setattr(q4_triton, "q4_decode", wrong)
     with pytest.warns(UserWarning, match="disagrees with the torch decoder"):
         got = decode_states(enc.data, enc.scale, "q4_hadamard")
     assert torch.equal(got, want) and quant._CHECKED == {("cpu", 256): "torch"}
+    monkeypatch.setattr(q4_triton, "q4_decode", counted)
+    calls.clear()
+    assert torch.equal(decode_states(enc.data, enc.scale, "q4_hadamard"), want) and calls == []
 
 
 def test_q4_triton_kernel_refuses_blocks_below_16_by_16():
