@@ -245,7 +245,8 @@ def test_q4_triton_kernel_decodes_as_torch(h):
                 wide[:, h : 2 * h],
                 tokens,
             )
-            assert torch.equal(wide[:, h : 2 * h], got[:n])
+            # each configuration within the tolerance (GPU products may round in another order)
+            assert ((wide[:, h : 2 * h] - want[:n]).abs() <= tol[:n]).all()
             assert (wide[:, :h] == 7).all() and (wide[:, 2 * h :] == 7).all()
 
 
