@@ -35,10 +35,10 @@ MIN_SIDE = 16  # tl.dot's smallest matrix side: blocks of a, b >= 16 (quant.py d
 
 
 @functools.lru_cache(maxsize=None)
-def _tables(device: torch.device, levels: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 16 levels and the value of every e4m3 byte [256], float32 on `device`."""
+def _e4m3_values(device: torch.device) -> torch.Tensor:
+    """The value of every e4m3 byte [256], float32 on `device` (a group scale byte's step)."""
     e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    return torch.tensor(levels, dtype=torch.float32, device=device), e4m3.to(device)
+    return e4m3.to(device)
 
 
 @triton.jit
@@ -115,14 +115,15 @@ def q4_decode(
     bits: torch.Tensor,
     scale: torch.Tensor,
     split: tuple[int, int],
-    levels: tuple[float, ...],
+    levels: torch.Tensor,
     out: torch.Tensor,
     tokens_per_program: int | None = None,
 ) -> torch.Tensor:
     """uint8 [T, 9H/16] codes and float32 [T] scales -> `out` [T, H] (rows may be strided, e.g. one
     layer's columns of a batch's features), decoded as quant.py specifies; `split` = (a, b), the
-    block's factors (quant.hadamard_split). `tokens_per_program` (a power of two) fixes what the
-    autotuner otherwise picks on a GPU (1 under the interpreter)."""
+    block's factors (quant.hadamard_split), `levels` the 16 levels, float32 on the device.
+    `tokens_per_program` (a power of two) fixes what the autotuner otherwise picks on a GPU (1
+    under the interpreter)."""
     t, hidden = out.shape
     a, b = split
     if min(a, b) < MIN_SIDE:
@@ -133,8 +134,8 @@ def q4_decode(
         raise ValueError("the Triton q4 decoder needs rows whose bytes and values are contiguous")
     if t == 0:
         return out
-    level_table, e4m3 = _tables(bits.device, levels)
-    args = (bits, scale.contiguous(), level_table, e4m3, out, t, bits.stride(0), out.stride(0))
+    e4m3 = _e4m3_values(bits.device)
+    args = (bits, scale.contiguous(), levels, e4m3, out, t, bits.stride(0), out.stride(0))
     shape = dict(A=a, B=b, ROUND_BF16=out.dtype == torch.bfloat16)
     blocks = hidden // (a * b)
     if bits.device.type == "cuda" and tokens_per_program is None:

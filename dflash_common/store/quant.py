@@ -354,7 +354,8 @@ def _q4_decode(
     if use == "triton":
         from dflash_common.store import q4_triton
 
-        q4_triton.q4_decode(bits, scale, hadamard_split(h), Q4_LEVELS, out)
+        levels, _, _ = _q4_tables(bits.device)
+        q4_triton.q4_decode(bits, scale, hadamard_split(h), levels, out)
         if backend != "auto" or _kernel_agrees(bits, scale, out):
             return out
     _, _, pairs = _q4_tables(bits.device)

@@ -241,7 +241,7 @@ def test_q4_triton_kernel_decodes_as_torch(h):
                 enc.data[:n],
                 enc.scale[:n],
                 quant.hadamard_split(h),
-                Q4_LEVELS,
+                torch.tensor(Q4_LEVELS, device=_DEVICE),
                 wide[:, h : 2 * h],
                 tokens,
             )
